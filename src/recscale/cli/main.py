@@ -1,0 +1,37 @@
+"""``recscale`` command line: parse, build, run. Subcommands live in their own modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from recscale.cli import config_cmd, train_cmd
+from recscale.config.errors import ConfigError
+
+COMMANDS = {"train": train_cmd, "config": config_cmd}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="recscale",
+        description="Train deep learning recommendation models (DLRM family) fast.",
+        epilog="Config overrides: --section.key=value, e.g. --model.embedding_dim=64 --train.steps=100",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command].run(args, extra)
+    except ConfigError as e:
+        print(f"recscale: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,25 @@
+"""Typed configuration: one dataclass per component, composed by :class:`Config`."""
+
+from recscale.config.errors import ConfigError
+from recscale.config.loader import config_to_toml, load_config, preset_names
+from recscale.config.schema import (
+    Config,
+    DataConfig,
+    DenseOptimizerConfig,
+    EmbeddingConfig,
+    ModelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DenseOptimizerConfig",
+    "EmbeddingConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "config_to_toml",
+    "load_config",
+    "preset_names",
+]

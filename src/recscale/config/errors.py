@@ -1,0 +1,6 @@
+class ConfigError(ValueError):
+    """A configuration problem. ``key`` is the dotted key at fault (e.g. ``model.embedding_dim``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")

@@ -1,0 +1,168 @@
+"""TOML presets + ``--section.key=value`` overrides -> a validated :class:`Config`.
+
+Resolution order: dataclass defaults, then the TOML file (a preset name from
+``configs/`` or a path), then command-line overrides. Unknown sections or keys and
+values of the wrong type raise :class:`ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from recscale.config.errors import ConfigError
+from recscale.config.schema import Config
+
+
+def preset_dir() -> Path:
+    return Path(str(resources.files("recscale") / "configs"))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in preset_dir().glob("*.toml"))
+
+
+def _resolve_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.exists():
+            raise ConfigError("--config", f"file not found: {path}")
+        return path
+    preset = preset_dir() / f"{name_or_path}.toml"
+    if not preset.exists():
+        raise ConfigError(
+            "--config", f"'{name_or_path}' is neither a file nor a preset ({', '.join(preset_names())})"
+        )
+    return preset
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check/convert one TOML or command-line value to the field's declared type."""
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if isinstance(value, str):  # command line: "512,256,1" or "" for empty
+            value = [v for v in value.replace(" ", "").split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported config annotation {annotation}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported config annotation {annotation}")
+
+
+def _section_types(section_obj: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(section_obj))
+
+
+def set_key(cfg: Config, dotted: str, value: Any) -> None:
+    """Set ``section.key`` on ``cfg`` with type checking; unknown names are errors."""
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(dotted, "keys have the form section.key (e.g. model.embedding_dim)")
+    section, key = parts
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    if section not in sections:
+        raise ConfigError(dotted, f"unknown section '{section}' (sections: {', '.join(sorted(sections))})")
+    obj = getattr(cfg, section)
+    types_ = _section_types(obj)
+    if key not in types_:
+        raise ConfigError(dotted, f"unknown key (keys of [{section}]: {', '.join(sorted(types_))})")
+    setattr(obj, key, _coerce(dotted, value, types_[key]))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``["--model.embedding_dim=64", "--train.steps", "10"]`` -> ``[(key, raw value), ...]``."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(arg, "overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(arg[2:], "is missing its value")
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML (preset name or path) <- overrides; then validate."""
+    cfg = Config()
+    if name_or_path:
+        path = _resolve_path(name_or_path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"{path} is not valid TOML: {e}") from e
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(section, f"top-level entries of {path} must be [sections]")
+            for key, value in table.items():
+                set_key(cfg, f"{section}.{key}", value)
+    for key, value in parse_overrides(overrides or []):
+        set_key(cfg, key, value)
+    return cfg.validate()
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v)} to TOML")
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The fully resolved config as TOML; loading it back gives an equal Config."""
+    lines: list[str] = []
+    for f in dataclasses.fields(cfg):
+        lines.append(f"[{f.name}]")
+        for k, v in dataclasses.asdict(getattr(cfg, f.name)).items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""The configuration schema: one small dataclass per component, composed by :class:`Config`.
+
+The dataclass defaults *are* the embedded default run (``recscale train`` with no
+arguments); ``configs/default.toml`` spells the same values out and a test keeps the
+two equal. Every ``validate`` raises :class:`ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from recscale.config.errors import ConfigError
+
+# Criteo-shaped but small enough to train in about a minute on 2 CPU cores: the
+# per-feature cardinalities keep Criteo's spread (3 .. ~10^5 rows).
+DEFAULT_TABLE_SIZES = [
+    1460, 583, 100_000, 80_000, 305, 24, 12_517, 633, 3, 50_000, 5_683, 100_000, 3_194,
+    27, 14_992, 90_000, 10, 5_652, 2_173, 4, 100_000, 18, 15, 60_000, 105, 40_000,
+]  # fmt: skip
+
+POOLINGS = ("sum", "mean")
+INTERACTIONS = ("dot", "cat")
+SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
+DEVICES = ("auto", "cpu", "cuda")
+DATA_SOURCES = ("synthetic",)
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got '{value}'")
+
+
+@dataclass
+class ModelConfig:
+    """DLRM shape. ``bottom_mlp``/``top_mlp`` list output widths (inputs are implied)."""
+
+    arch: str = "dlrm"
+    num_dense_features: int = 13
+    table_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_TABLE_SIZES))
+    embedding_dim: int = 16
+    # Optional per-table dims (one per table); empty means every table uses embedding_dim.
+    table_dims: list[int] = field(default_factory=list)
+    pooling: str = "sum"
+    bottom_mlp: list[int] = field(default_factory=lambda: [128, 64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [128, 64, 1])
+    interaction: str = "dot"
+    # Include each feature's dot product with itself (the diagonal) in the dot interaction.
+    interaction_self: bool = False
+
+    def dims(self) -> list[int]:
+        return list(self.table_dims) if self.table_dims else [self.embedding_dim] * len(self.table_sizes)
+
+    def validate(self) -> None:
+        _choice("model.arch", self.arch, ("dlrm",))
+        _positive("model.num_dense_features", self.num_dense_features, allow_zero=True)
+        if not self.table_sizes:
+            raise ConfigError("model.table_sizes", "needs at least one table")
+        for i, n in enumerate(self.table_sizes):
+            if n <= 0:
+                raise ConfigError("model.table_sizes", f"table {i} has {n} rows; sizes must be > 0")
+        _positive("model.embedding_dim", self.embedding_dim)
+        if self.table_dims:
+            if len(self.table_dims) != len(self.table_sizes):
+                raise ConfigError(
+                    "model.table_dims",
+                    f"has {len(self.table_dims)} entries but model.table_sizes has {len(self.table_sizes)}",
+                )
+            for i, d in enumerate(self.table_dims):
+                if d <= 0:
+                    raise ConfigError("model.table_dims", f"table {i} has dim {d}; dims must be > 0")
+        _choice("model.pooling", self.pooling, POOLINGS)
+        _choice("model.interaction", self.interaction, INTERACTIONS)
+        for key, mlp in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
+            for w in mlp:
+                if w <= 0:
+                    raise ConfigError(key, f"layer widths must be > 0, got {mlp}")
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise ConfigError("model.top_mlp", f"must end in a single logit (last width 1), got {self.top_mlp}")
+        if self.num_dense_features > 0 and not self.bottom_mlp:
+            raise ConfigError("model.bottom_mlp", "needs at least one layer when there are dense features")
+        if self.interaction == "dot":
+            dims = set(self.dims())
+            if len(dims) != 1:
+                raise ConfigError(
+                    "model.table_dims",
+                    f"the dot interaction needs one embedding dim for every table, got {sorted(dims)}",
+                )
+            (d,) = dims
+            if self.num_dense_features > 0 and self.bottom_mlp[-1] != d:
+                raise ConfigError(
+                    "model.bottom_mlp",
+                    f"the dot interaction needs the bottom MLP to end at the embedding dim {d}, "
+                    f"but it ends at {self.bottom_mlp[-1]}",
+                )
+
+
+@dataclass
+class EmbeddingConfig:
+    """Embedding storage and its fused sparse optimizer."""
+
+    optimizer: str = "rowwise_adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    beta1: float = 0.9  # adam only
+    beta2: float = 0.999  # adam only
+    # Initial value of the row-wise Adagrad accumulator.
+    initial_accumulator: float = 0.0
+    # Check every id against its table size each step (cheap; catches bad data early).
+    validate_ids: bool = True
+
+    def validate(self) -> None:
+        _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
+        _positive("embedding.lr", self.lr)
+        _positive("embedding.eps", self.eps)
+        _positive("embedding.initial_accumulator", self.initial_accumulator, allow_zero=True)
+        for key, b in (("embedding.beta1", self.beta1), ("embedding.beta2", self.beta2)):
+            if not 0.0 <= b < 1.0:
+                raise ConfigError(key, f"must be in [0, 1), got {b}")
+
+
+@dataclass
+class DenseOptimizerConfig:
+    """The torch optimizer for MLP parameters."""
+
+    name: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+
+    def validate(self) -> None:
+        _choice("optimizer.name", self.name, DENSE_OPTIMIZERS)
+        _positive("optimizer.lr", self.lr)
+        _positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optimizer.eps", self.eps)
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from. ``synthetic`` draws Criteo-shaped data from a hidden model."""
+
+    source: str = "synthetic"
+    seed: int = 1234
+    eval_samples: int = 131_072
+    # Zipf exponent of each feature's id popularity (real logs: ~1.0-1.2).
+    zipf_alpha: float = 1.1
+    # Ids per sample per feature are drawn uniformly in [min_ids, max_ids] (1, 1 = one-hot).
+    min_ids_per_feature: int = 1
+    max_ids_per_feature: int = 1
+    # Strength of the hidden model's signal; larger makes the task easier.
+    signal_scale: float = 1.0
+    # Batches prepared ahead of the training step on a background thread.
+    prefetch_batches: int = 4
+
+    def validate(self) -> None:
+        _choice("data.source", self.source, DATA_SOURCES)
+        _positive("data.eval_samples", self.eval_samples)
+        _positive("data.zipf_alpha", self.zipf_alpha, allow_zero=True)
+        _positive("data.min_ids_per_feature", self.min_ids_per_feature, allow_zero=True)
+        if self.max_ids_per_feature < self.min_ids_per_feature:
+            raise ConfigError(
+                "data.max_ids_per_feature",
+                f"({self.max_ids_per_feature}) is below data.min_ids_per_feature ({self.min_ids_per_feature})",
+            )
+        _positive("data.max_ids_per_feature", self.max_ids_per_feature)
+        _positive("data.signal_scale", self.signal_scale, allow_zero=True)
+        _positive("data.prefetch_batches", self.prefetch_batches, allow_zero=True)
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 1024
+    steps: int = 1400
+    eval_batch_size: int = 16384
+    seed: int = 0
+    device: str = "auto"
+    # 0 = one thread per available core.
+    threads: int = 0
+    progress: bool = True
+    # Steps between progress/log-file updates.
+    log_every: int = 50
+    # Stop after this many seconds of training even if steps remain (0 = no limit).
+    max_seconds: float = 0.0
+
+    def validate(self) -> None:
+        _positive("train.batch_size", self.batch_size)
+        _positive("train.steps", self.steps)
+        _positive("train.eval_batch_size", self.eval_batch_size)
+        _choice("train.device", self.device, DEVICES)
+        _positive("train.threads", self.threads, allow_zero=True)
+        _positive("train.log_every", self.log_every)
+        _positive("train.max_seconds", self.max_seconds, allow_zero=True)
+
+
+@dataclass
+class Config:
+    """The root config: one section per component (the TOML tables of the same names)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> Config:
+        for f in fields(self):
+            getattr(self, f.name).validate()
+        return self

@@ -1,0 +1,108 @@
+"""The jagged batch: the one input format of every layer above ``data/``.
+
+Layout for B samples, F sparse features (feature-major, like TorchRec's KJT)::
+
+    dense    [B, F_dense] float32
+    values   [N] int64          ids of feature 0 for samples 0..B-1, then feature 1, ...
+    offsets  [F*B + 1] int64    ids of sample b of feature f are
+                                values[offsets[f*B + b] : offsets[f*B + b + 1]]
+    weights  [N] float32 | None optional per-id weights (weighted pooling)
+    labels   [B] float32        0/1 click labels
+
+A bag may be empty (``offsets[i] == offsets[i+1]``); ``offsets[0] == 0`` and
+``offsets[-1] == N``. Ids are local to their feature's table (0 .. rows-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor
+    values: torch.Tensor
+    offsets: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.labels.shape[0]
+
+    @property
+    def num_sparse_features(self) -> int:
+        return (self.offsets.shape[0] - 1) // max(self.batch_size, 1)
+
+    def lengths(self) -> torch.Tensor:
+        """Ids per (feature, sample) bag, ``[F*B]``."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def feature_values(self, f: int) -> torch.Tensor:
+        b = self.batch_size
+        return self.values[self.offsets[f * b] : self.offsets[(f + 1) * b]]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return Batch(
+            dense=move(self.dense),
+            values=move(self.values),
+            offsets=move(self.offsets),
+            labels=move(self.labels),
+            weights=move(self.weights),
+        )
+
+    def pin_memory(self) -> Batch:
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        return Batch(pin(self.dense), pin(self.values), pin(self.offsets), pin(self.labels), pin(self.weights))
+
+    def check(self, num_dense: int, num_sparse: int) -> None:
+        """Validate shapes and offsets; raises ValueError describing the first problem."""
+        b = self.batch_size
+        if self.dense.shape != (b, num_dense):
+            raise ValueError(f"dense has shape {tuple(self.dense.shape)}, expected ({b}, {num_dense})")
+        if self.offsets.shape != (num_sparse * b + 1,):
+            raise ValueError(
+                f"offsets has shape {tuple(self.offsets.shape)}, expected ({num_sparse * b + 1},) "
+                f"for {num_sparse} features x {b} samples"
+            )
+        if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.values.shape[0]:
+            raise ValueError("offsets must start at 0 and end at len(values)")
+        if bool((self.lengths() < 0).any()):
+            raise ValueError("offsets must be non-decreasing")
+        if self.weights is not None and self.weights.shape != self.values.shape:
+            raise ValueError("weights must have one entry per id")
+
+    @staticmethod
+    def from_lists(
+        dense: list[list[float]],
+        sparse: list[list[list[int]]],
+        labels: list[float],
+        weights: list[list[list[float]]] | None = None,
+    ) -> Batch:
+        """Build from nested lists: ``sparse[f][b]`` is the id list of sample b, feature f.
+
+        Convenient for tests and small examples; not a fast path.
+        """
+        values: list[int] = []
+        w: list[float] = []
+        offsets = [0]
+        for f, per_sample in enumerate(sparse):
+            for b, ids in enumerate(per_sample):
+                values.extend(ids)
+                if weights is not None:
+                    w.extend(weights[f][b])
+                offsets.append(len(values))
+        return Batch(
+            dense=torch.tensor(dense, dtype=torch.float32).reshape(len(labels), -1),
+            values=torch.tensor(values, dtype=torch.int64),
+            offsets=torch.tensor(offsets, dtype=torch.int64),
+            labels=torch.tensor(labels, dtype=torch.float32),
+            weights=None if weights is None else torch.tensor(w, dtype=torch.float32),
+        )

@@ -1,0 +1,71 @@
+"""DLRM (Naumov et al., 2019)::
+
+    dense [B, F_dense] -> bottom MLP -> x [B, D] --+
+                                                    +-> interaction -> top MLP -> logit [B]
+    jagged ids -> EmbeddingBagCollection -> [B, F*D]+
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recscale.config.schema import EmbeddingConfig, ModelConfig
+from recscale.data.batch import Batch
+from recscale.embedding.optimizers import build_sparse_optimizer
+from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
+from recscale.modules.interaction import CatInteraction, DotInteraction
+from recscale.modules.mlp import MLP
+
+
+class DLRM(nn.Module):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        embedding_cfg: EmbeddingConfig,
+        device: torch.device | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.num_dense = model_cfg.num_dense_features
+        dims = model_cfg.dims()
+        tables = [TableSpec(f"C{i + 1}", n, d) for i, (n, d) in enumerate(zip(model_cfg.table_sizes, dims))]
+        self.embeddings = EmbeddingBagCollection(
+            tables,
+            model_cfg.pooling,
+            lambda: build_sparse_optimizer(embedding_cfg),
+            validate_ids=embedding_cfg.validate_ids,
+            device=device,
+            generator=gen,
+        )
+        self.bottom = (
+            MLP(self.num_dense, model_cfg.bottom_mlp, final_activation=True, device=device, generator=gen)
+            if self.num_dense > 0
+            else None
+        )
+        dense_dim = self.bottom.out_dim if self.bottom is not None else 0
+        if model_cfg.interaction == "dot":
+            self.interaction: nn.Module = DotInteraction(
+                len(tables), dims[0], self.bottom is not None, model_cfg.interaction_self
+            )
+        else:
+            self.interaction = CatInteraction(self.embeddings.output_dim, dense_dim)
+        self.top = MLP(self.interaction.out_dim, model_cfg.top_mlp, final_activation=False, device=device,
+                       generator=gen)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """The parameters a standard torch optimizer trains (everything but the embeddings)."""
+        return [p for n, p in self.named_parameters() if not n.startswith("embeddings.")]
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Click logits ``[B]``."""
+        b = batch.batch_size
+        pooled = self.embeddings(batch.values, batch.offsets, b, batch.weights)
+        x = self.bottom(batch.dense) if self.bottom is not None else None
+        return self.top(self.interaction(x, pooled)).squeeze(1)
+
+
+def build_model(model_cfg: ModelConfig, embedding_cfg: EmbeddingConfig, device: torch.device | None = None,
+                seed: int = 0) -> DLRM:
+    return DLRM(model_cfg, embedding_cfg, device=device, seed=seed)

@@ -1,0 +1,165 @@
+"""Table-batched embedding bags: every table of one dim in one storage, one fused lookup.
+
+Tables are grouped by embedding dim (the common case, all tables of one dim, is a
+single group). In a group, table ``t`` owns rows ``[row_offset[t], row_offset[t] +
+rows[t])`` of the group's :class:`~recscale.embedding.RowStorage`; an id ``i`` of
+feature ``t`` is global row ``row_offset[t] + i``::
+
+    storage.weight  [sum_t rows_t, D]
+                     |-- table 0 --|-- table 1 --| ... |-- table F-1 --|
+
+Input is the jagged batch (``values [N]``, ``offsets [F*B+1]``, feature-major);
+output is ``pooled [B, sum_f D_f]`` with feature f's vector at columns
+``[sum_{g<f} D_g, sum_{g<=f} D_g)`` - for equal dims simply ``view(B, F, D)``.
+The backward of the lookup applies the sparse optimizer to the touched rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from recscale.embedding.lookup import pooled_lookup
+from recscale.embedding.optimizers import SparseOptimizer
+from recscale.embedding.storage import DeviceStorage
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str  # the feature it serves, e.g. "C3"
+    num_rows: int
+    dim: int
+
+
+class IdOutOfRangeError(ValueError):
+    """An id is negative or >= its table's row count; names the feature and the value."""
+
+
+class _Group(nn.Module):
+    def __init__(self, features: list[int], tables: list[TableSpec], storage: DeviceStorage) -> None:
+        super().__init__()
+        self.features = features
+        self.dim = tables[features[0]].dim
+        self.storage = storage
+        offsets = [0]
+        for f in features:
+            offsets.append(offsets[-1] + tables[f].num_rows)
+        self.register_buffer("row_offsets", torch.tensor(offsets[:-1], dtype=torch.int64), persistent=False)
+
+
+class EmbeddingBagCollection(nn.Module):
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        pooling: str,
+        make_optimizer: Callable[[], SparseOptimizer],
+        validate_ids: bool = True,
+        device: torch.device | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if pooling not in ("sum", "mean"):
+            raise ValueError(f"pooling must be sum or mean, got {pooling!r}")
+        self.tables = list(tables)
+        self.pooling = pooling
+        self.validate_ids = validate_ids
+        # Zero-size parameter that makes autograd call the fused backward (see embedding/lookup.py).
+        self.placeholder = nn.Parameter(torch.zeros(0, device=device))
+        self.register_buffer(
+            "table_sizes", torch.tensor([t.num_rows for t in tables], dtype=torch.int64), persistent=False
+        )
+        by_dim: dict[int, list[int]] = {}
+        for f, t in enumerate(tables):
+            by_dim.setdefault(t.dim, []).append(f)
+        self.groups = nn.ModuleList()
+        group_of_feature = [0] * len(tables)
+        local_index = [0] * len(tables)
+        for g, (dim, features) in enumerate(sorted(by_dim.items())):
+            rows = sum(tables[f].num_rows for f in features)
+            group = _Group(features, tables, DeviceStorage(rows, dim, make_optimizer(), device))
+            self._init_weights(group, generator)
+            self.groups.append(group)
+            for i, f in enumerate(features):
+                group_of_feature[f], local_index[f] = g, i
+        self.register_buffer("group_of_feature", torch.tensor(group_of_feature), persistent=False)
+        self._local_index = local_index
+        # Per-feature row offset into its group's storage.
+        row_offset = [int(self.groups[group_of_feature[f]].row_offsets[local_index[f]]) for f in range(len(tables))]
+        self.register_buffer("feature_row_offset", torch.tensor(row_offset, dtype=torch.int64), persistent=False)
+
+    @torch.no_grad()
+    def _init_weights(self, group: _Group, generator: torch.Generator | None) -> None:
+        # Reference DLRM: U(-sqrt(1/n), sqrt(1/n)) per table of n rows.
+        w = group.storage.weight
+        start = 0
+        for f in group.features:
+            n = self.tables[f].num_rows
+            bound = math.sqrt(1.0 / n)
+            block = torch.rand(n, group.dim, generator=generator, dtype=w.dtype) * (2 * bound) - bound
+            w[start : start + n].copy_(block)
+            start += n
+
+    @property
+    def num_features(self) -> int:
+        return len(self.tables)
+
+    @property
+    def output_dim(self) -> int:
+        return sum(t.dim for t in self.tables)
+
+    def _check_ids(self, values: torch.Tensor, feature_of_value: torch.Tensor, batch_size: int,
+                   bag_of_id: torch.Tensor) -> None:
+        bad = (values < 0) | (values >= self.table_sizes[feature_of_value])
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            f = int(feature_of_value[n])
+            sample = int(bag_of_id[n]) % batch_size
+            raise IdOutOfRangeError(
+                f"id {int(values[n])} of feature {self.tables[f].name} (sample {sample} of the batch) "
+                f"is outside its table of {self.tables[f].num_rows} rows"
+            )
+
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Jagged ids -> pooled ``[B, sum_f D_f]`` (see the module docstring for layouts)."""
+        num_f, b = self.num_features, batch_size
+        lengths = offsets[1:] - offsets[:-1]
+        n = values.shape[0]
+        bag_of_id = torch.repeat_interleave(torch.arange(num_f * b, device=values.device), lengths, output_size=n)
+        feature_of_value = torch.div(bag_of_id, b, rounding_mode="floor")
+        if self.validate_ids:
+            self._check_ids(values, feature_of_value, b, bag_of_id)
+        rows = values + self.feature_row_offset[feature_of_value]
+        psw = weights
+        if self.pooling == "mean":
+            inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
+            psw = inv_len[bag_of_id] if psw is None else psw * inv_len[bag_of_id]
+
+        if len(self.groups) == 1:
+            group = self.groups[0]
+            pooled = pooled_lookup(group.storage, self.placeholder, rows, offsets, bag_of_id, psw)
+            return pooled.view(num_f, b, group.dim).transpose(0, 1).reshape(b, num_f * group.dim)
+
+        per_feature: list[torch.Tensor | None] = [None] * num_f
+        lengths_fb = lengths.view(num_f, b)
+        group_of_value = self.group_of_feature[feature_of_value]
+        for g, group in enumerate(self.groups):
+            mask = group_of_value == g
+            g_rows = rows[mask]
+            g_lengths = lengths_fb[group.features].reshape(-1)
+            g_offsets = torch.zeros(g_lengths.shape[0] + 1, dtype=torch.int64, device=values.device)
+            torch.cumsum(g_lengths, 0, out=g_offsets[1:])
+            g_bag = torch.repeat_interleave(
+                torch.arange(g_lengths.shape[0], device=values.device), g_lengths, output_size=g_rows.shape[0]
+            )
+            g_psw = None if psw is None else psw[mask]
+            pooled = pooled_lookup(group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_psw)
+            pooled = pooled.view(len(group.features), b, group.dim)
+            for i, f in enumerate(group.features):
+                per_feature[f] = pooled[i]
+        return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]

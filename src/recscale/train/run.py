@@ -1,0 +1,188 @@
+"""The training loop: build, train with the fused sparse optimizer, evaluate, record.
+
+Run directory contents::
+
+    config.toml      the fully resolved config (reload with --config RUN_DIR/config.toml)
+    train_log.jsonl  one line per log interval: step, loss, samples/s, elapsed
+    metrics.json     eval metrics (auc, logloss, ne, calibration, ctr) + training stats
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from recscale.config.loader import config_to_toml
+from recscale.config.schema import Config
+from recscale.data.batch import Batch
+from recscale.data.prefetch import Prefetcher
+from recscale.data.synthetic import SyntheticCriteo
+from recscale.models.dlrm import DLRM, build_model
+from recscale.train.metrics import binary_metrics
+from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.progress import Progress
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the step."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def make_synthetic(cfg: Config) -> SyntheticCriteo:
+    d = cfg.data
+    return SyntheticCriteo(
+        cfg.model.table_sizes,
+        num_dense=cfg.model.num_dense_features,
+        seed=d.seed,
+        zipf_alpha=d.zipf_alpha,
+        min_ids=d.min_ids_per_feature,
+        max_ids=d.max_ids_per_feature,
+        signal_scale=d.signal_scale,
+    )
+
+
+def eval_batches(data: SyntheticCriteo, num_samples: int, batch_size: int) -> Iterable[Batch]:
+    full, rest = divmod(num_samples, batch_size)
+    for i in range(full):
+        yield data.batch(i, batch_size, "eval")
+    if rest:
+        yield data.batch(full, rest, "eval")
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dict[str, float]:
+    """Score every batch and compute exact metrics over all predictions."""
+    was_training = model.training
+    model.eval()
+    logits, labels = [], []
+    for batch in batches:
+        batch = batch.to(device)
+        logits.append(model(batch).float().cpu())
+        labels.append(batch.labels.cpu())
+    model.train(was_training)
+    return binary_metrics(torch.cat(logits), torch.cat(labels))
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def train(cfg: Config, run_dir: Path | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train per ``cfg``; returns (and writes to ``run_dir``) the metrics dict.
+
+    Ctrl-C stops the loop cleanly: what was measured is still written, with
+    ``interrupted: true`` and no evaluation.
+    """
+    cfg.validate()
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    threads = t.threads or available_cores()
+    torch.set_num_threads(threads)
+    device = resolve_device(t.device)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_to_toml(cfg))
+
+    model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
+    dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    data = make_synthetic(cfg)
+    num_params = sum(p.numel() for p in model.dense_parameters())
+    num_rows = sum(cfg.model.table_sizes)
+    echo(
+        f"recscale: DLRM with {len(cfg.model.table_sizes)} tables ({num_rows:,} rows, "
+        f"dim {cfg.model.embedding_dim}), {num_params:,} dense parameters; "
+        f"{t.steps} steps x batch {t.batch_size} on {device} ({threads} threads)"
+    )
+
+    log_file = (run_dir / "train_log.jsonl").open("w") if run_dir is not None else None
+    progress = Progress(t.steps, t.batch_size, t.progress)
+    stream = Prefetcher(data.batches(t.batch_size, "train"), depth=cfg.data.prefetch_batches)
+    step, interrupted = 0, False
+    window_loss, window_steps, last_loss = 0.0, 0, float("nan")
+    start = window_start = time.perf_counter()
+    model.train()
+    try:
+        for batch in stream:
+            if step >= t.steps or (t.max_seconds and time.perf_counter() - start >= t.max_seconds):
+                break
+            step += 1
+            batch = batch.to(device, non_blocking=True)
+            logits = model(batch)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                # Checked before backward: the fused sparse update must not apply a NaN step.
+                raise TrainingDiverged(f"loss became {loss_value} at step {step}; stopping (no update applied)")
+            dense_opt.zero_grad(set_to_none=True)
+            loss.backward()  # also applies the embedding optimizer to the touched rows
+            dense_opt.step()
+            window_loss += loss_value
+            window_steps += 1
+            if step % t.log_every == 0 or step == t.steps:
+                now = time.perf_counter()
+                sps = window_steps * t.batch_size / max(now - window_start, 1e-9)
+                last_loss = window_loss / window_steps
+                progress.update(window_steps, last_loss, sps)
+                if log_file is not None:
+                    rec = {"step": step, "loss": last_loss, "samples_per_s": sps, "elapsed_s": now - start}
+                    log_file.write(json.dumps(rec) + "\n")
+                    log_file.flush()
+                window_loss, window_steps, window_start = 0.0, 0, now
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+        if log_file is not None:
+            log_file.close()
+    train_seconds = time.perf_counter() - start
+    if window_steps:
+        last_loss = window_loss / window_steps
+
+    metrics: dict[str, Any] = {
+        "steps": step,
+        "samples": step * t.batch_size,
+        "train_seconds": train_seconds,
+        "samples_per_s": step * t.batch_size / max(train_seconds, 1e-9),
+        "train_loss": last_loss,
+        "interrupted": interrupted,
+        "device": str(device),
+        "threads": threads,
+    }
+    if interrupted:
+        echo(f"interrupted at step {step}; skipping evaluation")
+        metrics.update({"auc": None, "logloss": None, "ne": None})
+    else:
+        ev = evaluate(model, eval_batches(data, cfg.data.eval_samples, t.eval_batch_size), device)
+        metrics.update(ev)
+        echo(
+            f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
+            f"NE {ev['ne']:.4f}  calibration {ev['calibration']:.3f}"
+        )
+    echo(f"trained {step} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s")
+    if run_dir is not None:
+        _write_json(run_dir / "metrics.json", metrics)
+        echo(f"wrote {run_dir}/metrics.json")
+    return metrics
