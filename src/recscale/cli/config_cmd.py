@@ -9,7 +9,9 @@ from recscale.config.loader import config_to_toml, load_config, preset_names
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="print the resolved config as TOML")
-    p.add_argument("--config", default=None, help=f"preset ({', '.join(preset_names())}) or TOML path")
+    p.add_argument(
+        "--config", default=None, help=f"preset ({', '.join(preset_names())}) or TOML path"
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:

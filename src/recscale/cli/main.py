@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Config overrides: --section.key=value, e.g. --model.embedding_dim=64 --train.steps=100",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         module.add_parser(sub)
     return parser
 

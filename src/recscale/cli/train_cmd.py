@@ -19,9 +19,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="Any config key can be overridden: --section.key=value (see `recscale config`).",
     )
     p.add_argument(
-        "--config", default=None, help=f"preset ({', '.join(preset_names())}) or TOML path; default: 'default'"
+        "--config",
+        default=None,
+        help=f"preset ({', '.join(preset_names())}) or TOML path; default: 'default'",
     )
-    p.add_argument("--run-dir", default=None, help="where to write metrics and config (default runs/<timestamp>)")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="where to write metrics and config (default runs/<timestamp>)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -36,7 +36,8 @@ def _resolve_path(name_or_path: str) -> Path:
     preset = preset_dir() / f"{name_or_path}.toml"
     if not preset.exists():
         raise ConfigError(
-            "--config", f"'{name_or_path}' is neither a file nor a preset ({', '.join(preset_names())})"
+            "--config",
+            f"'{name_or_path}' is neither a file nor a preset ({', '.join(preset_names())})",
         )
     return preset
 
@@ -98,7 +99,9 @@ def set_key(cfg: Config, dotted: str, value: Any) -> None:
     section, key = parts
     sections = {f.name for f in dataclasses.fields(cfg)}
     if section not in sections:
-        raise ConfigError(dotted, f"unknown section '{section}' (sections: {', '.join(sorted(sections))})")
+        raise ConfigError(
+            dotted, f"unknown section '{section}' (sections: {', '.join(sorted(sections))})"
+        )
     obj = getattr(cfg, section)
     types_ = _section_types(obj)
     if key not in types_:

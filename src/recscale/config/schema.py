@@ -54,7 +54,11 @@ class ModelConfig:
     interaction_self: bool = False
 
     def dims(self) -> list[int]:
-        return list(self.table_dims) if self.table_dims else [self.embedding_dim] * len(self.table_sizes)
+        return (
+            list(self.table_dims)
+            if self.table_dims
+            else [self.embedding_dim] * len(self.table_sizes)
+        )
 
     def validate(self) -> None:
         _choice("model.arch", self.arch, ("dlrm",))
@@ -73,7 +77,9 @@ class ModelConfig:
                 )
             for i, d in enumerate(self.table_dims):
                 if d <= 0:
-                    raise ConfigError("model.table_dims", f"table {i} has dim {d}; dims must be > 0")
+                    raise ConfigError(
+                        "model.table_dims", f"table {i} has dim {d}; dims must be > 0"
+                    )
         _choice("model.pooling", self.pooling, POOLINGS)
         _choice("model.interaction", self.interaction, INTERACTIONS)
         for key, mlp in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
@@ -81,9 +87,13 @@ class ModelConfig:
                 if w <= 0:
                     raise ConfigError(key, f"layer widths must be > 0, got {mlp}")
         if not self.top_mlp or self.top_mlp[-1] != 1:
-            raise ConfigError("model.top_mlp", f"must end in a single logit (last width 1), got {self.top_mlp}")
+            raise ConfigError(
+                "model.top_mlp", f"must end in a single logit (last width 1), got {self.top_mlp}"
+            )
         if self.num_dense_features > 0 and not self.bottom_mlp:
-            raise ConfigError("model.bottom_mlp", "needs at least one layer when there are dense features")
+            raise ConfigError(
+                "model.bottom_mlp", "needs at least one layer when there are dense features"
+            )
         if self.interaction == "dot":
             dims = set(self.dims())
             if len(dims) != 1:
@@ -175,7 +185,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     batch_size: int = 1024
-    steps: int = 1400
+    steps: int = 3000
     eval_batch_size: int = 16384
     seed: int = 0
     device: str = "auto"

@@ -60,13 +60,21 @@ class Batch:
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
-        return Batch(pin(self.dense), pin(self.values), pin(self.offsets), pin(self.labels), pin(self.weights))
+        return Batch(
+            pin(self.dense),
+            pin(self.values),
+            pin(self.offsets),
+            pin(self.labels),
+            pin(self.weights),
+        )
 
     def check(self, num_dense: int, num_sparse: int) -> None:
         """Validate shapes and offsets; raises ValueError describing the first problem."""
         b = self.batch_size
         if self.dense.shape != (b, num_dense):
-            raise ValueError(f"dense has shape {tuple(self.dense.shape)}, expected ({b}, {num_dense})")
+            raise ValueError(
+                f"dense has shape {tuple(self.dense.shape)}, expected ({b}, {num_dense})"
+            )
         if self.offsets.shape != (num_sparse * b + 1,):
             raise ValueError(
                 f"offsets has shape {tuple(self.offsets.shape)}, expected ({num_sparse * b + 1},) "

@@ -103,7 +103,9 @@ class SyntheticCriteo:
         self.min_ids, self.max_ids = min_ids, max_ids
         self.signal_scale = signal_scale
         rng = np.random.default_rng(seed)
-        self._mult = np.array([_coprime_multiplier(n, rng) for n in self.table_sizes], dtype=np.int64)
+        self._mult = np.array(
+            [_coprime_multiplier(n, rng) for n in self.table_sizes], dtype=np.int64
+        )
         self._shift = np.array([int(rng.integers(0, n)) for n in self.table_sizes], dtype=np.int64)
         num_sparse = len(self.table_sizes)
         # Feature importances vary, as in real data (some fields barely matter).
@@ -117,7 +119,10 @@ class SyntheticCriteo:
         for f, n in enumerate(self.table_sizes):
             if n <= _CACHE_MAX_ROWS:
                 ids = np.arange(n, dtype=np.int64)
-                self._cached[f] = (self.id_weight(f, ids).astype(np.float32), self.id_factors(f, ids).astype(np.float32))
+                self._cached[f] = (
+                    self.id_weight(f, ids).astype(np.float32),
+                    self.id_factors(f, ids).astype(np.float32),
+                )
 
     # -- hidden model -----------------------------------------------------------
     def _keys(self, f: int, ids: np.ndarray) -> np.ndarray:

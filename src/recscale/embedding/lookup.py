@@ -21,7 +21,9 @@ import torch
 from recscale.embedding.storage import RowStorage
 
 
-def merge_duplicate_rows(rows: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_duplicate_rows(
+    rows: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the gradients of repeated rows: ``rows [N], grad [N, D] -> unique [U], summed [U, D]``."""
     unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
     summed = torch.zeros(unique.shape[0], grad.shape[1], dtype=grad.dtype, device=grad.device)
@@ -63,5 +65,7 @@ def pooled_lookup(
     Mean pooling is sum pooling with ``per_sample_weights = 1 / bag length``.
     """
     if torch.is_grad_enabled() and placeholder.requires_grad:
-        return _FusedLookup.apply(placeholder, storage, rows, offsets, bag_of_id, per_sample_weights)
+        return _FusedLookup.apply(
+            placeholder, storage, rows, offsets, bag_of_id, per_sample_weights
+        )
     return storage.lookup(rows, offsets, per_sample_weights)

@@ -38,7 +38,12 @@ class SparseOptimizer(ABC):
 
     @abstractmethod
     def update_(
-        self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor, grad: torch.Tensor, step: int
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
     ) -> None:
         """Apply one step to ``weight[rows]`` (and state) given the merged ``grad``.
 
@@ -90,7 +95,9 @@ class SparseAdam(SparseOptimizer):
 
     name = "adam"
 
-    def __init__(self, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8) -> None:
+    def __init__(
+        self, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8
+    ) -> None:
         super().__init__(lr)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 

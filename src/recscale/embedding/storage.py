@@ -49,7 +49,13 @@ class DeviceStorage(RowStorage):
     ``state_dict()`` carry them; they are not ``nn.Parameter``s, so no dense optimizer
     or autograd ever sees them)."""
 
-    def __init__(self, num_rows: int, dim: int, optimizer: SparseOptimizer, device: torch.device | None = None):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        optimizer: SparseOptimizer,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.num_rows, self.dim, self.optimizer = num_rows, dim, optimizer
         self.register_buffer("weight", torch.empty(num_rows, dim, device=device))

@@ -1,8 +1,8 @@
 """DLRM (Naumov et al., 2019)::
 
-    dense [B, F_dense] -> bottom MLP -> x [B, D] --+
-                                                    +-> interaction -> top MLP -> logit [B]
-    jagged ids -> EmbeddingBagCollection -> [B, F*D]+
+dense [B, F_dense] -> bottom MLP -> x [B, D] --+
+                                                +-> interaction -> top MLP -> logit [B]
+jagged ids -> EmbeddingBagCollection -> [B, F*D]+
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ class DLRM(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.num_dense = model_cfg.num_dense_features
         dims = model_cfg.dims()
-        tables = [TableSpec(f"C{i + 1}", n, d) for i, (n, d) in enumerate(zip(model_cfg.table_sizes, dims))]
+        tables = [
+            TableSpec(f"C{i + 1}", n, d)
+            for i, (n, d) in enumerate(zip(model_cfg.table_sizes, dims))
+        ]
         self.embeddings = EmbeddingBagCollection(
             tables,
             model_cfg.pooling,
@@ -40,7 +43,13 @@ class DLRM(nn.Module):
             generator=gen,
         )
         self.bottom = (
-            MLP(self.num_dense, model_cfg.bottom_mlp, final_activation=True, device=device, generator=gen)
+            MLP(
+                self.num_dense,
+                model_cfg.bottom_mlp,
+                final_activation=True,
+                device=device,
+                generator=gen,
+            )
             if self.num_dense > 0
             else None
         )
@@ -51,8 +60,13 @@ class DLRM(nn.Module):
             )
         else:
             self.interaction = CatInteraction(self.embeddings.output_dim, dense_dim)
-        self.top = MLP(self.interaction.out_dim, model_cfg.top_mlp, final_activation=False, device=device,
-                       generator=gen)
+        self.top = MLP(
+            self.interaction.out_dim,
+            model_cfg.top_mlp,
+            final_activation=False,
+            device=device,
+            generator=gen,
+        )
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """The parameters a standard torch optimizer trains (everything but the embeddings)."""
@@ -66,6 +80,10 @@ class DLRM(nn.Module):
         return self.top(self.interaction(x, pooled)).squeeze(1)
 
 
-def build_model(model_cfg: ModelConfig, embedding_cfg: EmbeddingConfig, device: torch.device | None = None,
-                seed: int = 0) -> DLRM:
+def build_model(
+    model_cfg: ModelConfig,
+    embedding_cfg: EmbeddingConfig,
+    device: torch.device | None = None,
+    seed: int = 0,
+) -> DLRM:
     return DLRM(model_cfg, embedding_cfg, device=device, seed=seed)

@@ -40,7 +40,9 @@ class IdOutOfRangeError(ValueError):
 
 
 class _Group(nn.Module):
-    def __init__(self, features: list[int], tables: list[TableSpec], storage: DeviceStorage) -> None:
+    def __init__(
+        self, features: list[int], tables: list[TableSpec], storage: DeviceStorage
+    ) -> None:
         super().__init__()
         self.features = features
         self.dim = tables[features[0]].dim
@@ -48,7 +50,9 @@ class _Group(nn.Module):
         offsets = [0]
         for f in features:
             offsets.append(offsets[-1] + tables[f].num_rows)
-        self.register_buffer("row_offsets", torch.tensor(offsets[:-1], dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "row_offsets", torch.tensor(offsets[:-1], dtype=torch.int64), persistent=False
+        )
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -70,7 +74,9 @@ class EmbeddingBagCollection(nn.Module):
         # Zero-size parameter that makes autograd call the fused backward (see embedding/lookup.py).
         self.placeholder = nn.Parameter(torch.zeros(0, device=device))
         self.register_buffer(
-            "table_sizes", torch.tensor([t.num_rows for t in tables], dtype=torch.int64), persistent=False
+            "table_sizes",
+            torch.tensor([t.num_rows for t in tables], dtype=torch.int64),
+            persistent=False,
         )
         by_dim: dict[int, list[int]] = {}
         for f, t in enumerate(tables):
@@ -88,8 +94,13 @@ class EmbeddingBagCollection(nn.Module):
         self.register_buffer("group_of_feature", torch.tensor(group_of_feature), persistent=False)
         self._local_index = local_index
         # Per-feature row offset into its group's storage.
-        row_offset = [int(self.groups[group_of_feature[f]].row_offsets[local_index[f]]) for f in range(len(tables))]
-        self.register_buffer("feature_row_offset", torch.tensor(row_offset, dtype=torch.int64), persistent=False)
+        row_offset = [
+            int(self.groups[group_of_feature[f]].row_offsets[local_index[f]])
+            for f in range(len(tables))
+        ]
+        self.register_buffer(
+            "feature_row_offset", torch.tensor(row_offset, dtype=torch.int64), persistent=False
+        )
 
     @torch.no_grad()
     def _init_weights(self, group: _Group, generator: torch.Generator | None) -> None:
@@ -99,7 +110,9 @@ class EmbeddingBagCollection(nn.Module):
         for f in group.features:
             n = self.tables[f].num_rows
             bound = math.sqrt(1.0 / n)
-            block = torch.rand(n, group.dim, generator=generator, dtype=w.dtype) * (2 * bound) - bound
+            block = (
+                torch.rand(n, group.dim, generator=generator, dtype=w.dtype) * (2 * bound) - bound
+            )
             w[start : start + n].copy_(block)
             start += n
 
@@ -111,8 +124,13 @@ class EmbeddingBagCollection(nn.Module):
     def output_dim(self) -> int:
         return sum(t.dim for t in self.tables)
 
-    def _check_ids(self, values: torch.Tensor, feature_of_value: torch.Tensor, batch_size: int,
-                   bag_of_id: torch.Tensor) -> None:
+    def _check_ids(
+        self,
+        values: torch.Tensor,
+        feature_of_value: torch.Tensor,
+        batch_size: int,
+        bag_of_id: torch.Tensor,
+    ) -> None:
         bad = (values < 0) | (values >= self.table_sizes[feature_of_value])
         if bool(bad.any()):
             n = int(bad.nonzero()[0, 0])
@@ -124,13 +142,19 @@ class EmbeddingBagCollection(nn.Module):
             )
 
     def forward(
-        self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, weights: torch.Tensor | None = None
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        batch_size: int,
+        weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Jagged ids -> pooled ``[B, sum_f D_f]`` (see the module docstring for layouts)."""
         num_f, b = self.num_features, batch_size
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]
-        bag_of_id = torch.repeat_interleave(torch.arange(num_f * b, device=values.device), lengths, output_size=n)
+        bag_of_id = torch.repeat_interleave(
+            torch.arange(num_f * b, device=values.device), lengths, output_size=n
+        )
         feature_of_value = torch.div(bag_of_id, b, rounding_mode="floor")
         if self.validate_ids:
             self._check_ids(values, feature_of_value, b, bag_of_id)
@@ -155,7 +179,9 @@ class EmbeddingBagCollection(nn.Module):
             g_offsets = torch.zeros(g_lengths.shape[0] + 1, dtype=torch.int64, device=values.device)
             torch.cumsum(g_lengths, 0, out=g_offsets[1:])
             g_bag = torch.repeat_interleave(
-                torch.arange(g_lengths.shape[0], device=values.device), g_lengths, output_size=g_rows.shape[0]
+                torch.arange(g_lengths.shape[0], device=values.device),
+                g_lengths,
+                output_size=g_rows.shape[0],
             )
             g_psw = None if psw is None else psw[mask]
             pooled = pooled_lookup(group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_psw)

@@ -17,7 +17,9 @@ class DotInteraction(nn.Module):
     output is ``[dense, upper_triangle(Z)]`` with the diagonal only if ``self_interaction``.
     """
 
-    def __init__(self, num_features: int, dim: int, has_dense: bool, self_interaction: bool = False):
+    def __init__(
+        self, num_features: int, dim: int, has_dense: bool, self_interaction: bool = False
+    ):
         super().__init__()
         self.num_features, self.dim, self.has_dense = num_features, dim, has_dense
         k = num_features + (1 if has_dense else 0)

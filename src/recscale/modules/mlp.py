@@ -24,7 +24,9 @@ class MLP(nn.Module):
             linear = nn.Linear(d, w, device=device)
             # Reference DLRM init: W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
             with torch.no_grad():
-                linear.weight.copy_(torch.randn(w, d, generator=generator) * math.sqrt(2.0 / (d + w)))
+                linear.weight.copy_(
+                    torch.randn(w, d, generator=generator) * math.sqrt(2.0 / (d + w))
+                )
                 linear.bias.copy_(torch.randn(w, generator=generator) * math.sqrt(1.0 / w))
             layers.append(linear)
             if i < len(widths) - 1 or final_activation:

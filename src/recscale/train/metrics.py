@@ -31,14 +31,18 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     pos_cum = torch.cumsum(sorted_labels, 0)
     pos_in_group = torch.diff(pos_cum[ends - 1], prepend=torch.zeros(1, dtype=torch.float64))
     neg_in_group = counts.to(torch.float64) - pos_in_group
-    neg_below = torch.cumsum(neg_in_group, 0) - neg_in_group  # negatives with a strictly lower score
+    neg_below = (
+        torch.cumsum(neg_in_group, 0) - neg_in_group
+    )  # negatives with a strictly lower score
     wins = (pos_in_group * neg_below).sum() + 0.5 * (pos_in_group * neg_in_group).sum()
     return float(wins / (n_pos * n_neg))
 
 
 def logloss(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float(
-        F.binary_cross_entropy_with_logits(logits.detach().double().reshape(-1), labels.double().reshape(-1))
+        F.binary_cross_entropy_with_logits(
+            logits.detach().double().reshape(-1), labels.double().reshape(-1)
+        )
     )
 
 

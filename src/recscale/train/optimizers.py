@@ -9,7 +9,9 @@ import torch
 from recscale.config.schema import DenseOptimizerConfig
 
 
-def build_dense_optimizer(cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_dense_optimizer(
+    cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
     params = list(params)
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)

@@ -26,7 +26,9 @@ class Progress:
     def update(self, steps: int, loss: float, samples_per_s: float, extra: str = "") -> None:
         if self._bar is None:
             return
-        self._bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{extra}", refresh=False)
+        self._bar.set_postfix_str(
+            f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{extra}", refresh=False
+        )
         self._bar.update(steps)
 
     def close(self) -> None:

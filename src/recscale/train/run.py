@@ -30,6 +30,7 @@ from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.progress import Progress
 
+
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step."""
 
@@ -90,7 +91,9 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: Config, run_dir: Path | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def train(
+    cfg: Config, run_dir: Path | None = None, echo: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Train per ``cfg``; returns (and writes to ``run_dir``) the metrics dict.
 
     Ctrl-C stops the loop cleanly: what was measured is still written, with
@@ -135,7 +138,9 @@ def train(cfg: Config, run_dir: Path | None = None, echo: Callable[[str], None] 
             loss_value = float(loss.detach())
             if not math.isfinite(loss_value):
                 # Checked before backward: the fused sparse update must not apply a NaN step.
-                raise TrainingDiverged(f"loss became {loss_value} at step {step}; stopping (no update applied)")
+                raise TrainingDiverged(
+                    f"loss became {loss_value} at step {step}; stopping (no update applied)"
+                )
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()  # also applies the embedding optimizer to the touched rows
             dense_opt.step()
@@ -147,7 +152,12 @@ def train(cfg: Config, run_dir: Path | None = None, echo: Callable[[str], None] 
                 last_loss = window_loss / window_steps
                 progress.update(window_steps, last_loss, sps)
                 if log_file is not None:
-                    rec = {"step": step, "loss": last_loss, "samples_per_s": sps, "elapsed_s": now - start}
+                    rec = {
+                        "step": step,
+                        "loss": last_loss,
+                        "samples_per_s": sps,
+                        "elapsed_s": now - start,
+                    }
                     log_file.write(json.dumps(rec) + "\n")
                     log_file.flush()
                 window_loss, window_steps, window_start = 0.0, 0, now

@@ -1,0 +1,127 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from recscale.config import Config, ConfigError, config_to_toml, load_config, preset_names
+from recscale.config.loader import preset_dir
+
+
+def test_presets_exist_and_load():
+    for name in ("debug", "default", "criteo_kaggle", "criteo_terabyte"):
+        assert name in preset_names()
+        cfg = load_config(name)
+        assert len(cfg.model.table_sizes) == 26
+    tb = load_config("criteo_terabyte")
+    assert tb.model.embedding_dim == 128 and tb.model.top_mlp == [1024, 1024, 512, 256, 1]
+    kg = load_config("criteo_kaggle")
+    assert kg.model.bottom_mlp == [512, 256, 64, 16] and kg.model.table_sizes[2] == 10131227
+
+
+def test_default_preset_equals_dataclass_defaults():
+    assert load_config("default") == Config()
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = load_config(
+        "debug", ["--model.embedding_dim=4", "--model.bottom_mlp=16,4", "--train.steps", "7"]
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(config_to_toml(cfg))
+    assert load_config(str(path)) == cfg
+    assert cfg.train.steps == 7 and cfg.model.bottom_mlp == [16, 4]
+
+
+def test_override_types():
+    cfg = load_config(
+        None,
+        [
+            "--train.progress=false",
+            "--embedding.lr=1e-2",
+            "--model.table_dims=",
+            "--data.zipf_alpha=1",
+        ],
+    )
+    assert cfg.train.progress is False and cfg.embedding.lr == 0.01 and cfg.model.table_dims == []
+    assert cfg.data.zipf_alpha == 1.0 and isinstance(cfg.data.zipf_alpha, float)
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["--model.embeding_dim=8"], "model.embeding_dim"),  # unknown key
+        (["--modle.embedding_dim=8"], "modle.embedding_dim"),  # unknown section
+        (["--model.embedding_dim=big"], "model.embedding_dim"),  # wrong type
+        (["--train.progress=maybe"], "train.progress"),
+        (["--model.table_sizes=10,-5"], "model.table_sizes"),  # negative size
+        (["--model.table_sizes="], "model.table_sizes"),  # zero tables
+        (["--model.embedding_dim=0"], "model.embedding_dim"),
+        (["--train.batch_size=-1"], "train.batch_size"),
+        (
+            ["--model.embedding_dim=32"],
+            "model.bottom_mlp",
+        ),  # dot interaction needs bottom to end at 32
+        (
+            ["--model.table_dims=" + ",".join(["8"] * 25 + ["4"])],
+            "model.table_dims",
+        ),  # mixed dims + dot
+        (["--model.top_mlp=64,2"], "model.top_mlp"),
+        (["--embedding.optimizer=adamw"], "embedding.optimizer"),
+        (["--train.steps"], "train.steps"),  # missing value
+    ],
+)
+def test_bad_values_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.key == key
+    assert f"'{key}'" in str(e.value)
+
+
+def test_bad_toml_file_names_the_key(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text("[model]\nembedding_dim = 8\nlayers = 3\n")
+    with pytest.raises(ConfigError, match="model.layers"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match="neither a file nor a preset"):
+        load_config("no_such_preset")
+
+
+def test_every_preset_file_only_uses_known_keys():
+    # load_config raises on unknown keys; also check each preset sets something.
+    for path in preset_dir().glob("*.toml"):
+        assert path.read_text().strip()
+        load_config(str(path))
+
+
+def test_cli_bad_config_exits_2_and_names_key():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "train",
+            "--config",
+            "debug",
+            "--model.embedding_dim=-3",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "model.embedding_dim" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_config_prints_resolved_toml():
+    r = subprocess.run(
+        [sys.executable, "-m", "recscale", "config", "--config", "debug", "--train.steps=11"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "steps = 11" in r.stdout and "[model]" in r.stdout
+
+
+def test_config_sections_are_dataclasses():
+    for f in dataclasses.fields(Config):
+        assert dataclasses.is_dataclass(f.default_factory())

@@ -1,0 +1,125 @@
+"""Table-batched lookup and its gradient vs a per-table torch.nn.EmbeddingBag reference."""
+
+import pytest
+import torch
+from helpers import per_feature_inputs, random_jagged
+from torch import nn
+
+from recscale.embedding.optimizers import SparseSGD
+from recscale.modules.embedding_bag_collection import (
+    EmbeddingBagCollection,
+    IdOutOfRangeError,
+    TableSpec,
+)
+
+
+def _tables(sizes, dims):
+    return [TableSpec(f"C{i + 1}", n, d) for i, (n, d) in enumerate(zip(sizes, dims))]
+
+
+def _reference_bags(ebc: EmbeddingBagCollection, mode: str) -> list[nn.EmbeddingBag]:
+    """One nn.EmbeddingBag per table holding a copy of that table's rows."""
+    refs = []
+    for f, t in enumerate(ebc.tables):
+        group = ebc.groups[int(ebc.group_of_feature[f])]
+        start = int(ebc.feature_row_offset[f])
+        bag = nn.EmbeddingBag(t.num_rows, t.dim, mode=mode, include_last_offset=True)
+        with torch.no_grad():
+            bag.weight.copy_(group.storage.weight[start : start + t.num_rows])
+        refs.append(bag)
+    return refs
+
+
+def _table_weight(ebc: EmbeddingBagCollection, f: int) -> torch.Tensor:
+    group = ebc.groups[int(ebc.group_of_feature[f])]
+    start = int(ebc.feature_row_offset[f])
+    return group.storage.weight[start : start + ebc.tables[f].num_rows]
+
+
+CASES = [
+    # (sizes, dims, pooling, weighted)
+    ([7, 3, 11], [4, 4, 4], "sum", False),
+    ([7, 3, 11], [4, 4, 4], "mean", False),
+    ([7, 3, 11], [4, 4, 4], "sum", True),
+    ([5, 1, 9, 2], [4, 8, 4, 2], "sum", False),  # mixed dims: several storage groups
+    ([5, 1, 9, 2], [4, 8, 4, 2], "mean", True),
+]
+
+
+@pytest.mark.parametrize("sizes,dims,pooling,weighted", CASES)
+def test_forward_and_gradient_match_embedding_bag(sizes, dims, pooling, weighted):
+    torch.manual_seed(0)
+    b = 6
+    ebc = EmbeddingBagCollection(_tables(sizes, dims), pooling, lambda: SparseSGD(lr=1.0))
+    batch = random_jagged(sizes, b, max_len=4, weighted=weighted, seed=1)
+    assert bool((batch.lengths() == 0).any()), "the case must include empty bags"
+    refs = _reference_bags(ebc, pooling)
+    before = [_table_weight(ebc, f).clone() for f in range(len(sizes))]
+
+    out = ebc(batch.values, batch.offsets, b, batch.weights)
+    assert out.shape == (b, sum(dims))
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+
+    col = 0
+    for f, (ref, d) in enumerate(zip(refs, dims)):
+        vals, offs, w = per_feature_inputs(batch, f)
+        if pooling == "mean" and w is not None:
+            # nn.EmbeddingBag has no weighted mean: weighted sum divided by bag length.
+            lens = (offs[1:] - offs[:-1]).clamp(min=1).float()
+            sum_bag = nn.EmbeddingBag.from_pretrained(
+                ref.weight.detach().clone(), freeze=False, mode="sum", include_last_offset=True
+            )
+            expected = sum_bag(vals, offs, per_sample_weights=w) / lens[:, None]
+            (expected * upstream[:, col : col + d]).sum().backward()
+            ref_grad = sum_bag.weight.grad
+        else:
+            expected = ref(vals, offs, per_sample_weights=w)
+            (expected * upstream[:, col : col + d]).sum().backward()
+            ref_grad = ref.weight.grad
+        torch.testing.assert_close(out[:, col : col + d], expected, rtol=1e-5, atol=1e-6)
+        # SGD with lr=1 moved the rows by exactly minus the gradient.
+        torch.testing.assert_close(
+            before[f] - _table_weight(ebc, f), ref_grad, rtol=1e-5, atol=1e-6
+        )
+        col += d
+
+
+def test_repeated_ids_in_one_bag_accumulate():
+    ebc = EmbeddingBagCollection(_tables([4], [2]), "sum", lambda: SparseSGD(lr=1.0))
+    w0 = _table_weight(ebc, 0).clone()
+    values = torch.tensor([1, 1, 1, 2])
+    offsets = torch.tensor([0, 4])
+    out = ebc(values, offsets, 1)
+    torch.testing.assert_close(out[0], 3 * w0[1] + w0[2])
+    out.sum().backward()
+    delta = w0 - _table_weight(ebc, 0)
+    torch.testing.assert_close(delta[1], torch.full((2,), 3.0))
+    torch.testing.assert_close(delta[2], torch.ones(2))
+    assert delta[0].abs().sum() == 0 and delta[3].abs().sum() == 0
+
+
+def test_no_dense_gradient_is_ever_built():
+    ebc = EmbeddingBagCollection(_tables([1000, 1000], [8, 8]), "sum", lambda: SparseSGD(lr=0.1))
+    batch = random_jagged([1000, 1000], 4, seed=3)
+    ebc(batch.values, batch.offsets, 4).sum().backward()
+    for p in ebc.parameters():
+        assert p.numel() == 0  # only the zero-size placeholder is a parameter
+    assert all(g.storage.weight.grad is None for g in ebc.groups)
+
+
+def test_eval_mode_lookup_does_not_update():
+    ebc = EmbeddingBagCollection(_tables([10], [4]), "sum", lambda: SparseSGD(lr=1.0))
+    w0 = _table_weight(ebc, 0).clone()
+    with torch.no_grad():
+        ebc(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), 2)
+    torch.testing.assert_close(w0, _table_weight(ebc, 0))
+
+
+@pytest.mark.parametrize("bad", [10, -1])
+def test_out_of_range_id_names_feature_and_value(bad):
+    ebc = EmbeddingBagCollection(_tables([5, 10], [4, 4]), "sum", lambda: SparseSGD(lr=1.0))
+    values = torch.tensor([0, 1, 3, bad])
+    offsets = torch.tensor([0, 1, 2, 3, 4])  # F=2, B=2
+    with pytest.raises(IdOutOfRangeError, match=rf"id {bad} of feature C2 \(sample 1.*10 rows"):
+        ebc(values, offsets, 2)

@@ -1,0 +1,161 @@
+"""End-to-end training runs on the debug preset (each a few seconds on 2 cores)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from recscale.config import load_config
+from recscale.data.synthetic import SyntheticCriteo
+from recscale.modules.embedding_bag_collection import IdOutOfRangeError
+from recscale.train.run import TrainingDiverged, train
+
+
+def _quiet(*_):
+    pass
+
+
+def test_debug_run_learns_and_writes_run_dir(tmp_path):
+    cfg = load_config("debug", ["--train.progress=false"])
+    metrics = train(cfg, tmp_path, echo=_quiet)
+    assert metrics["auc"] >= 0.70, metrics
+    assert metrics["ne"] < 1.0
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("auc", "logloss", "ne", "samples_per_s", "steps", "calibration"):
+        assert key in saved
+    assert saved["steps"] == cfg.train.steps and saved["interrupted"] is False
+    assert load_config(str(tmp_path / "config.toml")) == cfg
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == cfg.train.steps
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_other_sparse_optimizers_train(tmp_path, optimizer):
+    lr = {"sgd": 0.5, "adam": 0.01}[optimizer]
+    cfg = load_config(
+        "debug",
+        ["--train.progress=false", f"--embedding.optimizer={optimizer}", f"--embedding.lr={lr}"],
+    )
+    assert train(cfg, None, echo=_quiet)["auc"] >= 0.70
+
+
+def test_multi_hot_mean_pooling_trains():
+    cfg = load_config(
+        "debug",
+        [
+            "--train.progress=false",
+            "--model.pooling=mean",
+            "--data.min_ids_per_feature=0",
+            "--data.max_ids_per_feature=3",
+        ],
+    )
+    assert train(cfg, None, echo=_quiet)["auc"] >= 0.70
+
+
+def test_same_config_same_result():
+    cfg = load_config(
+        "debug", ["--train.progress=false", "--train.steps=30", "--data.eval_samples=2048"]
+    )
+    a, b = train(cfg, None, echo=_quiet), train(cfg, None, echo=_quiet)
+    assert a["logloss"] == b["logloss"] and a["auc"] == b["auc"]
+
+
+def test_nan_loss_stops_naming_the_step():
+    cfg = load_config(
+        "debug", ["--train.progress=false", "--optimizer.name=sgd", "--optimizer.lr=1e30"]
+    )
+    with pytest.raises(TrainingDiverged, match=r"at step \d+"):
+        train(cfg, None, echo=_quiet)
+
+
+def test_out_of_range_id_names_feature(monkeypatch):
+    original = SyntheticCriteo.batch
+
+    def corrupt(self, index, batch_size, split="train"):
+        batch = original(self, index, batch_size, split)
+        if index == 3 and split == "train":
+            b = batch.batch_size
+            start = int(batch.offsets[4 * b])  # first id of feature C5 (table of 1000 rows)
+            batch.values[start] = 1_000_000
+        return batch
+
+    monkeypatch.setattr(SyntheticCriteo, "batch", corrupt)
+    cfg = load_config("debug", ["--train.progress=false"])
+    with pytest.raises(IdOutOfRangeError, match=r"id 1000000 of feature C5"):
+        train(cfg, None, echo=_quiet)
+
+
+def test_interrupt_still_writes_metrics(tmp_path, monkeypatch):
+    original = SyntheticCriteo.batch
+
+    def interrupt(self, index, batch_size, split="train"):
+        if index == 12 and split == "train":
+            raise KeyboardInterrupt
+        return original(self, index, batch_size, split)
+
+    monkeypatch.setattr(SyntheticCriteo, "batch", interrupt)
+    cfg = load_config("debug", ["--train.progress=false", "--data.prefetch_batches=0"])
+    metrics = train(cfg, tmp_path, echo=_quiet)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["interrupted"] and saved["interrupted"] and saved["steps"] == 12
+    assert saved["auc"] is None and math.isfinite(saved["train_loss"])
+
+
+def test_sigint_to_cli_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "train",
+            "--config",
+            "debug",
+            "--train.steps=1000000",
+            "--train.log_every=5",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.time() + 60
+    log = run_dir / "train_log.jsonl"
+    while time.time() < deadline and not (log.exists() and log.stat().st_size > 0):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    assert saved["interrupted"] is True and saved["steps"] > 0
+    assert "Traceback" not in err
+
+
+def test_python_m_and_console_script_agree():
+    r = subprocess.run(
+        [sys.executable, "-m", "recscale", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "train" in r.stdout
+
+
+def test_cpu_threads_respected(tmp_path):
+    cfg = load_config(
+        "debug",
+        [
+            "--train.progress=false",
+            "--train.steps=5",
+            "--train.threads=1",
+            "--data.eval_samples=512",
+        ],
+    )
+    m = train(cfg, None, echo=_quiet)
+    assert m["threads"] == 1 and torch.get_num_threads() == 1
