@@ -46,11 +46,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", ["torch", "numba"])
 @pytest.mark.parametrize("sizes,dims,pooling,weighted", CASES)
-def test_forward_and_gradient_match_embedding_bag(sizes, dims, pooling, weighted):
+def test_forward_and_gradient_match_embedding_bag(sizes, dims, pooling, weighted, kernel):
     torch.manual_seed(0)
     b = 6
-    ebc = EmbeddingBagCollection(_tables(sizes, dims), pooling, lambda: SparseSGD(lr=1.0))
+    ebc = EmbeddingBagCollection(
+        _tables(sizes, dims), pooling, lambda: SparseSGD(lr=1.0), kernel=kernel
+    )
     batch = random_jagged(sizes, b, max_len=4, weighted=weighted, seed=1)
     assert bool((batch.lengths() == 0).any()), "the case must include empty bags"
     refs = _reference_bags(ebc, pooling)
@@ -85,8 +88,9 @@ def test_forward_and_gradient_match_embedding_bag(sizes, dims, pooling, weighted
         col += d
 
 
-def test_repeated_ids_in_one_bag_accumulate():
-    ebc = EmbeddingBagCollection(_tables([4], [2]), "sum", lambda: SparseSGD(lr=1.0))
+@pytest.mark.parametrize("kernel", ["torch", "numba"])
+def test_repeated_ids_in_one_bag_accumulate(kernel):
+    ebc = EmbeddingBagCollection(_tables([4], [2]), "sum", lambda: SparseSGD(lr=1.0), kernel=kernel)
     w0 = _table_weight(ebc, 0).clone()
     values = torch.tensor([1, 1, 1, 2])
     offsets = torch.tensor([0, 4])

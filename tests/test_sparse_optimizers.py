@@ -12,6 +12,7 @@ from recscale.embedding.optimizers import SparseAdam, SparseRowwiseAdagrad, Spar
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 
 ROWS, DIM, B, STEPS = 12, 5, 8, 6
+KERNELS = ["torch", "numba"]
 
 
 def _batches():
@@ -27,8 +28,8 @@ def _batches():
         yield values, offsets, upstream
 
 
-def _run_fused(make_opt):
-    ebc = EmbeddingBagCollection([TableSpec("C1", ROWS, DIM)], "sum", make_opt)
+def _run_fused(make_opt, kernel):
+    ebc = EmbeddingBagCollection([TableSpec("C1", ROWS, DIM)], "sum", make_opt, kernel=kernel)
     w0 = ebc.groups[0].storage.weight.clone()
     history = []
     for values, offsets, upstream in _batches():
@@ -37,8 +38,9 @@ def _run_fused(make_opt):
     return w0, history
 
 
-def test_sgd_matches_torch_sgd():
-    w0, fused = _run_fused(lambda: SparseSGD(lr=0.3))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sgd_matches_torch_sgd(kernel):
+    w0, fused = _run_fused(lambda: SparseSGD(lr=0.3), kernel)
     param = nn.Parameter(w0.clone())
     opt = torch.optim.SGD([param], lr=0.3)
     for step, (values, offsets, upstream) in enumerate(_batches()):
@@ -53,9 +55,10 @@ def test_sgd_matches_torch_sgd():
         torch.testing.assert_close(fused[step], param.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_rowwise_adagrad_matches_dense_reference():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rowwise_adagrad_matches_dense_reference(kernel):
     lr, eps = 0.5, 1e-8
-    w0, fused = _run_fused(lambda: SparseRowwiseAdagrad(lr=lr, eps=eps))
+    w0, fused = _run_fused(lambda: SparseRowwiseAdagrad(lr=lr, eps=eps), kernel)
     w = w0.clone()
     acc = torch.zeros(ROWS)
     batches = list(_batches())
@@ -74,9 +77,10 @@ def test_rowwise_adagrad_matches_dense_reference():
     assert untouched and torch.equal(fused[-1][untouched], w0[untouched])
 
 
-def test_adam_matches_torch_sparse_adam():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_adam_matches_torch_sparse_adam(kernel):
     lr, b1, b2, eps = 0.05, 0.8, 0.95, 1e-8
-    w0, fused = _run_fused(lambda: SparseAdam(lr=lr, beta1=b1, beta2=b2, eps=eps))
+    w0, fused = _run_fused(lambda: SparseAdam(lr=lr, beta1=b1, beta2=b2, eps=eps), kernel)
     bag = nn.EmbeddingBag.from_pretrained(
         w0.clone(), freeze=False, mode="sum", include_last_offset=True, sparse=True
     )

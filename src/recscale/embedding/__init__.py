@@ -8,7 +8,7 @@ from recscale.embedding.optimizers import (
     SparseSGD,
     build_sparse_optimizer,
 )
-from recscale.embedding.storage import DeviceStorage, RowStorage
+from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows
 
 __all__ = [
     "DeviceStorage",
@@ -18,5 +18,6 @@ __all__ = [
     "SparseRowwiseAdagrad",
     "SparseSGD",
     "build_sparse_optimizer",
+    "merge_duplicate_rows",
     "pooled_lookup",
 ]

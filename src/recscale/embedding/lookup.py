@@ -3,12 +3,15 @@
 Forward: one ``storage.lookup`` over every id of every table in the group
 (``rows`` are already global row indices into the group's storage).
 
-Backward (never builds a dense ``[num_rows, dim]`` gradient)::
+Backward (never builds a dense ``[num_rows, dim]`` gradient) hands the pooled
+gradient to ``storage.apply_pooled_gradients``, which in the reference path does::
 
     grad_pooled [num_bags, D]
       -> per-id grad  [N, D]   = grad_pooled[bag_of_id] * per_sample_weight
       -> merge duplicates: unique rows [U], summed grads [U, D]
       -> storage.apply_gradients(unique_rows, summed)        (in place)
+
+and on CPU runs as one fused numba pass (embedding/cpu_kernels.py).
 
 Autograd only calls a backward for a function with an input that requires grad, so
 callers pass a zero-size ``placeholder`` parameter; it receives no gradient.
@@ -21,34 +24,19 @@ import torch
 from recscale.embedding.storage import RowStorage
 
 
-def merge_duplicate_rows(
-    rows: torch.Tensor, grad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the gradients of repeated rows: ``rows [N], grad [N, D] -> unique [U], summed [U, D]``."""
-    unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-    summed = torch.zeros(unique.shape[0], grad.shape[1], dtype=grad.dtype, device=grad.device)
-    summed.index_add_(0, inverse, grad)
-    return unique, summed
-
-
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, placeholder, storage, rows, offsets, bag_of_id, per_sample_weights):
+    def forward(ctx, placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights):
         ctx.storage = storage
-        ctx.save_for_backward(rows, bag_of_id, per_sample_weights)
-        ctx.has_weights = per_sample_weights is not None
+        ctx.save_for_backward(rows, bag_of_id, segments, per_sample_weights)
         return storage.lookup(rows, offsets, per_sample_weights)
 
     @staticmethod
     def backward(ctx, grad_pooled):
-        rows, bag_of_id, psw = ctx.saved_tensors
+        rows, bag_of_id, segments, psw = ctx.saved_tensors
         if rows.numel() > 0:
-            grad_ids = grad_pooled.index_select(0, bag_of_id)
-            if ctx.has_weights:
-                grad_ids = grad_ids * psw.unsqueeze(1)
-            unique, summed = merge_duplicate_rows(rows, grad_ids)
-            ctx.storage.apply_gradients(unique, summed)
-        return None, None, None, None, None, None
+            ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
+        return None, None, None, None, None, None, None
 
 
 def pooled_lookup(
@@ -57,15 +45,17 @@ def pooled_lookup(
     rows: torch.Tensor,
     offsets: torch.Tensor,
     bag_of_id: torch.Tensor,
+    segments: torch.Tensor,
     per_sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum-pooled ``[num_bags, dim]``; in training, backward updates ``storage`` in place.
 
-    ``bag_of_id[n]`` is the bag of ``rows[n]`` (``repeat_interleave`` of bag lengths).
+    ``bag_of_id[n]`` is the bag of ``rows[n]`` (``repeat_interleave`` of bag lengths);
+    ``segments`` are the value-index boundaries of the features (``offsets[::B]``).
     Mean pooling is sum pooling with ``per_sample_weights = 1 / bag length``.
     """
     if torch.is_grad_enabled() and placeholder.requires_grad:
         return _FusedLookup.apply(
-            placeholder, storage, rows, offsets, bag_of_id, per_sample_weights
+            placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights
         )
     return storage.lookup(rows, offsets, per_sample_weights)

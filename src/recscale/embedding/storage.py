@@ -4,6 +4,10 @@ A :class:`RowStorage` holds ``num_rows`` rows of width ``dim`` plus the fused
 optimizer's per-row state. The lookup kernel only ever calls:
 
 * ``lookup(rows, offsets, per_sample_weights)`` -> pooled ``[num_bags, dim]``
+* ``apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)``
+                                                 -> the whole fused backward; the base
+  class runs the reference path (per-id grads, merge duplicates, then
+  ``apply_gradients``), a storage may override it with a fused kernel
 * ``apply_gradients(unique_rows, grad)``        -> in-place optimizer step
 * ``read_rows`` / ``write_rows``                 -> raw access (checkpoints, tests)
 
@@ -20,7 +24,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
 from recscale.embedding.optimizers import SparseOptimizer
+
+KERNELS = ("auto", "torch", "numba")
+
+
+def merge_duplicate_rows(
+    rows: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradients of repeated rows: ``rows [N], grad [N, D] -> unique [U], summed [U, D]``."""
+    unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    summed = torch.zeros(unique.shape[0], grad.shape[1], dtype=grad.dtype, device=grad.device)
+    summed.index_add_(0, inverse, grad)
+    return unique, summed
 
 
 class RowStorage(nn.Module, ABC):
@@ -32,6 +49,24 @@ class RowStorage(nn.Module, ABC):
         self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None
     ) -> torch.Tensor:
         """Sum-pool rows into bags: ``offsets`` has ``num_bags + 1`` entries (last == len(rows))."""
+
+    def apply_pooled_gradients(
+        self,
+        rows: torch.Tensor,
+        segments: torch.Tensor,
+        bag_of_id: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        grad_pooled: torch.Tensor,
+    ) -> None:
+        """The fused backward: ``rows[n]`` was pooled into bag ``bag_of_id[n]`` with weight
+        ``per_sample_weights[n]``; ``grad_pooled [num_bags, dim]`` is the loss gradient of the
+        bags. ``segments`` (value-index boundaries, one segment per feature) partition the
+        ids so that no row appears in two segments."""
+        grad_ids = grad_pooled.index_select(0, bag_of_id)
+        if per_sample_weights is not None:
+            grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
+        unique, summed = merge_duplicate_rows(rows, grad_ids)
+        self.apply_gradients(unique, summed)
 
     @abstractmethod
     def apply_gradients(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
@@ -55,9 +90,12 @@ class DeviceStorage(RowStorage):
         dim: int,
         optimizer: SparseOptimizer,
         device: torch.device | None = None,
+        kernel: str = "auto",
     ):
         super().__init__()
-        self.num_rows, self.dim, self.optimizer = num_rows, dim, optimizer
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.num_rows, self.dim, self.optimizer, self.kernel = num_rows, dim, optimizer, kernel
         self.register_buffer("weight", torch.empty(num_rows, dim, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.state_names = []
@@ -78,6 +116,27 @@ class DeviceStorage(RowStorage):
             per_sample_weights=per_sample_weights,
             include_last_offset=True,
         )
+
+    def uses_fused_cpu_kernel(self) -> bool:
+        """``auto`` picks the numba kernel for fp32 CPU storage, the torch path elsewhere."""
+        if self.kernel == "torch":
+            return False
+        supported = numba_supports(self.weight, self.optimizer)
+        if self.kernel == "numba" and not supported:
+            raise RuntimeError("embedding.kernel=numba needs numba and fp32 CPU storage")
+        return supported
+
+    @torch.no_grad()
+    def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
+        if not self.uses_fused_cpu_kernel():
+            return super().apply_pooled_gradients(
+                rows, segments, bag_of_id, per_sample_weights, grad_pooled
+            )
+        self.step += 1
+        fused_update_cpu(
+            self.optimizer, self.weight, self.optimizer_state(), rows, segments, bag_of_id,
+            per_sample_weights, grad_pooled, int(self.step),
+        )  # fmt: skip
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):

@@ -41,6 +41,7 @@ class DLRM(nn.Module):
             validate_ids=embedding_cfg.validate_ids,
             device=device,
             generator=gen,
+            kernel=model_cfg.kernels,
         )
         self.bottom = (
             MLP(
@@ -56,7 +57,11 @@ class DLRM(nn.Module):
         dense_dim = self.bottom.out_dim if self.bottom is not None else 0
         if model_cfg.interaction == "dot":
             self.interaction: nn.Module = DotInteraction(
-                len(tables), dims[0], self.bottom is not None, model_cfg.interaction_self
+                len(tables),
+                dims[0],
+                self.bottom is not None,
+                model_cfg.interaction_self,
+                kernel=model_cfg.kernels,
             )
         else:
             self.interaction = CatInteraction(self.embeddings.output_dim, dense_dim)

@@ -64,6 +64,7 @@ class EmbeddingBagCollection(nn.Module):
         validate_ids: bool = True,
         device: torch.device | None = None,
         generator: torch.Generator | None = None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         if pooling not in ("sum", "mean"):
@@ -86,7 +87,9 @@ class EmbeddingBagCollection(nn.Module):
         local_index = [0] * len(tables)
         for g, (dim, features) in enumerate(sorted(by_dim.items())):
             rows = sum(tables[f].num_rows for f in features)
-            group = _Group(features, tables, DeviceStorage(rows, dim, make_optimizer(), device))
+            group = _Group(
+                features, tables, DeviceStorage(rows, dim, make_optimizer(), device, kernel)
+            )
             self._init_weights(group, generator)
             self.groups.append(group)
             for i, f in enumerate(features):
@@ -166,7 +169,10 @@ class EmbeddingBagCollection(nn.Module):
 
         if len(self.groups) == 1:
             group = self.groups[0]
-            pooled = pooled_lookup(group.storage, self.placeholder, rows, offsets, bag_of_id, psw)
+            segments = offsets[::b]  # where each feature's ids start: one segment per table
+            pooled = pooled_lookup(
+                group.storage, self.placeholder, rows, offsets, bag_of_id, segments, psw
+            )
             return pooled.view(num_f, b, group.dim).transpose(0, 1).reshape(b, num_f * group.dim)
 
         per_feature: list[torch.Tensor | None] = [None] * num_f
@@ -184,7 +190,9 @@ class EmbeddingBagCollection(nn.Module):
                 output_size=g_rows.shape[0],
             )
             g_psw = None if psw is None else psw[mask]
-            pooled = pooled_lookup(group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_psw)
+            pooled = pooled_lookup(
+                group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_offsets[::b], g_psw
+            )
             pooled = pooled.view(len(group.features), b, group.dim)
             for i, f in enumerate(group.features):
                 per_feature[f] = pooled[i]

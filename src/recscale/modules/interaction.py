@@ -9,32 +9,71 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recscale.modules import dot_interaction_cpu
+
+KERNELS = ("auto", "torch", "numba")
+# The top MLP's first GEMM runs ~15% faster when its input width is a multiple of 8
+# (367 -> 368 for config A on AVX2); the pad columns are always zero, so their weights
+# never receive a gradient and the model is mathematically the unpadded one.
+PAD_MULTIPLE = 8
+
 
 class DotInteraction(nn.Module):
     """DLRM's dot interaction: pairwise dot products of the F(+1) vectors.
 
-    ``T = [dense; e_1; ...; e_F]`` is ``[B, K, D]``; ``Z = T T^T`` is ``[B, K, K]``; the
-    output is ``[dense, upper_triangle(Z)]`` with the diagonal only if ``self_interaction``.
+    ``T = [dense; e_1; ...; e_F]`` is ``[B, K, D]``; the output is
+    ``[dense, upper_triangle(T T^T), zero pad]`` with the diagonal only if
+    ``self_interaction``, padded with zero columns to a multiple of 8.
     """
 
     def __init__(
-        self, num_features: int, dim: int, has_dense: bool, self_interaction: bool = False
+        self,
+        num_features: int,
+        dim: int,
+        has_dense: bool,
+        self_interaction: bool = False,
+        kernel: str = "auto",
     ):
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.num_features, self.dim, self.has_dense = num_features, dim, has_dense
+        self.self_interaction, self.kernel = self_interaction, kernel
         k = num_features + (1 if has_dense else 0)
         iu = torch.triu_indices(k, k, offset=0 if self_interaction else 1)
         self.register_buffer("flat_index", iu[0] * k + iu[1], persistent=False)
         self.num_pairs = iu.shape[1]
-        self.out_dim = self.num_pairs + (dim if has_dense else 0)
+        width = self.num_pairs + (dim if has_dense else 0)
+        self.out_dim = -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+        self.pad = self.out_dim - width
+
+    def _use_numba(self, x: torch.Tensor) -> bool:
+        if self.kernel == "torch":
+            return False
+        ok = dot_interaction_cpu.supported(x)
+        if self.kernel == "numba" and not ok:
+            raise RuntimeError("model.kernels=numba needs numba and fp32 CPU tensors")
+        return ok
 
     def forward(self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor) -> torch.Tensor:
+        if self._use_numba(pooled_BX):
+            return dot_interaction_cpu.FusedDotInteraction.apply(
+                dense_BD,
+                pooled_BX,
+                self.num_features,
+                self.dim,
+                self.self_interaction,
+                self.out_dim,
+            )
         b = pooled_BX.shape[0]
         emb_BFD = pooled_BX.view(b, self.num_features, self.dim)
         t_BKD = torch.cat([dense_BD.unsqueeze(1), emb_BFD], dim=1) if self.has_dense else emb_BFD
         z_BKK = torch.bmm(t_BKD, t_BKD.transpose(1, 2))
-        pairs_BP = z_BKK.flatten(1).index_select(1, self.flat_index)
-        return torch.cat([dense_BD, pairs_BP], dim=1) if self.has_dense else pairs_BP
+        parts = [dense_BD] if self.has_dense else []
+        parts.append(z_BKK.flatten(1).index_select(1, self.flat_index))
+        if self.pad:
+            parts.append(pooled_BX.new_zeros(b, self.pad))
+        return torch.cat(parts, dim=1)
 
 
 class CatInteraction(nn.Module):

@@ -30,7 +30,9 @@ class MLP(nn.Module):
                 linear.bias.copy_(torch.randn(w, generator=generator) * math.sqrt(1.0 / w))
             layers.append(linear)
             if i < len(widths) - 1 or final_activation:
-                layers.append(nn.ReLU())
+                # In place: the Linear's backward does not need its output, and ReLU's
+                # backward reads only its own result, so no extra [B, width] buffer.
+                layers.append(nn.ReLU(inplace=True))
             d = w
         self.layers = nn.Sequential(*layers)
         self.out_dim = d

@@ -1,0 +1,84 @@
+"""Measure this machine's own limits: fp32 GEMM rate and random row-gather bandwidth.
+
+The throughput bound of a DLRM step on a CPU is (Zion study; the CPU speed issue)::
+
+    t_bound = MLP FLOPs / GEMM rate  +  embedding bytes / gather bandwidth
+
+where MLP FLOPs count forward + both backward GEMMs (3 x 2 x in x out per layer per
+sample) and embedding bytes count the forward row reads plus the sparse update's
+read-modify-write of each row and its optimizer state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from recscale.config.schema import Config
+
+
+def _best_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_gemm_gflops(batch_size: int, repeats: int = 10) -> float:
+    """Best fp32 GEMM rate over MLP-like shapes at this batch size (GFLOP/s)."""
+    best = 0.0
+    for k, n in ((512, 512), (1024, 1024), (512, 256)):
+        a, b = torch.randn(batch_size, k), torch.randn(k, n)
+        secs = _best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats)
+        best = max(best, 2 * batch_size * k * n / secs / 1e9)
+    return best
+
+
+def measure_gather_gbps(
+    dim: int, rows: int = 1 << 20, lookups: int = 1 << 16, repeats: int = 5
+) -> float:
+    """Random row-gather bandwidth from a table larger than the caches (GB/s of row bytes)."""
+    table = torch.randn(rows, dim)
+    out = torch.empty(lookups, dim)
+    idx = torch.randint(0, rows, (lookups,))
+    secs = _best_seconds(lambda: torch.index_select(table, 0, idx, out=out), repeats)
+    return lookups * dim * 4 / secs / 1e9
+
+
+@dataclass
+class StepCost:
+    mlp_flops_per_sample: float
+    embedding_bytes_per_sample: float
+
+    def bound_samples_per_s(self, gemm_gflops: float, gather_gbps: float) -> float:
+        seconds = self.mlp_flops_per_sample / (gemm_gflops * 1e9)
+        seconds += self.embedding_bytes_per_sample / (gather_gbps * 1e9)
+        return 1.0 / seconds
+
+
+def step_cost(cfg: Config, interaction_out_dim: int, ids_per_sample: float) -> StepCost:
+    """FLOPs and bytes one training sample costs (see the module docstring)."""
+    m = cfg.model
+    macs = 0
+    d = m.num_dense_features
+    if d:
+        for w in m.bottom_mlp:
+            macs += d * w
+            d = w
+    d = interaction_out_dim
+    for w in m.top_mlp:
+        macs += d * w
+        d = w
+    dim = m.embedding_dim
+    state_bytes = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[cfg.embedding.optimizer]
+    # forward read + update read + update write of the row, read + write of its state
+    row_bytes = 3 * dim * 4 + 2 * state_bytes
+    return StepCost(
+        mlp_flops_per_sample=6.0 * macs, embedding_bytes_per_sample=ids_per_sample * row_bytes
+    )

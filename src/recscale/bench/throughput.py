@@ -1,0 +1,141 @@
+"""``recscale bench throughput``: steady-state training samples/s against the hardware bound.
+
+Batches are generated beforehand (cycled), so the figure measures training, not
+data generation. Each timed step is split into stages::
+
+    lookup     embedding forward (one fused lookup over all tables)
+    forward    bottom MLP + interaction + top MLP + loss
+    backward   autograd backward, excluding ...
+    sparse     ... the fused sparse optimizer applied inside the embedding backward
+    dense_opt  the dense optimizer step
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from recscale.bench.hardware import measure_gather_gbps, measure_gemm_gflops, step_cost
+from recscale.config.schema import Config
+from recscale.models.dlrm import build_model
+from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.run import available_cores, make_synthetic
+
+STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
+
+
+class _SparseTimer:
+    """Wraps each storage's fused backward (apply_pooled_gradients) to time it."""
+
+    def __init__(self, model) -> None:
+        self.seconds = 0.0
+        for group in model.embeddings.groups:
+            storage = group.storage
+            original = storage.apply_pooled_gradients
+
+            def timed(*args, _orig=original):
+                t = time.perf_counter()
+                _orig(*args)
+                self.seconds += time.perf_counter() - t
+
+            storage.apply_pooled_gradients = timed
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_throughput(
+    cfg: Config,
+    steps: int = 50,
+    warmup: int = 10,
+    distinct_batches: int = 8,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    threads = cfg.train.threads or available_cores()
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.train.seed)
+    b = cfg.train.batch_size
+    echo(
+        f"building model ({sum(cfg.model.table_sizes):,} rows x dim {cfg.model.embedding_dim}) ..."
+    )
+    model = build_model(cfg.model, cfg.embedding, seed=cfg.train.seed)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    data = make_synthetic(cfg)
+    batches = [data.batch(i, b) for i in range(distinct_batches)]
+    ids_per_sample = sum(x.values.numel() for x in batches) / (b * len(batches))
+    timer = _SparseTimer(model)
+    totals = dict.fromkeys(STAGES, 0.0)
+
+    def step(batch, record: bool) -> None:
+        t0 = time.perf_counter()
+        sparse0 = timer.seconds
+        pooled = model.embeddings(batch.values, batch.offsets, b, batch.weights)
+        t1 = time.perf_counter()
+        x = model.bottom(batch.dense) if model.bottom is not None else None
+        logits = model.top(model.interaction(x, pooled)).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        t2 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        if record:
+            sparse = timer.seconds - sparse0
+            for k, v in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2 - sparse, sparse, t4 - t3)):
+                totals[k] += v
+
+    echo(f"warm-up {warmup} steps, then {steps} timed steps of batch {b} on {threads} threads ...")
+    for i in range(warmup):
+        step(batches[i % len(batches)], record=False)
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)], record=True)
+    elapsed = time.perf_counter() - start
+    sps = steps * b / elapsed
+
+    gemm = measure_gemm_gflops(b)
+    gather = measure_gather_gbps(cfg.model.embedding_dim)
+    cost = step_cost(cfg, model.interaction.out_dim, ids_per_sample)
+    bound = cost.bound_samples_per_s(gemm, gather)
+    return {
+        "samples_per_s": sps,
+        "bound_samples_per_s": bound,
+        "ratio_to_bound": sps / bound,
+        "ms_per_step": 1e3 * elapsed / steps,
+        "stage_ms": {k: 1e3 * v / steps for k, v in totals.items()},
+        "peak_rss_bytes": peak_rss_bytes(),
+        "model_state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+        "gemm_gflops": gemm,
+        "gather_gbps": gather,
+        "mlp_gflop_per_sample": cost.mlp_flops_per_sample / 1e9,
+        "embedding_bytes_per_sample": cost.embedding_bytes_per_sample,
+        "batch_size": b,
+        "threads": threads,
+        "steps": steps,
+        "sparse_optimizer": cfg.embedding.optimizer,
+    }
+
+
+def format_report(name: str, r: dict[str, Any]) -> str:
+    stages = "  ".join(f"{k} {v:.2f}" for k, v in r["stage_ms"].items())
+    gib = 1 << 30
+    return "\n".join(
+        [
+            f"config {name}: {r['samples_per_s']:,.0f} samples/s  (bound {r['bound_samples_per_s']:,.0f}, "
+            f"ratio {r['ratio_to_bound']:.2f})",
+            f"  {r['ms_per_step']:.2f} ms/step of batch {r['batch_size']} on {r['threads']} threads; "
+            f"stages (ms): {stages}",
+            f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
+            f"{r['model_state_bytes'] / gib:.2f} GiB)",
+            f"  machine: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s; "
+            f"per sample {r['mlp_gflop_per_sample'] * 1e3:.2f} MFLOP MLP, "
+            f"{r['embedding_bytes_per_sample']:,.0f} embedding bytes",
+        ]
+    )

@@ -1,0 +1,152 @@
+"""Fused CPU backward for the table-batched embedding (numba).
+
+One pass per step replaces the reference path's per-id gradient tensor, sort-based
+``unique``, ``index_add`` and optimizer index ops::
+
+    for each segment s in parallel:             # a segment = the ids of one feature
+        merge duplicate rows with an open-addressing hash map,
+        summing grad_pooled[bag_of_id[n]] * psw[n] per unique row
+        apply the optimizer to each unique row in place
+
+Contract: no row appears in two segments (true for table-batched storage, where
+each feature owns its table's row block), so segments never race.
+Results equal the reference path up to float summation order (tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from recscale.embedding.optimizers import (
+    SparseAdam,
+    SparseOptimizer,
+    SparseRowwiseAdagrad,
+    SparseSGD,
+)
+
+try:
+    import numba as nb
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - numba is a declared dependency
+    HAVE_NUMBA = False
+
+_SGD, _ADAGRAD, _ADAM = 0, 1, 2
+
+if HAVE_NUMBA:
+
+    @nb.njit(parallel=True, cache=True, nogil=True)
+    def _fused_update(
+        kind, weight, state1, state2, rows, seg_starts, bag_of_id, psw, has_psw, grad_pooled,
+        lr, eps, beta1, beta2, step_size,
+    ):  # fmt: skip
+        num_seg = seg_starts.shape[0] - 1
+        dim = weight.shape[1]
+        touched = np.zeros(num_seg, np.float32)  # keeps the touch loads from being optimised away
+        for s in nb.prange(num_seg):
+            lo = seg_starts[s]
+            n = seg_starts[s + 1] - lo
+            if n == 0:
+                continue
+            cap = 16
+            while cap < 2 * n:
+                cap *= 2
+            mask = cap - 1
+            keys = np.full(cap, -1, np.int64)
+            slot_of_key = np.empty(cap, np.int64)
+            uniq = np.empty(n, np.int64)
+            acc = np.zeros((n, dim), np.float32)
+            u = 0
+            for k in range(n):
+                r = rows[lo + k]
+                h = (r * 2654435761) & mask
+                while keys[h] != -1 and keys[h] != r:
+                    h = (h + 1) & mask
+                if keys[h] == -1:
+                    keys[h] = r
+                    slot_of_key[h] = u
+                    uniq[u] = r
+                    u += 1
+                j = slot_of_key[h]
+                bag = bag_of_id[lo + k]
+                w = psw[lo + k] if has_psw else np.float32(1.0)
+                for d in range(dim):
+                    acc[j, d] += grad_pooled[bag, d] * w
+            # Touch pass: independent loads of every row (and its state) let the CPU
+            # overlap the cache misses; the update pass below then hits the cache.
+            # (config A, 53k random rows of a 1.7 GB table: 3.7 ms -> 1.6 ms)
+            touch = np.float32(0.0)
+            for j in range(u):
+                r = uniq[j]
+                touch += weight[r, 0] + state1[min(r, state1.shape[0] - 1), 0]
+            touched[s] = touch
+            for j in range(u):
+                r = uniq[j]
+                if kind == 0:  # SGD
+                    for d in range(dim):
+                        weight[r, d] -= lr * acc[j, d]
+                elif kind == 1:  # row-wise Adagrad
+                    sq = np.float32(0.0)
+                    for d in range(dim):
+                        sq += acc[j, d] * acc[j, d]
+                    state1[r, 0] += sq / dim  # adagrad state is passed as [R, 1]
+                    scale = lr / (np.sqrt(state1[r, 0]) + eps)
+                    for d in range(dim):
+                        weight[r, d] -= scale * acc[j, d]
+                else:  # lazy Adam
+                    for d in range(dim):
+                        g = acc[j, d]
+                        m = beta1 * state1[r, d] + (1.0 - beta1) * g
+                        v = beta2 * state2[r, d] + (1.0 - beta2) * g * g
+                        state1[r, d] = m
+                        state2[r, d] = v
+                        weight[r, d] -= step_size * m / (np.sqrt(v) + eps)
+        return touched.sum()
+
+
+def numba_supports(weight: torch.Tensor, optimizer: SparseOptimizer) -> bool:
+    return (
+        HAVE_NUMBA
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and isinstance(optimizer, (SparseSGD, SparseRowwiseAdagrad, SparseAdam))
+    )
+
+
+def fused_update_cpu(
+    optimizer: SparseOptimizer,
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    segments: torch.Tensor,
+    bag_of_id: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    grad_pooled: torch.Tensor,
+    step: int,
+) -> None:
+    """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module doc)."""
+    empty = np.zeros((1, 1), np.float32)
+    s1 = s2 = empty
+    lr, eps, b1, b2, step_size = float(optimizer.lr), 0.0, 0.0, 0.0, 0.0
+    if isinstance(optimizer, SparseSGD):
+        kind = _SGD
+    elif isinstance(optimizer, SparseRowwiseAdagrad):
+        kind, eps = _ADAGRAD, optimizer.eps
+        s1 = state["sum"].numpy()
+    else:
+        assert isinstance(optimizer, SparseAdam)
+        kind, eps, b1, b2 = _ADAM, optimizer.eps, optimizer.beta1, optimizer.beta2
+        step_size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+        s1, s2 = state["exp_avg"].numpy(), state["exp_avg_sq"].numpy()
+    # The kernel is typed once for 2-D state: row-wise Adagrad's [R] accumulator goes in as [R, 1].
+    s1_arg = s1.reshape(-1, 1) if s1.ndim == 1 else s1
+    psw = per_sample_weights.numpy() if per_sample_weights is not None else np.zeros(1, np.float32)
+    _fused_update(
+        kind, weight.numpy(), s1_arg, s2, rows.numpy(), segments.contiguous().numpy(), bag_of_id.numpy(),
+        psw, per_sample_weights is not None, grad_pooled.contiguous().numpy(),
+        np.float32(lr), np.float32(eps), np.float32(b1), np.float32(b2), np.float32(step_size),
+    )  # fmt: skip
