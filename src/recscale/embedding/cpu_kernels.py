@@ -26,13 +26,8 @@ from recscale.embedding.optimizers import (
     SparseRowwiseAdagrad,
     SparseSGD,
 )
-
-try:
-    import numba as nb
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - numba is a declared dependency
-    HAVE_NUMBA = False
+from recscale.kernels import HAVE_NUMBA
+from recscale.kernels import numba as nb
 
 _SGD, _ADAGRAD, _ADAM = 0, 1, 2
 

@@ -16,12 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-try:
-    import numba as nb
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - numba is a declared dependency
-    HAVE_NUMBA = False
+from recscale.kernels import HAVE_NUMBA
+from recscale.kernels import numba as nb
 
 if HAVE_NUMBA:
 
