@@ -40,15 +40,17 @@ def measure_gemm_gflops(batch_size: int, repeats: int = 10) -> float:
     return best
 
 
-def measure_gather_gbps(
-    dim: int, rows: int = 1 << 20, lookups: int = 1 << 16, repeats: int = 5
-) -> float:
-    """Random row-gather bandwidth from a table larger than the caches (GB/s of row bytes)."""
-    table = torch.randn(rows, dim)
-    out = torch.empty(lookups, dim)
+def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: int = 5) -> float:
+    """Random row-gather bandwidth from ``table`` (GB/s of row bytes).
+
+    Pass the model's own embedding storage: it is larger than the caches, and no
+    extra memory is allocated (a probe table of its own would inflate peak RSS).
+    """
+    rows, dim = table.shape
+    out = torch.empty(lookups, dim, dtype=table.dtype)
     idx = torch.randint(0, rows, (lookups,))
     secs = _best_seconds(lambda: torch.index_select(table, 0, idx, out=out), repeats)
-    return lookups * dim * 4 / secs / 1e9
+    return lookups * dim * table.element_size() / secs / 1e9
 
 
 @dataclass

@@ -107,7 +107,7 @@ def run_throughput(
     sps = b / statistics.median(step_seconds)
 
     gemm = measure_gemm_gflops(b)
-    gather = measure_gather_gbps(cfg.model.embedding_dim)
+    gather = measure_gather_gbps(max((g.storage.weight for g in model.embeddings.groups), key=len))
     cost = step_cost(cfg, model.interaction.out_dim, ids_per_sample)
     bound = cost.bound_samples_per_s(gemm, gather)
     return {

@@ -27,6 +27,8 @@ from recscale.embedding.lookup import pooled_lookup
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage
 
+_INIT_CHUNK_ROWS = 1 << 16
+
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -113,10 +115,15 @@ class EmbeddingBagCollection(nn.Module):
         for f in group.features:
             n = self.tables[f].num_rows
             bound = math.sqrt(1.0 / n)
-            block = (
-                torch.rand(n, group.dim, generator=generator, dtype=w.dtype) * (2 * bound) - bound
-            )
-            w[start : start + n].copy_(block)
+            # Chunks drawn on the CPU generator: bounded temporaries (a 1M x 128 table
+            # would otherwise need 2-3 extra 512 MB blocks at peak) and the same values
+            # on every device.
+            for lo in range(0, n, _INIT_CHUNK_ROWS):
+                hi = min(n, lo + _INIT_CHUNK_ROWS)
+                chunk = torch.empty(hi - lo, group.dim, dtype=w.dtype).uniform_(
+                    -bound, bound, generator=generator
+                )
+                w[start + lo : start + hi].copy_(chunk)
             start += n
 
     @property
