@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recscale.cli import bench_cmd, config_cmd, train_cmd
+from recscale.cli import bench_cmd, config_cmd, data_cmd, eval_cmd, train_cmd
 from recscale.config.errors import ConfigError
 
-COMMANDS = {"train": train_cmd, "config": config_cmd, "bench": bench_cmd}
+COMMANDS = {
+    "train": train_cmd,
+    "eval": eval_cmd,
+    "data": data_cmd,
+    "bench": bench_cmd,
+    "config": config_cmd,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ INTERACTIONS = ("dot", "cat")
 SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICES = ("auto", "cpu", "cuda")
-DATA_SOURCES = ("synthetic",)
+DATA_SOURCES = ("auto", "synthetic", "binary")
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -156,9 +156,20 @@ class DenseOptimizerConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from. ``synthetic`` draws Criteo-shaped data from a hidden model."""
+    """Where batches come from.
 
-    source: str = "synthetic"
+    ``synthetic`` draws Criteo-shaped data from a hidden model; ``binary`` reads a
+    dataset written by ``recscale data preprocess`` at ``path``; ``auto`` is binary
+    when ``path`` is set. With a dataset, the table sizes come from its metadata.
+    """
+
+    source: str = "auto"
+    path: str = ""
+    train_split: str = "train"
+    eval_split: str = "test"
+    # Block shuffle of the binary dataset (block order and rows within a block).
+    shuffle: bool = True
+    block_rows: int = 65536
     seed: int = 1234
     eval_samples: int = 131_072
     # Zipf exponent of each feature's id popularity (real logs: ~1.0-1.2).
@@ -173,6 +184,9 @@ class DataConfig:
 
     def validate(self) -> None:
         _choice("data.source", self.source, DATA_SOURCES)
+        if self.source == "binary" and not self.path:
+            raise ConfigError("data.path", "is required when data.source is binary")
+        _positive("data.block_rows", self.block_rows)
         _positive("data.eval_samples", self.eval_samples)
         _positive("data.zipf_alpha", self.zipf_alpha, allow_zero=True)
         _positive("data.min_ids_per_feature", self.min_ids_per_feature, allow_zero=True)
@@ -184,6 +198,9 @@ class DataConfig:
         _positive("data.max_ids_per_feature", self.max_ids_per_feature)
         _positive("data.signal_scale", self.signal_scale, allow_zero=True)
         _positive("data.prefetch_batches", self.prefetch_batches, allow_zero=True)
+
+    def uses_dataset(self) -> bool:
+        return self.source == "binary" or (self.source == "auto" and bool(self.path))
 
 
 @dataclass
@@ -200,6 +217,8 @@ class TrainConfig:
     log_every: int = 50
     # Stop after this many seconds of training even if steps remain (0 = no limit).
     max_seconds: float = 0.0
+    # Write the trained model to RUN_DIR/model.pt (for `recscale eval`).
+    save_model: bool = True
 
     def validate(self) -> None:
         _positive("train.batch_size", self.batch_size)

@@ -24,11 +24,18 @@ from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
-from recscale.data.synthetic import SyntheticCriteo
 from recscale.models.dlrm import DLRM, build_model
+from recscale.train.data_source import (
+    adopt_dataset_shapes,
+    eval_batches,
+    make_synthetic,
+    train_batches,
+)
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.progress import Progress
+
+__all__ = ["TrainingDiverged", "evaluate", "make_synthetic", "train"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -50,27 +57,6 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def make_synthetic(cfg: Config) -> SyntheticCriteo:
-    d = cfg.data
-    return SyntheticCriteo(
-        cfg.model.table_sizes,
-        num_dense=cfg.model.num_dense_features,
-        seed=d.seed,
-        zipf_alpha=d.zipf_alpha,
-        min_ids=d.min_ids_per_feature,
-        max_ids=d.max_ids_per_feature,
-        signal_scale=d.signal_scale,
-    )
-
-
-def eval_batches(data: SyntheticCriteo, num_samples: int, batch_size: int) -> Iterable[Batch]:
-    full, rest = divmod(num_samples, batch_size)
-    for i in range(full):
-        yield data.batch(i, batch_size, "eval")
-    if rest:
-        yield data.batch(full, rest, "eval")
-
-
 @torch.no_grad()
 def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dict[str, float]:
     """Score every batch and compute exact metrics over all predictions."""
@@ -83,6 +69,16 @@ def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dic
         labels.append(batch.labels.cpu())
     model.train(was_training)
     return binary_metrics(torch.cat(logits), torch.cat(labels))
+
+
+def save_model(model: DLRM, path: Path) -> None:
+    """Weights + embedding optimizer state, written atomically (tmp + fsync + rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(model.state_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -105,13 +101,15 @@ def train(
     threads = t.threads or available_cores()
     torch.set_num_threads(threads)
     device = resolve_device(t.device)
+    note = adopt_dataset_shapes(cfg)
+    if note:
+        echo(f"recscale: {note}")
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(cfg))
 
     model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
-    data = make_synthetic(cfg)
     num_params = sum(p.numel() for p in model.dense_parameters())
     num_rows = sum(cfg.model.table_sizes)
     echo(
@@ -122,7 +120,7 @@ def train(
 
     log_file = (run_dir / "train_log.jsonl").open("w") if run_dir is not None else None
     progress = Progress(t.steps, t.batch_size, t.progress)
-    stream = Prefetcher(data.batches(t.batch_size, "train"), depth=cfg.data.prefetch_batches)
+    stream = Prefetcher(train_batches(cfg), depth=cfg.data.prefetch_batches)
     step, interrupted = 0, False
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
     start = window_start = time.perf_counter()
@@ -185,7 +183,7 @@ def train(
         echo(f"interrupted at step {step}; skipping evaluation")
         metrics.update({"auc": None, "logloss": None, "ne": None})
     else:
-        ev = evaluate(model, eval_batches(data, cfg.data.eval_samples, t.eval_batch_size), device)
+        ev = evaluate(model, eval_batches(cfg), device)
         metrics.update(ev)
         echo(
             f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
@@ -193,6 +191,8 @@ def train(
         )
     echo(f"trained {step} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s")
     if run_dir is not None:
+        if t.save_model:
+            save_model(model, run_dir / "model.pt")
         _write_json(run_dir / "metrics.json", metrics)
         echo(f"wrote {run_dir}/metrics.json")
     return metrics

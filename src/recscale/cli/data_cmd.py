@@ -1,0 +1,97 @@
+"""``recscale data preprocess|synth-tsv|info``: build and inspect binary datasets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="preprocess click logs into a binary dataset")
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    pp = dsub.add_parser("preprocess", help="Criteo TSV (plain/.gz) or Parquet -> binary dataset")
+    pp.add_argument(
+        "--format", default="criteo", choices=["criteo", "parquet"], help="input format"
+    )
+    pp.add_argument("--input", nargs="+", required=True, type=Path, help="input files, in order")
+    pp.add_argument("--out", required=True, type=Path, help="output dataset directory")
+    pp.add_argument("--mode", default="hash", choices=["hash", "vocab"], help="categorical id mode")
+    pp.add_argument(
+        "--hash-size",
+        default="40000000",
+        help="hash mode: rows per table, one number or 26 comma-separated (default 40M, MLPerf)",
+    )
+    pp.add_argument(
+        "--min-count", type=int, default=1, help="vocab mode: rarer ids share one 'rare' id"
+    )
+    pp.add_argument(
+        "--split",
+        default="kaggle",
+        choices=["kaggle", "by-file", "none"],
+        help="kaggle: first 6/7 train, last 1/7 halved into val/test; by-file: --test/--val files",
+    )
+    pp.add_argument(
+        "--test", nargs="*", default=[], type=Path, help="by-file: test files (default: last input)"
+    )
+    pp.add_argument("--val", nargs="*", default=[], type=Path, help="by-file: validation files")
+    pp.add_argument(
+        "--max-bad-fraction", type=float, default=0.001, help="fail above this share of bad lines"
+    )
+    pp.add_argument("--threads", type=int, default=0, help="parser threads (default: all cores)")
+    pp.add_argument("--chunk-mb", type=int, default=32, help="text per parse chunk (bounds memory)")
+    pp.add_argument("--parquet-out", action="store_true", help="also write each split as Parquet")
+
+    sp = dsub.add_parser("synth-tsv", help="write a synthetic Criteo-format TSV (plain or .gz)")
+    sp.add_argument("--lines", type=int, required=True)
+    sp.add_argument("--out", type=Path, required=True)
+    sp.add_argument("--seed", type=int, default=0)
+
+    ip = dsub.add_parser("info", help="print a dataset's metadata")
+    ip.add_argument("path", type=Path)
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        print(f"recscale data: unexpected arguments {' '.join(extra)}", file=sys.stderr)
+        return 2
+    if args.data_command == "preprocess":
+        from recscale.data.preprocess import BadDataError, PreprocessOptions, preprocess
+
+        try:
+            sizes = [int(s) for s in str(args.hash_size).split(",")]
+        except ValueError:
+            print(
+                f"recscale: error: --hash-size must be integers, got {args.hash_size!r}",
+                file=sys.stderr,
+            )
+            return 2
+        opts = PreprocessOptions(
+            inputs=args.input, out=args.out, input_format=args.format, id_mode=args.mode, hash_sizes=sizes,
+            min_count=args.min_count, split=args.split, test_files=args.test, val_files=args.val,
+            max_bad_fraction=args.max_bad_fraction, threads=args.threads, chunk_bytes=args.chunk_mb << 20,
+            parquet_out=args.parquet_out,
+        )  # fmt: skip
+        try:
+            preprocess(opts)
+        except (BadDataError, ValueError) as e:
+            print(f"recscale: error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if args.data_command == "synth-tsv":
+        from recscale.data.criteo_tsv_writer import write_tsv
+
+        n = write_tsv(args.out, args.lines, seed=args.seed)
+        print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
+        return 0
+    meta_path = args.path / "metadata.json"
+    if not meta_path.exists():
+        print(
+            f"recscale: error: {args.path} is not a recscale dataset (no metadata.json)",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(json.loads(meta_path.read_text()), indent=2))
+    return 0

@@ -1,0 +1,67 @@
+"""``recscale eval --model RUN_DIR [--data.path DIR] [--split NAME]``: score a trained model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from recscale.config.loader import load_config
+from recscale.models.dlrm import build_model
+from recscale.train.data_source import adopt_dataset_shapes, eval_batches
+from recscale.train.run import evaluate, resolve_device
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a trained model (RUN_DIR from recscale train) on a split",
+        epilog="Config overrides (e.g. --data.path DIR) apply on top of RUN_DIR/config.toml.",
+    )
+    p.add_argument(
+        "--model", required=True, type=Path, help="run directory with config.toml and model.pt"
+    )
+    p.add_argument(
+        "--split", default=None, help="dataset split (default: data.eval_split, usually test)"
+    )
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    run_dir: Path = args.model
+    for name in ("config.toml", "model.pt"):
+        if not (run_dir / name).exists():
+            print(
+                f"recscale: error: {run_dir / name} not found (train with train.save_model=true)",
+                file=sys.stderr,
+            )
+            return 1
+    trained = load_config(str(run_dir / "config.toml"))
+    cfg = load_config(str(run_dir / "config.toml"), overrides)
+    adopt_dataset_shapes(cfg)
+    if cfg.model != trained.model:
+        print(
+            "recscale: error: the evaluation data implies a different model than the one trained "
+            f"(table sizes {sum(cfg.model.table_sizes):,} vs {sum(trained.model.table_sizes):,} rows)",
+            file=sys.stderr,
+        )
+        return 1
+    device = resolve_device(cfg.train.device)
+    model = build_model(cfg.model, cfg.embedding, device=device)
+    model.load_state_dict(torch.load(run_dir / "model.pt", map_location=device, weights_only=True))
+    split = args.split or cfg.data.eval_split
+    metrics = evaluate(model, eval_batches(cfg, split), device)
+    metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
+    out = run_dir / f"eval_{metrics['split']}.json"
+    out.write_text(json.dumps(metrics, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        print(
+            f"{metrics['split']} ({metrics['count']:,} samples): AUC {metrics['auc']:.4f}  logloss {metrics['logloss']:.4f}  "
+            f"NE {metrics['ne']:.4f}  calibration {metrics['calibration']:.3f}  -> {out}"
+        )
+    return 0

@@ -1,0 +1,194 @@
+"""Read a preprocessed binary dataset and turn it into :class:`Batch` es.
+
+No per-sample Python: a batch is a slice of a block of rows read sequentially from
+the memory map and permuted in memory.
+
+**Order.** Rows are grouped in blocks of ``block_rows``. With ``shuffle``, epoch e
+visits the blocks in a random order and the rows of each block in a random order,
+both drawn from ``(seed, e)``: reads stay sequential, and any position of any epoch
+can be recomputed, which is what resuming needs.
+
+**Ranks.** Global batch ``i`` is the positions ``[i*B, (i+1)*B)`` of the epoch's order;
+rank r of W takes the r-th of W equal slices of it (B must divide by W), so the
+ranks together see exactly the batch a single process would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recscale.data.batch import Batch
+
+
+class DatasetError(ValueError):
+    pass
+
+
+class BinaryDataset:
+    """One split of a dataset written by ``recscale data preprocess``."""
+
+    def __init__(self, root: str | Path, split: str) -> None:
+        self.root = Path(root)
+        meta_path = self.root / "metadata.json"
+        if not meta_path.exists():
+            raise DatasetError(f"{self.root} is not a recscale dataset (no metadata.json)")
+        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+        if split not in self.meta["splits"]:
+            raise DatasetError(
+                f"{self.root} has no split '{split}' (it has {', '.join(self.meta['splits'])})"
+            )
+        self.split = split
+        self.rows = int(self.meta["splits"][split]["rows"])
+        self.num_dense = int(self.meta["num_dense"])
+        self.num_sparse = int(self.meta["num_sparse"])
+        d = self.root / split
+        self.dense = np.memmap(d / "dense.f32", np.float32, "r", shape=(self.rows, self.num_dense))
+        self.sparse = np.memmap(d / "sparse.i32", np.int32, "r", shape=(self.rows, self.num_sparse))
+        self.labels = np.memmap(d / "labels.u8", np.uint8, "r", shape=(self.rows,))
+
+    @property
+    def table_sizes(self) -> list[int]:
+        return list(self.meta["table_sizes"])
+
+
+@dataclass
+class LoaderPosition:
+    epoch: int = 0
+    batch: int = 0  # global batches already consumed in this epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+
+class BatchLoader:
+    """Iterate (rank-local) batches; ``position`` says where a resumed run continues."""
+
+    def __init__(
+        self,
+        dataset: BinaryDataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+        block_rows: int = 1 << 16,
+        epochs: int | None = None,
+        position: LoaderPosition | None = None,
+    ) -> None:
+        if batch_size % world_size:
+            raise DatasetError(
+                f"global batch {batch_size} does not divide across {world_size} ranks"
+            )
+        if drop_last and dataset.rows < batch_size:
+            raise DatasetError(
+                f"split '{dataset.split}' has {dataset.rows} rows, fewer than one batch ({batch_size})"
+            )
+        self.ds, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.block_rows, self.epochs = block_rows, epochs
+        self.position = position or LoaderPosition()
+        self.num_blocks = -(-dataset.rows // block_rows)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        full, rest = divmod(self.ds.rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def _block_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_blocks)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
+
+    def _read_block(self, epoch: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lo = k * self.block_rows
+        hi = min(self.ds.rows, lo + self.block_rows)
+        # np.array copies: one sequential read of the block into (writable) memory.
+        dense, sparse, labels = (
+            np.array(a[lo:hi]) for a in (self.ds.dense, self.ds.sparse, self.ds.labels)
+        )
+        if self.shuffle:
+            perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
+            dense, sparse, labels = dense[perm], sparse[perm], labels[perm]
+        return dense, sparse, labels
+
+    def __iter__(self) -> Iterator[Batch]:
+        pos = self.position
+        while self.epochs is None or pos.epoch < self.epochs:
+            yield from self._epoch(pos)
+            pos.epoch, pos.batch = pos.epoch + 1, 0
+
+    def _epoch(self, pos: LoaderPosition) -> Iterator[Batch]:
+        b, per_rank = self.batch_size, self.batch_size // self.world_size
+        n_batches = self.batches_per_epoch
+        skip_rows = pos.batch * b  # resume: rows of the epoch already consumed
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        have = 0
+        # Resume: skip whole blocks without reading them, then rows inside the next one.
+        order = self._block_order(pos.epoch)
+        start_block = 0
+        while start_block < len(order) and skip_rows >= self._block_len(int(order[start_block])):
+            skip_rows -= self._block_len(int(order[start_block]))
+            start_block += 1
+        blocks = (self._read_block(pos.epoch, int(k)) for k in order[start_block:])
+        while pos.batch < n_batches:
+            while have < b + skip_rows:
+                block = next(blocks, None)
+                if block is None:
+                    break
+                pending.append(block)
+                have += block[0].shape[0]
+            if skip_rows:
+                _, pending = _take_front(pending, skip_rows)
+                have -= skip_rows
+                skip_rows = 0
+            take = min(b, have)
+            if take == 0 or (take < b and self.drop_last):
+                return
+            rows, pending = _take_front(pending, take)
+            have -= take
+            lo = self.rank * per_rank if take == b else 0
+            hi = lo + per_rank if take == b else take
+            pos.batch += 1
+            yield _to_batch(rows[0][lo:hi], rows[1][lo:hi], rows[2][lo:hi])
+
+    def _block_len(self, k: int) -> int:
+        return min(self.ds.rows, (k + 1) * self.block_rows) - k * self.block_rows
+
+
+def _take_front(pending, n):
+    """Take the first n rows off a list of (dense, sparse, labels) blocks."""
+    taken, rest, need = [], [], n
+    for blk in pending:
+        m = blk[0].shape[0]
+        if need >= m:
+            taken.append(blk)
+            need -= m
+        elif need > 0:
+            taken.append(tuple(a[:need] for a in blk))
+            rest.append(tuple(a[need:] for a in blk))
+            need = 0
+        else:
+            rest.append(blk)
+    cols = tuple(
+        np.concatenate([t[i] for t in taken]) if len(taken) > 1 else taken[0][i] for i in range(3)
+    )
+    return cols, rest
+
+
+def _to_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Batch:
+    """Row-major ``sparse [B, F]`` -> feature-major jagged values with one id per bag."""
+    b, f = sparse.shape
+    return Batch(
+        dense=torch.from_numpy(np.ascontiguousarray(dense)),
+        values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1).astype(np.int64)),
+        offsets=torch.arange(f * b + 1, dtype=torch.int64),
+        labels=torch.from_numpy(labels.astype(np.float32)),
+    )

@@ -1,0 +1,204 @@
+"""Input sources for preprocessing: streams of parsed Criteo rows in bounded memory.
+
+* TSV, plain or gzip (detected by magic bytes, multi-member gzip supported). A
+  reader thread reads/decompresses ``chunk_bytes`` at a time while the parser
+  threads work; chunks end at a line boundary. A gzip stream that ends before its
+  end-of-stream marker is reported as truncated (the rows before it are kept).
+* Parquet (pyarrow): columns ``label, I1..I13, C1..C26``; categorical columns may
+  be integers or hex strings.
+
+Every source yields :class:`Piece`: parsed columns plus per-line statuses.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE, ParsedChunk
+from recscale.data.prefetch import Prefetcher
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+@dataclass
+class Piece:
+    chunks: list[ParsedChunk]  # in line order
+    text_bytes: int
+    truncated: bool = False  # the file's gzip stream ended early after this piece
+    first_line: int = 1  # line number (1-based) of the piece's first line in its file
+
+
+@dataclass
+class SourceStats:
+    bytes: int = 0
+    lines: int = 0
+    truncated_files: list[str] = field(default_factory=list)
+
+
+def _raw_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
+    """Decompressed (or plain) byte blocks; the bool says the gzip stream was truncated."""
+    with open(path, "rb") as f:
+        is_gzip = f.read(2) == GZIP_MAGIC
+        f.seek(0)
+        if not is_gzip:
+            while block := f.read(chunk_bytes):
+                yield block, False
+            return
+        d = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)
+        pending = b""
+        while True:
+            comp = f.read(1 << 20) if not pending else pending
+            pending = b""
+            if not comp:
+                yield b"", not d.eof  # EOF of the file: truncated if the stream did not end
+                return
+            try:
+                out = d.decompress(comp)
+            except zlib.error:
+                yield b"", True
+                return
+            if out:
+                yield out, False
+            if d.eof:  # next gzip member, if any
+                pending = d.unused_data
+                d = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)
+                if not pending:
+                    rest = f.read(1 << 20)
+                    if not rest:
+                        return
+                    pending = rest
+
+
+def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
+    """Blocks of whole lines of about ``chunk_bytes`` (the last may lack a newline).
+
+    The bool marks the last block of a truncated gzip file; the partial line at the
+    cut is dropped (it never existed whole in the file).
+    """
+    carry, parts, size = b"", [], 0
+    for block, truncated in _raw_blocks(path, chunk_bytes):
+        if truncated:
+            data = carry + b"".join(parts) + block
+            yield data[: data.rfind(b"\n") + 1], True
+            return
+        if not block:
+            continue
+        parts.append(block)
+        size += len(block)
+        if size >= chunk_bytes:
+            data = carry + b"".join(parts)
+            parts, size = [], 0
+            cut = data.rfind(b"\n") + 1
+            carry = data[cut:]
+            if cut:
+                yield data[:cut], False
+    data = carry + b"".join(parts)
+    if data:
+        yield data, False
+
+
+def _split_at_newline(data: bytes, parts: int) -> list[bytes]:
+    out, start = [], 0
+    for k in range(1, parts):
+        pos = data.find(b"\n", max(start, len(data) * k // parts))
+        if pos < 0:
+            break
+        out.append(data[start : pos + 1])
+        start = pos + 1
+    out.append(data[start:])
+    return [p for p in out if p]
+
+
+def tsv_pieces(
+    path: Path, chunk_bytes: int, pool: ThreadPoolExecutor, threads: int
+) -> Iterator[Piece]:
+    line = 1
+    for data, truncated in Prefetcher(_line_blocks(path, chunk_bytes), depth=2):
+        parts = _split_at_newline(data, threads) if data else []
+
+        def parse(part: bytes) -> ParsedChunk:
+            buf = np.frombuffer(part, dtype=np.uint8)
+            return ParsedChunk(int(np.count_nonzero(buf == 10)) + 1).parse(buf)
+
+        chunks = list(pool.map(parse, parts))
+        yield Piece(chunks, len(data), truncated, line)
+        line += sum(c.lines for c in chunks)
+
+
+_HEX = np.full(256, -1, np.int16)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX[_c] = 10 + _i
+
+
+def _hex_column(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Arrow string column -> (values uint32, missing bool, bad bool), vectorised."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = len(col)
+    lengths = pc.fill_null(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False)
+    missing = lengths == 0
+    bad = lengths > 8
+    padded = pc.utf8_lpad(pc.fill_null(col, ""), 8, "0")
+    padded = pc.if_else(pa.array(bad), pa.scalar("00000000"), padded)
+    raw = np.frombuffer(padded.buffers()[2], np.uint8)[: 8 * n].reshape(n, 8)
+    nib = _HEX[raw]
+    bad |= (nib < 0).any(axis=1) & ~missing
+    nib = np.where(nib < 0, 0, nib).astype(np.uint32)
+    values = np.zeros(n, np.uint32)
+    for k in range(8):
+        values = (values << 4) | nib[:, k]
+    return np.where(missing, 0, values).astype(np.uint32), missing, bad
+
+
+def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    line = 1
+    for rb in pf.iter_batches(batch_size=rows_per_piece):
+        n = rb.num_rows
+        chunk = ParsedChunk(n)
+        status = np.zeros(n, np.int8)
+        label = rb.column("label").to_numpy(zero_copy_only=False)
+        label = np.where(np.isnan(label.astype(np.float64)), -1, label).astype(np.int64)
+        status[(label != 0) & (label != 1)] = 2
+        dense = np.zeros((n, NUM_DENSE), np.float32)
+        for k in range(NUM_DENSE):
+            col = rb.column(f"I{k + 1}")
+            if not pa.types.is_integer(col.type):
+                raise ValueError(f"{path}: column I{k + 1} must be integer, is {col.type}")
+            x = col.to_numpy(zero_copy_only=False).astype(np.float64)
+            dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+        cats = np.zeros((n, NUM_CAT), np.uint32)
+        miss_bits = np.zeros(n, np.uint32)
+        for k in range(NUM_CAT):
+            col = rb.column(f"C{k + 1}")
+            if pa.types.is_integer(col.type):
+                v = col.to_numpy(zero_copy_only=False)
+                miss = np.isnan(v.astype(np.float64))
+                v = np.nan_to_num(v.astype(np.float64), nan=0.0)
+                bad = (v < 0) | (v >= 2**32)
+                vals = np.where(bad, 0, v).astype(np.uint32)
+            else:
+                vals, miss, bad = _hex_column(col)
+            status[(status == 0) & bad] = 4
+            cats[:, k] = vals
+            miss_bits |= miss.astype(np.uint32) << np.uint32(k)
+        good = status == 0
+        rows = int(good.sum())
+        chunk.dense[:rows], chunk.cats[:rows] = dense[good], cats[good]
+        chunk.missing[:rows], chunk.labels[:rows] = miss_bits[good], label[good].astype(np.uint8)
+        chunk.status[:n] = status
+        chunk.lines, chunk.rows = n, rows
+        yield Piece([chunk], rb.nbytes, False, line)
+        line += n

@@ -1,0 +1,69 @@
+"""Training and evaluation batches from the configured source (synthetic or a dataset)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from recscale.config.errors import ConfigError
+from recscale.config.schema import Config
+from recscale.data.batch import Batch
+from recscale.data.dataset import BatchLoader, BinaryDataset
+from recscale.data.synthetic import SyntheticCriteo
+
+
+def make_synthetic(cfg: Config) -> SyntheticCriteo:
+    d = cfg.data
+    return SyntheticCriteo(
+        cfg.model.table_sizes,
+        num_dense=cfg.model.num_dense_features,
+        seed=d.seed,
+        zipf_alpha=d.zipf_alpha,
+        min_ids=d.min_ids_per_feature,
+        max_ids=d.max_ids_per_feature,
+        signal_scale=d.signal_scale,
+    )
+
+
+def adopt_dataset_shapes(cfg: Config) -> str | None:
+    """With a dataset, take its table sizes (and check its dense width); returns a note."""
+    if not cfg.data.uses_dataset():
+        return None
+    ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
+    if ds.num_dense != cfg.model.num_dense_features:
+        raise ConfigError(
+            "model.num_dense_features",
+            f"is {cfg.model.num_dense_features} but {cfg.data.path} has {ds.num_dense} dense features",
+        )
+    note = None
+    if cfg.model.table_sizes != ds.table_sizes:
+        note = f"table sizes from {cfg.data.path}/metadata.json ({len(ds.table_sizes)} tables, {sum(ds.table_sizes):,} rows)"
+        cfg.model.table_sizes = ds.table_sizes
+    cfg.validate()
+    return note
+
+
+def train_batches(cfg: Config) -> Iterator[Batch]:
+    """An endless stream of training batches (datasets loop over epochs)."""
+    t = cfg.train
+    if cfg.data.uses_dataset():
+        ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
+        loader = BatchLoader(ds, t.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                             block_rows=cfg.data.block_rows)  # fmt: skip
+        return iter(loader)
+    return make_synthetic(cfg).batches(t.batch_size, "train")
+
+
+def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:
+    """Every held-out sample once: the dataset's eval split, or ``data.eval_samples`` synthetic ones."""
+    b = cfg.train.eval_batch_size
+    if cfg.data.uses_dataset():
+        ds = BinaryDataset(cfg.data.path, split or cfg.data.eval_split)
+        return BatchLoader(
+            ds, b, shuffle=False, drop_last=False, epochs=1, block_rows=cfg.data.block_rows
+        )
+    data = make_synthetic(cfg)
+    full, rest = divmod(cfg.data.eval_samples, b)
+    return [
+        *(data.batch(i, b, "eval") for i in range(full)),
+        *([data.batch(full, rest, "eval")] if rest else []),
+    ]
