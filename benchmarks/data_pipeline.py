@@ -1,0 +1,72 @@
+"""Preprocessing MB/s and lines/s, loader samples/s, and the training step beside them.
+
+    python benchmarks/data_pipeline.py --lines 3000000 [--workdir /tmp/recscale-bench]
+
+Generates a Criteo-format TSV (synthetic, cached in the workdir), preprocesses it in
+hash and vocab modes, times the loader at batch 2048, and trains config A from the
+hashed dataset (tables of 1M rows, like the benchmark preset) to compare the
+end-to-end rate with `recscale bench throughput --config A`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
+from recscale.config import load_config
+from recscale.data.criteo_tsv_writer import write_tsv
+from recscale.data.dataset import BatchLoader, BinaryDataset
+from recscale.data.preprocess import PreprocessOptions, preprocess
+from recscale.train.run import train
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lines", type=int, default=3_000_000)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/recscale-bench"))
+    ap.add_argument("--train-steps", type=int, default=300)
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src = args.workdir / f"criteo_synth_{args.lines}.tsv"
+    if not src.exists():
+        print(f"writing {args.lines:,} lines to {src} ...")
+        write_tsv(src, args.lines)
+    size = src.stat().st_size
+    results = {"lines": args.lines, "text_mb": size / 1e6}
+    for mode in ("hash", "vocab"):
+        out = args.workdir / f"ds_{mode}"
+        t = time.perf_counter()
+        meta = preprocess(
+            PreprocessOptions(inputs=[src], out=out, id_mode=mode, hash_sizes=[1_000_000]),
+            echo=lambda s: None,
+        )
+        secs = time.perf_counter() - t
+        results[f"preprocess_{mode}"] = {
+            "seconds": secs,
+            "mb_per_s": size / 1e6 / secs,
+            "lines_per_s": args.lines / secs,
+            "parse_mb_per_s": size / 1e6 / meta["parse_seconds"],
+        }
+    ds = BinaryDataset(args.workdir / "ds_hash", "train")
+    it = iter(BatchLoader(ds, 2048, shuffle=True, seed=0))
+    next(it)
+    t, n = time.perf_counter(), 0
+    for _ in range(300):
+        n += next(it).batch_size
+    results["loader_samples_per_s"] = n / (time.perf_counter() - t)
+    cfg = load_config("A", [f"--data.path={args.workdir / 'ds_hash'}", f"--train.steps={args.train_steps}",
+                            "--train.progress=false", "--data.eval_split=val", "--train.save_model=false"])  # fmt: skip
+    run_dir = args.workdir / "run_A"
+    m = train(cfg, run_dir, echo=lambda s: None)
+    log = [json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    results["train_A_samples_per_s_overall"] = m["samples_per_s"]
+    results["train_A_samples_per_s_last_window"] = log[-1]["samples_per_s"]
+    results["loader_over_training"] = results["loader_samples_per_s"] / m["samples_per_s"]
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
