@@ -13,5 +13,9 @@ import os
 # libgomp reads this when torch is first imported, so it is set here, before any
 # submodule imports torch; a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Back large torch allocations (the embedding tables) with transparent huge pages:
+# random row gathers from a 13 GB table miss the TLB on nearly every row with 4 KiB
+# pages (config B: gather 4 -> 8 GB/s, lookup + sparse update 22 -> 16 ms per step).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"

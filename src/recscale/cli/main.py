@@ -41,3 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop (which handles its own)
+        print("recscale: interrupted", file=sys.stderr)
+        return 130

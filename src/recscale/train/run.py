@@ -179,11 +179,16 @@ def train(
         "device": str(device),
         "threads": threads,
     }
-    if interrupted:
-        echo(f"interrupted at step {step}; skipping evaluation")
+    ev = None
+    if not interrupted:
+        try:
+            ev = evaluate(model, eval_batches(cfg), device)
+        except KeyboardInterrupt:
+            interrupted = metrics["interrupted"] = True
+    if ev is None:
+        echo(f"interrupted at step {step}; no evaluation")
         metrics.update({"auc": None, "logloss": None, "ne": None})
     else:
-        ev = evaluate(model, eval_batches(cfg), device)
         metrics.update(ev)
         echo(
             f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
