@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recscale.cli import bench_cmd, config_cmd, data_cmd, eval_cmd, train_cmd
+from recscale.cli import bench_cmd, checkpoint_cmd, config_cmd, data_cmd, eval_cmd, train_cmd
 from recscale.config.errors import ConfigError
 
 COMMANDS = {
@@ -13,6 +13,7 @@ COMMANDS = {
     "eval": eval_cmd,
     "data": data_cmd,
     "bench": bench_cmd,
+    "checkpoint": checkpoint_cmd,
     "config": config_cmd,
 }
 

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from recscale.checkpoint.format import CheckpointError
 from recscale.config.loader import load_config, preset_names
 from recscale.modules.embedding_bag_collection import IdOutOfRangeError
 from recscale.train.run import TrainingDiverged, train
@@ -28,14 +29,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="where to write metrics and config (default runs/<timestamp>)",
     )
+    p.add_argument(
+        "--resume",
+        default=None,
+        type=Path,
+        help="continue from RUN_DIR (its newest valid checkpoint and its config) or a checkpoint directory",
+    )
+
+
+def _resumed_run_dir(path: Path) -> Path:
+    """A run directory, its checkpoints/ folder, or one checkpoint -> the run directory."""
+    if (path / "config.toml").exists():
+        return path
+    for parent in (path.parent, path.parent.parent):
+        if (parent / "config.toml").exists():
+            return parent
+    raise FileNotFoundError(f"--resume {path}: no config.toml in it or above it")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    cfg = load_config(args.config, overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    resume_dir = None
+    if args.resume is not None:
+        try:
+            resume_dir = _resumed_run_dir(args.resume)
+        except FileNotFoundError as e:
+            print(f"recscale: error: {e}", file=sys.stderr)
+            return 1
+    config = args.config or (str(resume_dir / "config.toml") if resume_dir else None)
+    cfg = load_config(config, overrides)
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    elif resume_dir is not None:
+        run_dir = resume_dir
+    else:
+        run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
-        metrics = train(cfg, run_dir)
-    except (TrainingDiverged, IdOutOfRangeError) as e:
+        metrics = train(cfg, run_dir, resume=args.resume)
+    except (TrainingDiverged, IdOutOfRangeError, CheckpointError) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     return 130 if metrics["interrupted"] else 0

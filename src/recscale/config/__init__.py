@@ -3,6 +3,7 @@
 from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml, load_config, preset_names
 from recscale.config.schema import (
+    CheckpointConfig,
     Config,
     DataConfig,
     DenseOptimizerConfig,
@@ -12,6 +13,7 @@ from recscale.config.schema import (
 )
 
 __all__ = [
+    "CheckpointConfig",
     "Config",
     "ConfigError",
     "DataConfig",

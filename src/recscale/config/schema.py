@@ -231,6 +231,35 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpointing (off unless every_steps or every_minutes is set; then also at the end)."""
+
+    every_steps: int = 0
+    every_minutes: float = 0.0
+    # Keep the newest K checkpoints (and the full checkpoints their increments need).
+    keep: int = 3
+    # Every Nth checkpoint is full, the others incremental (1 = always full) ...
+    full_every: int = 4
+    # ... and a checkpoint is full anyway when more than this share of all rows changed.
+    full_if_fraction: float = 0.5
+    # Embedding rows on disk: fp32, fp16, or int8 (row-wise scale + bias); state stays fp32.
+    precision: str = "fp32"
+    # Write from an in-memory snapshot on a background thread while training goes on.
+    async_write: bool = True
+
+    def validate(self) -> None:
+        _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        _positive("checkpoint.every_minutes", self.every_minutes, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+        _positive("checkpoint.full_every", self.full_every)
+        if not 0.0 <= self.full_if_fraction <= 1.0:
+            raise ConfigError(
+                "checkpoint.full_if_fraction", f"must be in [0, 1], got {self.full_if_fraction}"
+            )
+        _choice("checkpoint.precision", self.precision, ("fp32", "fp16", "int8"))
+
+
+@dataclass
 class Config:
     """The root config: one section per component (the TOML tables of the same names)."""
 
@@ -239,6 +268,7 @@ class Config:
     optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> Config:
         for f in fields(self):

@@ -98,6 +98,7 @@ class DeviceStorage(RowStorage):
         self.num_rows, self.dim, self.optimizer, self.kernel = num_rows, dim, optimizer, kernel
         self.register_buffer("weight", torch.empty(num_rows, dim, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.dirty: torch.Tensor | None = None
         self.state_names = []
         for name, shape in optimizer.state_shapes(dim).items():
             t = torch.full((num_rows, *shape), optimizer.init_value(name), device=device)
@@ -117,6 +118,15 @@ class DeviceStorage(RowStorage):
             include_last_offset=True,
         )
 
+    def track_dirty(self, enabled: bool) -> None:
+        """Keep a per-row flag of rows updated since the flags were last cleared
+        (incremental checkpoints write only those rows)."""
+        self.dirty = (
+            torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
+            if enabled
+            else None
+        )
+
     def uses_fused_cpu_kernel(self) -> bool:
         """``auto`` picks the numba kernel for fp32 CPU storage, the torch path elsewhere."""
         if self.kernel == "torch":
@@ -128,6 +138,8 @@ class DeviceStorage(RowStorage):
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
+        if self.dirty is not None:
+            self.dirty.index_fill_(0, rows, True)
         if not self.uses_fused_cpu_kernel():
             return super().apply_pooled_gradients(
                 rows, segments, bag_of_id, per_sample_weights, grad_pooled

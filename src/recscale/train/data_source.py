@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
-from recscale.data.dataset import BatchLoader, BinaryDataset
+from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
 from recscale.data.synthetic import SyntheticCriteo
 
 
@@ -42,15 +42,19 @@ def adopt_dataset_shapes(cfg: Config) -> str | None:
     return note
 
 
-def train_batches(cfg: Config) -> Iterator[Batch]:
-    """An endless stream of training batches (datasets loop over epochs)."""
+def train_batches(cfg: Config, start_step: int = 0) -> Iterator[Batch]:
+    """An endless stream of training batches from global step ``start_step`` on
+    (datasets loop over epochs). Both sources are deterministic in the step, which is
+    all a resumed run needs to continue with exactly the batches it would have seen."""
     t = cfg.train
     if cfg.data.uses_dataset():
         ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
         loader = BatchLoader(ds, t.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                              block_rows=cfg.data.block_rows)  # fmt: skip
+        epoch, batch = divmod(start_step, loader.batches_per_epoch)
+        loader.position = LoaderPosition(epoch, batch)
         return iter(loader)
-    return make_synthetic(cfg).batches(t.batch_size, "train")
+    return make_synthetic(cfg).batches(t.batch_size, "train", start=start_step)
 
 
 def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:

@@ -8,11 +8,12 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, total_steps: int, batch_size: int, enabled: bool) -> None:
+    def __init__(self, total_steps: int, batch_size: int, enabled: bool, initial: int = 0) -> None:
         self.batch_size = batch_size
         self._bar = (
             tqdm(
                 total=total_steps,
+                initial=initial,
                 unit="step",
                 dynamic_ncols=True,
                 # Off a terminal (CI logs, files) a line every few seconds is enough.

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recscale.checkpoint.manager import CheckpointManager, resolve_chain
+from recscale.checkpoint.state import restore
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
@@ -88,12 +90,17 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def train(
-    cfg: Config, run_dir: Path | None = None, echo: Callable[[str], None] = print
+    cfg: Config,
+    run_dir: Path | None = None,
+    echo: Callable[[str], None] = print,
+    resume: Path | None = None,
 ) -> dict[str, Any]:
     """Train per ``cfg``; returns (and writes to ``run_dir``) the metrics dict.
 
-    Ctrl-C stops the loop cleanly: what was measured is still written, with
-    ``interrupted: true`` and no evaluation.
+    ``resume``: a checkpoint, or a run directory whose newest valid checkpoint
+    (chain) is restored; training continues from its step with the same batches.
+    Ctrl-C stops the loop cleanly: what was measured is still written (and a
+    checkpoint, when checkpointing is on), with ``interrupted: true``.
     """
     cfg.validate()
     t = cfg.train
@@ -110,6 +117,20 @@ def train(
 
     model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    ckpt = None
+    if run_dir is not None:
+        meta = {
+            "config": config_to_toml(cfg),
+            "plan": {"world_size": 1, "tables": "whole, one storage group per dim"},
+        }
+        ckpt = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", model, dense_opt, meta)
+    start_step = 0
+    if resume is not None:
+        chain = resolve_chain(resume, echo)
+        start_step = int(restore(model, dense_opt, chain)["step"])
+        echo(f"recscale: resumed from {chain[-1]} (step {start_step}; chain of {len(chain)})")
+        if ckpt is not None and chain[-1].parent.resolve() == ckpt.root.resolve():
+            ckpt.resume_from(chain)
     num_params = sum(p.numel() for p in model.dense_parameters())
     num_rows = sum(cfg.model.table_sizes)
     echo(
@@ -118,10 +139,13 @@ def train(
         f"{t.steps} steps x batch {t.batch_size} on {device} ({threads} threads)"
     )
 
-    log_file = (run_dir / "train_log.jsonl").open("w") if run_dir is not None else None
-    progress = Progress(t.steps, t.batch_size, t.progress)
-    stream = Prefetcher(train_batches(cfg), depth=cfg.data.prefetch_batches)
-    step, interrupted = 0, False
+    log_file = (
+        (run_dir / "train_log.jsonl").open("a" if resume else "w") if run_dir is not None else None
+    )
+    progress = Progress(t.steps, t.batch_size, t.progress, initial=start_step)
+    stream = Prefetcher(train_batches(cfg, start_step), depth=cfg.data.prefetch_batches)
+    step, interrupted = start_step, False
+    saved_step = start_step
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
     start = window_start = time.perf_counter()
     model.train()
@@ -144,6 +168,9 @@ def train(
             dense_opt.step()
             window_loss += loss_value
             window_steps += 1
+            if ckpt is not None and ckpt.enabled and ckpt.due(step):
+                ckpt.save(step, {"step": step})
+                saved_step = step
             if step % t.log_every == 0 or step == t.steps:
                 now = time.perf_counter()
                 sps = window_steps * t.batch_size / max(now - window_start, 1e-9)
@@ -168,12 +195,18 @@ def train(
     train_seconds = time.perf_counter() - start
     if window_steps:
         last_loss = window_loss / window_steps
+    trained = step - start_step
+    if ckpt is not None and ckpt.enabled:
+        if step != saved_step:
+            ckpt.save(step, {"step": step})
+        ckpt.wait()
 
     metrics: dict[str, Any] = {
         "steps": step,
         "samples": step * t.batch_size,
+        "resumed_from_step": start_step if resume is not None else None,
         "train_seconds": train_seconds,
-        "samples_per_s": step * t.batch_size / max(train_seconds, 1e-9),
+        "samples_per_s": trained * t.batch_size / max(train_seconds, 1e-9),
         "train_loss": last_loss,
         "interrupted": interrupted,
         "device": str(device),
@@ -190,11 +223,18 @@ def train(
         metrics.update({"auc": None, "logloss": None, "ne": None})
     else:
         metrics.update(ev)
+    if ckpt is not None and ckpt.enabled:
+        st = ckpt.stats
+        metrics["checkpoints"] = {"saved": st.saved, "full": st.full, "incremental": st.incremental,
+                                  "bytes": st.bytes, "stall_s": st.stall_seconds, "write_s": st.write_seconds,
+                                  "last": st.last, "history": st.history}  # fmt: skip
         echo(
             f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
             f"NE {ev['ne']:.4f}  calibration {ev['calibration']:.3f}"
         )
-    echo(f"trained {step} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s")
+    echo(
+        f"trained {trained} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
+    )
     if run_dir is not None:
         if t.save_model:
             save_model(model, run_dir / "model.pt")

@@ -1,0 +1,71 @@
+"""``recscale checkpoint inspect PATH [--json]``: what a checkpoint holds and whether it is valid."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from recscale.checkpoint.format import CheckpointError, read_manifest, verify
+from recscale.checkpoint.manager import chain_of, checkpoint_dirs
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="inspect checkpoints")
+    csub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    ip = csub.add_parser(
+        "inspect", help="step, config, plan, tables, sizes, kind, precision, validity"
+    )
+    ip.add_argument(
+        "path", type=Path, help="a checkpoint, a run directory or its checkpoints/ folder"
+    )
+    ip.add_argument("--json", action="store_true")
+
+
+def _describe(path: Path) -> dict:
+    info: dict = {"path": str(path)}
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return {**info, "valid": False, "error": str(e)}
+    info.update(
+        {k: manifest.get(k) for k in ("kind", "step", "parent", "precision", "plan", "config")}
+    )
+    info["bytes"] = sum(f["bytes"] for f in manifest["files"].values())
+    info["tables"] = [
+        {"name": t["name"], "rows": t["num_rows"], "dim": t["dim"], "stored_rows": t["stored_rows"]}
+        for t in manifest["tables"]
+    ]
+    try:
+        chain = chain_of(path)
+        for p in chain:
+            verify(p)
+        info.update(valid=True, chain=[p.name for p in chain])
+    except CheckpointError as e:
+        info.update(valid=False, error=str(e))
+    return info
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    path: Path = args.path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    paths = [path] if (path / "manifest.json").exists() else checkpoint_dirs(root)
+    if not paths:
+        print(f"recscale: error: no checkpoints at {path}")
+        return 1
+    infos = [_describe(p) for p in paths]
+    if args.json:
+        print(json.dumps(infos if len(infos) > 1 else infos[0], indent=2))
+        return 0 if all(i["valid"] for i in infos) else 1
+    for i in infos:
+        status = "valid" if i["valid"] else f"INVALID: {i['error']}"
+        if "kind" not in i:
+            print(f"{i['path']}: {status}")
+            continue
+        rows = sum(t["stored_rows"] for t in i["tables"])
+        print(
+            f"{i['path']}: step {i['step']}, {i['kind']}"
+            + (f" (parent {i['parent']})" if i["parent"] else "")
+            + f", {i['precision']}, {i['bytes'] / 1e6:.1f} MB, {len(i['tables'])} tables, {rows:,} rows stored; {status}"
+        )
+    return 0 if all(i["valid"] for i in infos) else 1

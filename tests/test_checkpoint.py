@@ -1,0 +1,226 @@
+"""Checkpoints: bitwise resume, incremental chains, corruption, kill -9 mid-save, quantization."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recscale.checkpoint.format import CheckpointError, verify
+from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
+from recscale.checkpoint.state import _dequantize_int8, _quantize_int8, restore
+from recscale.config import load_config
+from recscale.data.criteo_tsv_writer import synthetic_lines
+from recscale.data.preprocess import PreprocessOptions, preprocess
+from recscale.models.dlrm import build_model
+from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.run import train
+
+QUIET = dict(echo=lambda *_: None)
+BASE = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=2048", "--checkpoint.every_steps=20",
+        "--checkpoint.full_every=2", "--checkpoint.full_if_fraction=1.0", "--checkpoint.keep=10"]  # fmt: skip
+
+
+def _state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())
+    }
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckds")
+    src = root / "in.tsv"
+    src.write_text("\n".join(synthetic_lines(3000, seed=4)) + "\n")
+    preprocess(
+        PreprocessOptions(inputs=[src], out=root / "ds", hash_sizes=[500], split="none"),
+        echo=lambda s: None,
+    )
+    return root / "ds"
+
+
+@pytest.mark.parametrize("source", ["synthetic", "dataset"])
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_resume_is_bitwise_identical(tmp_path, source, optimizer, small_dataset):
+    extra = [f"--embedding.optimizer={optimizer}", "--optimizer.name=adam"]
+    if optimizer == "adam":
+        extra.append("--embedding.lr=0.01")
+    if source == "dataset":  # 3000 rows / 256 = 11 batches per epoch: resume lands mid-epoch
+        extra += [
+            f"--data.path={small_dataset}",
+            "--data.eval_split=train",
+            "--data.block_rows=700",
+        ]
+    full = load_config("debug", [*BASE, *extra, "--train.steps=60"])
+    train(full, tmp_path / "a", **QUIET)
+    part = load_config("debug", [*BASE, *extra, "--train.steps=40"])
+    train(part, tmp_path / "b", **QUIET)
+    kinds = [
+        json.loads((d / "manifest.json").read_text())["kind"]
+        for d in checkpoint_dirs(tmp_path / "b/checkpoints")
+    ]
+    assert kinds == ["full", "incremental"]  # the restored state comes from a chain
+    cont = load_config("debug", [*BASE, *extra, "--train.steps=60"])
+    m = train(cont, tmp_path / "b", resume=tmp_path / "b", **QUIET)
+    assert m["resumed_from_step"] == 40 and m["steps"] == 60
+    a, b = _state(tmp_path / "a"), _state(tmp_path / "b")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert all(la[s] == lb[s] for s in range(45, 61, 5))
+
+
+def test_incremental_chain_restores_the_full_state(tmp_path):
+    cfg = load_config("debug", [*BASE, "--train.steps=60", "--checkpoint.full_every=3"])
+    train(cfg, tmp_path, **QUIET)
+    newest = checkpoint_dirs(tmp_path / "checkpoints")[-1]
+    chain = resolve_chain(tmp_path, **QUIET)
+    assert len(chain) >= 2 and chain[0].name == "step_00000020"
+    assert json.loads((newest / "manifest.json").read_text())["kind"] == "incremental"
+    incr = sum(
+        t["stored_rows"] for t in json.loads((newest / "manifest.json").read_text())["tables"]
+    )
+    assert 0 < incr < sum(cfg.model.table_sizes)  # only touched rows were written
+    model = build_model(
+        cfg.model, cfg.embedding, seed=99
+    )  # different init: everything must come from disk
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    assert restore(model, opt, chain)["step"] == 60
+    saved = _state(tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+
+def test_corruption_is_detected_and_resume_falls_back(tmp_path):
+    cfg = load_config("debug", [*BASE, "--train.steps=40", "--checkpoint.full_every=1"])
+    train(cfg, tmp_path, **QUIET)
+    newest = checkpoint_dirs(tmp_path / "checkpoints")[-1]
+    victim = newest / "tables" / "C3.weight.f32"
+    data = bytearray(victim.read_bytes())
+    data[5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"C3\.weight\.f32: checksum mismatch"):
+        verify(newest)
+    messages = []
+    chain = resolve_chain(tmp_path, echo=messages.append)
+    assert chain[-1].name == "step_00000020" and "step_00000040" in messages[0]
+    (newest / "tables" / "C4.weight.f32").write_bytes(b"short")  # truncated file
+    with pytest.raises(CheckpointError, match=r"C4\.weight\.f32: 5 bytes"):
+        verify(newest, checksums=False)
+    r = subprocess.run([sys.executable, "-m", "recscale", "checkpoint", "inspect", str(tmp_path), "--json"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1
+    infos = json.loads(r.stdout)
+    assert [i["valid"] for i in infos] == [True, False]
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from recscale.config import load_config
+    from recscale.checkpoint.manager import CheckpointManager
+    from recscale.models.dlrm import build_model
+    from recscale.train.optimizers import build_dense_optimizer
+    cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["30000"] * 26), "--checkpoint.every_steps=1",
+                                "--checkpoint.async_write=false", "--checkpoint.keep=2", "--checkpoint.full_every=1"])
+    model = build_model(cfg.model, cfg.embedding)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    mgr = CheckpointManager(cfg.checkpoint, Path(sys.argv[1]), model, opt)
+    step = 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            for g in model.embeddings.groups:
+                g.storage.weight.fill_(float(step))
+        mgr.save(step, {"step": step})
+        print(step, flush=True)
+""")
+
+
+def test_sigkill_during_save_never_loses_the_last_good_checkpoint(tmp_path):
+    script = tmp_path / "saver.py"
+    script.write_text(CRASH_SCRIPT)
+    root = tmp_path / "ckpts"
+    rng = random.Random(0)
+    cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["30000"] * 26)])
+    for trial in range(6):
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True
+        )
+        first = proc.stdout.readline()  # at least one checkpoint completed in this process
+        assert first.strip()
+        time.sleep(rng.uniform(0.0, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        chain = resolve_chain(root, **QUIET)
+        model = build_model(cfg.model, cfg.embedding)
+        step = restore(model, None, chain)["step"]
+        # The restored tables hold exactly the value written at that step: a complete checkpoint.
+        w = model.embeddings.groups[0].storage.weight
+        assert float(w.min()) == float(w.max()) == float(step), trial
+
+
+def test_int8_and_fp16_round_trip_bounds():
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, size=(1000, 16)).astype(np.float32)
+    w[3] = 0.25  # a constant row
+    q, qp = _quantize_int8(w)
+    back = _dequantize_int8(q, qp)
+    step = (w.max(axis=1) - w.min(axis=1)) / 255
+    assert np.all(np.abs(back - w) <= step[:, None] / 2 + 1e-7)
+    np.testing.assert_array_equal(back[3], w[3])
+    assert q.nbytes + qp.nbytes == 1000 * (
+        16 + 8
+    )  # one byte per value + fp32 scale and bias per row
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_quantized_checkpoint_resumes_with_quality(tmp_path, precision):
+    base = [*BASE, "--train.steps=300", "--checkpoint.every_steps=150", "--data.eval_samples=8192"]
+    ref = train(load_config("debug", base), tmp_path / "ref", **QUIET)
+    train(load_config("debug", [*base[:-3], "--train.steps=150", "--checkpoint.every_steps=150",
+                                f"--checkpoint.precision={precision}"]), tmp_path / "q", **QUIET)  # fmt: skip
+    m = train(load_config("debug", base), tmp_path / "q", resume=tmp_path / "q", **QUIET)
+    assert abs(m["auc"] - ref["auc"]) < 0.01
+    manifest = json.loads(
+        (checkpoint_dirs(tmp_path / "q/checkpoints")[0] / "manifest.json").read_text()
+    )
+    assert manifest["precision"] == precision
+
+
+def test_keep_last_k(tmp_path):
+    cfg = load_config(
+        "debug", [*BASE, "--train.steps=100", "--checkpoint.keep=2", "--checkpoint.full_every=1"]
+    )
+    train(cfg, tmp_path, **QUIET)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "checkpoints")] == [
+        "step_00000080",
+        "step_00000100",
+    ]
+
+
+def test_cli_resume_from_run_dir(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recscale", "train"]
+    r = subprocess.run([*cmd, "--config", "debug", "--train.steps=40", "--checkpoint.every_steps=20",
+                        "--train.progress=false", "--run-dir", str(run)], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*cmd, "--resume", str(run), "--train.steps=60", "--train.progress=false"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (
+        "resumed from" in r.stdout and json.loads((run / "metrics.json").read_text())["steps"] == 60
+    )
