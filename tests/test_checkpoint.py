@@ -156,7 +156,9 @@ def test_sigkill_during_save_never_loses_the_last_good_checkpoint(tmp_path):
     root = tmp_path / "ckpts"
     rng = random.Random(0)
     cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["30000"] * 26)])
-    for trial in range(6):
+    for trial in range(
+        8
+    ):  # restarts re-save steps 1, 2, ... over older checkpoints of the same steps
         proc = subprocess.Popen(
             [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True
         )
@@ -224,3 +226,15 @@ def test_cli_resume_from_run_dir(tmp_path):
     assert (
         "resumed from" in r.stdout and json.loads((run / "metrics.json").read_text())["steps"] == 60
     )
+
+
+def test_crash_between_replacement_renames_recovers_the_old_checkpoint(tmp_path):
+    cfg = load_config("debug", [*BASE, "--train.steps=20", "--checkpoint.full_every=1"])
+    train(cfg, tmp_path, **QUIET)
+    root = tmp_path / "checkpoints"
+    # The state a kill leaves after "move the old step_20 aside" and before "rename the new one in".
+    os.rename(root / "step_00000020", root / ".step_00000020.old-12345")
+    (root / ".step_00000020.tmp-12345").mkdir()
+    chain = resolve_chain(tmp_path, **QUIET)
+    assert [p.name for p in chain] == ["step_00000020"]
+    assert not list(root.glob(".step_00000020.old-*"))

@@ -78,14 +78,33 @@ class CheckpointWriter:
             os.fsync(f.fileno())
         _fsync_dir(self.tmp / "tables")
         _fsync_dir(self.tmp)
+        # Replacing a checkpoint of the same step (a run restarted from an earlier one):
+        # move the old one aside first, never delete it before the new one is in place;
+        # recover() puts it back if a crash hits between the two renames.
+        backup = None
         if self.final_dir.exists():
-            shutil.rmtree(self.final_dir)
+            backup = self.final_dir.parent / f".{self.final_dir.name}.old-{os.getpid()}"
+            os.rename(self.final_dir, backup)
         os.rename(self.tmp, self.final_dir)
         _fsync_dir(self.final_dir.parent)
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
         return self.final_dir
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def recover(root: Path) -> None:
+    """Undo a crash between the two renames of a same-step replacement; drop stale temps."""
+    if not root.is_dir():
+        return
+    for backup in root.glob(".step_*.old-*"):
+        final = root / backup.name[1:].split(".old-")[0]
+        if final.exists():
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.rename(backup, final)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

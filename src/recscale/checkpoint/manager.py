@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from recscale.checkpoint.format import CheckpointError, read_manifest, verify
+from recscale.checkpoint.format import CheckpointError, read_manifest, recover, verify
 from recscale.checkpoint.state import capture, write
 from recscale.config.schema import CheckpointConfig
 from recscale.models.dlrm import DLRM
@@ -63,6 +63,7 @@ def resolve_chain(path: Path, echo: Callable[[str], None] = print) -> list[Path]
             verify(p)
         return chain
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    recover(root)
     candidates = checkpoint_dirs(root)
     if not candidates:
         raise CheckpointError(f"no checkpoints in {root}")
@@ -108,6 +109,7 @@ class CheckpointManager:
         for g in model.embeddings.groups:
             g.storage.track_dirty(self.enabled)
         root.mkdir(parents=True, exist_ok=True)
+        recover(root)
         for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
 
