@@ -127,3 +127,22 @@ def test_out_of_range_id_names_feature_and_value(bad):
     offsets = torch.tensor([0, 1, 2, 3, 4])  # F=2, B=2
     with pytest.raises(IdOutOfRangeError, match=rf"id {bad} of feature C2 \(sample 1.*10 rows"):
         ebc(values, offsets, 2)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "numba"])
+def test_dirty_flags_mark_exactly_the_touched_rows(kernel):
+    sizes = [7, 3, 11]
+    ebc = EmbeddingBagCollection(
+        _tables(sizes, [4, 4, 4]), "sum", lambda: SparseSGD(lr=1.0), kernel=kernel
+    )
+    storage = ebc.groups[0].storage
+    storage.track_dirty(True)
+    batch = random_jagged(sizes, 5, seed=4, hot_ids=False)
+    ebc(batch.values, batch.offsets, 5).sum().backward()
+    b = batch.batch_size
+    touched = set()
+    for f in range(3):
+        start = int(ebc.feature_row_offset[f])
+        vals = batch.values[int(batch.offsets[f * b]) : int(batch.offsets[(f + 1) * b])]
+        touched |= {start + int(v) for v in vals}
+    assert set(torch.nonzero(storage.dirty).squeeze(1).tolist()) == touched

@@ -148,7 +148,8 @@ class CheckpointManager:
         def run() -> None:
             t = time.perf_counter()
             try:
-                write(snap, self.root / name)
+                path = write(snap, self.root / name)
+                on_disk = sum(f["bytes"] for f in read_manifest(path)["files"].values())
                 self._prune()
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
@@ -156,7 +157,7 @@ class CheckpointManager:
             secs = time.perf_counter() - t
             self.stats.write_seconds += secs
             self.stats.saved += 1
-            self.stats.bytes += snap.nbytes
+            self.stats.bytes += on_disk
             setattr(self.stats, kind, getattr(self.stats, kind) + 1)
             self.stats.last = name
             self.stats.history.append(

@@ -36,7 +36,7 @@ if HAVE_NUMBA:
     @nb.njit(parallel=True, cache=True, nogil=True)
     def _fused_update(
         kind, weight, state1, state2, rows, seg_starts, bag_of_id, psw, has_psw, grad_pooled,
-        lr, eps, beta1, beta2, step_size,
+        lr, eps, beta1, beta2, step_size, dirty, track_dirty,
     ):  # fmt: skip
         num_seg = seg_starts.shape[0] - 1
         dim = weight.shape[1]
@@ -80,6 +80,8 @@ if HAVE_NUMBA:
             touched[s] = touch
             for j in range(u):
                 r = uniq[j]
+                if track_dirty:  # rows changed since the last checkpoint (incremental checkpoints)
+                    dirty[r] = 1
                 if kind == 0:  # SGD
                     for d in range(dim):
                         weight[r, d] -= lr * acc[j, d]
@@ -122,6 +124,7 @@ def fused_update_cpu(
     per_sample_weights: torch.Tensor | None,
     grad_pooled: torch.Tensor,
     step: int,
+    dirty: torch.Tensor | None = None,
 ) -> None:
     """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module doc)."""
     empty = np.zeros((1, 1), np.float32)
@@ -144,4 +147,5 @@ def fused_update_cpu(
         kind, weight.numpy(), s1_arg, s2, rows.numpy(), segments.contiguous().numpy(), bag_of_id.numpy(),
         psw, per_sample_weights is not None, grad_pooled.contiguous().numpy(),
         np.float32(lr), np.float32(eps), np.float32(b1), np.float32(b2), np.float32(step_size),
+        dirty.view(torch.uint8).numpy() if dirty is not None else np.zeros(1, np.uint8), dirty is not None,
     )  # fmt: skip

@@ -138,16 +138,16 @@ class DeviceStorage(RowStorage):
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        if self.dirty is not None:
-            self.dirty.index_fill_(0, rows, True)
         if not self.uses_fused_cpu_kernel():
+            if self.dirty is not None:
+                self.dirty.index_fill_(0, rows, True)
             return super().apply_pooled_gradients(
                 rows, segments, bag_of_id, per_sample_weights, grad_pooled
             )
         self.step += 1
         fused_update_cpu(
             self.optimizer, self.weight, self.optimizer_state(), rows, segments, bag_of_id,
-            per_sample_weights, grad_pooled, int(self.step),
+            per_sample_weights, grad_pooled, int(self.step), self.dirty,
         )  # fmt: skip
 
     @torch.no_grad()
