@@ -46,3 +46,15 @@ def per_feature_inputs(
     offs = batch.offsets[f * b : (f + 1) * b + 1] - start
     w = None if batch.weights is None else batch.weights[start:end]
     return batch.values[start:end], offs, w
+
+
+def make_dataset(root, lines: int, seed: int, hash_size: int):
+    """A small preprocessed dataset (split 'train' only) from synthetic Criteo lines."""
+    from recscale.data.criteo_tsv_writer import synthetic_lines
+    from recscale.data.preprocess import PreprocessOptions, preprocess
+
+    src = root / "in.tsv"
+    src.write_text("\n".join(synthetic_lines(lines, seed=seed)) + "\n")
+    opts = PreprocessOptions(inputs=[src], out=root / "ds", hash_sizes=[hash_size], split="none")
+    preprocess(opts, echo=lambda s: None)
+    return root / "ds"

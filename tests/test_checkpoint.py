@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import make_dataset
 
 from recscale.checkpoint.format import CheckpointError, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
 from recscale.checkpoint.state import _dequantize_int8, _quantize_int8, restore
 from recscale.config import load_config
-from recscale.data.criteo_tsv_writer import synthetic_lines
-from recscale.data.preprocess import PreprocessOptions, preprocess
 from recscale.models.dlrm import build_model
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.run import train
@@ -42,14 +41,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckds")
-    src = root / "in.tsv"
-    src.write_text("\n".join(synthetic_lines(3000, seed=4)) + "\n")
-    preprocess(
-        PreprocessOptions(inputs=[src], out=root / "ds", hash_sizes=[500], split="none"),
-        echo=lambda s: None,
-    )
-    return root / "ds"
+    return make_dataset(tmp_path_factory.mktemp("ckds"), 3000, seed=4, hash_size=500)
 
 
 @pytest.mark.parametrize("source", ["synthetic", "dataset"])
@@ -184,9 +176,8 @@ def test_int8_and_fp16_round_trip_bounds():
     step = (w.max(axis=1) - w.min(axis=1)) / 255
     assert np.all(np.abs(back - w) <= step[:, None] / 2 + 1e-7)
     np.testing.assert_array_equal(back[3], w[3])
-    assert q.nbytes + qp.nbytes == 1000 * (
-        16 + 8
-    )  # one byte per value + fp32 scale and bias per row
+    # one byte per value + an fp32 scale and bias per row
+    assert q.nbytes + qp.nbytes == 1000 * (16 + 8)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
@@ -201,6 +192,16 @@ def test_quantized_checkpoint_resumes_with_quality(tmp_path, precision):
         (checkpoint_dirs(tmp_path / "q/checkpoints")[0] / "manifest.json").read_text()
     )
     assert manifest["precision"] == precision
+    fp32 = json.loads(
+        (checkpoint_dirs(tmp_path / "ref/checkpoints")[0] / "manifest.json").read_text()
+    )
+
+    def row_bytes(m):
+        return sum(f["bytes"] for n, f in m["files"].items() if ".weight." in n or ".qparams." in n)
+
+    rows, dim = sum(t["num_rows"] for t in fp32["tables"]), fp32["tables"][0]["dim"]
+    assert row_bytes(fp32) == rows * dim * 4
+    assert row_bytes(manifest) == rows * (dim * 2 if precision == "fp16" else dim + 8)
 
 
 def test_keep_last_k(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import make_dataset
 
 from recscale.data.criteo_tsv_writer import synthetic_lines
 from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
@@ -214,14 +215,7 @@ def test_parquet_out_and_in(tmp_path, sample):
 
 @pytest.fixture(scope="module")
 def medium_dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("medium")
-    src = root / "in.tsv"
-    src.write_text("\n".join(synthetic_lines(5000, seed=1)) + "\n")
-    preprocess(
-        PreprocessOptions(inputs=[src], out=root / "ds", hash_sizes=[1000], split="none"),
-        echo=lambda s: None,
-    )
-    return root / "ds"
+    return make_dataset(tmp_path_factory.mktemp("medium"), 5000, seed=1, hash_size=1000)
 
 
 def test_loader_shuffles_by_block_and_covers_every_row(medium_dataset):

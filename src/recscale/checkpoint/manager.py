@@ -164,7 +164,7 @@ class CheckpointManager:
                 {
                     "name": name,
                     "kind": kind,
-                    "bytes": snap.nbytes,
+                    "bytes": on_disk,
                     "capture_s": capture_s,
                     "write_s": secs,
                 }
