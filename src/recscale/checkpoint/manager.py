@@ -108,7 +108,8 @@ class CheckpointManager:
         self._total_rows = total_rows
         for g in model.embeddings.groups:
             g.storage.track_dirty(self.enabled)
-        root.mkdir(parents=True, exist_ok=True)
+        if self.enabled:
+            root.mkdir(parents=True, exist_ok=True)
         recover(root)
         for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
