@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recscale.cli import bench_cmd, checkpoint_cmd, config_cmd, data_cmd, eval_cmd, train_cmd
+from recscale.cli import (
+    bench_cmd,
+    checkpoint_cmd,
+    config_cmd,
+    data_cmd,
+    eval_cmd,
+    plan_cmd,
+    train_cmd,
+)
 from recscale.config.errors import ConfigError
 
 COMMANDS = {
     "train": train_cmd,
     "eval": eval_cmd,
     "data": data_cmd,
+    "plan": plan_cmd,
     "bench": bench_cmd,
     "checkpoint": checkpoint_cmd,
     "config": config_cmd,

@@ -1,0 +1,63 @@
+"""``recscale plan --config NAME --world-size N [--memory-per-rank GB] [--json]``: a dry run of
+the sharding planner (no process group): placement, memory and cost per rank, imbalance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from recscale.config.loader import load_config, preset_names
+from recscale.planner import Constraints, PlanError, TableInfo, Topology, plan_sharding
+
+_STATE_BYTES = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan table sharding for N ranks (dry run, no processes)")
+    p.add_argument(
+        "--config", default="default", help=f"preset ({', '.join(preset_names())}) or TOML path"
+    )
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument(
+        "--memory-per-rank", type=float, default=64.0, help="GB for embedding tables per rank"
+    )
+    p.add_argument(
+        "--all-to-all-gbps", type=float, default=12.5, help="GB/s per rank (default 100 Gb/s)"
+    )
+    p.add_argument(
+        "--gather-gbps", type=float, default=10.0, help="random row-gather GB/s per rank"
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    m = cfg.model
+    pooling = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
+    state = _STATE_BYTES[cfg.embedding.optimizer]
+    tables = [
+        TableInfo(f"C{i + 1}", n, d, pooling, state(d))
+        for i, (n, d) in enumerate(zip(m.table_sizes, m.dims()))
+    ]
+    topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), args.all_to_all_gbps * 1e9,
+                    args.all_to_all_gbps * 1e9, args.gather_gbps * 1e9)  # fmt: skip
+    try:
+        plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
+    except PlanError as e:
+        print(f"recscale: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
+          f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}")  # fmt: skip
+    print(f"{'table':>6} {'rows':>12} {'dim':>4} {'GB':>8}  {'placement':<14} ranks")
+    for t, p in zip(tables, plan.placements):
+        ranks = p.ranks if len(p.ranks) <= 8 else f"{p.ranks[:3]}..{p.ranks[-1]} ({len(p.ranks)})"
+        print(f"{t.name:>6} {t.rows:>12,} {t.dim:>4} {t.bytes / 1e9:>8.3f}  {p.kind:<14} {ranks}")
+    mem, cost = plan.memory_per_rank, plan.cost_per_rank
+    print(f"memory per rank: max {max(mem) / 1e9:.2f} GB, min {min(mem) / 1e9:.2f} GB")
+    print(f"embedding cost per step (lookup + update + all-to-all): slowest rank {plan.max_cost * 1e3:.3f} ms, "
+          f"mean {sum(cost) / len(cost) * 1e3:.3f} ms, imbalance {plan.imbalance:.2f}")  # fmt: skip
+    return 0

@@ -1,0 +1,139 @@
+"""Plan where each embedding table lives so the slowest rank is as fast as possible.
+
+Cost model, seconds per training step on a rank (B global batch, W ranks, p ids
+per sample of the table, D its dim, BW the topology's bandwidths)::
+
+    lookup(n ids, width d) = 3 * n * d * 4 / gather_bw       forward read + update read/write
+    data_parallel  every rank: lookup(B p / W, D) + 2 (W-1)/W * rows * D * 4 / all_reduce_bw
+    table_wise     owner:      lookup(B p, D)     + (B p 8 + 2 B D 4) (W-1)/W / all_to_all_bw
+    row_wise       each rank:  lookup(B p / W, D) + (B p 8 / W + 2 B D 4 (W-1)/W) / all_to_all_bw
+    column_wise    k ranks:    lookup(B p, D/k)   + (B p 8 + 2 B (D/k) 4) (W-1)/W / all_to_all_bw
+
+(ids travel as 8-byte ints; pooled vectors forward and their gradients backward as
+fp32). Memory: rows * (D * 4 + optimizer state per row), split by rows (row_wise)
+or columns (column_wise), replicated (data_parallel).
+
+Greedy, largest table first: each table takes the candidate placement - replicate
+(tables up to ``data_parallel_max_bytes``), whole on the least-loaded rank with
+room, split by columns over the k least-loaded ranks, or split by rows over all
+ranks - that gives the smallest maximum per-rank cost (within 2%; then the least total
+work, then the least memory), within every rank's memory.
+A table larger than one rank's memory can only be split by rows. Deterministic:
+ties go to the lower rank index.
+"""
+
+from __future__ import annotations
+
+from recscale.planner.types import Constraints, ShardingPlan, TableInfo, TablePlacement, Topology
+
+GB = 1e9
+TIE_TOLERANCE = 0.02
+
+
+class PlanError(ValueError):
+    """No placement fits; the message says how much memory is missing."""
+
+
+def _lookup_s(ids: float, width: int, topo: Topology) -> float:
+    return 3.0 * ids * width * 4 / topo.gather_bandwidth
+
+
+def _candidates(t: TableInfo, topo: Topology, cons: Constraints, mem: list[int], cost: list[float]):
+    w, b, p, d = topo.world_size, cons.batch_size, t.pooling, t.dim
+    spread = (w - 1) / w
+    cap = topo.memory_per_rank
+    order = sorted(range(w), key=lambda r: (cost[r], mem[r], r))
+    fits_one = t.bytes <= cap
+    if t.bytes <= cons.data_parallel_max_bytes and all(m + t.bytes <= cap for m in mem):
+        c = _lookup_s(b * p / w, d, topo)
+        if w > 1:  # gradients ride in the dense all-reduce buckets: bandwidth, no extra latency
+            c += 2 * spread * t.rows * d * 4 / topo.all_reduce_bandwidth
+        yield TablePlacement(t.name, "data_parallel", list(range(w)), dict.fromkeys(range(w), t.bytes),
+                             dict.fromkeys(range(w), c))  # fmt: skip
+    if fits_one:
+        room = [r for r in order if mem[r] + t.bytes <= cap]
+        if room:
+            r = room[0]
+            c = (
+                _lookup_s(b * p, d, topo)
+                + (b * p * 8 + 2 * b * d * 4) * spread / topo.all_to_all_bandwidth
+            )
+            yield TablePlacement(t.name, "table_wise", [r], {r: t.bytes}, {r: c})
+        k = 2
+        while k <= w and d % k == 0 and d // k >= cons.column_wise_min_dim:
+            shard_bytes = t.rows * (d // k * t.bytes_per_value + t.state_bytes_per_row)
+            room = [r for r in order if mem[r] + shard_bytes <= cap][:k]
+            if len(room) == k:
+                c = (
+                    _lookup_s(b * p, d // k, topo)
+                    + (b * p * 8 + 2 * b * (d // k) * 4) * spread / topo.all_to_all_bandwidth
+                )
+                ranks = sorted(room)
+                yield TablePlacement(t.name, "column_wise", ranks, dict.fromkeys(ranks, shard_bytes),
+                                     dict.fromkeys(ranks, c), [d // k] * k)  # fmt: skip
+            k *= 2
+    if w > 1 or not fits_one:
+        per_rank = [t.rows // w + (1 if r < t.rows % w else 0) for r in range(w)]
+        shard = [n * (d * t.bytes_per_value + t.state_bytes_per_row) for n in per_rank]
+        if all(mem[r] + shard[r] <= cap for r in range(w)):
+            c = (
+                _lookup_s(b * p / w, d, topo)
+                + (b * p * 8 / w + 2 * b * d * 4 * spread) / topo.all_to_all_bandwidth
+            )
+            yield TablePlacement(
+                t.name,
+                "row_wise",
+                list(range(w)),
+                dict(enumerate(shard)),
+                dict.fromkeys(range(w), c),
+            )
+
+
+def plan_sharding(
+    tables: list[TableInfo], topology: Topology, constraints: Constraints
+) -> ShardingPlan:
+    """Pure function: the plan for ``tables`` on ``topology`` (see the module docstring)."""
+    w, cap = topology.world_size, topology.memory_per_rank
+    if w < 1:
+        raise PlanError("world size must be >= 1")
+    total = sum(t.bytes for t in tables)
+    if total > w * cap:
+        raise PlanError(
+            f"the tables need {total / GB:.2f} GB (with optimizer state) but {w} ranks x {cap / GB:.2f} GB "
+            f"= {w * cap / GB:.2f} GB: {(total - w * cap) / GB:.2f} GB missing"
+        )
+    mem, cost = [0] * w, [0.0] * w
+    placements: dict[str, TablePlacement] = {}
+    for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
+        current_max = max(cost)
+        scored = []
+        for cand in _candidates(t, topology, constraints, mem, cost):
+            new_max = max([current_max] + [cost[r] + c for r, c in cand.cost_per_rank.items()])
+            scored.append(
+                (
+                    new_max,
+                    sum(cand.cost_per_rank.values()),
+                    sum(cand.memory_per_rank.values()),
+                    cand,
+                )
+            )
+        best = None
+        if scored:
+            # Candidates within 2% of the best slowest-rank cost are equally good for the
+            # objective; among them take the least total work, then the least memory, so
+            # a 3-row table is replicated rather than spread over idle ranks.
+            limit = min(x[0] for x in scored) * (1 + TIE_TOLERANCE) + 1e-9
+            best = min((x for x in scored if x[0] <= limit), key=lambda x: (x[1], x[2]))[3]
+        if best is None:
+            free = sorted((cap - m for m in mem), reverse=True)
+            raise PlanError(
+                f"table {t.name} ({t.bytes / GB:.2f} GB) fits nowhere: the emptiest rank has "
+                f"{free[0] / GB:.2f} GB free and all ranks together {sum(free) / GB:.2f} GB "
+                f"({max(0.0, (t.bytes - sum(free)) / GB):.2f} GB missing; memory is fragmented otherwise)"
+            )
+        for r, m in best.memory_per_rank.items():
+            mem[r] += m
+        for r, c in best.cost_per_rank.items():
+            cost[r] += c
+        placements[t.name] = best
+    return ShardingPlan(w, [placements[t.name] for t in tables], mem, cost)

@@ -1,0 +1,90 @@
+"""Plain-data inputs and output of the planner (JSON-serialisable, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    name: str
+    rows: int
+    dim: int
+    pooling: float = 1.0  # mean ids per sample (access statistics)
+    state_bytes_per_row: int = 4  # optimizer state (row-wise Adagrad: 4; Adam: 8 * dim; SGD: 0)
+    bytes_per_value: int = 4  # fp32
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * (self.dim * self.bytes_per_value + self.state_bytes_per_row)
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    memory_per_rank: int  # bytes available for embedding tables on each rank
+    all_to_all_bandwidth: float = 12.5e9  # bytes/s per rank (100 Gb/s)
+    all_reduce_bandwidth: float = 12.5e9  # bytes/s per rank
+    gather_bandwidth: float = 10e9  # bytes/s of random row reads on a rank
+    latency: float = 20e-6  # seconds per collective
+
+
+@dataclass(frozen=True)
+class Constraints:
+    batch_size: int  # global batch
+    # Tables at most this big may be replicated (data_parallel).
+    data_parallel_max_bytes: int = 64 << 20
+    column_wise_min_dim: int = 16  # a column shard is at least this wide
+
+
+@dataclass
+class TablePlacement:
+    table: str
+    kind: str
+    ranks: list[int]
+    memory_per_rank: dict[int, int]  # bytes on each rank holding a part
+    cost_per_rank: dict[int, float]  # seconds per step on each rank
+    dims: list[int] = field(default_factory=list)  # column_wise: width of each shard
+
+
+@dataclass
+class ShardingPlan:
+    world_size: int
+    placements: list[TablePlacement]
+    memory_per_rank: list[int]
+    cost_per_rank: list[float]
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.cost_per_rank)
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest rank / mean rank (1.0 = perfectly balanced)."""
+        mean = sum(self.cost_per_rank) / len(self.cost_per_rank)
+        return self.max_cost / mean if mean > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["max_cost"], d["imbalance"] = self.max_cost, self.imbalance
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ShardingPlan:
+        placements = [
+            TablePlacement(
+                p["table"],
+                p["kind"],
+                list(p["ranks"]),
+                {int(k): int(v) for k, v in p["memory_per_rank"].items()},
+                {int(k): float(v) for k, v in p["cost_per_rank"].items()},
+                list(p.get("dims", [])),
+            )  # fmt: skip
+            for p in d["placements"]
+        ]
+        return ShardingPlan(
+            d["world_size"], placements, list(d["memory_per_rank"]), list(d["cost_per_rank"])
+        )

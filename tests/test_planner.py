@@ -1,0 +1,103 @@
+"""The sharding planner: a pure function, tested with synthetic topologies (no process group)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recscale.config import load_config
+from recscale.planner import (
+    Constraints,
+    PlanError,
+    ShardingPlan,
+    TableInfo,
+    Topology,
+    plan_sharding,
+)
+
+GB = 10**9
+
+
+def _check_memory(plan: ShardingPlan, topo: Topology) -> None:
+    per_rank = [0] * topo.world_size
+    for p in plan.placements:
+        for r, m in p.memory_per_rank.items():
+            per_rank[r] += m
+    assert per_rank == plan.memory_per_rank
+    assert max(per_rank) <= topo.memory_per_rank
+
+
+def test_respects_memory_and_balances_equal_tables():
+    tables = [TableInfo(f"T{i}", 2_000_000, 64) for i in range(16)]  # 0.52 GB each
+    topo = Topology(4, 3 * GB)
+    plan = plan_sharding(tables, topo, Constraints(batch_size=8192, data_parallel_max_bytes=0))
+    _check_memory(plan, topo)
+    assert plan.imbalance < 1.05
+    assert [p.table for p in plan.placements] == [t.name for t in tables]
+
+
+def test_tiny_tables_replicated_and_oversized_tables_row_wise():
+    tables = [
+        TableInfo("tiny", 4, 128),
+        TableInfo("huge", 50_000_000, 128),
+        TableInfo("mid", 100_000, 128),
+    ]
+    topo = Topology(8, 10 * GB)  # huge is 25.8 GB: larger than one rank
+    plan = plan_sharding(tables, topo, Constraints(batch_size=16384))
+    kinds = {p.table: p.kind for p in plan.placements}
+    assert kinds["tiny"] == "data_parallel" and kinds["huge"] == "row_wise"
+    huge = next(p for p in plan.placements if p.table == "huge")
+    assert sum(huge.memory_per_rank.values()) == tables[1].bytes and len(huge.ranks) == 8
+    _check_memory(plan, topo)
+
+
+def test_column_wise_shards_cover_the_dim():
+    tables = [TableInfo(f"W{i}", 1_000_000, 256, pooling=20.0) for i in range(2)]
+    plan = plan_sharding(
+        tables, Topology(8, 8 * GB), Constraints(batch_size=65536, data_parallel_max_bytes=0)
+    )
+    for p in plan.placements:
+        if p.kind == "column_wise":
+            assert sum(p.dims) == 256 and len(p.dims) == len(p.ranks)
+    assert {p.kind for p in plan.placements} <= {"table_wise", "column_wise", "row_wise"}
+
+
+def test_deterministic_and_serialisable():
+    cfg = load_config("criteo_terabyte")
+    tables = [TableInfo(f"C{i + 1}", n, 128) for i, n in enumerate(cfg.model.table_sizes)]
+    topo, cons = Topology(64, 16 * GB), Constraints(batch_size=65536)
+    a, b = plan_sharding(tables, topo, cons), plan_sharding(tables, topo, cons)
+    assert a.to_dict() == b.to_dict()
+    back = ShardingPlan.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert back.to_dict() == a.to_dict()
+
+
+def test_impossible_plan_says_how_much_is_missing():
+    tables = [TableInfo("a", 10_000_000, 128), TableInfo("b", 10_000_000, 128)]  # 5.16 GB each
+    with pytest.raises(
+        PlanError, match=r"need 10\.32 GB .* 2 ranks x 4\.00 GB = 8\.00 GB: 2\.32 GB missing"
+    ):
+        plan_sharding(tables, Topology(2, 4 * GB), Constraints(batch_size=1024))
+
+
+def test_terabyte_plans_in_seconds():
+    cfg = load_config("criteo_terabyte")
+    tables = [TableInfo(f"C{i + 1}", n, 128) for i, n in enumerate(cfg.model.table_sizes)]
+    for w in (8, 64, 512):
+        t = time.perf_counter()
+        plan = plan_sharding(tables, Topology(w, 80 * GB), Constraints(batch_size=2048 * w))
+        assert time.perf_counter() - t < 5
+        _check_memory(plan, Topology(w, 80 * GB))
+
+
+def test_cli_plan_json_and_error():
+    cmd = [sys.executable, "-m", "recscale", "plan", "--config", "criteo_terabyte"]
+    r = subprocess.run([*cmd, "--world-size", "8", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["placements"]) == 26
+    r = subprocess.run(
+        [*cmd, "--world-size", "2", "--memory-per-rank", "10"], capture_output=True, text=True
+    )
+    assert r.returncode == 1 and "GB missing" in r.stderr
