@@ -102,7 +102,7 @@ def test_same_seed_same_model():
 def test_fused_kernels_train_like_reference_path(optimizer, lr, atol):
     """K training steps with the numba kernels == the straightforward torch path."""
     from recscale.config import load_config
-    from recscale.train.run import make_synthetic
+    from recscale.train.data_source import make_synthetic
 
     states = {}
     for kernels in ("torch", "numba"):

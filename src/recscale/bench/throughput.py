@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from recscale.bench.hardware import measure_gather_gbps, measure_gemm_gflops, step_cost
 from recscale.config.schema import Config
 from recscale.models.dlrm import build_model
+from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.run import available_cores, make_synthetic
+from recscale.train.run import available_cores
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
 

@@ -87,15 +87,12 @@ def capture(
     for spec, storage, start in _table_views(model):
         stop = start + spec.num_rows
         if kind == "incremental":
-            local = torch.nonzero(storage.dirty[start:stop]).squeeze(1)
-            idx = local + start
-            weight = storage.weight.index_select(0, idx)
-            state = {n: t.index_select(0, idx) for n, t in storage.optimizer_state().items()}
-            rows = local.cpu().numpy()
+            local = torch.nonzero(storage.dirty[start:stop]).squeeze(1).cpu()
+            idx, rows = local + start, local.numpy()
         else:
-            weight = storage.weight[start:stop].clone()
-            state = {n: t[start:stop].clone() for n, t in storage.optimizer_state().items()}
-            rows = None
+            idx, rows = torch.arange(start, stop), None
+        idx = idx.to(storage.weight.device)
+        weight, state = storage.read_rows(idx), storage.read_state(idx)
         tables.append(
             TableSnapshot(
                 spec.name,
@@ -199,18 +196,18 @@ def restore(
             else:
                 idx = torch.arange(start, start + spec.num_rows)
             weight = _read_weight(path, tm["name"], manifest["precision"], n, tm["dim"])
-            storage.weight.index_copy_(
-                0, idx.to(storage.weight.device), torch.from_numpy(weight).to(storage.weight)
-            )
-            for sname, tail in tm["state"].items():
-                arr = read_array(
-                    path, f"tables/{tm['name']}.state_{sname}.f32", np.float32, (n, *tail)
+            storage.write_rows(idx, torch.from_numpy(weight))
+            state = {
+                sname: torch.from_numpy(
+                    read_array(
+                        path, f"tables/{tm['name']}.state_{sname}.f32", np.float32, (n, *tail)
+                    )
                 )
-                target = storage.optimizer_state()[sname]
-                target.index_copy_(0, idx.to(target.device), torch.from_numpy(arr).to(target))
+                for sname, tail in tm["state"].items()
+            }
+            storage.write_state(idx, state)
         dense = torch.load(io.BytesIO((path / "dense.pt").read_bytes()), weights_only=False)
-        missing = model.load_state_dict(dense["model"], strict=False)
-        unexpected = [k for k in missing.unexpected_keys]
+        unexpected = model.load_state_dict(dense["model"], strict=False).unexpected_keys
         if unexpected:
             raise CheckpointError(f"{path}: dense state has unknown keys {unexpected[:3]}")
         for g, s in zip(model.embeddings.groups, dense["storage_steps"]):

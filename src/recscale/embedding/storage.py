@@ -9,7 +9,8 @@ optimizer's per-row state. The lookup kernel only ever calls:
   class runs the reference path (per-id grads, merge duplicates, then
   ``apply_gradients``), a storage may override it with a fused kernel
 * ``apply_gradients(unique_rows, grad)``        -> in-place optimizer step
-* ``read_rows`` / ``write_rows``                 -> raw access (checkpoints, tests)
+* ``read_rows`` / ``write_rows``, ``read_state`` / ``write_state``
+                                                 -> raw access (checkpoints, tests)
 
 :class:`DeviceStorage` keeps everything in one tensor on the compute device. Other
 tiers (host memory under a GPU, SSD under a cache) implement the same interface,
@@ -77,6 +78,13 @@ class RowStorage(nn.Module, ABC):
 
     @abstractmethod
     def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def read_state(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer state of ``rows``: name -> ``[len(rows), ...]``."""
+
+    @abstractmethod
+    def write_state(self, rows: torch.Tensor, state: dict[str, torch.Tensor]) -> None: ...
 
 
 class DeviceStorage(RowStorage):
@@ -160,4 +168,12 @@ class DeviceStorage(RowStorage):
 
     @torch.no_grad()
     def write_rows(self, rows, values):
-        self.weight.index_copy_(0, rows, values.to(self.weight.dtype))
+        self.weight.index_copy_(0, rows.to(self.weight.device), values.to(self.weight))
+
+    def read_state(self, rows):
+        return {name: t.index_select(0, rows) for name, t in self.optimizer_state().items()}
+
+    @torch.no_grad()
+    def write_state(self, rows, state):
+        for name, t in self.optimizer_state().items():
+            t.index_copy_(0, rows.to(t.device), state[name].to(t))

@@ -27,17 +27,10 @@ from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
 from recscale.models.dlrm import DLRM, build_model
-from recscale.train.data_source import (
-    adopt_dataset_shapes,
-    eval_batches,
-    make_synthetic,
-    train_batches,
-)
+from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.progress import Progress
-
-__all__ = ["TrainingDiverged", "evaluate", "make_synthetic", "train"]
 
 
 class TrainingDiverged(RuntimeError):
