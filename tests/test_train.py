@@ -127,6 +127,9 @@ def test_sigint_to_cli_exits_cleanly(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # A test runner started in the background inherits SIGINT as ignored, and Python
+        # then installs no KeyboardInterrupt handler; give the child the default disposition.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 60
     log = run_dir / "train_log.jsonl"
