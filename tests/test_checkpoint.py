@@ -239,3 +239,13 @@ def test_crash_between_replacement_renames_recovers_the_old_checkpoint(tmp_path)
     chain = resolve_chain(tmp_path, **QUIET)
     assert [p.name for p in chain] == ["step_00000020"]
     assert not list(root.glob(".step_00000020.old-*"))
+
+
+def test_eval_from_newest_checkpoint_without_model_file(tmp_path):
+    cfg = load_config("debug", [*BASE, "--train.steps=40", "--train.save_model=false"])
+    m = train(cfg, tmp_path, **QUIET)
+    assert not (tmp_path / "model.pt").exists()
+    r = subprocess.run([sys.executable, "-m", "recscale", "eval", "--model", str(tmp_path), "--json"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "step_00000040" in r.stderr and json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from recscale.checkpoint.format import CheckpointError
+from recscale.checkpoint.manager import resolve_chain
+from recscale.checkpoint.state import restore
 from recscale.config.loader import load_config
 from recscale.models.dlrm import build_model
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches
@@ -22,7 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="Config overrides (e.g. --data.path DIR) apply on top of RUN_DIR/config.toml.",
     )
     p.add_argument(
-        "--model", required=True, type=Path, help="run directory with config.toml and model.pt"
+        "--model",
+        required=True,
+        type=Path,
+        help="run directory: config.toml + model.pt, or else its newest valid checkpoint",
     )
     p.add_argument(
         "--split", default=None, help="dataset split (default: data.eval_split, usually test)"
@@ -32,13 +38,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir: Path = args.model
-    for name in ("config.toml", "model.pt"):
-        if not (run_dir / name).exists():
-            print(
-                f"recscale: error: {run_dir / name} not found (train with train.save_model=true)",
-                file=sys.stderr,
-            )
-            return 1
+    has_checkpoints = (run_dir / "checkpoints").is_dir()
+    if not (run_dir / "config.toml").exists() or not (
+        (run_dir / "model.pt").exists() or has_checkpoints
+    ):
+        print(
+            f"recscale: error: {run_dir} has no config.toml and model.pt or checkpoints/",
+            file=sys.stderr,
+        )
+        return 1
     trained = load_config(str(run_dir / "config.toml"))
     cfg = load_config(str(run_dir / "config.toml"), overrides)
     adopt_dataset_shapes(cfg)
@@ -51,7 +59,18 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     device = resolve_device(cfg.train.device)
     model = build_model(cfg.model, cfg.embedding, device=device)
-    model.load_state_dict(torch.load(run_dir / "model.pt", map_location=device, weights_only=True))
+    if (run_dir / "model.pt").exists():
+        model.load_state_dict(
+            torch.load(run_dir / "model.pt", map_location=device, weights_only=True)
+        )
+    else:  # no final model (save_model=false, or the run died): the newest valid checkpoint
+        try:
+            chain = resolve_chain(run_dir, echo=lambda m: print(m, file=sys.stderr))
+        except CheckpointError as e:
+            print(f"recscale: error: {e}", file=sys.stderr)
+            return 1
+        step = restore(model, None, chain)["step"]
+        print(f"recscale: evaluating checkpoint {chain[-1].name} (step {step})", file=sys.stderr)
     split = args.split or cfg.data.eval_split
     metrics = evaluate(model, eval_batches(cfg, split), device)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
