@@ -162,3 +162,28 @@ def test_cpu_threads_respected(tmp_path):
     )
     m = train(cfg, None, echo=_quiet)
     assert m["threads"] == 1 and torch.get_num_threads() == 1
+
+
+def test_interrupt_with_checkpointing_saves_a_resumable_checkpoint(tmp_path, monkeypatch):
+    original = SyntheticCriteo.batch
+
+    def interrupt(self, index, batch_size, split="train"):
+        if index == 33 and split == "train":
+            raise KeyboardInterrupt
+        return original(self, index, batch_size, split)
+
+    monkeypatch.setattr(SyntheticCriteo, "batch", interrupt)
+    lines = []
+    cfg = load_config(
+        "debug",
+        ["--train.progress=false", "--data.prefetch_batches=0", "--checkpoint.every_steps=20"],
+    )
+    metrics = train(cfg, tmp_path, echo=lines.append)
+    assert metrics["interrupted"] and metrics["steps"] == 33
+    assert metrics["checkpoints"]["last"] == "step_00000033"
+    assert any("no evaluation" in line for line in lines)
+    monkeypatch.setattr(SyntheticCriteo, "batch", original)
+    resumed = train(load_config("debug", ["--train.progress=false", "--checkpoint.every_steps=20", "--train.steps=50"]),
+                    tmp_path, resume=tmp_path, echo=lines.append)  # fmt: skip
+    assert resumed["resumed_from_step"] == 33 and resumed["auc"] > 0.7
+    assert any(line.startswith("eval on") for line in lines)

@@ -179,6 +179,8 @@ class DataConfig:
     max_ids_per_feature: int = 1
     # Strength of the hidden model's signal; larger makes the task easier.
     signal_scale: float = 1.0
+    # Click rate of the synthetic data (Criteo Kaggle: 0.256).
+    target_ctr: float = 0.25
     # Batches prepared ahead of the training step on a background thread.
     prefetch_batches: int = 4
 
@@ -197,6 +199,8 @@ class DataConfig:
             )
         _positive("data.max_ids_per_feature", self.max_ids_per_feature)
         _positive("data.signal_scale", self.signal_scale, allow_zero=True)
+        if not 0.0 < self.target_ctr < 1.0:
+            raise ConfigError("data.target_ctr", f"must be in (0, 1), got {self.target_ctr}")
         _positive("data.prefetch_batches", self.prefetch_batches, allow_zero=True)
 
     def uses_dataset(self) -> bool:

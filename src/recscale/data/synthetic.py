@@ -16,7 +16,9 @@ The click logit of a sample is::
          + 1/2 (|sum_f v_f|^2 - sum_f |v_f|^2) / sqrt(F)       (pairwise, FM-style)
          + dense_std @ u                                        (dense features)
 
-scaled by ``signal_scale``; labels are Bernoulli(sigmoid(logit)). Dense features
+with the signal scaled by ``signal_scale`` and ``bias`` chosen (by bisection on a
+calibration sample) so the click rate is ``target_ctr`` (Criteo: ~0.25); labels
+are Bernoulli(sigmoid(logit)). Dense features
 are log(1 + lognormal) like preprocessed Criteo counts.
 
 Batch ``i`` of a split is a pure function of (seed, split, i): any batch can be
@@ -38,7 +40,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _FACTOR_DIM = 4
 _CACHE_MAX_ROWS = 1 << 21
-_SPLIT_KEYS = {"train": 0, "eval": 1}
+_SPLIT_KEYS = {"train": 0, "eval": 1, "calibration": 2}
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -95,6 +97,7 @@ class SyntheticCriteo:
         min_ids: int = 1,
         max_ids: int = 1,
         signal_scale: float = 1.0,
+        target_ctr: float = 0.25,
     ) -> None:
         self.table_sizes = list(table_sizes)
         self.num_dense = num_dense
@@ -112,7 +115,7 @@ class SyntheticCriteo:
         self._feature_scale = 0.25 + 0.5 * rng.random(num_sparse)
         self._dense_w = rng.normal(0.0, 0.35, size=num_dense)
         self._dense_mu = rng.normal(1.0, 0.5, size=num_dense)
-        self._bias = -1.2
+        self._bias = 0.0
         # Hidden effects of every id of tables up to this size are materialised once
         # (a gather is ~10x cheaper than hashing); larger tables hash on the fly.
         self._cached: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -123,6 +126,20 @@ class SyntheticCriteo:
                     self.id_weight(f, ids).astype(np.float32),
                     self.id_factors(f, ids).astype(np.float32),
                 )
+
+        self._bias = self._calibrated_bias(target_ctr)
+
+    def _calibrated_bias(self, target_ctr: float) -> float:
+        """The intercept that gives ``target_ctr`` on a calibration sample (bisection)."""
+        _, raw = self._sample(0, 16384, "calibration")
+        lo, hi = -20.0, 20.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if (1.0 / (1.0 + np.exp(-(mid + raw)))).mean() < target_ctr:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
 
     # -- hidden model -----------------------------------------------------------
     def _keys(self, f: int, ids: np.ndarray) -> np.ndarray:
@@ -148,12 +165,28 @@ class SyntheticCriteo:
     # -- sampling ---------------------------------------------------------------
     def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
         """Batch ``index`` of ``split`` (a pure function of seed, split and index)."""
+        (rng, dense, lengths, values_per_feature), raw = self._sample(index, batch_size, split)
+        logit = self._bias + raw
+        b = batch_size
+        num_sparse = len(self.table_sizes)
+        labels = (rng.random(b) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        offsets = np.zeros(num_sparse * b + 1, dtype=np.int64)
+        np.cumsum(lengths.reshape(-1), out=offsets[1:])
+        return Batch(
+            dense=torch.from_numpy(dense.astype(np.float32)),
+            values=torch.from_numpy(np.concatenate(values_per_feature).astype(np.int64)),
+            offsets=torch.from_numpy(offsets),
+            labels=torch.from_numpy(labels),
+        )
+
+    def _sample(self, index: int, batch_size: int, split: str):
+        """Features of a batch and the signal part of its logits (``signal_scale`` applied)."""
         rng = np.random.default_rng([self.seed, _SPLIT_KEYS[split], index])
         b = batch_size
         num_sparse = len(self.table_sizes)
         raw = rng.lognormal(mean=self._dense_mu, sigma=1.0, size=(b, self.num_dense))
         dense = np.log1p(raw)
-        logit = np.full(b, self._bias)
+        logit = np.zeros(b)
         if self.num_dense:
             z = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6) if b > 1 else dense * 0
             logit += z @ self._dense_w
@@ -184,17 +217,7 @@ class SyntheticCriteo:
             factor_sum += v
             factor_sq += (v * v).sum(axis=1)
         logit += 0.5 * ((factor_sum * factor_sum).sum(axis=1) - factor_sq) / math.sqrt(num_sparse)
-        logit = self._bias + self.signal_scale * (logit - self._bias)
-        labels = (rng.random(b) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-
-        offsets = np.zeros(num_sparse * b + 1, dtype=np.int64)
-        np.cumsum(lengths.reshape(-1), out=offsets[1:])
-        return Batch(
-            dense=torch.from_numpy(dense.astype(np.float32)),
-            values=torch.from_numpy(np.concatenate(values_per_feature).astype(np.int64)),
-            offsets=torch.from_numpy(offsets),
-            labels=torch.from_numpy(labels),
-        )
+        return (rng, dense, lengths, values_per_feature), self.signal_scale * logit
 
     def batches(
         self, batch_size: int, split: str = "train", start: int = 0, count: int | None = None

@@ -21,6 +21,7 @@ def make_synthetic(cfg: Config) -> SyntheticCriteo:
         min_ids=d.min_ids_per_feature,
         max_ids=d.max_ids_per_feature,
         signal_scale=d.signal_scale,
+        target_ctr=d.target_ctr,
     )
 
 

@@ -216,15 +216,15 @@ def train(
         metrics.update({"auc": None, "logloss": None, "ne": None})
     else:
         metrics.update(ev)
+        echo(
+            f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
+            f"NE {ev['ne']:.4f}  calibration {ev['calibration']:.3f}"
+        )
     if ckpt is not None and ckpt.enabled:
         st = ckpt.stats
         metrics["checkpoints"] = {"saved": st.saved, "full": st.full, "incremental": st.incremental,
                                   "bytes": st.bytes, "stall_s": st.stall_seconds, "write_s": st.write_seconds,
                                   "last": st.last, "history": st.history}  # fmt: skip
-        echo(
-            f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
-            f"NE {ev['ne']:.4f}  calibration {ev['calibration']:.3f}"
-        )
     echo(
         f"trained {trained} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
     )
