@@ -91,15 +91,21 @@ def test_out_of_range_id_names_feature(monkeypatch):
         train(cfg, None, echo=_quiet)
 
 
-def test_interrupt_still_writes_metrics(tmp_path, monkeypatch):
+def _interrupt_at(monkeypatch, step_index: int):
+    """Make the synthetic stream raise KeyboardInterrupt at a training batch (like Ctrl-C)."""
     original = SyntheticCriteo.batch
 
     def interrupt(self, index, batch_size, split="train"):
-        if index == 12 and split == "train":
+        if index == step_index and split == "train":
             raise KeyboardInterrupt
         return original(self, index, batch_size, split)
 
     monkeypatch.setattr(SyntheticCriteo, "batch", interrupt)
+    return original
+
+
+def test_interrupt_still_writes_metrics(tmp_path, monkeypatch):
+    _interrupt_at(monkeypatch, 12)
     cfg = load_config("debug", ["--train.progress=false", "--data.prefetch_batches=0"])
     metrics = train(cfg, tmp_path, echo=_quiet)
     saved = json.loads((tmp_path / "metrics.json").read_text())
@@ -165,14 +171,7 @@ def test_cpu_threads_respected(tmp_path):
 
 
 def test_interrupt_with_checkpointing_saves_a_resumable_checkpoint(tmp_path, monkeypatch):
-    original = SyntheticCriteo.batch
-
-    def interrupt(self, index, batch_size, split="train"):
-        if index == 33 and split == "train":
-            raise KeyboardInterrupt
-        return original(self, index, batch_size, split)
-
-    monkeypatch.setattr(SyntheticCriteo, "batch", interrupt)
+    original = _interrupt_at(monkeypatch, 33)
     lines = []
     cfg = load_config(
         "debug",

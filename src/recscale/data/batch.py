@@ -56,18 +56,6 @@ class Batch:
             weights=move(self.weights),
         )
 
-    def pin_memory(self) -> Batch:
-        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.pin_memory()
-
-        return Batch(
-            pin(self.dense),
-            pin(self.values),
-            pin(self.offsets),
-            pin(self.labels),
-            pin(self.weights),
-        )
-
     def check(self, num_dense: int, num_sparse: int) -> None:
         """Validate shapes and offsets; raises ValueError describing the first problem."""
         b = self.batch_size

@@ -15,7 +15,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +32,6 @@ class Piece:
     text_bytes: int
     truncated: bool = False  # the file's gzip stream ended early after this piece
     first_line: int = 1  # line number (1-based) of the piece's first line in its file
-
-
-@dataclass
-class SourceStats:
-    bytes: int = 0
-    lines: int = 0
-    truncated_files: list[str] = field(default_factory=list)
 
 
 def _raw_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:

@@ -97,7 +97,6 @@ class EmbeddingBagCollection(nn.Module):
             for i, f in enumerate(features):
                 group_of_feature[f], local_index[f] = g, i
         self.register_buffer("group_of_feature", torch.tensor(group_of_feature), persistent=False)
-        self._local_index = local_index
         # Per-feature row offset into its group's storage.
         row_offset = [
             int(self.groups[group_of_feature[f]].row_offsets[local_index[f]])
