@@ -7,6 +7,7 @@ from recscale.config.schema import (
     Config,
     DataConfig,
     DenseOptimizerConfig,
+    DistributedConfig,
     EmbeddingConfig,
     ModelConfig,
     TrainConfig,
@@ -14,6 +15,7 @@ from recscale.config.schema import (
 
 __all__ = [
     "CheckpointConfig",
+    "DistributedConfig",
     "Config",
     "ConfigError",
     "DataConfig",

@@ -263,6 +263,30 @@ class CheckpointConfig:
         _choice("checkpoint.precision", self.precision, ("fp32", "fp16", "int8"))
 
 
+SHARDINGS = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise")
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process training (``torchrun --nproc_per_node=N -m recscale train``)."""
+
+    # auto = the planner's choice per table; or one kind for every table.
+    sharding: str = "auto"
+    # A plan from `recscale plan --json` (overrides sharding).
+    plan: str = ""
+    # Embedding memory per rank for the planner, GB (0 = the device's memory / 2).
+    memory_per_rank_gb: float = 0.0
+    # Distribute the next batch's ids while this batch computes.
+    pipeline: bool = True
+    # Seconds a collective waits for a silent rank before the job fails.
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        _choice("distributed.sharding", self.sharding, SHARDINGS)
+        _positive("distributed.memory_per_rank_gb", self.memory_per_rank_gb, allow_zero=True)
+        _positive("distributed.timeout_s", self.timeout_s)
+
+
 @dataclass
 class Config:
     """The root config: one section per component (the TOML tables of the same names)."""
@@ -273,6 +297,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> Config:
         for f in fields(self):

@@ -44,6 +44,25 @@ class Batch:
         b = self.batch_size
         return self.values[self.offsets[f * b] : self.offsets[(f + 1) * b]]
 
+    def slice(self, lo: int, hi: int) -> Batch:
+        """Samples ``[lo, hi)`` as a batch of the same layout (rank ``r`` of ``W`` trains on
+        ``slice(r * B // W, (r + 1) * B // W)`` of the global batch)."""
+        b, f = self.batch_size, self.num_sparse_features
+        lengths = self.lengths()
+        sample = torch.arange(f * b, device=lengths.device) % b
+        keep_bag = (sample >= lo) & (sample < hi)
+        keep = torch.repeat_interleave(keep_bag, lengths, output_size=self.values.shape[0])
+        new_len = lengths.view(f, b)[:, lo:hi].reshape(-1)
+        offsets = torch.zeros(new_len.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(new_len, 0, out=offsets[1:])
+        return Batch(
+            dense=self.dense[lo:hi],
+            values=self.values[keep],
+            offsets=offsets,
+            labels=self.labels[lo:hi],
+            weights=None if self.weights is None else self.weights[keep],
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)

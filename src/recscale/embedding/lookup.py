@@ -34,7 +34,8 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_pooled):
         rows, bag_of_id, segments, psw = ctx.saved_tensors
-        if rows.numel() > 0:
+        # A storage with ``always_apply`` (a replica that all-reduces) joins every step.
+        if rows.numel() > 0 or getattr(ctx.storage, "always_apply", False):
             ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
         return None, None, None, None, None, None, None
 

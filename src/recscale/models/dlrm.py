@@ -25,7 +25,10 @@ class DLRM(nn.Module):
         embedding_cfg: EmbeddingConfig,
         device: torch.device | None = None,
         seed: int = 0,
+        materialize_embeddings: bool = True,
     ) -> None:
+        """``materialize_embeddings=False`` leaves the tables on the meta device (no
+        memory): for ``recscale.distributed.shard``, which builds each rank's shards."""
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.num_dense = model_cfg.num_dense_features
@@ -39,8 +42,8 @@ class DLRM(nn.Module):
             model_cfg.pooling,
             lambda: build_sparse_optimizer(embedding_cfg),
             validate_ids=embedding_cfg.validate_ids,
-            device=device,
-            generator=gen,
+            device=device if materialize_embeddings else torch.device("meta"),
+            seed=seed,
             kernel=model_cfg.kernels,
         )
         self.bottom = (
@@ -90,5 +93,6 @@ def build_model(
     embedding_cfg: EmbeddingConfig,
     device: torch.device | None = None,
     seed: int = 0,
+    materialize_embeddings: bool = True,
 ) -> DLRM:
-    return DLRM(model_cfg, embedding_cfg, device=device, seed=seed)
+    return DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings)

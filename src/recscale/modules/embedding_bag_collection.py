@@ -25,7 +25,7 @@ from torch import nn
 
 from recscale.embedding.lookup import pooled_lookup
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import DeviceStorage
+from recscale.embedding.storage import DeviceStorage, RowStorage
 
 _INIT_CHUNK_ROWS = 1 << 16
 
@@ -37,14 +37,46 @@ class TableSpec:
     dim: int
 
 
+def _chunk_seed(seed: int, feature: int, chunk: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + feature * 0xBF58476D1CE4E5B9 + chunk) % (1 << 63)
+
+
+@torch.no_grad()
+def init_table_rows(
+    out: torch.Tensor,
+    seed: int,
+    feature: int,
+    num_rows: int,
+    dim: int,
+    row_lo: int,
+    row_hi: int,
+    col_lo: int,
+    col_hi: int,
+) -> None:
+    """Fill ``out [row_hi - row_lo, col_hi - col_lo]`` with rows ``[row_lo, row_hi)`` and
+    columns ``[col_lo, col_hi)`` of table ``feature``'s initial weights.
+
+    Reference DLRM: U(-sqrt(1/n), sqrt(1/n)) for a table of n rows. Every chunk of
+    ``_INIT_CHUNK_ROWS`` rows has its own generator seeded by (seed, feature, chunk), so
+    any shard (a row block, a column block) is initialised to exactly the values the
+    whole table would hold, without drawing the rest; and temporaries stay bounded.
+    """
+    bound = math.sqrt(1.0 / num_rows)
+    first, last = row_lo // _INIT_CHUNK_ROWS, (row_hi - 1) // _INIT_CHUNK_ROWS
+    for c in range(first, last + 1) if row_hi > row_lo else ():
+        lo, hi = c * _INIT_CHUNK_ROWS, min(num_rows, (c + 1) * _INIT_CHUNK_ROWS)
+        gen = torch.Generator().manual_seed(_chunk_seed(seed, feature, c))
+        chunk = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
+        a, b = max(lo, row_lo), min(hi, row_hi)
+        out[a - row_lo : b - row_lo].copy_(chunk[a - lo : b - lo, col_lo:col_hi])
+
+
 class IdOutOfRangeError(ValueError):
     """An id is negative or >= its table's row count; names the feature and the value."""
 
 
 class _Group(nn.Module):
-    def __init__(
-        self, features: list[int], tables: list[TableSpec], storage: DeviceStorage
-    ) -> None:
+    def __init__(self, features: list[int], tables: list[TableSpec], storage: RowStorage) -> None:
         super().__init__()
         self.features = features
         self.dim = tables[features[0]].dim
@@ -65,9 +97,12 @@ class EmbeddingBagCollection(nn.Module):
         make_optimizer: Callable[[], SparseOptimizer],
         validate_ids: bool = True,
         device: torch.device | None = None,
-        generator: torch.Generator | None = None,
+        seed: int = 0,
         kernel: str = "auto",
+        make_storage: Callable[[int, int, SparseOptimizer], RowStorage] | None = None,
     ) -> None:
+        """``make_storage(rows, dim, optimizer)`` overrides where a group's rows live
+        (default: a :class:`DeviceStorage` on ``device``)."""
         super().__init__()
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be sum or mean, got {pooling!r}")
@@ -89,10 +124,13 @@ class EmbeddingBagCollection(nn.Module):
         local_index = [0] * len(tables)
         for g, (dim, features) in enumerate(sorted(by_dim.items())):
             rows = sum(tables[f].num_rows for f in features)
-            group = _Group(
-                features, tables, DeviceStorage(rows, dim, make_optimizer(), device, kernel)
+            storage = (
+                make_storage(rows, dim, make_optimizer())
+                if make_storage is not None
+                else DeviceStorage(rows, dim, make_optimizer(), device, kernel)
             )
-            self._init_weights(group, generator)
+            group = _Group(features, tables, storage)
+            self._init_weights(group, seed)
             self.groups.append(group)
             for i, f in enumerate(features):
                 group_of_feature[f], local_index[f] = g, i
@@ -107,22 +145,14 @@ class EmbeddingBagCollection(nn.Module):
         )
 
     @torch.no_grad()
-    def _init_weights(self, group: _Group, generator: torch.Generator | None) -> None:
-        # Reference DLRM: U(-sqrt(1/n), sqrt(1/n)) per table of n rows.
+    def _init_weights(self, group: _Group, seed: int) -> None:
         w = group.storage.weight
+        if w.device.type == "meta":  # a placeholder that distributed/ replaces with shards
+            return
         start = 0
         for f in group.features:
             n = self.tables[f].num_rows
-            bound = math.sqrt(1.0 / n)
-            # Chunks drawn on the CPU generator: bounded temporaries (a 1M x 128 table
-            # would otherwise need 2-3 extra 512 MB blocks at peak) and the same values
-            # on every device.
-            for lo in range(0, n, _INIT_CHUNK_ROWS):
-                hi = min(n, lo + _INIT_CHUNK_ROWS)
-                chunk = torch.empty(hi - lo, group.dim, dtype=w.dtype).uniform_(
-                    -bound, bound, generator=generator
-                )
-                w[start + lo : start + hi].copy_(chunk)
+            init_table_rows(w[start : start + n], seed, f, n, group.dim, 0, n, 0, group.dim)
             start += n
 
     @property

@@ -1,0 +1,24 @@
+"""Hybrid-parallel training on torch.distributed: sharded embeddings, replicated MLPs.
+
+Layered above ``modules/`` and ``models/``, which never import it.
+"""
+
+from recscale.distributed.context import DistContext, init_distributed, launched_by_torchrun
+from recscale.distributed.layout import Shard, ShardLayout, build_layout
+from recscale.distributed.model_parallel import shard
+from recscale.distributed.planning import plan_for, table_infos, uniform_plan
+from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
+
+__all__ = [
+    "DistContext",
+    "Shard",
+    "ShardLayout",
+    "ShardedEmbeddingBagCollection",
+    "build_layout",
+    "init_distributed",
+    "launched_by_torchrun",
+    "plan_for",
+    "shard",
+    "table_infos",
+    "uniform_plan",
+]

@@ -1,0 +1,73 @@
+"""The process-group context of one rank: who we are, and the groups we talk on.
+
+Three groups over the same ranks, so that collectives issued from different places
+never interleave on one group in a different order on different ranks:
+
+* ``dense``  - DistributedDataParallel's gradient all-reduce, metric reductions
+* ``embed``  - the embedding output all-to-all (forward and backward) and the
+               data-parallel tables' gradient all-reduce, issued from autograd
+* ``input``  - the input all-to-all of ids, which the train pipeline runs on a
+               background thread for the next batch while this one computes
+
+World size 1 is a context with no process group: every collective is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    dense: dist.ProcessGroup | None = None
+    embed: dist.ProcessGroup | None = None
+    input: dist.ProcessGroup | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistContext:
+    """Join the job torchrun (or a test spawner) set up through the environment
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+    gloo on CPU, NCCL on CUDA. ``timeout_s`` bounds how long a collective waits for
+    a rank that stopped answering, so a dead rank fails the job instead of hanging it.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return DistContext(device=device)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    groups = [dist.new_group(backend=backend, timeout=timeout) for _ in range(3)]
+    return DistContext(rank, world, local_rank, device, *groups)
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()

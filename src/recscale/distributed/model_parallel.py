@@ -1,0 +1,53 @@
+"""``shard(model, plan, ctx)``: the single-device DLRM made hybrid-parallel from outside.
+
+* ``model.embeddings`` (an :class:`EmbeddingBagCollection`, possibly still on the meta
+  device) is replaced by its sharded twin holding only this rank's shards;
+* the rest (bottom/top MLPs, interaction) is wrapped in DistributedDataParallel on
+  the ``dense`` group, with every ``embeddings.*`` parameter and buffer excluded
+  (they are not replicas: each rank holds different shards).
+
+The model code never imports this package.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recscale.config.schema import EmbeddingConfig
+from recscale.distributed.context import DistContext
+from recscale.distributed.layout import build_layout
+from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
+from recscale.embedding.optimizers import build_sparse_optimizer
+from recscale.models.dlrm import DLRM
+from recscale.planner import ShardingPlan
+
+
+def shard(
+    model: DLRM,
+    plan: ShardingPlan,
+    ctx: DistContext,
+    embedding_cfg: EmbeddingConfig,
+    seed: int = 0,
+    kernel: str = "auto",
+) -> nn.Module:
+    """Returns the module to train (DDP-wrapped when ``ctx`` is distributed); ``model``
+    itself is changed in place, so ``model.embeddings`` is the sharded collection."""
+    if plan.world_size != ctx.world_size:
+        raise ValueError(f"plan for {plan.world_size} ranks, job has {ctx.world_size}")
+    ebc = model.embeddings
+    tables = ebc.tables
+    layout = build_layout([t.name for t in tables], [t.num_rows for t in tables],
+                          [t.dim for t in tables], plan)  # fmt: skip
+    model.embeddings = ShardedEmbeddingBagCollection(
+        tables, ebc.pooling, lambda: build_sparse_optimizer(embedding_cfg), layout, ctx,
+        seed=seed, validate_ids=ebc.validate_ids, kernel=kernel,
+    )  # fmt: skip
+    model.to(ctx.device)
+    if not ctx.distributed:
+        return model
+    ignore = [n for n, _ in model.named_parameters() if n.startswith("embeddings.")]
+    ignore += [n for n, _ in model.named_buffers() if n.startswith("embeddings.")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=ctx.dense)

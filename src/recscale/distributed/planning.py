@@ -1,0 +1,85 @@
+"""A config -> the planner's plain-data inputs, and the plan a training job uses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from recscale.config.errors import ConfigError
+from recscale.config.schema import Config
+from recscale.planner import (
+    Constraints,
+    ShardingPlan,
+    TableInfo,
+    TablePlacement,
+    Topology,
+    plan_sharding,
+)
+from recscale.planner.types import KINDS
+
+_STATE_BYTES = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
+
+
+def table_infos(cfg: Config) -> list[TableInfo]:
+    m = cfg.model
+    pooling = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
+    state = _STATE_BYTES[cfg.embedding.optimizer]
+    return [
+        TableInfo(f"C{i + 1}", n, d, pooling, state(d))
+        for i, (n, d) in enumerate(zip(m.table_sizes, m.dims()))
+    ]
+
+
+def uniform_plan(tables: list[TableInfo], world_size: int, kind: str) -> ShardingPlan:
+    """Every table sharded the same way (``column_wise``: split in ``world_size`` equal
+    column blocks when the dim allows, else the largest divisor of the dim)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown sharding kind {kind!r}")
+    w = world_size
+    placements = []
+    for i, t in enumerate(tables):
+        if kind == "data_parallel":
+            p = TablePlacement(t.name, kind, list(range(w)), {}, {})
+        elif kind == "table_wise":
+            p = TablePlacement(t.name, kind, [i % w], {}, {})
+        elif kind == "row_wise":
+            p = TablePlacement(t.name, kind, list(range(w)), {}, {})
+        else:
+            k = max(d for d in range(1, w + 1) if t.dim % d == 0)
+            ranks = [(i + j) % w for j in range(k)]
+            p = TablePlacement(t.name, kind, ranks, {}, {}, [t.dim // k] * k)
+        placements.append(p)
+    return ShardingPlan(w, placements, [0] * w, [0.0] * w)
+
+
+def default_memory_per_rank(device: torch.device, local_world: int) -> int:
+    """Half of the device's memory (CUDA) or of the host memory shared by the local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 2
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // (2 * max(local_world, 1))
+
+
+def plan_for(cfg: Config, world_size: int, memory_per_rank: int) -> ShardingPlan:
+    """The plan a job runs: a plan file, one kind for all tables, or the planner's."""
+    d = cfg.distributed
+    tables = table_infos(cfg)
+    if d.plan:
+        try:
+            plan = ShardingPlan.from_dict(json.loads(Path(d.plan).read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError("distributed.plan", f"cannot read a plan from {d.plan}: {e}") from e
+        if plan.world_size != world_size:
+            raise ConfigError(
+                "distributed.plan",
+                f"{d.plan} is a plan for {plan.world_size} ranks but the job has {world_size}",
+            )
+        return plan
+    if d.sharding != "auto":
+        return uniform_plan(tables, world_size, d.sharding)
+    topo = Topology(world_size, memory_per_rank)
+    return plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))

@@ -1,0 +1,93 @@
+"""Run a function on N local ranks joined by gloo over loopback (tests, benchmarks).
+
+The same environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), so the function initialises exactly as a
+torchrun worker does (:func:`recscale.distributed.init_distributed`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    try:
+        # Results travel as bytes: tensors shared through file descriptors would vanish
+        # with the process that made them.
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
+) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` fresh processes; returns their results by rank.
+
+    Raises RuntimeError with the failing ranks' tracebacks; a rank that exits without
+    reporting (killed) or a job that outlives ``timeout`` seconds is an error too.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]  # fmt: skip
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:.0f}s")
+                    break
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and queue.empty():
+                    time.sleep(2.0)  # let the survivors report their own errors
+                    while not queue.empty():
+                        rank, ok, value = queue.get()
+                        if not ok:
+                            errors.append(f"rank {rank}:\n{value}")
+                    errors.append(
+                        f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}"
+                    )
+                    break
+                continue
+            if ok:
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

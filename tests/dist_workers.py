@@ -1,0 +1,108 @@
+"""Functions run on spawned ranks by the distributed tests (importable by child processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from recscale.config import load_config
+from recscale.data.synthetic import SyntheticCriteo
+from recscale.distributed import init_distributed, shard, table_infos, uniform_plan
+from recscale.models.dlrm import build_model
+from recscale.planner import ShardingPlan
+from recscale.train.optimizers import build_dense_optimizer
+
+
+def parity_config(optimizer: str, pooling: str = "sum"):
+    cfg = load_config("debug", [f"--embedding.optimizer={optimizer}", f"--model.pooling={pooling}",
+                                "--data.max_ids_per_feature=3", "--optimizer.name=adam"])  # fmt: skip
+    cfg.embedding.lr = 0.05
+    return cfg
+
+
+def global_batches(cfg, steps: int, batch_size: int):
+    data = SyntheticCriteo(cfg.model.table_sizes, num_dense=cfg.model.num_dense_features, seed=7,
+                           zipf_alpha=1.05, min_ids=cfg.data.min_ids_per_feature,
+                           max_ids=cfg.data.max_ids_per_feature)  # fmt: skip
+    return [data.batch(i, batch_size, "train") for i in range(steps)], data.batch(
+        0, batch_size, "eval"
+    )
+
+
+def train_and_report(module, model, dense_opt, batches, eval_batch):
+    for b in batches:
+        loss = F.binary_cross_entropy_with_logits(module(b), b.labels)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+    with torch.no_grad():
+        preds = module(eval_batch)
+    dense = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    return preds, dense
+
+
+def reference(optimizer: str, pooling: str, steps: int, batch_size: int):
+    """World size 1: the plain single-device model on the global batches."""
+    torch.manual_seed(0)
+    cfg = parity_config(optimizer, pooling)
+    batches, eval_batch = global_batches(cfg, steps, batch_size)
+    model = build_model(cfg.model, cfg.embedding, seed=0)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    preds, dense = train_and_report(model, model, opt, batches, eval_batch)
+    ebc = model.embeddings
+    tables = []
+    for f, _spec in enumerate(ebc.tables):
+        g = ebc.groups[int(ebc.group_of_feature[f])]
+        lo = int(ebc.feature_row_offset[f])
+        rows = torch.arange(lo, lo + ebc.tables[f].num_rows)
+        tables.append((g.storage.read_rows(rows), g.storage.read_state(rows)))
+    return preds, dense, tables
+
+
+def mixed_plan(cfg, world_size: int) -> dict:
+    """Every kind in one plan: table i takes kind i % 4 (column_wise over 2 ranks)."""
+    kinds = ["table_wise", "row_wise", "column_wise", "data_parallel"]
+    w = world_size
+    placements = []
+    for i, t in enumerate(table_infos(cfg)):
+        kind = kinds[i % 4]
+        ranks = {"table_wise": [(i + 1) % w], "column_wise": [i % w, (i + 1) % w]}.get(
+            kind, list(range(w))
+        )
+        dims = [t.dim // 2, t.dim - t.dim // 2] if kind == "column_wise" else []
+        placements.append({"table": t.name, "kind": kind, "ranks": ranks,
+                           "memory_per_rank": {}, "cost_per_rank": {}, "dims": dims})  # fmt: skip
+    return {"world_size": w, "placements": placements, "memory_per_rank": [0] * w,
+            "cost_per_rank": [0.0] * w}  # fmt: skip
+
+
+def sharded_run(cases: list[tuple[str, str, str]], steps: int, batch_size: int):
+    """On each rank, per case (plan, optimizer, pooling) - the plan being a kind for every
+    table or "mixed" - train the sharded model on this rank's slices of the global
+    batches; report predictions for the local eval slice, the dense weights, and every
+    local table part."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"), timeout_s=60)
+    w, r = ctx.world_size, ctx.rank
+    lo, hi = r * batch_size // w, (r + 1) * batch_size // w
+    out = []
+    for plan_name, optimizer, pooling in cases:
+        cfg = parity_config(optimizer, pooling)
+        batches, eval_batch = global_batches(cfg, steps, batch_size)
+        torch.manual_seed(0)
+        if plan_name == "mixed":
+            plan = ShardingPlan.from_dict(mixed_plan(cfg, w))
+        else:
+            plan = uniform_plan(table_infos(cfg), w, plan_name)
+        model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+        module = shard(model, plan, ctx, cfg.embedding, seed=0)
+        opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+        local = [b.slice(lo, hi) for b in batches]
+        preds, dense = train_and_report(module, model, opt, local, eval_batch.slice(lo, hi))
+        parts = []
+        for s, storage, first in model.embeddings.local_parts():
+            rows = torch.arange(first, first + s.num_rows)
+            parts.append((s, storage.read_rows(rows), storage.read_state(rows)))
+        out.append((preds, dense, parts))
+    torch.distributed.destroy_process_group()
+    return out
