@@ -106,3 +106,30 @@ def sharded_run(cases: list[tuple[str, str, str]], steps: int, batch_size: int):
         out.append((preds, dense, parts))
     torch.distributed.destroy_process_group()
     return out
+
+
+def die_mid_training(dying_rank: int, die_at_step: int):
+    """Train the debug model; ``dying_rank`` exits abruptly at ``die_at_step``. The
+    survivors must fail with an error (not hang): returns nothing when they do not."""
+    import os
+    import time
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"), timeout_s=30)
+    cfg = parity_config("sgd")
+    batches, _ = global_batches(cfg, 1, 64)
+    model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+    module = shard(model, uniform_plan(table_infos(cfg), ctx.world_size, "row_wise"), ctx,
+                   cfg.embedding)  # fmt: skip
+    n = 64 // ctx.world_size
+    local = batches[0].slice(ctx.rank * n, (ctx.rank + 1) * n)
+    start = time.monotonic()
+    for step in range(10_000):
+        if ctx.rank == dying_rank and step == die_at_step:
+            os._exit(17)
+        try:
+            F.binary_cross_entropy_with_logits(module(local), local.labels).backward()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"failed after {time.monotonic() - start:.1f}s at step {step}: {e}"
+            ) from e

@@ -8,9 +8,11 @@ tolerance (summation order differs).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from dist_workers import reference, sharded_run
+from dist_workers import die_mid_training, reference, sharded_run
 
 from recscale.distributed.spawn import run_ranks
 
@@ -62,3 +64,14 @@ def test_sharded_training_matches_single_process(world_size):
     results = run_ranks(sharded_run, world_size, cases, STEPS, BATCH, timeout=240)
     for i, case in enumerate(cases):
         _check(case, [results[r][i] for r in range(world_size)], world_size)
+
+
+def test_dead_rank_fails_the_others_fast():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        run_ranks(die_mid_training, 2, 1, 5, timeout=120)
+    elapsed = time.monotonic() - t0
+    msg = str(err.value)
+    assert "exited with codes [17]" in msg
+    assert "rank 0:" in msg and "failed after" in msg, msg  # the survivor raised, not hung
+    assert elapsed < 60, f"took {elapsed:.0f}s"

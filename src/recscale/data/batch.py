@@ -63,6 +63,24 @@ class Batch:
             weights=None if self.weights is None else self.weights[keep],
         )
 
+    def pad(self, batch_size: int) -> Batch:
+        """Append samples with empty bags, zero dense features and label 0 up to
+        ``batch_size`` (ranks must run equal batches; padded predictions are dropped)."""
+        b, f, extra = self.batch_size, self.num_sparse_features, batch_size - self.batch_size
+        if extra <= 0:
+            return self
+        lengths = self.lengths().view(f, b)
+        new_len = torch.cat([lengths, lengths.new_zeros(f, extra)], 1).reshape(-1)
+        offsets = torch.zeros(new_len.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(new_len, 0, out=offsets[1:])
+        return Batch(
+            dense=torch.cat([self.dense, self.dense.new_zeros(extra, self.dense.shape[1])]),
+            values=self.values,
+            offsets=offsets,
+            labels=torch.cat([self.labels, self.labels.new_zeros(extra)]),
+            weights=self.weights,
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)

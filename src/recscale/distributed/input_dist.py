@@ -102,6 +102,7 @@ class InputDist:
     ) -> DistInput:
         """``weights``: per-id pooling weights already including mean pooling's 1/len."""
         b, w, dev = batch_size, self.world, self.device
+        batch_values = values
         nf = len(self.layout.num_rows)
         lengths = offsets[1:] - offsets[:-1]
         bag = torch.repeat_interleave(
@@ -152,7 +153,7 @@ class InputDist:
             if send_w is not None:
                 recv_w = torch.empty(sum(out_splits), dtype=send_w.dtype, device=dev)
                 _all_to_all(recv_w, send_w, out_splits, in_splits, group)
-        return DistInput(b, self._regroup(recv_len, recv_rows, recv_w, s_me, b), values)
+        return DistInput(b, self._regroup(recv_len, recv_rows, recv_w, s_me, b), batch_values)
 
     def _regroup(self, recv_len, recv_rows, recv_w, s_me, b) -> list[GroupInput]:
         """(source, shard, sample) -> (shard, source, sample), split by storage group."""

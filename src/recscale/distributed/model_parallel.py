@@ -11,6 +11,8 @@ The model code never imports this package.
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,4 +52,10 @@ def shard(
     ignore += [n for n, _ in model.named_buffers() if n.startswith("embeddings.")]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=ctx.dense)
+    # No replicated buffers to keep in sync: skip the per-forward broadcast (the newer
+    # ``forward_sync_buffers`` would still sync them at init; ours are rank-local).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return DistributedDataParallel(
+            model, device_ids=device_ids, process_group=ctx.dense, broadcast_buffers=False
+        )

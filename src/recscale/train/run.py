@@ -22,14 +22,18 @@ import torch.nn.functional as F
 
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
 from recscale.checkpoint.state import restore
+from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
+from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
+from recscale.distributed.pipeline import InputDistPipeline
 from recscale.models.dlrm import DLRM, build_model
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.parallel import build_sharded, evaluate_distributed, local_batches, reduce_step
 from recscale.train.progress import Progress
 
 
@@ -87,6 +91,7 @@ def train(
     run_dir: Path | None = None,
     echo: Callable[[str], None] = print,
     resume: Path | None = None,
+    ctx: DistContext | None = None,
 ) -> dict[str, Any]:
     """Train per ``cfg``; returns (and writes to ``run_dir``) the metrics dict.
 
@@ -94,13 +99,23 @@ def train(
     (chain) is restored; training continues from its step with the same batches.
     Ctrl-C stops the loop cleanly: what was measured is still written (and a
     checkpoint, when checkpointing is on), with ``interrupted: true``.
+
+    Under torchrun (or given ``ctx``) every rank runs this same function: tables are
+    sharded, each rank trains on its slice of every global batch, and only rank 0
+    prints, shows progress and writes ``run_dir`` (see ``train/parallel.py``).
     """
     cfg.validate()
     t = cfg.train
     torch.manual_seed(t.seed)
-    threads = t.threads or available_cores()
+    threads = t.threads or available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
     torch.set_num_threads(threads)
     device = resolve_device(t.device)
+    if ctx is None:
+        ctx = (init_distributed(device, cfg.distributed.timeout_s) if launched_by_torchrun()
+               else DistContext(device=device))  # fmt: skip
+    device = ctx.device
+    if not ctx.is_main:  # one voice and one writer: rank 0
+        echo, run_dir = (lambda _msg: None), None
     note = adopt_dataset_shapes(cfg)
     if note:
         echo(f"recscale: {note}")
@@ -108,10 +123,16 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(cfg))
 
-    model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
+    if ctx.distributed:
+        if cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes or resume is not None:
+            raise ConfigError("checkpoint", "checkpoints of sharded runs are not supported yet")
+        model, module, _plan = build_sharded(cfg, ctx, echo)
+    else:
+        model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
+        module = model
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     ckpt = None
-    if run_dir is not None:
+    if run_dir is not None and not ctx.distributed:
         meta = {
             "config": config_to_toml(cfg),
             "plan": {"world_size": 1, "tables": "whole, one storage group per dim"},
@@ -129,14 +150,20 @@ def train(
     echo(
         f"recscale: DLRM with {len(cfg.model.table_sizes)} tables ({num_rows:,} rows, "
         f"dim {cfg.model.embedding_dim}), {num_params:,} dense parameters; "
-        f"{t.steps} steps x batch {t.batch_size} on {device} ({threads} threads)"
+        f"{t.steps} steps x batch {t.batch_size} on {device} ({threads} threads"
+        + (f" per rank, {ctx.world_size} ranks)" if ctx.distributed else ")")
     )
 
     log_file = (
         (run_dir / "train_log.jsonl").open("a" if resume else "w") if run_dir is not None else None
     )
-    progress = Progress(t.steps, t.batch_size, t.progress, initial=start_step)
+    progress = Progress(t.steps, t.batch_size, t.progress and ctx.is_main, initial=start_step)
     stream = Prefetcher(train_batches(cfg, start_step), depth=cfg.data.prefetch_batches)
+    pipeline = None
+    if ctx.distributed:
+        stream = local_batches(stream, ctx)
+        if cfg.distributed.pipeline:
+            stream = pipeline = InputDistPipeline(stream, model.embeddings, device)
     step, interrupted = start_step, False
     saved_step = start_step
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
@@ -144,13 +171,19 @@ def train(
     model.train()
     try:
         for batch in stream:
-            if step >= t.steps or (t.max_seconds and time.perf_counter() - start >= t.max_seconds):
+            out_of_time = bool(t.max_seconds) and time.perf_counter() - start >= t.max_seconds
+            if step >= t.steps or (out_of_time and not ctx.distributed):
                 break
             step += 1
             batch = batch.to(device, non_blocking=True)
-            logits = model(batch)
+            logits = module(batch)
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
             loss_value = float(loss.detach())
+            if ctx.distributed:  # global mean loss; every rank stops together (see parallel.py)
+                loss_value, stop = reduce_step(loss_value, out_of_time, ctx)
+                if stop and math.isfinite(loss_value):
+                    step -= 1
+                    break
             if not math.isfinite(loss_value):
                 # Checked before backward: the fused sparse update must not apply a NaN step.
                 raise TrainingDiverged(
@@ -182,6 +215,8 @@ def train(
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        if pipeline is not None:
+            pipeline.close(timeout=None if not interrupted else 5.0)
         progress.close()
         if log_file is not None:
             log_file.close()
@@ -204,11 +239,15 @@ def train(
         "interrupted": interrupted,
         "device": str(device),
         "threads": threads,
+        "world_size": ctx.world_size,
     }
     ev = None
     if not interrupted:
         try:
-            ev = evaluate(model, eval_batches(cfg), device)
+            if ctx.distributed:
+                ev = binary_metrics(*evaluate_distributed(module, eval_batches(cfg), ctx))
+            else:
+                ev = evaluate(model, eval_batches(cfg), device)
         except KeyboardInterrupt:
             interrupted = metrics["interrupted"] = True
     if ev is None:
@@ -229,7 +268,7 @@ def train(
         f"trained {trained} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
     )
     if run_dir is not None:
-        if t.save_model:
+        if t.save_model and not ctx.distributed:
             save_model(model, run_dir / "model.pt")
         _write_json(run_dir / "metrics.json", metrics)
         echo(f"wrote {run_dir}/metrics.json")

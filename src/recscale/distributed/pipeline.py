@@ -1,0 +1,79 @@
+"""The train pipeline: batch t+1's input all-to-all runs while batch t computes.
+
+A background thread takes the next local batch, moves it to the device and runs the
+sharded collection's input dist (bucketize, all-to-all of lengths, ids and weights,
+regroup) on the ``input`` process group, then registers the result; the training
+step's forward finds it ready and goes straight to the lookups. The GIL is released
+inside the collectives and tensor kernels, so the two overlap on a multi-core host
+(on a GPU the same thread would drive its own CUDA stream).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+
+from recscale.data.batch import Batch
+from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
+
+_DONE = object()
+
+
+class InputDistPipeline:
+    """Iterate local batches whose input dist already ran ``ahead`` batches early.
+
+    Collectives must match across ranks, so the thread distributes batch t+ahead+1
+    only once the consumer has taken batch t (a permit per consumed batch): ranks that
+    stop after the same number of steps have run exactly the same collectives, and
+    ``close()`` can join the thread without a rank waiting on a partner that stopped.
+    """
+
+    def __init__(
+        self,
+        batches: Iterable[Batch],
+        ebc: ShardedEmbeddingBagCollection,
+        device,
+        ahead: int = 1,
+    ) -> None:
+        self._batches, self._ebc, self._device = iter(batches), ebc, device
+        self._permits = threading.Semaphore(ahead)
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="recscale-input-dist", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # A permit once taken is always used, stop or not: every rank then runs
+                # exactly ``ahead`` + (batches consumed) input collectives.
+                while not self._permits.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                batch = next(self._batches, None)
+                if batch is None:
+                    self._queue.put(_DONE)
+                    return
+                batch = batch.to(self._device, non_blocking=True)
+                inp = self._ebc.distribute_input(batch.values, batch.offsets, batch.batch_size,
+                                                 batch.weights)  # fmt: skip
+                self._ebc.prefetched(inp)
+                self._queue.put(batch)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put(e)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self._permits.release()
+            yield item
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the collective in flight (every rank has the same one in flight)."""
+        self._stop.set()
+        self._thread.join(timeout)

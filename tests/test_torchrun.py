@@ -1,0 +1,91 @@
+"""End to end through the launcher: ``torchrun --nproc_per_node=2 -m recscale train``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recscale.config import load_config
+from recscale.train.run import train
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--master_addr=127.0.0.1"]  # fmt: skip
+ARGS = ["-m", "recscale", "train", "--config", "debug", "--train.progress=false",
+        "--data.max_ids_per_feature=2"]  # fmt: skip
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _free_port_args():
+    from recscale.distributed.spawn import free_port
+
+    return [f"--master_port={free_port()}"]
+
+
+def test_two_ranks_train_like_one(tmp_path: Path):
+    run = tmp_path / "run"
+    out = subprocess.run(
+        TORCHRUN + _free_port_args() + ARGS + ["--train.steps=60", "--run-dir", str(run)],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 60
+    log = (run / "train_log.jsonl").read_text().splitlines()
+    assert len(log) == 60 // 25 + 1  # written once, by rank 0
+
+    cfg = load_config("debug", ["--train.steps=60", "--train.progress=false",
+                                "--data.max_ids_per_feature=2", "--train.save_model=false"])  # fmt: skip
+    single = train(cfg, None, echo=lambda _m: None)
+    assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
+    assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(x) for x in text]
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
+def test_killed_rank_fails_the_job(tmp_path: Path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        TORCHRUN + _free_port_args() + ARGS + ["--train.steps=1000000", "--train.log_every=1",
+                                               "--distributed.timeout_s=30", "--run-dir", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            not (run / "train_log.jsonl").exists() or not (run / "train_log.jsonl").stat().st_size
+        ):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode != 0
+        assert time.monotonic() - t0 < 60
+        assert "SIGKILL" in err or "Signal 9" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
