@@ -133,3 +133,44 @@ def die_mid_training(dying_rank: int, die_at_step: int):
             raise RuntimeError(
                 f"failed after {time.monotonic() - start:.1f}s at step {step}: {e}"
             ) from e
+
+
+def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, steps: int,
+                   batch_size: int) -> None:  # fmt: skip
+    """Restore ``chain`` into a model sharded by ``plan_name``, train ``steps`` more
+    global batches (from ``first_step``), and write a full checkpoint to ``out_root``."""
+    from pathlib import Path
+
+    from recscale.checkpoint.manager import CheckpointManager
+    from recscale.config import CheckpointConfig
+    from recscale.distributed.checkpoint import ShardedTables, restore_sharded
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"), timeout_s=60)
+    w, r = ctx.world_size, ctx.rank
+    cfg = parity_config("rowwise_adagrad")
+    plan = (ShardingPlan.from_dict(mixed_plan(cfg, w)) if plan_name == "mixed"
+            else uniform_plan(table_infos(cfg), w, plan_name))  # fmt: skip
+    model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+    module = shard(model, plan, ctx, cfg.embedding)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    trainer = restore_sharded(model, opt, [Path(p) for p in chain.split(",")])
+    assert trainer["step"] == first_step
+    batches, _ = global_batches(cfg, first_step + steps, batch_size)
+    lo, hi = r * batch_size // w, (r + 1) * batch_size // w
+    # Full first, then increments (rows touched since): the newest chain mixes both.
+    ckpt_cfg = CheckpointConfig(every_steps=1, async_write=False, full_every=100,
+                                full_if_fraction=1.0)  # fmt: skip
+    mgr = CheckpointManager(ckpt_cfg, Path(out_root), model, opt, {"plan": plan.to_dict()},
+                            ShardedTables(model, ctx))  # fmt: skip
+    for i, b in enumerate(batches[first_step:]):
+        local = b.slice(lo, hi)
+        loss = F.binary_cross_entropy_with_logits(module(local), local.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if i == 0:
+            mgr.save(first_step + 1, {"step": first_step + 1})
+    mgr.save(first_step + steps, {"step": first_step + steps})
+    mgr.wait()
+    torch.distributed.destroy_process_group()

@@ -92,10 +92,32 @@ class CheckpointStats:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+class LocalTables:
+    """Where the manager finds the tables: here, the single-process model (the sharded
+    twin is ``recscale.distributed.checkpoint.ShardedTables``)."""
+
+    is_writer = True
+
+    def __init__(self, model: DLRM) -> None:
+        self.model = model
+
+    def storages(self) -> list:
+        return [g.storage for g in self.model.embeddings.groups]
+
+    def global_sum(self, x: int) -> int:
+        return x
+
+    def capture(self, dense_opt, trainer, kind, precision, parent, step):
+        return capture(self.model, dense_opt, trainer, kind, precision, parent, step)
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
-                 meta: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 meta: dict[str, Any] | None = None, tables: Any = None) -> None:  # fmt: skip
+        """``tables``: a :class:`LocalTables`-like source (default: ``model``'s own). With
+        a sharded source every rank calls ``save``; only its writer (rank 0) writes."""
         self.cfg, self.root, self.model, self.dense_opt = cfg, root, model, dense_opt
+        self.tables = tables if tables is not None else LocalTables(model)
         self.meta = meta or {}
         self.stats = CheckpointStats()
         self._thread: threading.Thread | None = None
@@ -104,10 +126,11 @@ class CheckpointManager:
         self._since_full = 0
         self._last_name: str | None = None
         self.enabled = cfg.every_steps > 0 or cfg.every_minutes > 0
-        total_rows = sum(g.storage.num_rows for g in model.embeddings.groups)
-        self._total_rows = total_rows
-        for g in model.embeddings.groups:
-            g.storage.track_dirty(self.enabled)
+        self._total_rows = sum(t.num_rows for t in model.embeddings.tables)
+        for storage in self.tables.storages():
+            storage.track_dirty(self.enabled)
+        if not self.tables.is_writer:
+            return
         if self.enabled:
             root.mkdir(parents=True, exist_ok=True)
         recover(root)
@@ -128,23 +151,25 @@ class CheckpointManager:
     def _kind(self) -> str:
         if self._last_name is None or self._since_full + 1 >= self.cfg.full_every:
             return "full"
-        dirty = sum(int(g.storage.dirty.sum()) for g in self.model.embeddings.groups)
+        dirty = self.tables.global_sum(sum(int(s.dirty.sum()) for s in self.tables.storages()))
         return "full" if dirty > self.cfg.full_if_fraction * self._total_rows else "incremental"
 
     def save(self, step: int, trainer: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         self.wait()
         kind = self._kind()
-        snap = capture(self.model, self.dense_opt, trainer, kind, self.cfg.precision,
-                       self._last_name if kind == "incremental" else None, step)  # fmt: skip
-        snap.meta = self.meta
-        for g in self.model.embeddings.groups:
-            g.storage.dirty.zero_()
+        snap = self.tables.capture(self.dense_opt, trainer, kind, self.cfg.precision,
+                                   self._last_name if kind == "incremental" else None, step)  # fmt: skip
+        for storage in self.tables.storages():
+            storage.dirty.zero_()
         name = f"step_{step:08d}" + (".inc" if kind == "incremental" else "")
         self._last_name, self._last_time = name, time.monotonic()
         self._since_full = 0 if kind == "full" else self._since_full + 1
         capture_s = time.perf_counter() - t0
         self.stats.stall_seconds += capture_s
+        if snap is None:  # a sharded run's other ranks: rank 0 writes what they sent
+            return
+        snap.meta = self.meta
 
         def run() -> None:
             t = time.perf_counter()

@@ -161,7 +161,7 @@ def write(snap: Snapshot, final_dir: Path) -> Path:
         raise
 
 
-def _read_weight(path: Path, name: str, precision: str, n: int, dim: int) -> np.ndarray:
+def read_weight(path: Path, name: str, precision: str, n: int, dim: int) -> np.ndarray:
     base = f"tables/{name}"
     if precision == "fp32":
         return read_array(path, f"{base}.weight.f32", np.float32, (n, dim))
@@ -195,7 +195,7 @@ def restore(
                 idx = torch.from_numpy(local) + start
             else:
                 idx = torch.arange(start, start + spec.num_rows)
-            weight = _read_weight(path, tm["name"], manifest["precision"], n, tm["dim"])
+            weight = read_weight(path, tm["name"], manifest["precision"], n, tm["dim"])
             storage.write_rows(idx, torch.from_numpy(weight))
             state = {
                 sname: torch.from_numpy(
@@ -210,7 +210,10 @@ def restore(
         unexpected = model.load_state_dict(dense["model"], strict=False).unexpected_keys
         if unexpected:
             raise CheckpointError(f"{path}: dense state has unknown keys {unexpected[:3]}")
-        for g, s in zip(model.embeddings.groups, dense["storage_steps"]):
+        steps = dense["storage_steps"]
+        if len(steps) != len(model.embeddings.groups):  # written by a sharded run: one count
+            steps = [max(steps)] * len(model.embeddings.groups)
+        for g, s in zip(model.embeddings.groups, steps):
             g.storage.step.fill_(s)
         if dense_opt is not None:
             dense_opt.load_state_dict(dense["optimizer"])

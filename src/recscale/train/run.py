@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
 from recscale.checkpoint.state import restore
-from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
+from recscale.distributed.checkpoint import ShardedTables, restore_sharded
 from recscale.distributed.pipeline import InputDistPipeline
 from recscale.models.dlrm import DLRM, build_model
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
@@ -114,6 +114,7 @@ def train(
         ctx = (init_distributed(device, cfg.distributed.timeout_s) if launched_by_torchrun()
                else DistContext(device=device))  # fmt: skip
     device = ctx.device
+    ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
     if not ctx.is_main:  # one voice and one writer: rank 0
         echo, run_dir = (lambda _msg: None), None
     note = adopt_dataset_shapes(cfg)
@@ -123,25 +124,30 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(cfg))
 
+    tables = None
     if ctx.distributed:
-        if cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes or resume is not None:
-            raise ConfigError("checkpoint", "checkpoints of sharded runs are not supported yet")
-        model, module, _plan = build_sharded(cfg, ctx, echo)
+        model, module, plan = build_sharded(cfg, ctx, echo)
+        plan_meta = plan.to_dict()
+        tables = ShardedTables(model, ctx)
     else:
         model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
         module = model
+        plan_meta = {"world_size": 1, "tables": "whole, one storage group per dim"}
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     ckpt = None
-    if run_dir is not None and not ctx.distributed:
-        meta = {
-            "config": config_to_toml(cfg),
-            "plan": {"world_size": 1, "tables": "whole, one storage group per dim"},
-        }
-        ckpt = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", model, dense_opt, meta)
+    if ckpt_root is not None:
+        meta = {"config": config_to_toml(cfg), "plan": plan_meta}
+        ckpt = CheckpointManager(cfg.checkpoint, ckpt_root, model, dense_opt, meta, tables)
     start_step = 0
     if resume is not None:
-        chain = resolve_chain(resume, echo)
-        start_step = int(restore(model, dense_opt, chain)["step"])
+        chain = resolve_chain(resume, echo) if ctx.is_main else None
+        if ctx.distributed:  # rank 0 picks (and may repair) the chain; every rank loads it
+            box = [chain]
+            torch.distributed.broadcast_object_list(box, src=0, group=ctx.dense)
+            chain = box[0]
+            start_step = int(restore_sharded(model, dense_opt, chain)["step"])
+        else:
+            start_step = int(restore(model, dense_opt, chain)["step"])
         echo(f"recscale: resumed from {chain[-1]} (step {start_step}; chain of {len(chain)})")
         if ckpt is not None and chain[-1].parent.resolve() == ckpt.root.resolve():
             ckpt.resume_from(chain)
@@ -224,7 +230,9 @@ def train(
     if window_steps:
         last_loss = window_loss / window_steps
     trained = step - start_step
-    if ckpt is not None and ckpt.enabled:
+    if ckpt is not None and ckpt.enabled and not (interrupted and ctx.distributed):
+        # (an interrupted sharded run may have stopped at different steps on different
+        # ranks: its last periodic checkpoint stands)
         if step != saved_step:
             ckpt.save(step, {"step": step})
         ckpt.wait()
