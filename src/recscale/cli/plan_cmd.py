@@ -8,9 +8,8 @@ import json
 import sys
 
 from recscale.config.loader import load_config, preset_names
-from recscale.planner import Constraints, PlanError, TableInfo, Topology, plan_sharding
-
-_STATE_BYTES = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
+from recscale.distributed.planning import table_infos
+from recscale.planner import Constraints, PlanError, Topology, plan_sharding
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,13 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
-    m = cfg.model
-    pooling = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
-    state = _STATE_BYTES[cfg.embedding.optimizer]
-    tables = [
-        TableInfo(f"C{i + 1}", n, d, pooling, state(d))
-        for i, (n, d) in enumerate(zip(m.table_sizes, m.dims()))
-    ]
+    tables = table_infos(cfg)
     topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), args.all_to_all_gbps * 1e9,
                     args.all_to_all_gbps * 1e9, args.gather_gbps * 1e9)  # fmt: skip
     try:
