@@ -43,19 +43,28 @@ def adopt_dataset_shapes(cfg: Config) -> str | None:
     return note
 
 
-def train_batches(cfg: Config, start_step: int = 0) -> Iterator[Batch]:
-    """An endless stream of training batches from global step ``start_step`` on
-    (datasets loop over epochs). Both sources are deterministic in the step, which is
-    all a resumed run needs to continue with exactly the batches it would have seen."""
+def train_batches(
+    cfg: Config, start_step: int = 0, rank: int = 0, world_size: int = 1
+) -> Iterator[Batch]:
+    """An endless stream of this rank's slices of the training batches from global step
+    ``start_step`` on (datasets loop over epochs). Both sources are deterministic in
+    the step, which is all a resumed run needs to continue with exactly the batches it
+    would have seen. Rank ``r`` of ``W`` gets samples ``[r B/W, (r+1) B/W)`` of each
+    global batch (a dataset loader reads only those rows)."""
     t = cfg.train
     if cfg.data.uses_dataset():
         ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
         loader = BatchLoader(ds, t.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                             block_rows=cfg.data.block_rows)  # fmt: skip
+                             block_rows=cfg.data.block_rows, rank=rank,
+                             world_size=world_size)  # fmt: skip
         epoch, batch = divmod(start_step, loader.batches_per_epoch)
         loader.position = LoaderPosition(epoch, batch)
         return iter(loader)
-    return make_synthetic(cfg).batches(t.batch_size, "train", start=start_step)
+    stream = make_synthetic(cfg).batches(t.batch_size, "train", start=start_step)
+    if world_size == 1:
+        return stream
+    n = t.batch_size // world_size
+    return (b.slice(rank * n, (rank + 1) * n) for b in stream)
 
 
 def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:

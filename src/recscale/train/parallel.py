@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -50,12 +50,6 @@ def build_sharded(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
          + (f"; planned embedding memory per rank {min(mem) / 1e9:.3f}-{max(mem) / 1e9:.3f} GB"
             if any(mem) else ""))  # fmt: skip
     return model, module, plan
-
-
-def local_batches(batches: Iterable[Batch], ctx: DistContext) -> Iterator[Batch]:
-    for b in batches:
-        n = b.batch_size // ctx.world_size
-        yield b.slice(ctx.rank * n, (ctx.rank + 1) * n)
 
 
 def reduce_step(loss_value: float, stop: bool, ctx: DistContext) -> tuple[float, bool]:

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from recscale.models.dlrm import DLRM, build_model
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.parallel import build_sharded, evaluate_distributed, local_batches, reduce_step
+from recscale.train.parallel import build_sharded, evaluate_distributed, reduce_step
 from recscale.train.progress import Progress
 
 
@@ -164,10 +165,10 @@ def train(
         (run_dir / "train_log.jsonl").open("a" if resume else "w") if run_dir is not None else None
     )
     progress = Progress(t.steps, t.batch_size, t.progress and ctx.is_main, initial=start_step)
-    stream = Prefetcher(train_batches(cfg, start_step), depth=cfg.data.prefetch_batches)
+    source = train_batches(cfg, start_step, ctx.rank, ctx.world_size)
+    stream = Prefetcher(source, depth=cfg.data.prefetch_batches)
     pipeline = None
     if ctx.distributed:
-        stream = local_batches(stream, ctx)
         if cfg.distributed.pipeline:
             stream = pipeline = InputDistPipeline(stream, model.embeddings, device)
     step, interrupted = start_step, False
@@ -230,6 +231,12 @@ def train(
     if window_steps:
         last_loss = window_loss / window_steps
     trained = step - start_step
+    if (ckpt is not None and ctx.distributed and t.save_model and not ckpt.enabled
+            and not interrupted):  # fmt: skip
+        # A sharded run's model.pt: a final checkpoint in the plan-independent format,
+        # which `recscale eval` and `--resume` read at any world size.
+        final = replace(cfg.checkpoint, every_steps=1, async_write=False)
+        ckpt = CheckpointManager(final, ckpt_root, model, dense_opt, ckpt.meta, tables)
     if ckpt is not None and ckpt.enabled and not (interrupted and ctx.distributed):
         # (an interrupted sharded run may have stopped at different steps on different
         # ranks: its last periodic checkpoint stands)

@@ -1,0 +1,108 @@
+"""The pieces of distributed/ that need no process group: layout, plans, batch slicing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import random_jagged
+
+from recscale.config import ConfigError, load_config
+from recscale.data.batch import Batch
+from recscale.distributed import build_layout, plan_for, table_infos, uniform_plan
+from recscale.distributed.layout import row_blocks
+from recscale.planner import ShardingPlan, TablePlacement
+
+
+def test_row_blocks_cover_the_table_in_order():
+    assert row_blocks(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert row_blocks(3, 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]  # an empty last shard
+
+
+def _plan(placements, w):
+    return ShardingPlan(w, placements, [0] * w, [0.0] * w)
+
+
+def test_layout_places_every_row_and_column_once():
+    names, rows, dims = ["a", "b", "c", "d"], [10, 7, 5, 4], [8, 8, 4, 8]
+    plan = _plan([
+        TablePlacement("a", "row_wise", [0, 1, 2], {}, {}),
+        TablePlacement("b", "column_wise", [2, 0], {}, {}, [3, 5]),
+        TablePlacement("c", "table_wise", [1], {}, {}),
+        TablePlacement("d", "data_parallel", [0, 1, 2], {}, {}),
+    ], 3)  # fmt: skip
+    layout = build_layout(names, rows, dims, plan)
+    assert layout.dp_features == [3]
+    for f in range(3):
+        cover = torch.zeros(rows[f], dims[f], dtype=torch.int64)
+        for s in layout.shards:
+            if s.feature == f:
+                cover[s.row_lo : s.row_hi, s.col_lo : s.col_hi] += 1
+        assert bool((cover == 1).all())
+    for r, rs in enumerate(layout.per_rank):
+        assert all(s.owner == r for s in rs.shards)
+        # storage groups by width; shards of a group occupy consecutive rows
+        for g, width in enumerate(rs.group_widths):
+            mine = [(s, row) for s, gg, row in zip(rs.shards, rs.group_of, rs.group_row) if gg == g]
+            assert all(s.width == width for s, _ in mine)
+            assert sum(s.num_rows for s, _ in mine) == rs.group_rows[g]
+
+
+@pytest.mark.parametrize(
+    "placement, message",
+    [
+        (TablePlacement("a", "table_wise", [0, 1], {}, {}), "exactly one rank"),
+        (
+            TablePlacement("a", "column_wise", [0, 1], {}, {}, [4, 5]),
+            "adding up to the table dim 8",
+        ),
+        (TablePlacement("a", "row_wise", [0, 5], {}, {}), "outside world size 2"),
+        (TablePlacement("a", "diagonal", [0], {}, {}), "unknown sharding kind"),
+    ],
+)
+def test_layout_rejects_bad_placements(placement, message):
+    with pytest.raises(ValueError, match=message):
+        build_layout(["a"], [10], [8], _plan([placement], 2))
+
+
+def test_plan_for_reads_a_plan_file_and_checks_its_world_size(tmp_path):
+    cfg = load_config("debug")
+    plan = uniform_plan(table_infos(cfg), 2, "table_wise")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    cfg.distributed.plan = str(path)
+    assert plan_for(cfg, 2, 1 << 30).to_dict() == plan.to_dict()
+    with pytest.raises(ConfigError, match="distributed.plan.*for 2 ranks but the job has 4"):
+        plan_for(cfg, 4, 1 << 30)
+    cfg.distributed.plan = str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="distributed.plan"):
+        plan_for(cfg, 2, 1 << 30)
+
+
+def test_unknown_sharding_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="distributed.sharding"):
+        load_config("debug", ["--distributed.sharding=diagonal"])
+
+
+def test_batch_slices_and_padding_keep_each_sample():
+    batch = random_jagged([5, 9, 4], batch_size=7, max_len=3, weighted=True, seed=3)
+    parts = [batch.slice(lo, hi) for lo, hi in [(0, 2), (2, 5), (5, 7)]]
+    for part, lo in zip(parts, [0, 2, 5]):
+        for f in range(3):
+            for b in range(part.batch_size):
+                want = batch.offsets[f * 7 + lo + b : f * 7 + lo + b + 2]
+                got = part.offsets[f * part.batch_size + b : f * part.batch_size + b + 2]
+                assert torch.equal(part.values[got[0] : got[1]], batch.values[want[0] : want[1]])
+                assert torch.equal(part.weights[got[0] : got[1]], batch.weights[want[0] : want[1]])
+        assert torch.equal(part.labels, batch.labels[lo : lo + part.batch_size])
+    padded = parts[2].pad(4)
+    padded.check(13, 3)
+    assert padded.batch_size == 4 and int(padded.lengths().view(3, 4)[:, 2:].sum()) == 0
+    assert torch.equal(padded.values, parts[2].values)
+
+
+def test_batch_slice_of_from_lists():
+    b = Batch.from_lists([[0.0]] * 3, [[[1], [], [2, 3]], [[4], [5], [6]]], [0.0, 1.0, 0.0])
+    s = b.slice(1, 3)
+    assert s.values.tolist() == [2, 3, 5, 6] and s.offsets.tolist() == [0, 0, 2, 3, 4]
