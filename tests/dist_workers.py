@@ -95,7 +95,7 @@ def sharded_run(cases: list[tuple[str, str, str]], steps: int, batch_size: int):
         else:
             plan = uniform_plan(table_infos(cfg), w, plan_name)
         model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
-        module = shard(model, plan, ctx, cfg.embedding, seed=0)
+        module = shard(model, plan, ctx)
         opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
         local = [b.slice(lo, hi) for b in batches]
         preds, dense = train_and_report(module, model, opt, local, eval_batch.slice(lo, hi))
@@ -119,8 +119,7 @@ def die_mid_training(dying_rank: int, die_at_step: int):
     cfg = parity_config("sgd")
     batches, _ = global_batches(cfg, 1, 64)
     model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
-    module = shard(model, uniform_plan(table_infos(cfg), ctx.world_size, "row_wise"), ctx,
-                   cfg.embedding)  # fmt: skip
+    module = shard(model, uniform_plan(table_infos(cfg), ctx.world_size, "row_wise"), ctx)
     n = 64 // ctx.world_size
     local = batches[0].slice(ctx.rank * n, (ctx.rank + 1) * n)
     start = time.monotonic()
@@ -152,7 +151,7 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     plan = (ShardingPlan.from_dict(mixed_plan(cfg, w)) if plan_name == "mixed"
             else uniform_plan(table_infos(cfg), w, plan_name))  # fmt: skip
     model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
-    module = shard(model, plan, ctx, cfg.embedding)
+    module = shard(model, plan, ctx)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     trainer = restore_sharded(model, opt, [Path(p) for p in chain.split(",")])
     assert trainer["step"] == first_step

@@ -16,25 +16,17 @@ import warnings
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recscale.config.schema import EmbeddingConfig
 from recscale.distributed.context import DistContext
 from recscale.distributed.layout import build_layout
 from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
-from recscale.embedding.optimizers import build_sparse_optimizer
 from recscale.models.dlrm import DLRM
 from recscale.planner import ShardingPlan
 
 
-def shard(
-    model: DLRM,
-    plan: ShardingPlan,
-    ctx: DistContext,
-    embedding_cfg: EmbeddingConfig,
-    seed: int = 0,
-    kernel: str = "auto",
-) -> nn.Module:
+def shard(model: DLRM, plan: ShardingPlan, ctx: DistContext) -> nn.Module:
     """Returns the module to train (DDP-wrapped when ``ctx`` is distributed); ``model``
-    itself is changed in place, so ``model.embeddings`` is the sharded collection."""
+    itself is changed in place, so ``model.embeddings`` is the sharded collection. The
+    shards take the collection's optimizer, init seed and kernel choice."""
     if plan.world_size != ctx.world_size:
         raise ValueError(f"plan for {plan.world_size} ranks, job has {ctx.world_size}")
     ebc = model.embeddings
@@ -42,8 +34,8 @@ def shard(
     layout = build_layout([t.name for t in tables], [t.num_rows for t in tables],
                           [t.dim for t in tables], plan)  # fmt: skip
     model.embeddings = ShardedEmbeddingBagCollection(
-        tables, ebc.pooling, lambda: build_sparse_optimizer(embedding_cfg), layout, ctx,
-        seed=seed, validate_ids=ebc.validate_ids, kernel=kernel,
+        tables, ebc.pooling, ebc.make_optimizer, layout, ctx,
+        seed=ebc.seed, validate_ids=ebc.validate_ids, kernel=ebc.kernel,
     )  # fmt: skip
     model.to(ctx.device)
     if not ctx.distributed:

@@ -108,6 +108,8 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError(f"pooling must be sum or mean, got {pooling!r}")
         self.tables = list(tables)
         self.pooling = pooling
+        # Kept so that distributed.shard can build the same storages, shard by shard.
+        self.make_optimizer, self.seed, self.kernel = make_optimizer, seed, kernel
         self.validate_ids = validate_ids
         # Zero-size parameter that makes autograd call the fused backward (see embedding/lookup.py).
         self.placeholder = nn.Parameter(torch.zeros(0, device=device))

@@ -41,7 +41,7 @@ def build_sharded(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
         raise ConfigError("distributed.memory_per_rank_gb", str(e)) from e
     model = build_model(cfg.model, cfg.embedding, device=ctx.device, seed=cfg.train.seed,
                         materialize_embeddings=False)  # fmt: skip
-    module = shard(model, plan, ctx, cfg.embedding, seed=cfg.train.seed, kernel=cfg.model.kernels)
+    module = shard(model, plan, ctx)
     kinds: dict[str, int] = {}
     for p in plan.placements:
         kinds[p.kind] = kinds.get(p.kind, 0) + 1
