@@ -91,7 +91,7 @@ def capture(
             idx, rows = local + start, local.numpy()
         else:
             idx, rows = torch.arange(start, stop), None
-        idx = idx.to(storage.weight.device)
+        idx = idx.to(storage.device)
         weight, state = storage.read_rows(idx), storage.read_state(idx)
         tables.append(
             TableSnapshot(

@@ -127,9 +127,21 @@ class EmbeddingConfig:
     initial_accumulator: float = 0.0
     # Check every id against its table size each step (cheap; catches bad data early).
     validate_ids: bool = True
+    # Where the rows live: device (memory of the training device) or ssd (a file under
+    # ssd_dir behind a hot-row cache of cache_bytes; for tables larger than memory).
+    placement: str = "device"
+    # Directory of the ssd tier's files ("" = RUN_DIR/embeddings, or a temp dir).
+    ssd_dir: str = ""
+    # Cache for ssd tables: bytes of rows + optimizer state (0 = 10% of the tables).
+    cache_bytes: int = 0
+    # Cache eviction: lfu (use counts, halved every 1000 lookups) or lru.
+    cache_policy: str = "lfu"
 
     def validate(self) -> None:
         _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
+        _choice("embedding.placement", self.placement, ("device", "ssd"))
+        _choice("embedding.cache_policy", self.cache_policy, ("lfu", "lru"))
+        _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _positive("embedding.lr", self.lr)
         _positive("embedding.eps", self.eps)
         _positive("embedding.initial_accumulator", self.initial_accumulator, allow_zero=True)

@@ -67,7 +67,7 @@ class ShardedTables:
                 idx, rows = local + first, local.cpu().numpy()
             else:
                 idx, rows = torch.arange(first, first + s.num_rows), None
-            idx = idx.to(storage.weight.device)
+            idx = idx.to(storage.device)
             state = {n: v.cpu().numpy() for n, v in storage.read_state(idx).items()}
             parts.append((s, rows, storage.read_rows(idx).cpu().numpy(), state))
         return parts

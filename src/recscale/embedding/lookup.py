@@ -29,7 +29,7 @@ class _FusedLookup(torch.autograd.Function):
     def forward(ctx, placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights):
         ctx.storage = storage
         ctx.save_for_backward(rows, bag_of_id, segments, per_sample_weights)
-        return storage.lookup(rows, offsets, per_sample_weights)
+        return storage.lookup(rows, offsets, per_sample_weights, for_update=True)
 
     @staticmethod
     def backward(ctx, grad_pooled):

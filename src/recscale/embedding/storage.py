@@ -47,9 +47,18 @@ class RowStorage(nn.Module, ABC):
 
     @abstractmethod
     def lookup(
-        self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        for_update: bool = False,
     ) -> torch.Tensor:
-        """Sum-pool rows into bags: ``offsets`` has ``num_bags + 1`` entries (last == len(rows))."""
+        """Sum-pool rows into bags: ``offsets`` has ``num_bags + 1`` entries (last == len(rows)).
+        ``for_update``: the backward will update these rows (a cache keeps them resident)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.step.device
 
     def apply_pooled_gradients(
         self,
@@ -116,7 +125,11 @@ class DeviceStorage(RowStorage):
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"state_{name}") for name in self.state_names}
 
-    def lookup(self, rows, offsets, per_sample_weights):
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         return F.embedding_bag(
             rows,
             self.weight,

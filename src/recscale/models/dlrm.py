@@ -7,15 +7,42 @@ jagged ids -> EmbeddingBagCollection -> [B, F*D]+
 
 from __future__ import annotations
 
+import math
+import tempfile
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
+from recscale.embedding.cached_storage import CachedStorage
 from recscale.embedding.optimizers import build_sparse_optimizer
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.interaction import CatInteraction, DotInteraction
 from recscale.modules.mlp import MLP
+
+
+def ssd_storage_factory(cfg: EmbeddingConfig, tables: list[TableSpec], kernel: str):
+    """Storages on the ssd tier: one file per dim group under ``cfg.ssd_dir`` (a temp
+    dir when empty), each with its share of ``cfg.cache_bytes`` (default 10% of the
+    rows + optimizer state)."""
+    root = Path(cfg.ssd_dir) if cfg.ssd_dir else Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
+    probe = build_sparse_optimizer(cfg)
+
+    def row_bytes(d: int) -> int:
+        return 4 * (d + sum(max(1, math.prod(s)) for s in probe.state_shapes(d).values()))
+
+    total = sum(t.num_rows * row_bytes(t.dim) for t in tables)
+    budget = cfg.cache_bytes or total // 10
+
+    def make(num_rows: int, dim: int, optimizer) -> CachedStorage:
+        share = budget * num_rows * row_bytes(dim) / max(total, 1)
+        rows = max(1, int(share // row_bytes(dim)))
+        return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
+                             policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
+
+    return make
 
 
 class DLRM(nn.Module):
@@ -45,6 +72,11 @@ class DLRM(nn.Module):
             device=device if materialize_embeddings else torch.device("meta"),
             seed=seed,
             kernel=model_cfg.kernels,
+            make_storage=(
+                ssd_storage_factory(embedding_cfg, tables, model_cfg.kernels)
+                if embedding_cfg.placement == "ssd" and materialize_embeddings
+                else None
+            ),
         )
         self.bottom = (
             MLP(

@@ -148,13 +148,22 @@ class EmbeddingBagCollection(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self, group: _Group, seed: int) -> None:
-        w = group.storage.weight
-        if w.device.type == "meta":  # a placeholder that distributed/ replaces with shards
+        storage = group.storage
+        if storage.device.type == "meta":  # a placeholder that distributed/ replaces with shards
             return
         start = 0
         for f in group.features:
             n = self.tables[f].num_rows
-            init_table_rows(w[start : start + n], seed, f, n, group.dim, 0, n, 0, group.dim)
+            if isinstance(storage, DeviceStorage):
+                init_table_rows(
+                    storage.weight[start : start + n], seed, f, n, group.dim, 0, n, 0, group.dim
+                )
+            else:  # another tier: through write_rows, a chunk at a time
+                for lo in range(0, n, _INIT_CHUNK_ROWS):
+                    hi = min(n, lo + _INIT_CHUNK_ROWS)
+                    chunk = torch.empty(hi - lo, group.dim)
+                    init_table_rows(chunk, seed, f, n, group.dim, lo, hi, 0, group.dim)
+                    storage.write_rows(torch.arange(start + lo, start + hi), chunk)
             start += n
 
     @property
@@ -181,6 +190,27 @@ class EmbeddingBagCollection(nn.Module):
                 f"id {int(values[n])} of feature {self.tables[f].name} (sample {sample} of the batch) "
                 f"is outside its table of {self.tables[f].num_rows} rows"
             )
+
+    def prefetch(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> None:
+        """Bring a coming batch's rows into every cached storage ahead of its lookup
+        (storages without a slow tier have nothing to do)."""
+        groups = [g for g in self.groups if hasattr(g.storage, "prefetch")]
+        if not groups:
+            return
+        lengths = offsets[1:] - offsets[:-1]
+        feature = torch.repeat_interleave(
+            torch.arange(self.num_features, device=values.device).repeat_interleave(batch_size),
+            lengths,
+            output_size=values.shape[0],
+        )
+        rows = values + self.feature_row_offset[feature]
+        for g in groups:
+            mine = (
+                self.group_of_feature[feature] == self.groups.index(g)
+                if len(self.groups) > 1
+                else None
+            )
+            g.storage.prefetch(rows if mine is None else rows[mine])
 
     def forward(
         self,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
 from recscale.checkpoint.state import restore
+from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
@@ -31,6 +32,12 @@ from recscale.distributed import DistContext, init_distributed, launched_by_torc
 from recscale.distributed.checkpoint import ShardedTables, restore_sharded
 from recscale.distributed.pipeline import InputDistPipeline
 from recscale.models.dlrm import DLRM, build_model
+from recscale.train.cache_prefetch import (
+    CachePrefetcher,
+    cache_report,
+    cached_storages,
+    hit_rate_since,
+)
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
@@ -125,6 +132,11 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(cfg))
 
+    if cfg.embedding.placement == "ssd":
+        if ctx.distributed:
+            raise ConfigError("embedding.placement", "ssd is single-process for now")
+        if not cfg.embedding.ssd_dir and run_dir is not None:
+            cfg.embedding.ssd_dir = str(run_dir / "embeddings")
     tables = None
     if ctx.distributed:
         model, module, plan = build_sharded(cfg, ctx, echo)
@@ -167,17 +179,25 @@ def train(
     progress = Progress(t.steps, t.batch_size, t.progress and ctx.is_main, initial=start_step)
     source = train_batches(cfg, start_step, ctx.rank, ctx.world_size)
     stream = Prefetcher(source, depth=cfg.data.prefetch_batches)
-    pipeline = None
+    pipeline = cache_pipe = None
     if ctx.distributed:
         if cfg.distributed.pipeline:
             stream = pipeline = InputDistPipeline(stream, model.embeddings, device)
+    elif cached_storages(model.embeddings):
+        stream = cache_pipe = CachePrefetcher(stream, model.embeddings)
+    batches, wait_s, cache_seen = iter(stream), 0.0, (0, 0)
     step, interrupted = start_step, False
     saved_step = start_step
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
     start = window_start = time.perf_counter()
     model.train()
     try:
-        for batch in stream:
+        while True:
+            t_wait = time.perf_counter()
+            batch = next(batches, None)
+            wait_s += time.perf_counter() - t_wait
+            if batch is None:
+                break
             out_of_time = bool(t.max_seconds) and time.perf_counter() - start >= t.max_seconds
             if step >= t.steps or (out_of_time and not ctx.distributed):
                 break
@@ -208,7 +228,11 @@ def train(
                 now = time.perf_counter()
                 sps = window_steps * t.batch_size / max(now - window_start, 1e-9)
                 last_loss = window_loss / window_steps
-                progress.update(window_steps, last_loss, sps)
+                extra = ""
+                if cache_pipe is not None:
+                    hit, cache_seen = hit_rate_since(model.embeddings, cache_seen)
+                    extra = f", cache hit {hit:.1%}"
+                progress.update(window_steps, last_loss, sps, extra)
                 if log_file is not None:
                     rec = {
                         "step": step,
@@ -224,6 +248,8 @@ def train(
     finally:
         if pipeline is not None:
             pipeline.close(timeout=None if not interrupted else 5.0)
+        if cache_pipe is not None:
+            cache_pipe.close()
         progress.close()
         if log_file is not None:
             log_file.close()
@@ -231,10 +257,11 @@ def train(
     if window_steps:
         last_loss = window_loss / window_steps
     trained = step - start_step
-    if (ckpt is not None and ctx.distributed and t.save_model and not ckpt.enabled
+    tiered = cfg.embedding.placement != "device"
+    if (ckpt is not None and (ctx.distributed or tiered) and t.save_model and not ckpt.enabled
             and not interrupted):  # fmt: skip
-        # A sharded run's model.pt: a final checkpoint in the plan-independent format,
-        # which `recscale eval` and `--resume` read at any world size.
+        # A sharded (or ssd-tier) run's model.pt: a final checkpoint in the plan-independent
+        # format, which `recscale eval` and `--resume` read at any world size and placement.
         final = replace(cfg.checkpoint, every_steps=1, async_write=False)
         ckpt = CheckpointManager(final, ckpt_root, model, dense_opt, ckpt.meta, tables)
     if ckpt is not None and ckpt.enabled and not (interrupted and ctx.distributed):
@@ -255,7 +282,17 @@ def train(
         "device": str(device),
         "threads": threads,
         "world_size": ctx.world_size,
+        "data_wait_seconds": wait_s,
     }
+    cache = cache_report(
+        model.embeddings, cache_pipe.prefetch_seconds if cache_pipe else 0.0, wait_s
+    )
+    if cache is not None:
+        metrics["embedding_cache"] = cache
+        echo(
+            f"embedding cache: hit rate {cache['hit_rate']:.1%} over {cache['lookups']:,} row lookups; "
+            f"{cache['bytes_read'] / 1e6:,.1f} MB read, {cache['bytes_written'] / 1e6:,.1f} MB written back"
+        )
     ev = None
     if not interrupted:
         try:
@@ -283,7 +320,7 @@ def train(
         f"trained {trained} steps in {train_seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
     )
     if run_dir is not None:
-        if t.save_model and not ctx.distributed:
+        if t.save_model and not ctx.distributed and not tiered:
             save_model(model, run_dir / "model.pt")
         _write_json(run_dir / "metrics.json", metrics)
         echo(f"wrote {run_dir}/metrics.json")

@@ -1,0 +1,333 @@
+"""Rows on a slow tier (a file on SSD) behind a hot-row cache in memory.
+
+::
+
+    file  [num_rows, D + S] fp32      every row, its optimizer state packed after it
+                                      (one read brings a row with its state)
+    cache weight [C, D], state [C, ...]  the resident rows, in slots
+    slot_of_row [num_rows] int32      -1 = not resident;  row_of_slot [C]
+    score [C]                         LFU: uses, halved every ``decay_every`` lookups;
+                                      LRU: the lookup count at last use
+
+A training lookup makes its rows resident (a miss reads the row + state from the file; room
+is made by evicting the lowest-score slots not used by the batch in flight, in
+chunks of ``evict_fraction`` of the cache so the selection is amortised, writing
+dirty victims back), then pools from the cache with slot indices. The backward
+runs the same fused optimizer kernel as :class:`DeviceStorage` on the cache
+tensors, with slots for rows: the cache changes where a row lives, never the
+arithmetic - training equals all-in-memory training bit for bit (tests).
+Evaluation lookups read missing rows straight from the file and admit nothing, so
+scoring a large eval set neither needs nor disturbs the cache.
+
+``prefetch(rows)`` makes the next batch's rows resident ahead of its lookup (the
+prefetch pipeline calls it on a background thread); a lock serialises it with
+lookups and updates, and the rows of every batch looked up but not yet updated
+are pinned, so a prefetch never evicts a row whose gradient is still to come.
+
+The file is scratch space for training, not a checkpoint: a crash leaves it as
+it may be, and ``--resume`` rewrites every row from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
+from recscale.embedding.optimizers import SparseOptimizer
+from recscale.embedding.storage import RowStorage, merge_duplicate_rows
+
+POLICIES = ("lfu", "lru")
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+class CacheTooSmallError(RuntimeError):
+    """One batch (plus the pinned ones) needs more distinct rows than the cache holds."""
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0  # distinct rows requested per batch (by its prefetch, else its lookup)
+    hits: int = 0  # ... already resident when first requested
+    prefetched: int = 0  # misses fetched by prefetch, ahead of their lookup (no stall)
+    bytes_read: int = 0  # from the slow tier
+    bytes_written: int = 0  # write-backs to the slow tier
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"lookups": self.lookups, "hits": self.hits, "hit_rate": self.hit_rate,
+                "prefetched": self.prefetched, "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written, "evictions": self.evictions}  # fmt: skip
+
+
+class CachedStorage(RowStorage):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        optimizer: SparseOptimizer,
+        path: Path,
+        cache_rows: int,
+        policy: str = "lfu",
+        kernel: str = "auto",
+        decay_every: int = 1000,
+        evict_fraction: float = 1 / 16,
+    ) -> None:
+        super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
+        if cache_rows < 1:
+            raise ValueError("the cache needs at least one row")
+        self.num_rows, self.dim, self.optimizer, self.kernel = num_rows, dim, optimizer, kernel
+        self.policy, self.decay_every, self.evict_fraction = policy, decay_every, evict_fraction
+        self.cache_rows = c = min(cache_rows, num_rows)
+        self.state_names, self._state_cols = [], []
+        col = dim
+        for name, shape in optimizer.state_shapes(dim).items():
+            width = int(math.prod(shape)) if shape else 1
+            self.state_names.append(name)
+            self._state_cols.append((name, shape, col, col + width))
+            col += width
+        self.width = col
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = np.memmap(self.path, dtype=np.float32, mode="w+", shape=(num_rows, col))
+        # Scratch space: gone with the storage (checkpoints hold what must survive).
+        self._finalizer = weakref.finalize(self, _remove, self.path)
+        for name, _shape, lo, hi in self._state_cols:  # initial optimizer state, in chunks
+            for r in range(0, num_rows, 1 << 18):
+                self.file[r : r + (1 << 18), lo:hi] = optimizer.init_value(name)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.cache_weight = torch.zeros(c, dim)
+        self.cache_state = {
+            name: torch.zeros((c, *shape)) for name, shape, _lo, _hi in self._state_cols
+        }
+        self.slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32)
+        self.row_of_slot = torch.full((c,), -1, dtype=torch.int64)
+        self.score = torch.zeros(c, dtype=torch.float64)
+        self.cache_dirty = torch.zeros(c, dtype=torch.bool)
+        self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
+        self._prefetch_pins: list[torch.Tensor] = []  # prefetched batches not yet looked up
+        self._update_pins: list[torch.Tensor] = []  # looked up for an update not yet applied
+        self.dirty: torch.Tensor | None = None
+        self.stats = CacheStats()
+        self._clock = 0
+        self._lock = threading.RLock()
+
+    # -- the slow tier ------------------------------------------------------------------
+    def _pack(self, slots: torch.Tensor) -> np.ndarray:
+        out = np.empty((slots.shape[0], self.width), np.float32)
+        out[:, : self.dim] = self.cache_weight[slots].numpy()
+        for name, _shape, lo, hi in self._state_cols:
+            out[:, lo:hi] = self.cache_state[name][slots].reshape(-1, hi - lo).numpy()
+        return out
+
+    def _unpack_into(self, slots: torch.Tensor, data: np.ndarray) -> None:
+        t = torch.from_numpy(data)
+        self.cache_weight[slots] = t[:, : self.dim]
+        for name, shape, lo, hi in self._state_cols:
+            self.cache_state[name][slots] = t[:, lo:hi].reshape(-1, *shape)
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        slots = slots[self.cache_dirty[slots]]
+        if slots.numel() == 0:
+            return
+        rows = self.row_of_slot[slots]
+        order = torch.argsort(rows)  # sorted rows: sequential-ish file access
+        slots, rows = slots[order], rows[order]
+        self.file[rows.numpy()] = self._pack(slots)
+        self.cache_dirty[slots] = False
+        self.stats.bytes_written += rows.numel() * self.width * 4
+
+    def _evict(self, need: int, keep: torch.Tensor) -> None:
+        """Free at least ``need`` slots, never one in ``keep`` or pinned."""
+        c = self.cache_rows
+        k = min(c, max(need, int(c * self.evict_fraction)))
+        s = self.score.clone()
+        s[self.row_of_slot < 0] = math.inf  # already free
+        for p in [keep, *self._prefetch_pins, *self._update_pins]:
+            s[p] = math.inf
+        victims = torch.topk(s, k, largest=False).indices
+        victims = victims[torch.isfinite(s[victims])]
+        if victims.numel() < need:
+            held = int((self.row_of_slot >= 0).sum()) - int(torch.isfinite(s).sum())
+            raise CacheTooSmallError(
+                f"the embedding cache holds {c:,} rows, but the batches in flight (the one "
+                f"training and up to two prefetched) need {held + need:,} distinct rows at once; "
+                f"raise embedding.cache_bytes"
+            )
+        self._write_back(victims)
+        self.slot_of_row[self.row_of_slot[victims]] = -1
+        self.row_of_slot[victims] = -1
+        self.score[victims] = 0
+        self.free = torch.cat([self.free, victims])
+        self.stats.evictions += victims.numel()
+
+    def _make_resident(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Slots of the sorted unique ``rows``, fetching the missing ones."""
+        slots = self.slot_of_row[uniq].long()
+        missing = uniq[slots < 0]
+        n = missing.numel()
+        if n:
+            if n > self.free.numel():
+                self._evict(n - self.free.numel(), slots[slots >= 0])
+            new = self.free[-n:]
+            self.free = self.free[:-n]
+            self._unpack_into(new, self.file[missing.numpy()])
+            self.stats.bytes_read += n * self.width * 4
+            self.row_of_slot[new] = missing
+            self.slot_of_row[missing] = new.int()
+            self.cache_dirty[new] = False
+            slots = self.slot_of_row[uniq].long()
+        return slots
+
+    def _touch(self, slots: torch.Tensor) -> None:
+        self._clock += 1
+        if self.policy == "lru":
+            self.score[slots] = float(self._clock)
+        else:
+            if self._clock % self.decay_every == 0:
+                self.score.mul_(0.5)
+            self.score[slots] += 1.0
+
+    # -- RowStorage ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.cache_weight.device
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Make ``rows`` resident now (before their lookup) and pin them until updated."""
+        with self._lock:
+            uniq = torch.unique(rows)
+            misses = int((self.slot_of_row[uniq] < 0).sum())
+            self._prefetch_pins.append(self._make_resident(uniq))
+            self.stats.lookups += uniq.numel()
+            self.stats.hits += uniq.numel() - misses
+            self.stats.prefetched += misses
+
+    def clear_prefetch(self) -> None:
+        """Forget prefetched batches that will not be looked up (the pipeline stopped)."""
+        with self._lock:
+            self._prefetch_pins.clear()
+
+    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        with self._lock:
+            prefetched = for_update and bool(self._prefetch_pins)
+            if prefetched:  # this lookup is the oldest prefetched batch's
+                self._prefetch_pins.pop(0)
+            uniq, inverse = torch.unique(rows, return_inverse=True)
+            if not for_update:  # evaluation: read misses straight from the file, admit nothing
+                table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy())
+                return F.embedding_bag(inverse, table, offsets, mode="sum",
+                                       per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+            if not prefetched:
+                self.stats.lookups += uniq.numel()
+                self.stats.hits += int((self.slot_of_row[uniq] >= 0).sum())
+            slots = self._make_resident(uniq)
+            self._touch(slots)
+            self._update_pins.append(slots)
+            slot_ids = slots[inverse]
+            return F.embedding_bag(slot_ids, self.cache_weight, offsets, mode="sum",
+                                   per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+
+    def track_dirty(self, enabled: bool) -> None:
+        self.dirty = torch.zeros(self.num_rows, dtype=torch.bool) if enabled else None
+
+    @torch.no_grad()
+    def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
+        with self._lock:
+            slots = self.slot_of_row[rows].long()
+            if bool((slots < 0).any()):
+                raise RuntimeError("a row was evicted between its lookup and its update")
+            if self.dirty is not None:
+                self.dirty[rows] = True
+            if self.kernel != "torch" and numba_supports(self.cache_weight, self.optimizer):
+                self.step += 1
+                fused_update_cpu(self.optimizer, self.cache_weight, self.cache_state, slots, segments,
+                                 bag_of_id, per_sample_weights, grad_pooled, int(self.step),
+                                 self.cache_dirty)  # fmt: skip
+            else:
+                grad_ids = grad_pooled.index_select(0, bag_of_id)
+                if per_sample_weights is not None:
+                    grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
+                unique, summed = merge_duplicate_rows(slots, grad_ids)
+                self.step += 1
+                self.optimizer.update_(
+                    self.cache_weight, self.cache_state, unique, summed, int(self.step)
+                )
+                self.cache_dirty[unique] = True
+            if self._update_pins:  # batches are updated in lookup order
+                self._update_pins.pop(0)
+
+    @torch.no_grad()
+    def apply_gradients(self, rows, grad):
+        with self._lock:
+            uniq = torch.unique(rows)
+            slots = self._make_resident(uniq)
+            order = torch.searchsorted(uniq, rows)
+            self.step += 1
+            self.optimizer.update_(
+                self.cache_weight, self.cache_state, slots[order], grad, int(self.step)
+            )
+            self.cache_dirty[slots] = True
+            if self.dirty is not None:
+                self.dirty[rows] = True
+
+    def flush(self) -> None:
+        """Write every dirty cached row back to the file."""
+        with self._lock:
+            self._write_back(torch.nonzero(self.cache_dirty).squeeze(1))
+            self.file.flush()
+
+    def _gather(self, rows: torch.Tensor) -> np.ndarray:
+        """Current ``[len(rows), D + S]`` values, from the cache where resident."""
+        slots = self.slot_of_row[rows].long()
+        out = np.asarray(self.file[rows.numpy()], dtype=np.float32).copy()
+        hit = slots >= 0
+        if bool(hit.any()):
+            out[hit.numpy()] = self._pack(slots[hit])
+        return out
+
+    def read_rows(self, rows):
+        with self._lock:
+            return torch.from_numpy(self._gather(rows.cpu())[:, : self.dim].copy())
+
+    def read_state(self, rows):
+        with self._lock:
+            data = torch.from_numpy(self._gather(rows.cpu()))
+            return {name: data[:, lo:hi].reshape(-1, *shape).clone()
+                    for name, shape, lo, hi in self._state_cols}  # fmt: skip
+
+    @torch.no_grad()
+    def write_rows(self, rows, values):
+        with self._lock:
+            rows = rows.cpu()
+            self.file[rows.numpy(), : self.dim] = values.float().cpu().numpy()
+            slots = self.slot_of_row[rows].long()
+            hit = slots >= 0
+            self.cache_weight[slots[hit]] = values.float().cpu()[hit]
+
+    @torch.no_grad()
+    def write_state(self, rows, state):
+        with self._lock:
+            rows = rows.cpu()
+            slots = self.slot_of_row[rows].long()
+            hit = slots >= 0
+            for name, _shape, lo, hi in self._state_cols:
+                v = state[name].float().cpu()
+                self.file[rows.numpy(), lo:hi] = v.reshape(-1, hi - lo).numpy()
+                self.cache_state[name][slots[hit]] = v[hit]

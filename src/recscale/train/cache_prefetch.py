@@ -1,0 +1,70 @@
+"""The prefetch pipeline for embeddings on the ssd tier (``embedding.placement=ssd``).
+
+While step t computes, a background thread takes batch t+1 and makes its rows
+resident in the hot-row cache (reading misses from the file, evicting and writing
+back cold rows), so the lookup at t+1 hits. The storage pins prefetched rows until
+their lookup and looked-up rows until their update, so neither thread can evict a
+row the other still needs, whatever ids consecutive batches share.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+from recscale.data.batch import Batch
+from recscale.data.prefetch import Prefetcher
+from recscale.modules.embedding_bag_collection import EmbeddingBagCollection
+
+
+class CachePrefetcher:
+    def __init__(self, batches: Iterable[Batch], ebc: EmbeddingBagCollection, ahead: int = 1):
+        self._batches, self._ebc, self._ahead = batches, ebc, ahead
+        self.prefetch_seconds = 0.0
+
+    def _run(self) -> Iterator[Batch]:
+        for batch in self._batches:
+            t = time.perf_counter()
+            self._ebc.prefetch(batch.values, batch.offsets, batch.batch_size)
+            self.prefetch_seconds += time.perf_counter() - t
+            yield batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        # depth 1: at most one prefetched batch waits (plus the one being prefetched), so
+        # the pinned rows stay a small part of the cache.
+        return iter(Prefetcher(self._run(), depth=self._ahead))
+
+    def close(self) -> None:
+        for g in self._ebc.groups:
+            if hasattr(g.storage, "clear_prefetch"):
+                g.storage.clear_prefetch()
+
+
+def cached_storages(ebc) -> list:
+    return [g.storage for g in getattr(ebc, "groups", []) if hasattr(g.storage, "stats")]
+
+
+def cache_report(ebc, prefetch_seconds: float, wait_seconds: float) -> dict | None:
+    """Totals over the ssd-tier storages for ``metrics.json`` (None without any)."""
+    storages = cached_storages(ebc)
+    if not storages:
+        return None
+    total: dict[str, float] = {}
+    for st in storages:
+        for k, v in st.stats.as_dict().items():
+            total[k] = total.get(k, 0) + v
+    total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 1.0
+    total["cache_rows"] = sum(st.cache_rows for st in storages)
+    total["table_rows"] = sum(st.num_rows for st in storages)
+    total["prefetch_seconds"] = prefetch_seconds
+    total["prefetch_stall_seconds"] = wait_seconds  # the step waiting for its batch
+    return total
+
+
+def hit_rate_since(ebc, last: tuple[int, int]) -> tuple[float, tuple[int, int]]:
+    """Hit rate of the lookups since ``last`` (lookups, hits), and the new totals."""
+    storages = cached_storages(ebc)
+    lookups = sum(st.stats.lookups for st in storages)
+    hits = sum(st.stats.hits for st in storages)
+    d = lookups - last[0]
+    return ((hits - last[1]) / d if d else 1.0), (lookups, hits)

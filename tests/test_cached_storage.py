@@ -1,0 +1,141 @@
+"""The ssd tier: a hot-row cache over a file changes where rows live, never the arithmetic."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recscale.config import load_config
+from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
+from recscale.embedding.optimizers import SparseSGD
+from recscale.models.dlrm import build_model
+from recscale.train.data_source import make_synthetic
+from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.run import train
+
+
+def _train_tables(placement: str, optimizer: str, kernels: str, cache_bytes: int = 0):
+    cfg = load_config("debug", [f"--embedding.placement={placement}", f"--embedding.optimizer={optimizer}",
+                                f"--embedding.cache_bytes={cache_bytes}", f"--model.kernels={kernels}",
+                                "--data.max_ids_per_feature=3"])  # fmt: skip
+    model = build_model(cfg.model, cfg.embedding, seed=0)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    data = make_synthetic(cfg)
+    for i in range(12):
+        b = data.batch(i, 256)
+        loss = F.binary_cross_entropy_with_logits(model(b), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    st = model.embeddings.groups[0].storage
+    rows = torch.arange(st.num_rows)
+    with torch.no_grad():
+        preds = model(data.batch(0, 512, "eval"))
+    return st.read_rows(rows), st.read_state(rows), preds, st
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_small_cache_trains_exactly_like_memory(optimizer, kernels):
+    w0, s0, p0, _ = _train_tables("device", optimizer, kernels)
+    # Room for about two batches' distinct rows out of 7,485: constant eviction.
+    row_bytes = {"sgd": 32, "rowwise_adagrad": 36, "adam": 96}[optimizer]
+    w1, s1, p1, st = _train_tables("ssd", optimizer, kernels, cache_bytes=6000 * row_bytes)
+    assert st.stats.evictions > 0 and st.stats.bytes_written > 0 and st.stats.hit_rate < 1
+    assert torch.equal(w0, w1)
+    assert all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert torch.equal(p0, p1)
+
+
+def _storage(tmp_path, rows=1000, cache=100, policy="lfu"):
+    return CachedStorage(
+        rows, 4, SparseSGD(0.1), tmp_path / f"t_{policy}.f32", cache, policy=policy
+    )
+
+
+def _lookup(st, ids):
+    rows = torch.tensor(ids, dtype=torch.int64)
+    st.lookup(rows, torch.tensor([0, len(ids)]), None, for_update=True)
+    st.apply_gradients(rows[:0], torch.zeros(0, 4))  # the update releases the batch's pin
+    st._update_pins.clear()
+
+
+def test_lfu_keeps_hot_rows_through_a_scan_where_lru_does_not(tmp_path):
+    rates = {}
+    for policy in ("lfu", "lru"):
+        st = _storage(tmp_path, rows=5000, cache=100, policy=policy)
+        hot, fresh = list(range(40)), iter(range(100, 5000))
+        for step in range(80):  # the hot rows every 4th batch; three 30-row scans between
+            _lookup(st, hot if step % 4 == 0 else [next(fresh) for _ in range(30)])
+        rates[policy] = st.stats.hit_rate
+    assert rates["lfu"] > rates["lru"] + 0.2, rates
+
+
+def test_cache_too_small_for_a_batch_names_the_key(tmp_path):
+    st = _storage(tmp_path, rows=1000, cache=10)
+    with pytest.raises(CacheTooSmallError, match="embedding.cache_bytes"):
+        st.lookup(torch.arange(50), torch.tensor([0, 50]), None, for_update=True)
+
+
+def test_reads_and_writes_see_the_cache_and_the_file(tmp_path):
+    st = _storage(tmp_path, rows=200, cache=16)
+    values = torch.randn(200, 4)
+    st.write_rows(torch.arange(200), values)
+    rows = torch.tensor([3, 150, 7])
+    pooled = st.lookup(rows, torch.tensor([0, 2, 3]), None, for_update=True)
+    torch.testing.assert_close(pooled, torch.stack([values[3] + values[150], values[7]]))
+    st.apply_gradients(rows, torch.ones(3, 4))  # sgd lr 0.1: rows move by -0.1 in the cache
+    expect = values.clone()
+    expect[rows] -= 0.1
+    assert torch.equal(st.read_rows(torch.arange(200)), expect)
+    st.flush()
+    assert torch.equal(torch.from_numpy(st.file[:, :4].copy()), expect)
+
+
+def test_training_with_prefetch_matches_memory_and_reports_the_cache(tmp_path):
+    over = ["--train.steps=60", "--train.progress=false", "--train.save_model=false",
+            "--data.max_ids_per_feature=2"]  # fmt: skip
+    mem = train(load_config("debug", over), None, echo=lambda _m: None)
+    ssd = train(load_config("debug", over + ["--embedding.placement=ssd", "--embedding.cache_bytes=400000",
+                                             f"--embedding.ssd_dir={tmp_path}"]), None, echo=lambda _m: None)  # fmt: skip
+    assert ssd["auc"] == mem["auc"] and ssd["logloss"] == mem["logloss"]
+    cache = ssd["embedding_cache"]
+    assert 0 < cache["hit_rate"] < 1 and cache["prefetched"] > 0 and cache["bytes_read"] > 0
+
+
+def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
+    """The ssd file is scratch: after a SIGKILL (maybe mid write-back) the resumed run
+    rewrites every row from the last checkpoint and ends where an uninterrupted one does."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "recscale", "train", "--config", "debug", "--train.progress=false",
+            "--embedding.placement=ssd", "--embedding.cache_bytes=400000", "--data.max_ids_per_feature=2",
+            "--checkpoint.every_steps=20", "--checkpoint.async_write=false"]  # fmt: skip
+    proc = subprocess.Popen(args + ["--train.steps=100000", "--run-dir", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((run / "checkpoints").glob("step_*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert any((run / "embeddings").iterdir())  # the scratch file survived the kill
+    steps = ["--train.steps=80", "--data.eval_samples=4096"]
+    resumed = subprocess.run(args + steps + ["--resume", str(run), "--run-dir", str(tmp_path / "r2")],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    cfg = load_config("debug", ["--train.progress=false", "--data.max_ids_per_feature=2",
+                                "--train.save_model=false"] + steps)  # fmt: skip
+    whole = train(cfg, None, echo=lambda _m: None)
+    line = [x for x in resumed.stdout.splitlines() if x.startswith("eval on")][0]
+    assert f"AUC {whole['auc']:.4f}" in line and f"logloss {whole['logloss']:.4f}" in line
