@@ -101,3 +101,28 @@ def test_cli_plan_json_and_error():
         [*cmd, "--world-size", "2", "--memory-per-rank", "10"], capture_output=True, text=True
     )
     assert r.returncode == 1 and "GB missing" in r.stderr
+
+
+def test_ssd_tier_takes_the_largest_tables_when_memory_is_short():
+    tables = [TableInfo("big", 40_000_000, 128), TableInfo("mid", 2_000_000, 128),
+              TableInfo("small", 1000, 128)]  # fmt: skip
+    topo = Topology(1, 16 * GB, ssd_per_rank=200 * GB)  # big is 20.6 GB
+    plan = plan_sharding(tables, topo, Constraints(batch_size=2048, ssd_cache_fraction=0.1))
+    where = {p.table: p for p in plan.placements}
+    assert where["big"].placement == "ssd" and where["big"].ssd_bytes == tables[0].bytes
+    assert where["big"].cache_bytes == int(tables[0].bytes * 0.1)
+    assert where["mid"].placement == where["small"].placement == "device"
+    assert plan.memory_per_rank[0] <= topo.memory_per_rank
+    assert (
+        ShardingPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()
+    )
+    # Enough memory: nothing goes to ssd.
+    roomy = plan_sharding(
+        tables, Topology(1, 200 * GB, ssd_per_rank=200 * GB), Constraints(batch_size=2048)
+    )
+    assert all(p.placement == "device" for p in roomy.placements)
+    # Not even the ssd tier is enough: the error says how much is missing.
+    with pytest.raises(PlanError, match="missing"):
+        plan_sharding(
+            tables, Topology(1, 1 * GB, ssd_per_rank=10 * GB), Constraints(batch_size=2048)
+        )

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from recscale.bench.hardware import measure_gather_gbps, measure_gemm_gflops, step_cost
 from recscale.config.schema import Config
 from recscale.models.dlrm import build_model
+from recscale.train.cache_prefetch import CachePrefetcher, cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.run import available_cores
@@ -69,6 +70,10 @@ def run_throughput(
     model = build_model(cfg.model, cfg.embedding, seed=cfg.train.seed)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
+    tiered = bool(cached_storages(model.embeddings))
+    if tiered:  # fresh batches every step, or the cache would just learn 8 batches
+        distinct_batches = warmup + steps
+        echo(f"generating {distinct_batches} batches ...")
     batches = [data.batch(i, b) for i in range(distinct_batches)]
     ids_per_sample = sum(x.values.numel() for x in batches) / (b * len(batches))
     timer = _SparseTimer(model)
@@ -97,21 +102,49 @@ def run_throughput(
                 totals[k] += v
 
     echo(f"warm-up {warmup} steps, then {steps} timed steps of batch {b} on {threads} threads ...")
+    # ssd tier: the prefetch pipeline brings batch t+1's rows in while step t runs; the
+    # step time then includes any wait for it (reported as prefetch_wait).
+    source = iter(CachePrefetcher(batches, model.embeddings)) if tiered else None
+    waits: list[float] = []
+
+    def next_batch(i: int, record: bool):
+        if source is None:
+            return batches[i % len(batches)]
+        t = time.perf_counter()
+        batch = next(source)
+        if record:
+            waits.append(time.perf_counter() - t)
+        return batch
+
     for i in range(warmup):
-        step(batches[i % len(batches)], record=False)
+        step(next_batch(i, False), record=False)
+    for st in cached_storages(model.embeddings):
+        st.stats = type(st.stats)()  # count the steady state only
     start = time.perf_counter()
     for i in range(steps):
-        step(batches[i % len(batches)], record=True)
+        step(next_batch(i, True), record=True)
+    for i, w in enumerate(waits):  # a step's time includes waiting for its batch
+        step_seconds[i] += w
     elapsed = time.perf_counter() - start
     # Steady state = the median step: robust to the multi-ms stalls a shared VM
     # injects now and then; the mean over all steps is reported beside it.
     sps = b / statistics.median(step_seconds)
 
     gemm = measure_gemm_gflops(b)
-    gather = measure_gather_gbps(max((g.storage.weight for g in model.embeddings.groups), key=len))
+    weights = [getattr(g.storage, "weight", None) for g in model.embeddings.groups]
+    weights = [w for w in weights if w is not None] or [
+        torch.empty(1 << 20, cfg.model.embedding_dim)
+    ]
+    gather = measure_gather_gbps(max(weights, key=len))
     cost = step_cost(cfg, model.interaction.out_dim, ids_per_sample)
     bound = cost.bound_samples_per_s(gemm, gather)
+    cache = cache_report(model.embeddings, 0.0, sum(waits))
     return {
+        **(
+            {"embedding_cache": cache, "prefetch_wait_ms": 1e3 * sum(waits) / steps}
+            if cache
+            else {}
+        ),
         "samples_per_s": sps,
         "samples_per_s_mean": steps * b / elapsed,
         "bound_samples_per_s": bound,
@@ -142,6 +175,17 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB)",
+            *(
+                [
+                    f"  ssd tier: cache hit rate {r['embedding_cache']['hit_rate']:.1%} "
+                    f"({r['embedding_cache']['cache_rows']:,} of {r['embedding_cache']['table_rows']:,} rows), "
+                    f"{r['embedding_cache']['bytes_read'] / 1e6 / r['steps']:.2f} MB read and "
+                    f"{r['embedding_cache']['bytes_written'] / 1e6 / r['steps']:.2f} MB written per step, "
+                    f"prefetch wait {r['prefetch_wait_ms']:.2f} ms/step"
+                ]
+                if "embedding_cache" in r
+                else []
+            ),
             f"  machine: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s; "
             f"per sample {r['mlp_gflop_per_sample'] * 1e3:.2f} MFLOP MLP, "
             f"{r['embedding_bytes_per_sample']:,.0f} embedding bytes",

@@ -27,6 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gather-gbps", type=float, default=10.0, help="random row-gather GB/s per rank"
     )
+    p.add_argument(
+        "--ssd-per-rank", type=float, default=0.0, help="GB of SSD per rank for tables (0 = none)"
+    )
+    p.add_argument("--ssd-gbps", type=float, default=2.0, help="SSD GB/s per rank")
     p.add_argument("--json", action="store_true")
 
 
@@ -34,7 +38,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     tables = table_infos(cfg)
     topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), args.all_to_all_gbps * 1e9,
-                    args.all_to_all_gbps * 1e9, args.gather_gbps * 1e9)  # fmt: skip
+                    args.all_to_all_gbps * 1e9, args.gather_gbps * 1e9,
+                    ssd_per_rank=int(args.ssd_per_rank * 1e9),
+                    ssd_bandwidth=args.ssd_gbps * 1e9)  # fmt: skip
     try:
         plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
     except PlanError as e:
@@ -48,7 +54,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"{'table':>6} {'rows':>12} {'dim':>4} {'GB':>8}  {'placement':<14} ranks")
     for t, p in zip(tables, plan.placements):
         ranks = p.ranks if len(p.ranks) <= 8 else f"{p.ranks[:3]}..{p.ranks[-1]} ({len(p.ranks)})"
-        print(f"{t.name:>6} {t.rows:>12,} {t.dim:>4} {t.bytes / 1e9:>8.3f}  {p.kind:<14} {ranks}")
+        where = f"  ssd, cache {p.cache_bytes / 1e9:.3f} GB" if p.placement == "ssd" else ""
+        print(
+            f"{t.name:>6} {t.rows:>12,} {t.dim:>4} {t.bytes / 1e9:>8.3f}  {p.kind:<14} {ranks}{where}"
+        )
     mem, cost = plan.memory_per_rank, plan.cost_per_rank
     print(f"memory per rank: max {max(mem) / 1e9:.2f} GB, min {min(mem) / 1e9:.2f} GB")
     print(f"embedding cost per step (lookup + update + all-to-all): slowest rank {plan.max_cost * 1e3:.3f} ms, "

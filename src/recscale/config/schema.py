@@ -127,8 +127,9 @@ class EmbeddingConfig:
     initial_accumulator: float = 0.0
     # Check every id against its table size each step (cheap; catches bad data early).
     validate_ids: bool = True
-    # Where the rows live: device (memory of the training device) or ssd (a file under
-    # ssd_dir behind a hot-row cache of cache_bytes; for tables larger than memory).
+    # Where the rows live: device (memory of the training device), ssd (a file under
+    # ssd_dir behind a hot-row cache of cache_bytes; for tables larger than memory), or
+    # auto (the planner puts the largest tables on ssd when all do not fit memory_budget_gb).
     placement: str = "device"
     # Directory of the ssd tier's files ("" = RUN_DIR/embeddings, or a temp dir).
     ssd_dir: str = ""
@@ -136,10 +137,13 @@ class EmbeddingConfig:
     cache_bytes: int = 0
     # Cache eviction: lfu (use counts, halved every 1000 lookups) or lru.
     cache_policy: str = "lfu"
+    # placement=auto: memory for tables + optimizer state + caches, GB (0 = half the RAM).
+    memory_budget_gb: float = 0.0
 
     def validate(self) -> None:
         _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
-        _choice("embedding.placement", self.placement, ("device", "ssd"))
+        _choice("embedding.placement", self.placement, ("device", "ssd", "auto"))
+        _positive("embedding.memory_budget_gb", self.memory_budget_gb, allow_zero=True)
         _choice("embedding.cache_policy", self.cache_policy, ("lfu", "lru"))
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _positive("embedding.lr", self.lr)

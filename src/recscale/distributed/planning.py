@@ -83,3 +83,24 @@ def plan_for(cfg: Config, world_size: int, memory_per_rank: int) -> ShardingPlan
         return uniform_plan(tables, world_size, d.sharding)
     topo = Topology(world_size, memory_per_rank)
     return plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
+
+
+def placement_plan(cfg: Config, ssd_dir: str) -> ShardingPlan:
+    """``embedding.placement=auto`` for one process: the planner with this machine's
+    memory budget and the free space under ``ssd_dir`` as the ssd tier."""
+    import shutil
+
+    e = cfg.embedding
+    memory = (
+        int(e.memory_budget_gb * 1e9)
+        if e.memory_budget_gb
+        else default_memory_per_rank(torch.device("cpu"), 1)
+    )
+    Path(ssd_dir).mkdir(parents=True, exist_ok=True)
+    ssd = int(shutil.disk_usage(ssd_dir).free * 0.9)
+    tables = table_infos(cfg)
+    total = sum(t.bytes for t in tables)
+    fraction = min(1.0, e.cache_bytes / total) if e.cache_bytes else 0.1
+    topo = Topology(1, memory, ssd_per_rank=ssd)
+    cons = Constraints(batch_size=cfg.train.batch_size, ssd_cache_fraction=fraction)
+    return plan_sharding(tables, topo, cons)

@@ -134,7 +134,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.dp = EmbeddingBagCollection(
                 [tables[f] for f in self.dp_features], pooling, make_optimizer,
                 validate_ids=False, device=dev, kernel=kernel,
-                make_storage=lambda n, d, opt: AllReducedStorage(
+                make_storage=lambda n, d, opt, _tables: AllReducedStorage(
                     n, d, opt, dev, kernel, ctx.embed, ctx.world_size),
             )  # fmt: skip
             for i, f in enumerate(self.dp_features):

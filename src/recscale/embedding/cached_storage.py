@@ -108,9 +108,10 @@ class CachedStorage(RowStorage):
         self.file = np.memmap(self.path, dtype=np.float32, mode="w+", shape=(num_rows, col))
         # Scratch space: gone with the storage (checkpoints hold what must survive).
         self._finalizer = weakref.finalize(self, _remove, self.path)
-        for name, _shape, lo, hi in self._state_cols:  # initial optimizer state, in chunks
-            for r in range(0, num_rows, 1 << 18):
-                self.file[r : r + (1 << 18), lo:hi] = optimizer.init_value(name)
+        for name, _shape, lo, hi in self._state_cols:  # a new file reads as zeros already
+            if optimizer.init_value(name) != 0.0:
+                for r in range(0, num_rows, 1 << 18):
+                    self.file[r : r + (1 << 18), lo:hi] = optimizer.init_value(name)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.cache_weight = torch.zeros(c, dim)
         self.cache_state = {
@@ -316,7 +317,12 @@ class CachedStorage(RowStorage):
     def write_rows(self, rows, values):
         with self._lock:
             rows = rows.cpu()
-            self.file[rows.numpy(), : self.dim] = values.float().cpu().numpy()
+            n = rows.numel()
+            if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
+                lo = int(rows[0])  # a contiguous block (initialisation, restore): a slice write
+                self.file[lo : lo + n, : self.dim] = values.float().cpu().numpy()
+            else:
+                self.file[rows.numpy(), : self.dim] = values.float().cpu().numpy()
             slots = self.slot_of_row[rows].long()
             hit = slots >= 0
             self.cache_weight[slots[hit]] = values.float().cpu()[hit]

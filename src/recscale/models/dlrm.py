@@ -18,31 +18,53 @@ from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
 from recscale.embedding.cached_storage import CachedStorage
 from recscale.embedding.optimizers import build_sparse_optimizer
+from recscale.embedding.storage import DeviceStorage
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.interaction import CatInteraction, DotInteraction
 from recscale.modules.mlp import MLP
 
 
-def ssd_storage_factory(cfg: EmbeddingConfig, tables: list[TableSpec], kernel: str):
-    """Storages on the ssd tier: one file per dim group under ``cfg.ssd_dir`` (a temp
-    dir when empty), each with its share of ``cfg.cache_bytes`` (default 10% of the
-    rows + optimizer state)."""
-    root = Path(cfg.ssd_dir) if cfg.ssd_dir else Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
-    probe = build_sparse_optimizer(cfg)
+def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
+    """Bytes of one row with its optimizer state (fp32)."""
+    shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
+    return 4 * (dim + sum(max(1, math.prod(s)) for s in shapes))
 
-    def row_bytes(d: int) -> int:
-        return 4 * (d + sum(max(1, math.prod(s)) for s in probe.state_shapes(d).values()))
 
-    total = sum(t.num_rows * row_bytes(t.dim) for t in tables)
-    budget = cfg.cache_bytes or total // 10
+def storage_factory(cfg: EmbeddingConfig, device: torch.device | None, kernel: str):
+    """Device tables in a :class:`DeviceStorage`; ssd tables in a :class:`CachedStorage`
+    (one file per dim under ``cfg.ssd_dir``, a temp dir when empty) whose cache holds
+    the group's tables' ``cache_bytes``."""
+    root = Path(cfg.ssd_dir) if cfg.ssd_dir else None
 
-    def make(num_rows: int, dim: int, optimizer) -> CachedStorage:
-        share = budget * num_rows * row_bytes(dim) / max(total, 1)
-        rows = max(1, int(share // row_bytes(dim)))
+    def make(num_rows: int, dim: int, optimizer, tables: list[TableSpec]):
+        nonlocal root
+        if tables[0].placement == "device":
+            return DeviceStorage(num_rows, dim, optimizer, device, kernel)
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
+        rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
                              policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
 
     return make
+
+
+def table_specs(
+    model_cfg: ModelConfig, embedding_cfg: EmbeddingConfig, placements: list[tuple[str, int]] | None
+) -> list[TableSpec]:
+    """Per-table specs; ``placements`` (placement, cache bytes) per table, else from
+    ``embedding.placement`` (ssd: every table, with cache_bytes split by table bytes;
+    default 10% of them)."""
+    dims = model_cfg.dims()
+    names = [f"C{i + 1}" for i in range(len(dims))]
+    if placements is None and embedding_cfg.placement == "ssd":
+        sizes = [n * row_bytes(embedding_cfg, d) for n, d in zip(model_cfg.table_sizes, dims)]
+        budget = embedding_cfg.cache_bytes or sum(sizes) // 10
+        placements = [("ssd", int(budget * b / max(sum(sizes), 1))) for b in sizes]
+    if placements is None:
+        placements = [("device", 0)] * len(dims)
+    return [TableSpec(name, n, d, where, cache)
+            for name, n, d, (where, cache) in zip(names, model_cfg.table_sizes, dims, placements)]  # fmt: skip
 
 
 class DLRM(nn.Module):
@@ -53,17 +75,16 @@ class DLRM(nn.Module):
         device: torch.device | None = None,
         seed: int = 0,
         materialize_embeddings: bool = True,
+        placements: list[tuple[str, int]] | None = None,
     ) -> None:
         """``materialize_embeddings=False`` leaves the tables on the meta device (no
-        memory): for ``recscale.distributed.shard``, which builds each rank's shards."""
+        memory): for ``recscale.distributed.shard``, which builds each rank's shards.
+        ``placements``: (device|ssd, cache bytes) per table (see :func:`table_specs`)."""
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.num_dense = model_cfg.num_dense_features
         dims = model_cfg.dims()
-        tables = [
-            TableSpec(f"C{i + 1}", n, d)
-            for i, (n, d) in enumerate(zip(model_cfg.table_sizes, dims))
-        ]
+        tables = table_specs(model_cfg, embedding_cfg, placements)
         self.embeddings = EmbeddingBagCollection(
             tables,
             model_cfg.pooling,
@@ -73,8 +94,8 @@ class DLRM(nn.Module):
             seed=seed,
             kernel=model_cfg.kernels,
             make_storage=(
-                ssd_storage_factory(embedding_cfg, tables, model_cfg.kernels)
-                if embedding_cfg.placement == "ssd" and materialize_embeddings
+                storage_factory(embedding_cfg, device, model_cfg.kernels)
+                if materialize_embeddings and any(t.placement != "device" for t in tables)
                 else None
             ),
         )
@@ -126,5 +147,6 @@ def build_model(
     device: torch.device | None = None,
     seed: int = 0,
     materialize_embeddings: bool = True,
+    placements: list[tuple[str, int]] | None = None,
 ) -> DLRM:
-    return DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings)
+    return DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings, placements)

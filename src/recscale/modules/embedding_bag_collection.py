@@ -35,6 +35,8 @@ class TableSpec:
     name: str  # the feature it serves, e.g. "C3"
     num_rows: int
     dim: int
+    placement: str = "device"  # device memory, or "ssd" (a file behind a hot-row cache)
+    cache_bytes: int = 0  # ssd: the table's share of the hot-row cache
 
 
 def _chunk_seed(seed: int, feature: int, chunk: int) -> int:
@@ -99,10 +101,12 @@ class EmbeddingBagCollection(nn.Module):
         device: torch.device | None = None,
         seed: int = 0,
         kernel: str = "auto",
-        make_storage: Callable[[int, int, SparseOptimizer], RowStorage] | None = None,
+        make_storage: Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
+        | None = None,
     ) -> None:
-        """``make_storage(rows, dim, optimizer)`` overrides where a group's rows live
-        (default: a :class:`DeviceStorage` on ``device``)."""
+        """Tables are grouped by (dim, placement). ``make_storage(rows, dim, optimizer,
+        tables)`` builds a group's storage (default: a :class:`DeviceStorage` on
+        ``device``; it is required for tables not placed on the device)."""
         super().__init__()
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be sum or mean, got {pooling!r}")
@@ -118,16 +122,16 @@ class EmbeddingBagCollection(nn.Module):
             torch.tensor([t.num_rows for t in tables], dtype=torch.int64),
             persistent=False,
         )
-        by_dim: dict[int, list[int]] = {}
+        by_dim: dict[tuple[int, str], list[int]] = {}
         for f, t in enumerate(tables):
-            by_dim.setdefault(t.dim, []).append(f)
+            by_dim.setdefault((t.dim, t.placement), []).append(f)
         self.groups = nn.ModuleList()
         group_of_feature = [0] * len(tables)
         local_index = [0] * len(tables)
-        for g, (dim, features) in enumerate(sorted(by_dim.items())):
+        for g, ((dim, _placement), features) in enumerate(sorted(by_dim.items())):
             rows = sum(tables[f].num_rows for f in features)
             storage = (
-                make_storage(rows, dim, make_optimizer())
+                make_storage(rows, dim, make_optimizer(), [tables[f] for f in features])
                 if make_storage is not None
                 else DeviceStorage(rows, dim, make_optimizer(), device, kernel)
             )
@@ -194,7 +198,7 @@ class EmbeddingBagCollection(nn.Module):
     def prefetch(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> None:
         """Bring a coming batch's rows into every cached storage ahead of its lookup
         (storages without a slow tier have nothing to do)."""
-        groups = [g for g in self.groups if hasattr(g.storage, "prefetch")]
+        groups = [(i, g) for i, g in enumerate(self.groups) if hasattr(g.storage, "prefetch")]
         if not groups:
             return
         lengths = offsets[1:] - offsets[:-1]
@@ -204,13 +208,9 @@ class EmbeddingBagCollection(nn.Module):
             output_size=values.shape[0],
         )
         rows = values + self.feature_row_offset[feature]
-        for g in groups:
-            mine = (
-                self.group_of_feature[feature] == self.groups.index(g)
-                if len(self.groups) > 1
-                else None
-            )
-            g.storage.prefetch(rows if mine is None else rows[mine])
+        group = self.group_of_feature[feature] if len(self.groups) > 1 else None
+        for i, g in groups:
+            g.storage.prefetch(rows if group is None else rows[group == i])
 
     def forward(
         self,

@@ -20,6 +20,15 @@ ranks - that gives the smallest maximum per-rank cost (within 2%; then the least
 work, then the least memory), within every rank's memory.
 A table larger than one rank's memory can only be split by rows. Deterministic:
 ties go to the lower rank index.
+
+SSD tier (``Topology.ssd_per_rank > 0``): when the tables do not fit in the ranks'
+memory, the largest tables go to SSD first (big tables have the longest cold
+tails), each whole on the rank with the most SSD room and a hot-row cache of
+``ssd_cache_fraction`` of its bytes in that rank's memory, until the rest plus the
+caches fit. An ssd table costs its lookup plus the misses' traffic::
+
+    ssd  owner: lookup(B p, D) + all_to_all as table_wise
+              + B p (1 - ssd_hit_rate) * 2 * row_bytes / ssd_bandwidth   (read + write-back)
 """
 
 from __future__ import annotations
@@ -89,6 +98,37 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, mem: list[int],
             )
 
 
+def _place_on_ssd(tables, topo: Topology, cons: Constraints, mem: list[int], cost: list[float]):
+    """Move the largest tables to SSD until the rest plus their caches fit in memory."""
+    w, cap = topo.world_size, topo.memory_per_rank
+    placed: dict[str, TablePlacement] = {}
+    if topo.ssd_per_rank <= 0:
+        return placed
+    ssd = [0] * w
+    in_memory = sum(t.bytes for t in tables)
+    for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
+        if in_memory + sum(mem) <= w * cap:
+            break
+        cache = int(t.bytes * cons.ssd_cache_fraction)
+        room = [
+            r for r in range(w) if ssd[r] + t.bytes <= topo.ssd_per_rank and mem[r] + cache <= cap
+        ]
+        if not room:
+            continue
+        r = min(room, key=lambda r: (ssd[r], mem[r], r))
+        b, p, d = cons.batch_size, t.pooling, t.dim
+        row_bytes = t.bytes / max(t.rows, 1)
+        c = (_lookup_s(b * p, d, topo) + (b * p * 8 + 2 * b * d * 4) * (w - 1) / w / topo.all_to_all_bandwidth
+             + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / topo.ssd_bandwidth)  # fmt: skip
+        placed[t.name] = TablePlacement(t.name, "table_wise", [r], {r: cache}, {r: c},
+                                        placement="ssd", cache_bytes=cache, ssd_bytes=t.bytes)  # fmt: skip
+        ssd[r] += t.bytes
+        mem[r] += cache
+        cost[r] += c
+        in_memory -= t.bytes
+    return placed
+
+
 def plan_sharding(
     tables: list[TableInfo], topology: Topology, constraints: Constraints
 ) -> ShardingPlan:
@@ -96,15 +136,22 @@ def plan_sharding(
     w, cap = topology.world_size, topology.memory_per_rank
     if w < 1:
         raise PlanError("world size must be >= 1")
-    total = sum(t.bytes for t in tables)
-    if total > w * cap:
-        raise PlanError(
-            f"the tables need {total / GB:.2f} GB (with optimizer state) but {w} ranks x {cap / GB:.2f} GB "
-            f"= {w * cap / GB:.2f} GB: {(total - w * cap) / GB:.2f} GB missing"
-        )
     mem, cost = [0] * w, [0.0] * w
-    placements: dict[str, TablePlacement] = {}
+    placements = _place_on_ssd(tables, topology, constraints, mem, cost)
+    total = sum(t.bytes for t in tables if t.name not in placements) + sum(mem)
+    if total > w * cap:
+        ssd = (
+            f" and {w} x {topology.ssd_per_rank / GB:.2f} GB of SSD"
+            if topology.ssd_per_rank
+            else ""
+        )
+        raise PlanError(
+            f"the tables need {total / GB:.2f} GB of memory (with optimizer state{', and caches' if placements else ''}) "
+            f"but {w} ranks x {cap / GB:.2f} GB = {w * cap / GB:.2f} GB{ssd}: {(total - w * cap) / GB:.2f} GB missing"
+        )
     for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
+        if t.name in placements:
+            continue
         current_max = max(cost)
         scored = []
         for cand in _candidates(t, topology, constraints, mem, cost):

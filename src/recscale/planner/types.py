@@ -30,6 +30,8 @@ class Topology:
     all_reduce_bandwidth: float = 12.5e9  # bytes/s per rank
     gather_bandwidth: float = 10e9  # bytes/s of random row reads on a rank
     latency: float = 20e-6  # seconds per collective
+    ssd_per_rank: int = 0  # bytes of SSD for tables on each rank (0 = no ssd tier)
+    ssd_bandwidth: float = 2e9  # bytes/s of row reads + write-backs on a rank's SSD
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class Constraints:
     # Tables at most this big may be replicated (data_parallel).
     data_parallel_max_bytes: int = 64 << 20
     column_wise_min_dim: int = 16  # a column shard is at least this wide
+    # ssd tier: the hot-row cache of a table on ssd, as a share of its bytes, and the
+    # hit rate expected of it (benchmarks/cache_hit_curve.py measures it per workload).
+    ssd_cache_fraction: float = 0.1
+    ssd_hit_rate: float = 0.9
 
 
 @dataclass
@@ -48,6 +54,9 @@ class TablePlacement:
     memory_per_rank: dict[int, int]  # bytes on each rank holding a part
     cost_per_rank: dict[int, float]  # seconds per step on each rank
     dims: list[int] = field(default_factory=list)  # column_wise: width of each shard
+    placement: str = "device"  # where the rows live: device memory, or ssd behind a cache
+    cache_bytes: int = 0  # ssd: the hot-row cache (counted in memory_per_rank)
+    ssd_bytes: int = 0  # ssd: the table's bytes on the ssd tier
 
 
 @dataclass
@@ -82,6 +91,9 @@ class ShardingPlan:
                 {int(k): int(v) for k, v in p["memory_per_rank"].items()},
                 {int(k): float(v) for k, v in p["cost_per_rank"].items()},
                 list(p.get("dims", [])),
+                p.get("placement", "device"),
+                int(p.get("cache_bytes", 0)),
+                int(p.get("ssd_bytes", 0)),
             )  # fmt: skip
             for p in d["placements"]
         ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -34,6 +35,7 @@ from recscale.distributed.pipeline import InputDistPipeline
 from recscale.models.dlrm import DLRM, build_model
 from recscale.train.cache_prefetch import (
     CachePrefetcher,
+    auto_placements,
     cache_report,
     cached_storages,
     hit_rate_since,
@@ -132,18 +134,24 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(cfg))
 
-    if cfg.embedding.placement == "ssd":
+    placements = None
+    if cfg.embedding.placement != "device":
         if ctx.distributed:
-            raise ConfigError("embedding.placement", "ssd is single-process for now")
-        if not cfg.embedding.ssd_dir and run_dir is not None:
-            cfg.embedding.ssd_dir = str(run_dir / "embeddings")
+            raise ConfigError("embedding.placement", "ssd and auto are single-process for now")
+        if not cfg.embedding.ssd_dir:
+            cfg.embedding.ssd_dir = (
+                str(run_dir / "embeddings") if run_dir else tempfile.mkdtemp(prefix="recscale-ssd-")
+            )
+        if cfg.embedding.placement == "auto":
+            placements = auto_placements(cfg, echo)
     tables = None
     if ctx.distributed:
         model, module, plan = build_sharded(cfg, ctx, echo)
         plan_meta = plan.to_dict()
         tables = ShardedTables(model, ctx)
     else:
-        model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed)
+        model = build_model(cfg.model, cfg.embedding, device=device, seed=t.seed,
+                            placements=placements)  # fmt: skip
         module = model
         plan_meta = {"world_size": 1, "tables": "whole, one storage group per dim"}
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
