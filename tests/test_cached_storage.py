@@ -16,20 +16,24 @@ from recscale.config import load_config
 from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
 from recscale.embedding.optimizers import SparseSGD
 from recscale.models.dlrm import build_model
+from recscale.train.cache_prefetch import CachePrefetcher
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.run import train
 
 
-def _train_tables(placement: str, optimizer: str, kernels: str, cache_bytes: int = 0):
+def _train_tables(placement: str, optimizer: str, kernels: str, cache_bytes: int = 0,
+                  prefetch: bool = False):  # fmt: skip
     cfg = load_config("debug", [f"--embedding.placement={placement}", f"--embedding.optimizer={optimizer}",
                                 f"--embedding.cache_bytes={cache_bytes}", f"--model.kernels={kernels}",
                                 "--data.max_ids_per_feature=3"])  # fmt: skip
     model = build_model(cfg.model, cfg.embedding, seed=0)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
-    for i in range(12):
-        b = data.batch(i, 256)
+    batches = [data.batch(i, 256) for i in range(12)]
+    if prefetch:  # consecutive batches share most hot ids: collisions on every step
+        batches = CachePrefetcher(batches, model.embeddings)
+    for b in batches:
         loss = F.binary_cross_entropy_with_logits(model(b), b.labels)
         opt.zero_grad()
         loss.backward()
@@ -52,6 +56,15 @@ def test_small_cache_trains_exactly_like_memory(optimizer, kernels):
     assert torch.equal(w0, w1)
     assert all(torch.equal(s0[k], s1[k]) for k in s0)
     assert torch.equal(p0, p1)
+
+
+def test_prefetch_thread_with_evictions_trains_exactly_like_memory():
+    w0, s0, p0, _ = _train_tables("device", "rowwise_adagrad", "auto")
+    w1, s1, p1, st = _train_tables(
+        "ssd", "rowwise_adagrad", "auto", cache_bytes=5000 * 36, prefetch=True
+    )
+    assert st.stats.evictions > 0 and st.stats.prefetched > 0
+    assert torch.equal(w0, w1) and torch.equal(s0["sum"], s1["sum"]) and torch.equal(p0, p1)
 
 
 def _storage(tmp_path, rows=1000, cache=100, policy="lfu"):

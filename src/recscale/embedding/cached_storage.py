@@ -74,6 +74,13 @@ class CacheStats:
                 "bytes_written": self.bytes_written, "evictions": self.evictions}  # fmt: skip
 
 
+@dataclass
+class _Prefetched:
+    rows: torch.Tensor  # the batch's rows, to recognise its lookup
+    slots: torch.Tensor  # its distinct rows' slots (pinned until the lookup)
+    slot_ids: torch.Tensor  # per id: what the lookup pools
+
+
 class CachedStorage(RowStorage):
     def __init__(
         self,
@@ -122,11 +129,12 @@ class CachedStorage(RowStorage):
         self.score = torch.zeros(c, dtype=torch.float64)
         self.cache_dirty = torch.zeros(c, dtype=torch.bool)
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
-        self._prefetch_pins: list[torch.Tensor] = []  # prefetched batches not yet looked up
+        self._prefetch_pins: list[_Prefetched] = []  # prefetched batches not yet looked up
         self._update_pins: list[torch.Tensor] = []  # looked up for an update not yet applied
         self.dirty: torch.Tensor | None = None
         self.stats = CacheStats()
         self._clock = 0
+        self._write_backs = 0  # generation: an unlocked read older than a write-back re-reads
         self._lock = threading.RLock()
 
     # -- the slow tier ------------------------------------------------------------------
@@ -151,6 +159,7 @@ class CachedStorage(RowStorage):
         order = torch.argsort(rows)  # sorted rows: sequential-ish file access
         slots, rows = slots[order], rows[order]
         self.file[rows.numpy()] = self._pack(slots)
+        self._write_backs += 1
         self.cache_dirty[slots] = False
         self.stats.bytes_written += rows.numel() * self.width * 4
 
@@ -160,7 +169,7 @@ class CachedStorage(RowStorage):
         k = min(c, max(need, int(c * self.evict_fraction)))
         s = self.score.clone()
         s[self.row_of_slot < 0] = math.inf  # already free
-        for p in [keep, *self._prefetch_pins, *self._update_pins]:
+        for p in [keep, *(e.slots for e in self._prefetch_pins), *self._update_pins]:
             s[p] = math.inf
         victims = torch.topk(s, k, largest=False).indices
         victims = victims[torch.isfinite(s[victims])]
@@ -178,21 +187,34 @@ class CachedStorage(RowStorage):
         self.free = torch.cat([self.free, victims])
         self.stats.evictions += victims.numel()
 
+    def _reserve(self, n: int, keep: torch.Tensor) -> torch.Tensor:
+        """Take ``n`` free slots (evicting if needed, never a slot in ``keep``)."""
+        if n > self.free.numel():
+            self._evict(n - self.free.numel(), keep)
+        slots = self.free[self.free.numel() - n :]
+        self.free = self.free[: self.free.numel() - n]
+        return slots
+
+    def _install(self, rows: torch.Tensor, slots: torch.Tensor, data: np.ndarray) -> None:
+        """Put rows read from the file into reserved slots. A row another thread brought
+        in meanwhile keeps its slot (its copy may be newer); ours goes back to free."""
+        fresh = self.slot_of_row[rows] < 0
+        if not bool(fresh.all()):
+            self.free = torch.cat([self.free, slots[~fresh]])
+            rows, slots, data = rows[fresh], slots[fresh], data[fresh.numpy()]
+        self._unpack_into(slots, data)
+        self.stats.bytes_read += rows.numel() * self.width * 4
+        self.row_of_slot[slots] = rows
+        self.slot_of_row[rows] = slots.int()
+        self.cache_dirty[slots] = False
+
     def _make_resident(self, uniq: torch.Tensor) -> torch.Tensor:
-        """Slots of the sorted unique ``rows``, fetching the missing ones."""
+        """Slots of the sorted unique ``rows``, fetching the missing ones (under the lock)."""
         slots = self.slot_of_row[uniq].long()
         missing = uniq[slots < 0]
-        n = missing.numel()
-        if n:
-            if n > self.free.numel():
-                self._evict(n - self.free.numel(), slots[slots >= 0])
-            new = self.free[-n:]
-            self.free = self.free[:-n]
-            self._unpack_into(new, self.file[missing.numpy()])
-            self.stats.bytes_read += n * self.width * 4
-            self.row_of_slot[new] = missing
-            self.slot_of_row[missing] = new.int()
-            self.cache_dirty[new] = False
+        if missing.numel():
+            reserved = self._reserve(missing.numel(), slots[slots >= 0])
+            self._install(missing, reserved, self.file[missing.numpy()])
             slots = self.slot_of_row[uniq].long()
         return slots
 
@@ -211,14 +233,29 @@ class CachedStorage(RowStorage):
         return self.cache_weight.device
 
     def prefetch(self, rows: torch.Tensor) -> None:
-        """Make ``rows`` resident now (before their lookup) and pin them until updated."""
+        """Make ``rows`` resident now (before their lookup) and pin them until updated.
+
+        Does the lookup's bookkeeping too (unique ids, slots, scores), so the training
+        thread's lookup of the same batch only pools; the file is read without holding
+        the lock, so the training thread keeps running meanwhile."""
+        uniq, inverse = torch.unique(rows, return_inverse=True)
         with self._lock:
-            uniq = torch.unique(rows)
-            misses = int((self.slot_of_row[uniq] < 0).sum())
-            self._prefetch_pins.append(self._make_resident(uniq))
+            slots = self.slot_of_row[uniq].long()
+            missing = uniq[slots < 0]
+            reserved = self._reserve(missing.numel(), slots[slots >= 0])
+            generation = self._write_backs
+        data = self.file[missing.numpy()] if missing.numel() else None  # unlocked: the slow part
+        with self._lock:
+            if missing.numel():
+                if self._write_backs != generation:  # a write-back may have raced our read
+                    data = self.file[missing.numpy()]
+                self._install(missing, reserved, data)
+            slots = self.slot_of_row[uniq].long()
+            self._touch(slots)
+            self._prefetch_pins.append(_Prefetched(rows, slots, slots[inverse]))
             self.stats.lookups += uniq.numel()
-            self.stats.hits += uniq.numel() - misses
-            self.stats.prefetched += misses
+            self.stats.hits += uniq.numel() - missing.numel()
+            self.stats.prefetched += missing.numel()
 
     def clear_prefetch(self) -> None:
         """Forget prefetched batches that will not be looked up (the pipeline stopped)."""
@@ -227,17 +264,23 @@ class CachedStorage(RowStorage):
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         with self._lock:
-            prefetched = for_update and bool(self._prefetch_pins)
-            if prefetched:  # this lookup is the oldest prefetched batch's
-                self._prefetch_pins.pop(0)
+            entry = self._prefetch_pins.pop(0) if for_update and self._prefetch_pins else None
+            if (
+                entry is not None
+                and entry.rows.shape == rows.shape
+                and torch.equal(entry.rows, rows)
+            ):
+                # the oldest prefetched batch is this one: resident, pinned, counted
+                self._update_pins.append(entry.slots)
+                return F.embedding_bag(entry.slot_ids, self.cache_weight, offsets, mode="sum",
+                                       per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
             uniq, inverse = torch.unique(rows, return_inverse=True)
             if not for_update:  # evaluation: read misses straight from the file, admit nothing
                 table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy())
                 return F.embedding_bag(inverse, table, offsets, mode="sum",
                                        per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
-            if not prefetched:
-                self.stats.lookups += uniq.numel()
-                self.stats.hits += int((self.slot_of_row[uniq] >= 0).sum())
+            self.stats.lookups += uniq.numel()
+            self.stats.hits += int((self.slot_of_row[uniq] >= 0).sum())
             slots = self._make_resident(uniq)
             self._touch(slots)
             self._update_pins.append(slots)
