@@ -47,11 +47,13 @@ def _train_tables(placement: str, optimizer: str, kernels: str, cache_bytes: int
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_small_cache_trains_exactly_like_memory(optimizer, kernels):
+@pytest.mark.parametrize("tier", ["ssd", "host"])
+def test_small_cache_trains_exactly_like_memory(optimizer, kernels, tier):
     w0, s0, p0, _ = _train_tables("device", optimizer, kernels)
     # Room for about two batches' distinct rows out of 7,485: constant eviction.
     row_bytes = {"sgd": 32, "rowwise_adagrad": 36, "adam": 96}[optimizer]
-    w1, s1, p1, st = _train_tables("ssd", optimizer, kernels, cache_bytes=6000 * row_bytes)
+    w1, s1, p1, st = _train_tables(tier, optimizer, kernels, cache_bytes=6000 * row_bytes)
+    assert st.tier == tier
     assert st.stats.evictions > 0 and st.stats.bytes_written > 0 and st.stats.hit_rate < 1
     assert torch.equal(w0, w1)
     assert all(torch.equal(s0[k], s1[k]) for k in s0)

@@ -126,3 +126,15 @@ def test_ssd_tier_takes_the_largest_tables_when_memory_is_short():
         plan_sharding(
             tables, Topology(1, 1 * GB, ssd_per_rank=10 * GB), Constraints(batch_size=2048)
         )
+
+
+def test_gpu_runs_use_host_memory_before_ssd():
+    tables = [TableInfo("big", 40_000_000, 128), TableInfo("big2", 39_000_000, 128),
+              TableInfo("mid", 2_000_000, 128)]  # fmt: skip
+    topo = Topology(1, 16 * GB, ssd_per_rank=200 * GB, host_per_rank=25 * GB)
+    plan = plan_sharding(tables, topo, Constraints(batch_size=2048))
+    where = {p.table: p.placement for p in plan.placements}
+    # 41 GB of tables on a 16 GB device: the biggest goes to host memory (25 GB holds
+    # one), the next to SSD; the rest stays on the device.
+    assert where == {"big": "host", "big2": "ssd", "mid": "device"}
+    assert plan.memory_per_rank[0] <= topo.memory_per_rank

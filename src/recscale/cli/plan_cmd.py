@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--ssd-per-rank", type=float, default=0.0, help="GB of SSD per rank for tables (0 = none)"
     )
     p.add_argument("--ssd-gbps", type=float, default=2.0, help="SSD GB/s per rank")
+    p.add_argument(
+        "--host-per-rank", type=float, default=0.0,
+        help="GPU runs: GB of host memory per rank for tables under a GPU cache (0 = none)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
 
 
@@ -40,7 +44,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), args.all_to_all_gbps * 1e9,
                     args.all_to_all_gbps * 1e9, args.gather_gbps * 1e9,
                     ssd_per_rank=int(args.ssd_per_rank * 1e9),
-                    ssd_bandwidth=args.ssd_gbps * 1e9)  # fmt: skip
+                    ssd_bandwidth=args.ssd_gbps * 1e9,
+                    host_per_rank=int(args.host_per_rank * 1e9))  # fmt: skip
     try:
         plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
     except PlanError as e:
@@ -54,7 +59,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"{'table':>6} {'rows':>12} {'dim':>4} {'GB':>8}  {'placement':<14} ranks")
     for t, p in zip(tables, plan.placements):
         ranks = p.ranks if len(p.ranks) <= 8 else f"{p.ranks[:3]}..{p.ranks[-1]} ({len(p.ranks)})"
-        where = f"  ssd, cache {p.cache_bytes / 1e9:.3f} GB" if p.placement == "ssd" else ""
+        where = (
+            f"  {p.placement}, cache {p.cache_bytes / 1e9:.3f} GB"
+            if p.placement != "device"
+            else ""
+        )
         print(
             f"{t.name:>6} {t.rows:>12,} {t.dim:>4} {t.bytes / 1e9:>8.3f}  {p.kind:<14} {ranks}{where}"
         )

@@ -128,8 +128,9 @@ class EmbeddingConfig:
     # Check every id against its table size each step (cheap; catches bad data early).
     validate_ids: bool = True
     # Where the rows live: device (memory of the training device), ssd (a file under
-    # ssd_dir behind a hot-row cache of cache_bytes; for tables larger than memory), or
-    # auto (the planner puts the largest tables on ssd when all do not fit memory_budget_gb).
+    # ssd_dir behind a hot-row cache of cache_bytes; for tables larger than memory), host
+    # (host memory behind a cache in device memory; for GPU runs), or auto (the planner
+    # puts the largest tables on ssd when all do not fit memory_budget_gb).
     placement: str = "device"
     # Directory of the ssd tier's files ("" = RUN_DIR/embeddings, or a temp dir).
     ssd_dir: str = ""
@@ -142,7 +143,7 @@ class EmbeddingConfig:
 
     def validate(self) -> None:
         _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
-        _choice("embedding.placement", self.placement, ("device", "ssd", "auto"))
+        _choice("embedding.placement", self.placement, ("device", "ssd", "host", "auto"))
         _positive("embedding.memory_budget_gb", self.memory_budget_gb, allow_zero=True)
         _choice("embedding.cache_policy", self.cache_policy, ("lfu", "lru"))
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)

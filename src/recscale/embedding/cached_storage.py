@@ -1,4 +1,5 @@
-"""Rows on a slow tier (a file on SSD) behind a hot-row cache in memory.
+"""Rows on a slow tier behind a hot-row cache in fast memory: a file on SSD under a
+host-memory cache (``ssd``), or host memory under a GPU-memory cache (``host``).
 
 ::
 
@@ -88,13 +89,17 @@ class CachedStorage(RowStorage):
         num_rows: int,
         dim: int,
         optimizer: SparseOptimizer,
-        path: Path,
+        path: Path | None,
         cache_rows: int,
         policy: str = "lfu",
         kernel: str = "auto",
         decay_every: int = 1000,
         evict_fraction: float = 1 / 16,
+        device: torch.device | None = None,
     ) -> None:
+        """``path``: the ssd tier's file; ``None``: the host tier (rows in host memory,
+        pinned when CUDA is present, behind a cache on ``device`` - a GPU run's tables
+        larger than the GPU's memory)."""
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
@@ -111,23 +116,38 @@ class CachedStorage(RowStorage):
             self._state_cols.append((name, shape, col, col + width))
             col += width
         self.width = col
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = np.memmap(self.path, dtype=np.float32, mode="w+", shape=(num_rows, col))
-        # Rows are read at random: without this each miss would fault in the kernel's
-        # readahead window (128 KB+) for a 68-byte row (measured: ~1 GB/s of reads).
-        if hasattr(mmap, "MADV_RANDOM") and getattr(self.file, "_mmap", None) is not None:
-            self.file._mmap.madvise(mmap.MADV_RANDOM)
-        # Scratch space: gone with the storage (checkpoints hold what must survive).
-        self._finalizer = weakref.finalize(self, _remove, self.path)
+        self.tier = "ssd" if path is not None else "host"
+        # The slow tier, indexed like a numpy array either way: a memory-mapped file, or
+        # a numpy view of a host tensor.
+        if path is None:
+            self.path = None
+            pin = (
+                torch.cuda.is_available()
+                and device is not None
+                and torch.device(device).type == "cuda"
+            )
+            self._host = torch.zeros(num_rows, col, pin_memory=pin)
+            self.file = self._host.numpy()
+        else:
+            self.path = Path(path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = np.memmap(self.path, dtype=np.float32, mode="w+", shape=(num_rows, col))
+            # Rows are read at random: without this each miss would fault in the kernel's
+            # readahead window (128 KB+) for a 68-byte row (measured: ~1 GB/s of reads).
+            if hasattr(mmap, "MADV_RANDOM") and getattr(self.file, "_mmap", None) is not None:
+                self.file._mmap.madvise(mmap.MADV_RANDOM)
+            # Scratch space: gone with the storage (checkpoints hold what must survive).
+            self._finalizer = weakref.finalize(self, _remove, self.path)
         for name, _shape, lo, hi in self._state_cols:  # a new file reads as zeros already
             if optimizer.init_value(name) != 0.0:
                 for r in range(0, num_rows, 1 << 18):
                     self.file[r : r + (1 << 18), lo:hi] = optimizer.init_value(name)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
-        self.cache_weight = torch.zeros(c, dim)
+        # The cache lives on the compute device; all bookkeeping below stays on the CPU.
+        self.cache_weight = torch.zeros(c, dim, device=device)
         self.cache_state = {
-            name: torch.zeros((c, *shape)) for name, shape, _lo, _hi in self._state_cols
+            name: torch.zeros((c, *shape), device=device)
+            for name, shape, _lo, _hi in self._state_cols
         }
         self.slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32)
         self.row_of_slot = torch.full((c,), -1, dtype=torch.int64)
@@ -145,16 +165,18 @@ class CachedStorage(RowStorage):
     # -- the slow tier ------------------------------------------------------------------
     def _pack(self, slots: torch.Tensor) -> np.ndarray:
         out = np.empty((slots.shape[0], self.width), np.float32)
-        out[:, : self.dim] = self.cache_weight[slots].numpy()
+        idx = slots.to(self.device)
+        out[:, : self.dim] = self.cache_weight[idx].cpu().numpy()
         for name, _shape, lo, hi in self._state_cols:
-            out[:, lo:hi] = self.cache_state[name][slots].reshape(-1, hi - lo).numpy()
+            out[:, lo:hi] = self.cache_state[name][idx].reshape(-1, hi - lo).cpu().numpy()
         return out
 
     def _unpack_into(self, slots: torch.Tensor, data: np.ndarray) -> None:
-        t = torch.from_numpy(data)
-        self.cache_weight[slots] = t[:, : self.dim]
+        t = torch.from_numpy(np.ascontiguousarray(data)).to(self.device, non_blocking=True)
+        idx = slots.to(self.device)
+        self.cache_weight[idx] = t[:, : self.dim]
         for name, shape, lo, hi in self._state_cols:
-            self.cache_state[name][slots] = t[:, lo:hi].reshape(-1, *shape)
+            self.cache_state[name][idx] = t[:, lo:hi].reshape(-1, *shape)
 
     def _write_back(self, slots: torch.Tensor) -> None:
         slots = slots[self.cache_dirty[slots]]
@@ -243,6 +265,7 @@ class CachedStorage(RowStorage):
         Does the lookup's bookkeeping too (unique ids, slots, scores), so the training
         thread's lookup of the same batch only pools; the file is read without holding
         the lock, so the training thread keeps running meanwhile."""
+        rows = rows.cpu()
         uniq, inverse = torch.unique(rows, return_inverse=True)
         with self._lock:
             slots = self.slot_of_row[uniq].long()
@@ -257,7 +280,8 @@ class CachedStorage(RowStorage):
                 self._install(missing, reserved, data)
             slots = self.slot_of_row[uniq].long()
             self._touch(slots)
-            self._prefetch_pins.append(_Prefetched(rows, slots, slots[inverse]))
+            slot_ids = slots[inverse].to(self.device, non_blocking=True)
+            self._prefetch_pins.append(_Prefetched(rows, slots, slot_ids))
             self.stats.lookups += uniq.numel()
             self.stats.hits += uniq.numel() - missing.numel()
             self.stats.prefetched += missing.numel()
@@ -268,6 +292,8 @@ class CachedStorage(RowStorage):
             self._prefetch_pins.clear()
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        dev = self.device
+        rows = rows.cpu()
         with self._lock:
             entry = self._prefetch_pins.pop(0) if for_update and self._prefetch_pins else None
             if (
@@ -281,15 +307,15 @@ class CachedStorage(RowStorage):
                                        per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
             uniq, inverse = torch.unique(rows, return_inverse=True)
             if not for_update:  # evaluation: read misses straight from the file, admit nothing
-                table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy())
-                return F.embedding_bag(inverse, table, offsets, mode="sum",
+                table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
+                return F.embedding_bag(inverse.to(dev), table, offsets, mode="sum",
                                        per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
             self.stats.lookups += uniq.numel()
             self.stats.hits += int((self.slot_of_row[uniq] >= 0).sum())
             slots = self._make_resident(uniq)
             self._touch(slots)
             self._update_pins.append(slots)
-            slot_ids = slots[inverse]
+            slot_ids = slots[inverse].to(dev)
             return F.embedding_bag(slot_ids, self.cache_weight, offsets, mode="sum",
                                    per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
 
@@ -299,6 +325,7 @@ class CachedStorage(RowStorage):
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
         with self._lock:
+            rows = rows.cpu()
             slots = self.slot_of_row[rows].long()
             if bool((slots < 0).any()):
                 raise RuntimeError("a row was evicted between its lookup and its update")
@@ -313,25 +340,25 @@ class CachedStorage(RowStorage):
                 grad_ids = grad_pooled.index_select(0, bag_of_id)
                 if per_sample_weights is not None:
                     grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
-                unique, summed = merge_duplicate_rows(slots, grad_ids)
+                unique, summed = merge_duplicate_rows(slots.to(grad_ids.device), grad_ids)
                 self.step += 1
                 self.optimizer.update_(
                     self.cache_weight, self.cache_state, unique, summed, int(self.step)
                 )
-                self.cache_dirty[unique] = True
+                self.cache_dirty[unique.cpu()] = True
             if self._update_pins:  # batches are updated in lookup order
                 self._update_pins.pop(0)
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):
         with self._lock:
+            rows = rows.cpu()
             uniq = torch.unique(rows)
             slots = self._make_resident(uniq)
             order = torch.searchsorted(uniq, rows)
             self.step += 1
-            self.optimizer.update_(
-                self.cache_weight, self.cache_state, slots[order], grad, int(self.step)
-            )
+            self.optimizer.update_(self.cache_weight, self.cache_state,
+                                   slots[order].to(self.device), grad, int(self.step))  # fmt: skip
             self.cache_dirty[slots] = True
             if self.dirty is not None:
                 self.dirty[rows] = True
@@ -340,7 +367,8 @@ class CachedStorage(RowStorage):
         """Write every dirty cached row back to the file."""
         with self._lock:
             self._write_back(torch.nonzero(self.cache_dirty).squeeze(1))
-            self.file.flush()
+            if isinstance(self.file, np.memmap):
+                self.file.flush()
 
     def _gather(self, rows: torch.Tensor) -> np.ndarray:
         """Current ``[len(rows), D + S]`` values, from the cache where resident."""
@@ -373,7 +401,9 @@ class CachedStorage(RowStorage):
                 self.file[rows.numpy(), : self.dim] = values.float().cpu().numpy()
             slots = self.slot_of_row[rows].long()
             hit = slots >= 0
-            self.cache_weight[slots[hit]] = values.float().cpu()[hit]
+            self.cache_weight[slots[hit].to(self.device)] = values.float().to(self.device)[
+                hit.to(self.device)
+            ]
 
     @torch.no_grad()
     def write_state(self, rows, state):
@@ -384,4 +414,6 @@ class CachedStorage(RowStorage):
             for name, _shape, lo, hi in self._state_cols:
                 v = state[name].float().cpu()
                 self.file[rows.numpy(), lo:hi] = v.reshape(-1, hi - lo).numpy()
-                self.cache_state[name][slots[hit]] = v[hit]
+                self.cache_state[name][slots[hit].to(self.device)] = v.to(self.device)[
+                    hit.to(self.device)
+                ]

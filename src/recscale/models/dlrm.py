@@ -40,9 +40,12 @@ def storage_factory(cfg: EmbeddingConfig, device: torch.device | None, kernel: s
         nonlocal root
         if tables[0].placement == "device":
             return DeviceStorage(num_rows, dim, optimizer, device, kernel)
+        rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
+        if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
+            return CachedStorage(num_rows, dim, optimizer, None, rows, policy=cfg.cache_policy,
+                                 kernel=kernel, device=device)  # fmt: skip
         if root is None:
             root = Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
-        rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
                              policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
 
@@ -57,10 +60,12 @@ def table_specs(
     default 10% of them)."""
     dims = model_cfg.dims()
     names = [f"C{i + 1}" for i in range(len(dims))]
-    if placements is None and embedding_cfg.placement == "ssd":
+    if placements is None and embedding_cfg.placement in ("ssd", "host"):
         sizes = [n * row_bytes(embedding_cfg, d) for n, d in zip(model_cfg.table_sizes, dims)]
         budget = embedding_cfg.cache_bytes or sum(sizes) // 10
-        placements = [("ssd", int(budget * b / max(sum(sizes), 1))) for b in sizes]
+        placements = [
+            (embedding_cfg.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes
+        ]
     if placements is None:
         placements = [("device", 0)] * len(dims)
     return [TableSpec(name, n, d, where, cache)

@@ -21,14 +21,15 @@ work, then the least memory), within every rank's memory.
 A table larger than one rank's memory can only be split by rows. Deterministic:
 ties go to the lower rank index.
 
-SSD tier (``Topology.ssd_per_rank > 0``): when the tables do not fit in the ranks'
-memory, the largest tables go to SSD first (big tables have the longest cold
-tails), each whole on the rank with the most SSD room and a hot-row cache of
-``ssd_cache_fraction`` of its bytes in that rank's memory, until the rest plus the
-caches fit. An ssd table costs its lookup plus the misses' traffic::
+Slower tiers (``Topology.host_per_rank`` for GPU runs, then ``ssd_per_rank``): when
+the tables do not fit in the ranks' memory, the largest tables move first (big
+tables have the longest cold tails), each whole to the rank with the most room on
+that tier, with a hot-row cache of ``ssd_cache_fraction`` of its bytes in that
+rank's memory, until the rest plus the caches fit. Such a table costs its lookup
+plus the misses' traffic::
 
-    ssd  owner: lookup(B p, D) + all_to_all as table_wise
-              + B p (1 - ssd_hit_rate) * 2 * row_bytes / ssd_bandwidth   (read + write-back)
+    host/ssd  owner: lookup(B p, D) + all_to_all as table_wise
+              + B p (1 - ssd_hit_rate) * 2 * row_bytes / tier_bandwidth   (read + write-back)
 """
 
 from __future__ import annotations
@@ -98,34 +99,37 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, mem: list[int],
             )
 
 
-def _place_on_ssd(tables, topo: Topology, cons: Constraints, mem: list[int], cost: list[float]):
-    """Move the largest tables to SSD until the rest plus their caches fit in memory."""
+def _place_on_slow_tiers(
+    tables, topo: Topology, cons: Constraints, mem: list[int], cost: list[float]
+):
+    """Move the largest tables to host memory (GPU runs), then SSD, until the rest plus
+    their caches fit in device memory."""
     w, cap = topo.world_size, topo.memory_per_rank
     placed: dict[str, TablePlacement] = {}
-    if topo.ssd_per_rank <= 0:
-        return placed
-    ssd = [0] * w
     in_memory = sum(t.bytes for t in tables)
+    tiers = [(name, per_rank, bw, [0] * w) for name, per_rank, bw in
+             (("host", topo.host_per_rank, topo.host_bandwidth),
+              ("ssd", topo.ssd_per_rank, topo.ssd_bandwidth)) if per_rank > 0]  # fmt: skip
     for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
-        if in_memory + sum(mem) <= w * cap:
+        if not tiers or in_memory + sum(mem) <= w * cap:
             break
         cache = int(t.bytes * cons.ssd_cache_fraction)
-        room = [
-            r for r in range(w) if ssd[r] + t.bytes <= topo.ssd_per_rank and mem[r] + cache <= cap
-        ]
-        if not room:
-            continue
-        r = min(room, key=lambda r: (ssd[r], mem[r], r))
-        b, p, d = cons.batch_size, t.pooling, t.dim
-        row_bytes = t.bytes / max(t.rows, 1)
-        c = (_lookup_s(b * p, d, topo) + (b * p * 8 + 2 * b * d * 4) * (w - 1) / w / topo.all_to_all_bandwidth
-             + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / topo.ssd_bandwidth)  # fmt: skip
-        placed[t.name] = TablePlacement(t.name, "table_wise", [r], {r: cache}, {r: c},
-                                        placement="ssd", cache_bytes=cache, ssd_bytes=t.bytes)  # fmt: skip
-        ssd[r] += t.bytes
-        mem[r] += cache
-        cost[r] += c
-        in_memory -= t.bytes
+        for tier, per_rank, bandwidth, used in tiers:  # the faster tier first
+            room = [r for r in range(w) if used[r] + t.bytes <= per_rank and mem[r] + cache <= cap]
+            if not room:
+                continue
+            r = min(room, key=lambda r: (used[r], mem[r], r))
+            b, p, d = cons.batch_size, t.pooling, t.dim
+            row_bytes = t.bytes / max(t.rows, 1)
+            c = (_lookup_s(b * p, d, topo) + (b * p * 8 + 2 * b * d * 4) * (w - 1) / w / topo.all_to_all_bandwidth
+                 + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / bandwidth)  # fmt: skip
+            placed[t.name] = TablePlacement(t.name, "table_wise", [r], {r: cache}, {r: c},
+                                            placement=tier, cache_bytes=cache, ssd_bytes=t.bytes)  # fmt: skip
+            used[r] += t.bytes
+            mem[r] += cache
+            cost[r] += c
+            in_memory -= t.bytes
+            break
     return placed
 
 
@@ -137,7 +141,7 @@ def plan_sharding(
     if w < 1:
         raise PlanError("world size must be >= 1")
     mem, cost = [0] * w, [0.0] * w
-    placements = _place_on_ssd(tables, topology, constraints, mem, cost)
+    placements = _place_on_slow_tiers(tables, topology, constraints, mem, cost)
     total = sum(t.bytes for t in tables if t.name not in placements) + sum(mem)
     if total > w * cap:
         ssd = (

@@ -32,6 +32,8 @@ class Topology:
     latency: float = 20e-6  # seconds per collective
     ssd_per_rank: int = 0  # bytes of SSD for tables on each rank (0 = no ssd tier)
     ssd_bandwidth: float = 2e9  # bytes/s of row reads + write-backs on a rank's SSD
+    host_per_rank: int = 0  # GPU runs: bytes of host memory for tables (0 = no host tier)
+    host_bandwidth: float = 25e9  # bytes/s host <-> device (PCIe)
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,9 @@ class TablePlacement:
     memory_per_rank: dict[int, int]  # bytes on each rank holding a part
     cost_per_rank: dict[int, float]  # seconds per step on each rank
     dims: list[int] = field(default_factory=list)  # column_wise: width of each shard
-    placement: str = "device"  # where the rows live: device memory, or ssd behind a cache
-    cache_bytes: int = 0  # ssd: the hot-row cache (counted in memory_per_rank)
-    ssd_bytes: int = 0  # ssd: the table's bytes on the ssd tier
+    placement: str = "device"  # where the rows live: device memory, or host/ssd behind a cache
+    cache_bytes: int = 0  # host/ssd: the hot-row cache (counted in memory_per_rank)
+    ssd_bytes: int = 0  # host/ssd: the table's bytes on that slower tier
 
 
 @dataclass

@@ -137,7 +137,9 @@ def train(
     placements = None
     if cfg.embedding.placement != "device":
         if ctx.distributed:
-            raise ConfigError("embedding.placement", "ssd and auto are single-process for now")
+            raise ConfigError(
+                "embedding.placement", "ssd, host and auto are single-process for now"
+            )
         if not cfg.embedding.ssd_dir:
             cfg.embedding.ssd_dir = (
                 str(run_dir / "embeddings") if run_dir else tempfile.mkdtemp(prefix="recscale-ssd-")
