@@ -195,7 +195,7 @@ def train(
             stream = pipeline = InputDistPipeline(stream, model.embeddings, device)
     elif cached_storages(model.embeddings):
         stream = cache_pipe = CachePrefetcher(stream, model.embeddings)
-    batches, wait_s, cache_seen = iter(stream), 0.0, (0, 0)
+    batches, wait_s, window_wait, cache_seen = iter(stream), 0.0, 0.0, (0, 0)
     step, interrupted = start_step, False
     saved_step = start_step
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
@@ -241,7 +241,9 @@ def train(
                 extra = ""
                 if cache_pipe is not None:
                     hit, cache_seen = hit_rate_since(model.embeddings, cache_seen)
-                    extra = f", cache hit {hit:.1%}"
+                    stall_ms = 1e3 * (wait_s - window_wait) / window_steps
+                    extra = f", cache hit {hit:.1%}, stall {stall_ms:.1f} ms/step"
+                window_wait = wait_s
                 progress.update(window_steps, last_loss, sps, extra)
                 if log_file is not None:
                     rec = {
