@@ -133,16 +133,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.dp_features:
             self.dp = EmbeddingBagCollection(
                 [tables[f] for f in self.dp_features], pooling, make_optimizer,
-                validate_ids=False, device=dev, kernel=kernel,
+                validate_ids=False, device=dev, seed=seed, kernel=kernel,
                 make_storage=lambda n, d, opt, _tables: AllReducedStorage(
                     n, d, opt, dev, kernel, ctx.embed, ctx.world_size),
+                init_ids=self.dp_features,
             )  # fmt: skip
-            for i, f in enumerate(self.dp_features):
-                g = self.dp.groups[int(self.dp.group_of_feature[i])]
-                lo = int(self.dp.feature_row_offset[i])
-                t = tables[f]
-                init_table_rows(g.storage.weight[lo : lo + t.num_rows], seed, f, t.num_rows,
-                                t.dim, 0, t.num_rows, 0, t.dim)  # fmt: skip
+        # Columns of the replicated tables in the local pooled output and in the model's.
+        dp_in = [0]
+        for f in self.dp_features:
+            dp_in.append(dp_in[-1] + tables[f].dim)
+        self._dp_cols = [(f, dp_in[i], self.col_base[f], tables[f].dim)
+                         for i, f in enumerate(self.dp_features)]  # fmt: skip
         self.input_dist = InputDist(layout, ctx.rank, dev)
         # Where each shard's pooled block lands in the receive buffer (elements per sample).
         self._recv_base = []
@@ -241,10 +242,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 c = self.col_base[s.feature] + s.col_lo
                 out[:, c : c + s.width] += block
             if dp_pooled is not None:
-                for i, f in enumerate(self.dp_features):
-                    d = self.tables[f].dim
-                    c_in = sum(self.tables[g].dim for g in self.dp_features[:i])
-                    out[:, self.col_base[f] : self.col_base[f] + d] = dp_pooled[:, c_in : c_in + d]
+                for _f, c_in, c_out, d in self._dp_cols:
+                    out[:, c_out : c_out + d] = dp_pooled[:, c_in : c_in + d]
         return out
 
     @torch.no_grad()
@@ -280,6 +279,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 storage.apply_gradients(g.rows, grad[:0])
         if not self.dp_features:
             return None
-        cols = [grad_out[:, self.col_base[f] : self.col_base[f] + self.tables[f].dim]
-                for f in self.dp_features]  # fmt: skip
-        return torch.cat(cols, 1)
+        return torch.cat(
+            [grad_out[:, c_out : c_out + d] for _f, _c_in, c_out, d in self._dp_cols], 1
+        )

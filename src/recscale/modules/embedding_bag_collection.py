@@ -103,10 +103,13 @@ class EmbeddingBagCollection(nn.Module):
         kernel: str = "auto",
         make_storage: Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
         | None = None,
+        init_ids: list[int] | None = None,
     ) -> None:
         """Tables are grouped by (dim, placement). ``make_storage(rows, dim, optimizer,
         tables)`` builds a group's storage (default: a :class:`DeviceStorage` on
-        ``device``; it is required for tables not placed on the device)."""
+        ``device``; it is required for tables not placed on the device). ``init_ids``:
+        the index each table's initial weights are drawn under (default its position;
+        a collection holding a subset of a model's tables passes their model indices)."""
         super().__init__()
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be sum or mean, got {pooling!r}")
@@ -114,6 +117,7 @@ class EmbeddingBagCollection(nn.Module):
         self.pooling = pooling
         # Kept so that distributed.shard can build the same storages, shard by shard.
         self.make_optimizer, self.seed, self.kernel = make_optimizer, seed, kernel
+        self.init_ids = list(init_ids) if init_ids is not None else list(range(len(tables)))
         self.validate_ids = validate_ids
         # Zero-size parameter that makes autograd call the fused backward (see embedding/lookup.py).
         self.placeholder = nn.Parameter(torch.zeros(0, device=device))
@@ -159,14 +163,15 @@ class EmbeddingBagCollection(nn.Module):
         for f in group.features:
             n = self.tables[f].num_rows
             if isinstance(storage, DeviceStorage):
-                init_table_rows(
-                    storage.weight[start : start + n], seed, f, n, group.dim, 0, n, 0, group.dim
-                )
+                init_table_rows(storage.weight[start : start + n], seed, self.init_ids[f], n,
+                                group.dim, 0, n, 0, group.dim)  # fmt: skip
             else:  # another tier: through write_rows, a chunk at a time
                 for lo in range(0, n, _INIT_CHUNK_ROWS):
                     hi = min(n, lo + _INIT_CHUNK_ROWS)
                     chunk = torch.empty(hi - lo, group.dim)
-                    init_table_rows(chunk, seed, f, n, group.dim, lo, hi, 0, group.dim)
+                    init_table_rows(
+                        chunk, seed, self.init_ids[f], n, group.dim, lo, hi, 0, group.dim
+                    )
                     storage.write_rows(torch.arange(start + lo, start + hi), chunk)
             start += n
 
