@@ -17,6 +17,7 @@ from dist_workers import checkpoint_hop, global_batches, parity_config
 
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
 from recscale.checkpoint.state import restore
+from recscale.cli.main import main
 from recscale.config import CheckpointConfig
 from recscale.distributed.spawn import run_ranks
 from recscale.models.dlrm import build_model
@@ -56,7 +57,7 @@ def _tensors(model):
     return {k: v for k, v in model.state_dict().items()}
 
 
-def test_reshard_1_to_2_to_4(tmp_path: Path):
+def test_reshard_1_to_2_to_4(tmp_path: Path, capsys):
     _single(K, tmp_path / "w1")
     c1 = ",".join(str(p) for p in resolve_chain(tmp_path / "w1"))
     run_ranks(checkpoint_hop, 2, "row_wise", c1, str(tmp_path / "w2"), K, K, B, timeout=180)
@@ -64,6 +65,10 @@ def test_reshard_1_to_2_to_4(tmp_path: Path):
     assert [p.name for p in chain2] == [f"step_{K + 1:08d}", f"step_{2 * K:08d}.inc"]
     c2 = ",".join(str(p) for p in chain2)
     run_ranks(checkpoint_hop, 4, "mixed", c2, str(tmp_path / "w4"), 2 * K, 0, B, timeout=180)
+
+    assert main(["checkpoint", "inspect", str(tmp_path / "w4")]) == 0
+    out = capsys.readouterr().out
+    assert "written by 4 ranks" in out and "column_wise" in out and "; valid" in out
 
     uninterrupted = _tensors(_single(2 * K)[0])
     after_2 = _tensors(_load(tmp_path / "w2"))

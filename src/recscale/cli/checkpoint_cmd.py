@@ -68,4 +68,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             + (f" (parent {i['parent']})" if i["parent"] else "")
             + f", {i['precision']}, {i['bytes'] / 1e6:.1f} MB, {len(i['tables'])} tables, {rows:,} rows stored; {status}"
         )
+        plan = i.get("plan") or {}
+        if plan.get("placements"):  # a sharded run: the plan it was written under (metadata only)
+            kinds: dict[str, int] = {}
+            for p in plan["placements"]:
+                kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+            print(f"  written by {plan['world_size']} ranks: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                  + " (tables stored whole: loads at any world size)")  # fmt: skip
     return 0 if all(i["valid"] for i in infos) else 1
