@@ -167,3 +167,24 @@ def test_auto_placement_moves_big_tables_to_ssd_and_trains_the_same(tmp_path):
     assert any("tables on ssd" in n for n in notes), notes
     assert auto["auc"] == mem["auc"] and auto["logloss"] == mem["logloss"]
     assert 0 < auto["embedding_cache"]["table_rows"] < sum(load_config("default").model.table_sizes)
+
+
+def test_checkpoint_writes_dirty_rows_back_to_the_file(tmp_path):
+    from recscale.checkpoint.manager import CheckpointManager
+    from recscale.config import CheckpointConfig
+
+    cfg = load_config("debug", ["--embedding.placement=ssd", "--embedding.cache_bytes=400000",
+                                f"--embedding.ssd_dir={tmp_path / 'ssd'}"])  # fmt: skip
+    model = build_model(cfg.model, cfg.embedding, seed=0)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    b = make_synthetic(cfg).batch(0, 256)
+    F.binary_cross_entropy_with_logits(model(b), b.labels).backward()
+    st = model.embeddings.groups[0].storage
+    assert bool(st.cache_dirty.any())
+    mgr = CheckpointManager(
+        CheckpointConfig(every_steps=1, async_write=False), tmp_path / "ck", model, opt
+    )
+    mgr.save(1, {"step": 1})
+    assert not bool(st.cache_dirty.any())
+    rows = torch.arange(st.num_rows)
+    assert torch.equal(torch.from_numpy(st.file[:, : st.dim].copy()), st.read_rows(rows))

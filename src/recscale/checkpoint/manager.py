@@ -158,6 +158,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.wait()
         kind = self._kind()
+        for storage in self.tables.storages():
+            if hasattr(storage, "flush"):  # a cached tier: dirty rows back to the slow tier
+                storage.flush()
         snap = self.tables.capture(self.dense_opt, trainer, kind, self.cfg.precision,
                                    self._last_name if kind == "incremental" else None, step)  # fmt: skip
         for storage in self.tables.storages():

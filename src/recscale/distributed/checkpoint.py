@@ -55,7 +55,7 @@ class ShardedTables:
         return all_storages(self.ebc)
 
     def global_sum(self, x: int) -> int:
-        t = torch.tensor([x], dtype=torch.int64)
+        t = torch.tensor([x], dtype=torch.int64, device=self.ctx.device)  # NCCL: on the GPU
         dist.all_reduce(t, group=self.ctx.dense)
         return int(t[0])
 

@@ -56,7 +56,9 @@ def reduce_step(loss_value: float, stop: bool, ctx: DistContext) -> tuple[float,
     """Global mean loss and whether any rank wants to stop."""
     if not ctx.distributed:
         return loss_value, stop
-    t = torch.tensor([loss_value, float(stop)], dtype=torch.float64)
+    t = torch.tensor(
+        [loss_value, float(stop)], dtype=torch.float64, device=ctx.device
+    )  # NCCL: on the GPU
     dist.all_reduce(t, group=ctx.dense)
     return float(t[0]) / ctx.world_size, bool(t[1] > 0)
 
