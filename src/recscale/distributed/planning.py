@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
+from recscale.models.dlrm import row_bytes
 from recscale.planner import (
     Constraints,
+    PlanError,
     ShardingPlan,
     TableInfo,
     TablePlacement,
@@ -19,15 +24,12 @@ from recscale.planner import (
 )
 from recscale.planner.types import KINDS
 
-_STATE_BYTES = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
-
 
 def table_infos(cfg: Config) -> list[TableInfo]:
     m = cfg.model
     pooling = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
-    state = _STATE_BYTES[cfg.embedding.optimizer]
     return [
-        TableInfo(f"C{i + 1}", n, d, pooling, state(d))
+        TableInfo(f"C{i + 1}", n, d, pooling, row_bytes(cfg.embedding, d) - 4 * d)
         for i, (n, d) in enumerate(zip(m.table_sizes, m.dims()))
     ]
 
@@ -58,8 +60,6 @@ def default_memory_per_rank(device: torch.device, local_world: int) -> int:
     """Half of the device's memory (CUDA) or of the host memory shared by the local ranks."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // 2
-    import os
-
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // (2 * max(local_world, 1))
 
@@ -88,8 +88,6 @@ def plan_for(cfg: Config, world_size: int, memory_per_rank: int) -> ShardingPlan
 def placement_plan(cfg: Config, ssd_dir: str) -> ShardingPlan:
     """``embedding.placement=auto`` for one process: the planner with this machine's
     memory budget and the free space under ``ssd_dir`` as the ssd tier."""
-    import shutil
-
     e = cfg.embedding
     memory = (
         int(e.memory_budget_gb * 1e9)
@@ -104,3 +102,20 @@ def placement_plan(cfg: Config, ssd_dir: str) -> ShardingPlan:
     topo = Topology(1, memory, ssd_per_rank=ssd)
     cons = Constraints(batch_size=cfg.train.batch_size, ssd_cache_fraction=fraction)
     return plan_sharding(tables, topo, cons)
+
+
+def auto_placements(cfg: Config, echo: Callable[[str], None]) -> list[tuple[str, int]]:
+    """``embedding.placement=auto``: ask the planner which tables go to ssd (the largest,
+    until the rest fits the memory budget) and with how much cache."""
+    try:
+        plan = placement_plan(cfg, cfg.embedding.ssd_dir)
+    except PlanError as e:
+        raise ConfigError("embedding.memory_budget_gb", str(e)) from e
+    on_ssd = [p for p in plan.placements if p.placement == "ssd"]
+    if on_ssd:
+        echo(f"recscale: placement auto: {len(on_ssd)} tables on ssd under {cfg.embedding.ssd_dir} "
+             f"({sum(p.ssd_bytes for p in on_ssd) / 1e9:.2f} GB, cache {sum(p.cache_bytes for p in on_ssd) / 1e9:.2f} GB), "
+             f"{len(plan.placements) - len(on_ssd)} in memory")  # fmt: skip
+    else:
+        echo("recscale: placement auto: every table fits in memory")
+    return [(p.placement, p.cache_bytes) for p in plan.placements]

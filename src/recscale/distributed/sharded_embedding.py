@@ -27,14 +27,15 @@ from torch import nn
 
 from recscale.distributed.context import DistContext
 from recscale.distributed.input_dist import DistInput, InputDist
-from recscale.distributed.layout import ShardLayout
+from recscale.distributed.layout import Shard, ShardLayout
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import DeviceStorage
+from recscale.embedding.storage import DeviceStorage, per_id_gradients
 from recscale.modules.embedding_bag_collection import (
     EmbeddingBagCollection,
-    IdOutOfRangeError,
     TableSpec,
+    check_ids,
     init_table_rows,
+    pooling_weights,
 )
 
 
@@ -52,9 +53,7 @@ class AllReducedStorage(DeviceStorage):
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        grad_ids = grad_pooled.index_select(0, bag_of_id)
-        if per_sample_weights is not None:
-            grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
+        grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
         buf = torch.zeros(self.num_rows, self.dim + 1, device=grad_pooled.device)
         buf[:, : self.dim].index_add_(0, rows, grad_ids)
         buf[:, self.dim].index_add_(0, rows, torch.ones_like(rows, dtype=buf.dtype))
@@ -64,21 +63,6 @@ class AllReducedStorage(DeviceStorage):
         if self.dirty is not None:
             self.dirty[touched] = True
         self.apply_gradients(touched, buf[touched, : self.dim] / self.world_size)
-
-
-def check_ids(values, offsets, batch_size, table_sizes, names) -> None:
-    nf = table_sizes.shape[0]
-    lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(nf * batch_size, device=values.device), lengths)
-    feature = torch.div(bag, batch_size, rounding_mode="floor")
-    bad = (values < 0) | (values >= table_sizes[feature])
-    if bool(bad.any()):
-        n = int(bad.nonzero()[0, 0])
-        f = int(feature[n])
-        raise IdOutOfRangeError(
-            f"id {int(values[n])} of feature {names[f]} (sample {int(bag[n]) % batch_size} of "
-            f"the batch) is outside its table of {int(table_sizes[f])} rows"
-        )
 
 
 class _ShardedPooling(torch.autograd.Function):
@@ -165,8 +149,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """This rank's pieces of the tables, each ``(shard, storage, first storage row)``:
         the owned shards, then (``include_replicas``) a whole-table pseudo-shard for every
         replicated table. Checkpoints and tests read and write rows through these."""
-        from recscale.distributed.layout import Shard
-
         me = self.layout.per_rank[self.ctx.rank]
         for s, g, grow in zip(me.shards, me.group_of, me.group_row):
             yield s, self.storages[g], grow
@@ -178,20 +160,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 yield s, g.storage, int(self.dp.feature_row_offset[i])
 
     # -- input ---------------------------------------------------------------------
-    def _pooling_weights(self, values, offsets, batch_size, weights):
-        if self.pooling != "mean":
-            return weights
-        lengths = offsets[1:] - offsets[:-1]
-        inv = 1.0 / lengths.clamp(min=1).to(torch.float32)
-        per_id = torch.repeat_interleave(inv, lengths, output_size=values.shape[0])
-        return per_id if weights is None else weights * per_id
-
     def distribute_input(self, values, offsets, batch_size, weights=None) -> DistInput:
         """Run the input all-to-all for a local batch (the train pipeline calls this ahead,
         on its own thread and process group)."""
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of_id = torch.repeat_interleave(
+            torch.arange(lengths.shape[0], device=values.device),
+            lengths,
+            output_size=values.shape[0],
+        )
         if self.validate_ids:
-            check_ids(values, offsets, batch_size, self.table_sizes, [t.name for t in self.tables])
-        psw = self._pooling_weights(values, offsets, batch_size, weights)
+            feature = torch.div(bag_of_id, batch_size, rounding_mode="floor")
+            check_ids(values, feature, bag_of_id, batch_size, self.table_sizes, self.tables)
+        psw = pooling_weights(self.pooling, lengths, bag_of_id, weights)
         return self.input_dist(values, offsets, batch_size, psw, self.ctx.input)
 
     def prefetched(self, inp: DistInput) -> None:

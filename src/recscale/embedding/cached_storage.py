@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import RowStorage, merge_duplicate_rows
+from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
 
 POLICIES = ("lfu", "lru")
 
@@ -337,9 +337,7 @@ class CachedStorage(RowStorage):
                                  bag_of_id, per_sample_weights, grad_pooled, int(self.step),
                                  self.cache_dirty)  # fmt: skip
             else:
-                grad_ids = grad_pooled.index_select(0, bag_of_id)
-                if per_sample_weights is not None:
-                    grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
+                grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
                 unique, summed = merge_duplicate_rows(slots.to(grad_ids.device), grad_ids)
                 self.step += 1
                 self.optimizer.update_(

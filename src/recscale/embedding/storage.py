@@ -41,6 +41,16 @@ def merge_duplicate_rows(
     return unique, summed
 
 
+def per_id_gradients(
+    grad_pooled: torch.Tensor, bag_of_id: torch.Tensor, per_sample_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``[N, D]``: each id's gradient, its bag's gradient times its pooling weight."""
+    grad_ids = grad_pooled.index_select(0, bag_of_id)
+    if per_sample_weights is not None:
+        grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
+    return grad_ids
+
+
 class RowStorage(nn.Module, ABC):
     num_rows: int
     dim: int
@@ -72,9 +82,7 @@ class RowStorage(nn.Module, ABC):
         ``per_sample_weights[n]``; ``grad_pooled [num_bags, dim]`` is the loss gradient of the
         bags. ``segments`` (value-index boundaries, one segment per feature) partition the
         ids so that no row appears in two segments."""
-        grad_ids = grad_pooled.index_select(0, bag_of_id)
-        if per_sample_weights is not None:
-            grad_ids = grad_ids * per_sample_weights.unsqueeze(1)
+        grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
         unique, summed = merge_duplicate_rows(rows, grad_ids)
         self.apply_gradients(unique, summed)
 

@@ -77,6 +77,37 @@ class IdOutOfRangeError(ValueError):
     """An id is negative or >= its table's row count; names the feature and the value."""
 
 
+def check_ids(
+    values: torch.Tensor,
+    feature: torch.Tensor,
+    bag_of_id: torch.Tensor,
+    batch_size: int,
+    table_sizes: torch.Tensor,
+    tables: list[TableSpec],
+) -> None:
+    """Raise :class:`IdOutOfRangeError` for the first id outside its table (bags are
+    feature-major: bag ``i`` is feature ``feature = i // B``, sample ``i % B``)."""
+    bad = (values < 0) | (values >= table_sizes[feature])
+    if bool(bad.any()):
+        n = int(bad.nonzero()[0, 0])
+        f = int(feature[n])
+        raise IdOutOfRangeError(
+            f"id {int(values[n])} of feature {tables[f].name} (sample {int(bag_of_id[n]) % batch_size} "
+            f"of the batch) is outside its table of {tables[f].num_rows} rows"
+        )
+
+
+def pooling_weights(
+    pooling: str, lengths: torch.Tensor, bag_of_id: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Per-id weights of the sum the lookup computes: the batch's weights, times
+    ``1 / bag length`` for mean pooling."""
+    if pooling != "mean":
+        return weights
+    inv_len = (1.0 / lengths.clamp(min=1).to(torch.float32))[bag_of_id]
+    return inv_len if weights is None else weights * inv_len
+
+
 class _Group(nn.Module):
     def __init__(self, features: list[int], tables: list[TableSpec], storage: RowStorage) -> None:
         super().__init__()
@@ -183,23 +214,6 @@ class EmbeddingBagCollection(nn.Module):
     def output_dim(self) -> int:
         return sum(t.dim for t in self.tables)
 
-    def _check_ids(
-        self,
-        values: torch.Tensor,
-        feature_of_value: torch.Tensor,
-        batch_size: int,
-        bag_of_id: torch.Tensor,
-    ) -> None:
-        bad = (values < 0) | (values >= self.table_sizes[feature_of_value])
-        if bool(bad.any()):
-            n = int(bad.nonzero()[0, 0])
-            f = int(feature_of_value[n])
-            sample = int(bag_of_id[n]) % batch_size
-            raise IdOutOfRangeError(
-                f"id {int(values[n])} of feature {self.tables[f].name} (sample {sample} of the batch) "
-                f"is outside its table of {self.tables[f].num_rows} rows"
-            )
-
     def prefetch(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> None:
         """Bring a coming batch's rows into every cached storage ahead of its lookup
         (storages without a slow tier have nothing to do)."""
@@ -233,12 +247,9 @@ class EmbeddingBagCollection(nn.Module):
         )
         feature_of_value = torch.div(bag_of_id, b, rounding_mode="floor")
         if self.validate_ids:
-            self._check_ids(values, feature_of_value, b, bag_of_id)
+            check_ids(values, feature_of_value, bag_of_id, b, self.table_sizes, self.tables)
         rows = values + self.feature_row_offset[feature_of_value]
-        psw = weights
-        if self.pooling == "mean":
-            inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
-            psw = inv_len[bag_of_id] if psw is None else psw * inv_len[bag_of_id]
+        psw = pooling_weights(self.pooling, lengths, bag_of_id, weights)
 
         if len(self.groups) == 1:
             group = self.groups[0]

@@ -68,24 +68,3 @@ def hit_rate_since(ebc, last: tuple[int, int]) -> tuple[float, tuple[int, int]]:
     hits = sum(st.stats.hits for st in storages)
     d = lookups - last[0]
     return ((hits - last[1]) / d if d else 1.0), (lookups, hits)
-
-
-def auto_placements(cfg, echo) -> list[tuple[str, int]]:
-    """``embedding.placement=auto``: ask the planner which tables go to ssd (the largest,
-    until the rest fits the memory budget) and with how much cache."""
-    from recscale.config.errors import ConfigError
-    from recscale.distributed.planning import placement_plan
-    from recscale.planner import PlanError
-
-    try:
-        plan = placement_plan(cfg, cfg.embedding.ssd_dir)
-    except PlanError as e:
-        raise ConfigError("embedding.memory_budget_gb", str(e)) from e
-    on_ssd = [p for p in plan.placements if p.placement == "ssd"]
-    if on_ssd:
-        echo(f"recscale: placement auto: {len(on_ssd)} tables on ssd under {cfg.embedding.ssd_dir} "
-             f"({sum(p.ssd_bytes for p in on_ssd) / 1e9:.2f} GB, cache {sum(p.cache_bytes for p in on_ssd) / 1e9:.2f} GB), "
-             f"{len(plan.placements) - len(on_ssd)} in memory")  # fmt: skip
-    else:
-        echo("recscale: placement auto: every table fits in memory")
-    return [(p.placement, p.cache_bytes) for p in plan.placements]

@@ -32,10 +32,10 @@ from recscale.data.prefetch import Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.checkpoint import ShardedTables, restore_sharded
 from recscale.distributed.pipeline import InputDistPipeline
+from recscale.distributed.planning import auto_placements
 from recscale.models.dlrm import DLRM, build_model
 from recscale.train.cache_prefetch import (
     CachePrefetcher,
-    auto_placements,
     cache_report,
     cached_storages,
     hit_rate_since,
