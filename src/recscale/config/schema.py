@@ -52,8 +52,10 @@ class ModelConfig:
     interaction: str = "dot"
     # Include each feature's dot product with itself (the diagonal) in the dot interaction.
     interaction_self: bool = False
-    # Fused kernels (embedding backward, dot interaction): auto = numba on CPU and torch
-    # elsewhere; torch = the straightforward reference path; numba = require numba.
+    # Fused kernels (embedding backward, dot interaction): auto = the fastest available
+    # (native C/AVX2 dot interaction, numba embedding backward on CPU; torch elsewhere);
+    # torch = the straightforward reference path; numba = numba only; native = require
+    # the native interaction kernels (recscale.native).
     kernels: str = "auto"
 
     def dims(self) -> list[int]:
@@ -85,7 +87,7 @@ class ModelConfig:
                     )
         _choice("model.pooling", self.pooling, POOLINGS)
         _choice("model.interaction", self.interaction, INTERACTIONS)
-        _choice("model.kernels", self.kernels, ("auto", "torch", "numba"))
+        _choice("model.kernels", self.kernels, ("auto", "torch", "numba", "native"))
         for key, mlp in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
             for w in mlp:
                 if w <= 0:

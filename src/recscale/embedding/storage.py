@@ -28,7 +28,7 @@ from torch import nn
 from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
 from recscale.embedding.optimizers import SparseOptimizer
 
-KERNELS = ("auto", "torch", "numba")
+KERNELS = ("auto", "torch", "numba", "native")  # native: the numba kernels here
 
 
 def merge_duplicate_rows(

@@ -111,6 +111,7 @@ class DLRM(nn.Module):
                 final_activation=True,
                 device=device,
                 generator=gen,
+                fused=model_cfg.kernels != "torch",
             )
             if self.num_dense > 0
             else None
@@ -132,6 +133,7 @@ class DLRM(nn.Module):
             final_activation=False,
             device=device,
             generator=gen,
+            fused=model_cfg.kernels != "torch",
         )
 
     def dense_parameters(self) -> list[nn.Parameter]:

@@ -1,4 +1,4 @@
-"""Fused CPU dot interaction (numba), forward and backward.
+"""Fused CPU dot interaction, forward and backward: native (C, AVX2) or numba.
 
 For ``T [B, K, D]`` (row 0 the bottom-MLP output when there are dense features,
 then the F pooled embeddings) the output row of sample b is::
@@ -8,7 +8,10 @@ then the F pooled embeddings) the output row of sample b is::
 
 Compared with ``bmm(T, T^T)`` + gather, this computes only the pairs (half the
 FLOPs), and its backward accumulates ``grad_T[b,i] += g_ij T[b,j]`` directly instead
-of zero-filling and scattering into a ``[B, K, K]`` matrix.
+of zero-filling and scattering into a ``[B, K, K]`` matrix. The native kernels
+(``recscale/native/dot_interaction.c``, used when built, on AVX2 CPUs and for dims
+that are multiples of 8) compute the same thing 3-4x faster: the numba loops over
+D = 16 stay scalar.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from recscale import native
 from recscale.kernels import HAVE_NUMBA
 from recscale.kernels import numba as nb
 
@@ -93,5 +97,77 @@ class FusedDotInteraction(torch.autograd.Function):
         return grad_dense, grad_emb, None, None, None, None
 
 
+class NativeDotInteraction(torch.autograd.Function):
+    """Same contract as :class:`FusedDotInteraction`, on the C kernels: no ``T`` copy
+    (the kernels read ``dense`` and ``emb`` in place), the batch split over threads."""
+
+    @staticmethod
+    def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim):
+        lib = native.library()
+        b = emb.shape[0]
+        emb = emb.contiguous()
+        dense = dense.contiguous() if dense is not None else None
+        has_dense = dense is not None
+        k = num_features + int(has_dense)
+        out = torch.empty(b, out_dim, dtype=emb.dtype)
+        d_ptr = dense.data_ptr() if has_dense else 0
+        args = (
+            k,
+            dim,
+            int(has_dense),
+            int(self_interaction),
+            out_dim,
+            dim,
+            num_features * dim,
+            dim,
+        )
+
+        def run(lo: int, hi: int) -> None:
+            _check(lib.recscale_dot_forward(d_ptr, emb.data_ptr(), out.data_ptr(), lo, hi, *args))
+
+        native.parallel_for(b, run, torch.get_num_threads())
+        ctx.save_for_backward(dense, emb)
+        ctx.shape = (num_features, dim, self_interaction, out_dim)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lib = native.library()
+        dense, emb = ctx.saved_tensors
+        num_features, dim, self_interaction, out_dim = ctx.shape
+        has_dense = dense is not None
+        b = emb.shape[0]
+        g = grad_out.contiguous()
+        grad_emb = torch.empty_like(emb)
+        grad_dense = torch.empty_like(dense) if has_dense else None
+        d_ptr = dense.data_ptr() if has_dense else 0
+        gd_ptr = grad_dense.data_ptr() if has_dense else 0
+        k = num_features + int(has_dense)
+        fd = num_features * dim
+        args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, fd, dim, fd, dim)
+
+        def run(lo: int, hi: int) -> None:
+            _check(lib.recscale_dot_backward(d_ptr, emb.data_ptr(), g.data_ptr(), gd_ptr,
+                                             grad_emb.data_ptr(), lo, hi, *args))  # fmt: skip
+
+        native.parallel_for(b, run, torch.get_num_threads())
+        return grad_dense, grad_emb, None, None, None, None
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native dot interaction kernel failed (code {rc})")
+
+
 def supported(t: torch.Tensor) -> bool:
     return HAVE_NUMBA and t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def native_supported(t: torch.Tensor, dim: int) -> bool:
+    """The C kernels: built and loadable on this CPU, fp32 on the CPU, dim a multiple of 8."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and dim % 8 == 0
+        and native.library() is not None
+    )

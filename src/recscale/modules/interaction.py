@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recscale import native
 from recscale.modules import dot_interaction_cpu
 
-KERNELS = ("auto", "torch", "numba")
+KERNELS = ("auto", "torch", "numba", "native")
 # The top MLP's first GEMM runs ~15% faster when its input width is a multiple of 8
 # (367 -> 368 for config A on AVX2); the pad columns are always zero, so their weights
 # never receive a gradient and the model is mathematically the unpadded one.
@@ -47,17 +48,29 @@ class DotInteraction(nn.Module):
         self.out_dim = -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
         self.pad = self.out_dim - width
 
-    def _use_numba(self, x: torch.Tensor) -> bool:
+    def _fused(self, x: torch.Tensor):
+        """The fused Function to run, or None for the torch path. ``auto``: native C
+        kernels where they apply, else numba, else torch."""
         if self.kernel == "torch":
-            return False
-        ok = dot_interaction_cpu.supported(x)
-        if self.kernel == "numba" and not ok:
+            return None
+        if self.kernel in ("auto", "native"):
+            if dot_interaction_cpu.native_supported(x, self.dim):
+                return dot_interaction_cpu.NativeDotInteraction
+            if self.kernel == "native":
+                raise RuntimeError(
+                    "model.kernels=native needs the native kernels (recscale.native: "
+                    f"{native.status()}), fp32 CPU tensors and a dim that is a multiple of 8"
+                )
+        if dot_interaction_cpu.supported(x):
+            return dot_interaction_cpu.FusedDotInteraction
+        if self.kernel == "numba":
             raise RuntimeError("model.kernels=numba needs numba and fp32 CPU tensors")
-        return ok
+        return None
 
     def forward(self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor) -> torch.Tensor:
-        if self._use_numba(pooled_BX):
-            return dot_interaction_cpu.FusedDotInteraction.apply(
+        fused = self._fused(pooled_BX)
+        if fused is not None:
+            return fused.apply(
                 dense_BD,
                 pooled_BX,
                 self.num_features,

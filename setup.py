@@ -1,0 +1,18 @@
+"""The one compiled part: the native CPU kernels (see src/recscale/native/__init__.py).
+
+``optional=True``: without a working C compiler the install still succeeds and the
+kernels fall back to numba/torch. Everything else about the package is in pyproject.toml.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "recscale.native._kernels",
+            sources=["src/recscale/native/dot_interaction.c"],
+            extra_compile_args=["-O3", "-std=c11"],
+            optional=True,
+        )
+    ]
+)

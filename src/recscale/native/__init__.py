@@ -1,0 +1,113 @@
+"""Native C kernels (AVX2 + FMA), called through ctypes.
+
+``pip install`` compiles ``dot_interaction.c`` into the optional extension
+``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
+loaded here with ctypes rather than imported: it has no Python API, only plain C
+functions over raw fp32 pointers, and ctypes releases the GIL during each call, so
+:func:`parallel_for` can split a batch over Python threads that run truly in parallel.
+
+Everything degrades: without the library (no compiler at install, another
+architecture), on a CPU without AVX2/FMA, or with ``RECSCALE_NATIVE=0`` in the
+environment, :func:`library` returns None and callers use their numba or torch path;
+:func:`status` says which case applies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+_ABI = 1
+_lock = threading.Lock()
+_loaded = False
+_lib: ctypes.CDLL | None = None
+_status = "not loaded"
+
+
+def _find() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_kernels{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.recscale_native_abi.restype = ctypes.c_int
+    lib.recscale_cpu_supported.restype = ctypes.c_int
+    lib.recscale_dot_forward.restype = ctypes.c_int
+    lib.recscale_dot_forward.argtypes = [ptr, ptr, ptr] + [i64] * 10
+    lib.recscale_dot_backward.restype = ctypes.c_int
+    lib.recscale_dot_backward.argtypes = [ptr, ptr, ptr, ptr, ptr] + [i64] * 12
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (see :func:`status` for why)."""
+    global _loaded, _lib, _status
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            _lib, _status = _load()
+            _loaded = True
+    return _lib
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("RECSCALE_NATIVE", "1") == "0":
+        return None, "disabled by RECSCALE_NATIVE=0"
+    path = _find()
+    if path is None:
+        return None, "not built (pip install compiles it; needs a C compiler)"
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError) as e:
+        return None, f"could not load {path.name}: {e}"
+    if lib.recscale_native_abi() != _ABI:
+        return None, f"{path.name} is from another version (reinstall: pip install -e .)"
+    if not lib.recscale_cpu_supported():
+        return None, "this CPU lacks AVX2/FMA"
+    return lib, f"loaded ({path.name}, AVX2 + FMA)"
+
+
+def status() -> str:
+    library()
+    return _status
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_key: tuple[int, int] = (0, 0)
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_key
+    key = (os.getpid(), workers)  # a forked child must not use the parent's threads
+    if _pool is None or _pool_key != key:
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recscale-native")
+        _pool_key = key
+    return _pool
+
+
+def parallel_for(n: int, fn: Callable[[int, int], None], threads: int) -> None:
+    """``fn(lo, hi)`` over ``threads`` contiguous ranges of ``[0, n)``; the caller runs
+    the first range itself. ``fn`` should be a ctypes call (it releases the GIL)."""
+    parts = max(1, min(threads, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    if parts == 1:
+        fn(0, n)
+        return
+    pool = _executor(parts - 1)
+    futures: list[Future] = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    try:
+        fn(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
