@@ -10,7 +10,10 @@ setup(
     ext_modules=[
         Extension(
             "recscale.native._kernels",
-            sources=["src/recscale/native/dot_interaction.c"],
+            sources=[
+                "src/recscale/native/dot_interaction.c",
+                "src/recscale/native/sparse_update.c",
+            ],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )

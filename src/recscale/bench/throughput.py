@@ -84,7 +84,7 @@ def run_throughput(
     def step(batch, record: bool) -> None:
         t0 = time.perf_counter()
         sparse0 = timer.seconds
-        pooled = model.embeddings(batch.values, batch.offsets, b, batch.weights)
+        pooled = model.embed(batch)
         t1 = time.perf_counter()
         x = model.bottom(batch.dense) if model.bottom is not None else None
         logits = model.top(model.interaction(x, pooled)).squeeze(1)

@@ -192,6 +192,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return _ShardedPooling.apply(self.placeholder, dp_pooled, self, inp)
         return self._forward_pooled(inp, dp_pooled)
 
+    def pooled_by_feature(self, values, offsets, batch_size, weights=None) -> torch.Tensor:
+        """``[B, F, D]`` like the unsharded collection's (here a view of ``[B, F*D]``)."""
+        return self(values, offsets, batch_size, weights).view(batch_size, self.num_features, -1)
+
     def _dp_subset(self, values, offsets, b, weights):
         vs, os_, ws, total = [], [offsets.new_zeros(1)], [], 0
         for f in self.dp_features:

@@ -335,7 +335,7 @@ class CachedStorage(RowStorage):
                 self.step += 1
                 fused_update_cpu(self.optimizer, self.cache_weight, self.cache_state, slots, segments,
                                  bag_of_id, per_sample_weights, grad_pooled, int(self.step),
-                                 self.cache_dirty)  # fmt: skip
+                                 self.cache_dirty, allow_native=self.kernel != "numba")  # fmt: skip
             else:
                 grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
                 unique, summed = merge_duplicate_rows(slots.to(grad_ids.device), grad_ids)

@@ -1,4 +1,4 @@
-"""Fused CPU backward for the table-batched embedding (numba).
+"""Fused CPU backward for the table-batched embedding (native C, or numba).
 
 One pass per step replaces the reference path's per-id gradient tensor, sort-based
 ``unique``, ``index_add`` and optimizer index ops::
@@ -10,7 +10,10 @@ One pass per step replaces the reference path's per-id gradient tensor, sort-bas
 
 Contract: no row appears in two segments (true for table-batched storage, where
 each feature owns its table's row block), so segments never race.
-Results equal the reference path up to float summation order (tests).
+Results equal the reference path up to float summation order (tests). The same
+pass exists in C (``recscale/native/sparse_update.c``, AVX2, with prefetching instead
+of the touch pass); :func:`fused_update_cpu` uses it when it is built and the row
+width is a multiple of 8, and the numba kernel otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+from recscale import native
 from recscale.embedding.optimizers import (
     SparseAdam,
     SparseOptimizer,
@@ -125,8 +129,10 @@ def fused_update_cpu(
     grad_pooled: torch.Tensor,
     step: int,
     dirty: torch.Tensor | None = None,
+    allow_native: bool = True,
 ) -> None:
-    """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module doc)."""
+    """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module
+    doc); ``allow_native=False`` forces the numba kernel."""
     empty = np.zeros((1, 1), np.float32)
     s1 = s2 = empty
     lr, eps, b1, b2, step_size = float(optimizer.lr), 0.0, 0.0, 0.0, 0.0
@@ -140,6 +146,10 @@ def fused_update_cpu(
         kind, eps, b1, b2 = _ADAM, optimizer.eps, optimizer.beta1, optimizer.beta2
         step_size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
         s1, s2 = state["exp_avg"].numpy(), state["exp_avg_sq"].numpy()
+    if allow_native and weight.shape[1] % 8 == 0 and native.library() is not None:
+        _native_update(kind, weight, state, rows, segments, bag_of_id, per_sample_weights,
+                       grad_pooled, lr, eps, b1, b2, step_size, dirty)  # fmt: skip
+        return
     # The kernel is typed once for 2-D state: row-wise Adagrad's [R] accumulator goes in as [R, 1].
     s1_arg = s1.reshape(-1, 1) if s1.ndim == 1 else s1
     psw = per_sample_weights.numpy() if per_sample_weights is not None else np.zeros(1, np.float32)
@@ -149,3 +159,47 @@ def fused_update_cpu(
         np.float32(lr), np.float32(eps), np.float32(b1), np.float32(b2), np.float32(step_size),
         dirty.view(torch.uint8).numpy() if dirty is not None else np.zeros(1, np.uint8), dirty is not None,
     )  # fmt: skip
+
+
+def _native_update(
+    kind, weight, state, rows, segments, bag_of_id, psw, grad, lr, eps, b1, b2, step_size, dirty
+) -> None:
+    lib = native.library()
+    names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[kind]
+    states = [state[n] for n in names] + [None, None]
+    rows, bag_of_id = rows.to(torch.int64).contiguous(), bag_of_id.to(torch.int64).contiguous()
+    seg = segments.to(torch.int64).contiguous()
+    grad = grad.contiguous()
+    psw = psw.to(torch.float32).contiguous() if psw is not None else None
+    keep = (rows, bag_of_id, seg, grad, psw)  # noqa: F841 - alive until the calls return
+    ptr = [t.data_ptr() if t is not None else None for t in (states[0], states[1])]
+    args = (
+        kind,
+        weight.data_ptr(),
+        weight.shape[1],
+        ptr[0],
+        ptr[1],
+        rows.data_ptr(),
+        seg.data_ptr(),
+    )
+    tail = (
+        bag_of_id.data_ptr(), psw.data_ptr() if psw is not None else None, grad.data_ptr(),
+        grad.stride(0), lr, eps, b1, b2, step_size,
+        dirty.view(torch.uint8).data_ptr() if dirty is not None else None,
+    )  # fmt: skip
+    # Split the segments over threads by id count (multi-hot features differ in length).
+    starts = seg.numpy()
+    num_seg = starts.shape[0] - 1
+    threads = max(1, min(torch.get_num_threads(), num_seg))
+    total = int(starts[-1] - starts[0])
+    cuts = np.searchsorted(starts, starts[0] + total * np.arange(1, threads) / threads)
+    bounds = [0, *sorted({min(max(int(c), 0), num_seg) for c in cuts}), num_seg]
+
+    def run(lo: int, hi: int) -> None:  # parts [lo, hi) of ``bounds``
+        for i in range(lo, hi):
+            rc = lib.recscale_sparse_update(*args, bounds[i], bounds[i + 1], *tail)
+            if rc != 0:
+                raise RuntimeError(f"native sparse update failed (code {rc})")
+
+    parts = len(bounds) - 1
+    native.parallel_for(parts, run, parts)

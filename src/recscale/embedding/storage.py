@@ -177,6 +177,7 @@ class DeviceStorage(RowStorage):
         fused_update_cpu(
             self.optimizer, self.weight, self.optimizer_state(), rows, segments, bag_of_id,
             per_sample_weights, grad_pooled, int(self.step), self.dirty,
+            allow_native=self.kernel != "numba",
         )  # fmt: skip
 
     @torch.no_grad()

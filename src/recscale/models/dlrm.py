@@ -140,10 +140,17 @@ class DLRM(nn.Module):
         """The parameters a standard torch optimizer trains (everything but the embeddings)."""
         return [p for n, p in self.named_parameters() if not n.startswith("embeddings.")]
 
+    def embed(self, batch: Batch) -> torch.Tensor:
+        """The pooled embeddings in the layout the interaction takes: ``[B, F, D]`` for
+        the dot interaction (no copy, see ``pooled_by_feature``), else ``[B, sum D_f]``."""
+        args = (batch.values, batch.offsets, batch.batch_size, batch.weights)
+        if isinstance(self.interaction, DotInteraction):
+            return self.embeddings.pooled_by_feature(*args)
+        return self.embeddings(*args)
+
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits ``[B]``."""
-        b = batch.batch_size
-        pooled = self.embeddings(batch.values, batch.offsets, b, batch.weights)
+        pooled = self.embed(batch)
         x = self.bottom(batch.dense) if self.bottom is not None else None
         return self.top(self.interaction(x, pooled)).squeeze(1)
 

@@ -80,6 +80,7 @@ class FusedDotInteraction(torch.autograd.Function):
         _forward(t.numpy(), out.numpy(), first, offset)
         ctx.save_for_backward(t)
         ctx.has_dense, ctx.first, ctx.offset = dense is not None, first, offset
+        ctx.emb_shape = emb.shape
         return out
 
     @staticmethod
@@ -91,67 +92,64 @@ class FusedDotInteraction(torch.autograd.Function):
         b = t.shape[0]
         if ctx.has_dense:
             grad_dense = grad_t[:, 0, :] + g[:, : ctx.first]
-            grad_emb = grad_t[:, 1:, :].reshape(b, -1)
+            grad_emb = grad_t[:, 1:, :].reshape(ctx.emb_shape)
         else:
-            grad_dense, grad_emb = None, grad_t.reshape(b, -1)
+            grad_dense, grad_emb = None, grad_t.reshape(ctx.emb_shape)
         return grad_dense, grad_emb, None, None, None, None
 
 
 class NativeDotInteraction(torch.autograd.Function):
     """Same contract as :class:`FusedDotInteraction`, on the C kernels: no ``T`` copy
-    (the kernels read ``dense`` and ``emb`` in place), the batch split over threads."""
+    (the kernels read ``dense`` and ``emb`` in place, ``emb`` with its own strides), the
+    batch split over threads. ``emb`` is ``[B, F*D]`` or ``[B, F, D]``; its gradient
+    comes back with the same shape and strides, so the feature-major view from
+    ``pooled_by_feature`` gets a feature-major gradient the embedding backward takes
+    without a copy."""
 
     @staticmethod
     def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim):
         lib = native.library()
         b = emb.shape[0]
-        emb = emb.contiguous()
+        emb3 = emb.view(b, num_features, dim) if emb.dim() == 2 else emb
+        if emb3.stride(2) != 1:  # the kernels need each D-vector contiguous
+            emb3 = emb3.contiguous()
         dense = dense.contiguous() if dense is not None else None
         has_dense = dense is not None
         k = num_features + int(has_dense)
         out = torch.empty(b, out_dim, dtype=emb.dtype)
         d_ptr = dense.data_ptr() if has_dense else 0
-        args = (
-            k,
-            dim,
-            int(has_dense),
-            int(self_interaction),
-            out_dim,
-            dim,
-            num_features * dim,
-            dim,
-        )
+        args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *emb3.stride()[:2])
 
         def run(lo: int, hi: int) -> None:
-            _check(lib.recscale_dot_forward(d_ptr, emb.data_ptr(), out.data_ptr(), lo, hi, *args))
+            _check(lib.recscale_dot_forward(d_ptr, emb3.data_ptr(), out.data_ptr(), lo, hi, *args))
 
         native.parallel_for(b, run, torch.get_num_threads())
-        ctx.save_for_backward(dense, emb)
-        ctx.shape = (num_features, dim, self_interaction, out_dim)
+        ctx.save_for_backward(dense, emb3)
+        ctx.shape = (num_features, dim, self_interaction, out_dim, emb.shape)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         lib = native.library()
-        dense, emb = ctx.saved_tensors
-        num_features, dim, self_interaction, out_dim = ctx.shape
+        dense, emb3 = ctx.saved_tensors
+        num_features, dim, self_interaction, out_dim, emb_shape = ctx.shape
         has_dense = dense is not None
-        b = emb.shape[0]
+        b = emb3.shape[0]
         g = grad_out.contiguous()
-        grad_emb = torch.empty_like(emb)
+        grad_emb = torch.empty_like(emb3)  # keeps emb3's strides (a dense permutation)
         grad_dense = torch.empty_like(dense) if has_dense else None
         d_ptr = dense.data_ptr() if has_dense else 0
         gd_ptr = grad_dense.data_ptr() if has_dense else 0
         k = num_features + int(has_dense)
-        fd = num_features * dim
-        args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, fd, dim, fd, dim)
+        strides = (*emb3.stride()[:2], *grad_emb.stride()[:2])
+        args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *strides)
 
         def run(lo: int, hi: int) -> None:
-            _check(lib.recscale_dot_backward(d_ptr, emb.data_ptr(), g.data_ptr(), gd_ptr,
+            _check(lib.recscale_dot_backward(d_ptr, emb3.data_ptr(), g.data_ptr(), gd_ptr,
                                              grad_emb.data_ptr(), lo, hi, *args))  # fmt: skip
 
         native.parallel_for(b, run, torch.get_num_threads())
-        return grad_dense, grad_emb, None, None, None, None
+        return grad_dense, grad_emb.view(emb_shape), None, None, None, None
 
 
 def _check(rc: int) -> None:

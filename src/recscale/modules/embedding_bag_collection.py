@@ -239,6 +239,25 @@ class EmbeddingBagCollection(nn.Module):
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Jagged ids -> pooled ``[B, sum_f D_f]`` (see the module docstring for layouts)."""
+        pooled = self._pooled(values, offsets, batch_size, weights)
+        return pooled.reshape(batch_size, -1) if pooled.dim() == 3 else pooled
+
+    def pooled_by_feature(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        batch_size: int,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled ``[B, F, D]`` (all tables of one dim D). With one storage group this is
+        a view of the lookup's feature-major ``[F, B, D]`` output (strides ``(D, B*D, 1)``),
+        so a consumer that reads strides (the dot interaction) skips the ``[B, F*D]`` copy
+        and hands back its gradient in the same layout."""
+        pooled = self._pooled(values, offsets, batch_size, weights)
+        return pooled if pooled.dim() == 3 else pooled.view(batch_size, self.num_features, -1)
+
+    def _pooled(self, values, offsets, batch_size, weights) -> torch.Tensor:
+        """``[B, F, D]`` (a view, one group) or ``[B, sum_f D_f]`` (several groups)."""
         num_f, b = self.num_features, batch_size
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]
@@ -257,7 +276,7 @@ class EmbeddingBagCollection(nn.Module):
             pooled = pooled_lookup(
                 group.storage, self.placeholder, rows, offsets, bag_of_id, segments, psw
             )
-            return pooled.view(num_f, b, group.dim).transpose(0, 1).reshape(b, num_f * group.dim)
+            return pooled.view(num_f, b, group.dim).transpose(0, 1)
 
         per_feature: list[torch.Tensor | None] = [None] * num_f
         lengths_fb = lengths.view(num_f, b)

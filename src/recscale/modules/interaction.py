@@ -1,7 +1,8 @@
 """Feature interactions between the bottom-MLP output and the pooled embeddings.
 
 Inputs: ``dense_BD`` ``[B, D]`` (or None when there are no dense features) and
-``pooled_BX`` ``[B, sum_f D_f]`` from :class:`EmbeddingBagCollection`.
+``pooled_BX`` ``[B, sum_f D_f]`` from :class:`EmbeddingBagCollection` -- or, for the dot
+interaction, ``[B, F, D]`` with any strides (``pooled_by_feature``'s feature-major view).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class DotInteraction(nn.Module):
                 self.out_dim,
             )
         b = pooled_BX.shape[0]
-        emb_BFD = pooled_BX.view(b, self.num_features, self.dim)
+        emb_BFD = pooled_BX.reshape(b, self.num_features, self.dim)
         t_BKD = torch.cat([dense_BD.unsqueeze(1), emb_BFD], dim=1) if self.has_dense else emb_BFD
         z_BKK = torch.bmm(t_BKD, t_BKD.transpose(1, 2))
         parts = [dense_BD] if self.has_dense else []

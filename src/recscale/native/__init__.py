@@ -1,6 +1,6 @@
 """Native C kernels (AVX2 + FMA), called through ctypes.
 
-``pip install`` compiles ``dot_interaction.c`` into the optional extension
+``pip install`` compiles ``dot_interaction.c`` and ``sparse_update.c`` into the optional extension
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
 loaded here with ctypes rather than imported: it has no Python API, only plain C
 functions over raw fp32 pointers, and ctypes releases the GIL during each call, so
@@ -46,6 +46,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_dot_forward.argtypes = [ptr, ptr, ptr] + [i64] * 10
     lib.recscale_dot_backward.restype = ctypes.c_int
     lib.recscale_dot_backward.argtypes = [ptr, ptr, ptr, ptr, ptr] + [i64] * 12
+    f32 = ctypes.c_float
+    lib.recscale_sparse_update.restype = ctypes.c_int
+    lib.recscale_sparse_update.argtypes = (
+        [i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64] + [f32] * 5 + [ptr]
+    )
 
 
 def library() -> ctypes.CDLL | None:
