@@ -89,7 +89,6 @@ class FusedDotInteraction(torch.autograd.Function):
         g = grad_out.contiguous()
         grad_t = torch.empty_like(t)
         _backward(t.numpy(), g.numpy(), grad_t.numpy(), ctx.first, ctx.offset)
-        b = t.shape[0]
         if ctx.has_dense:
             grad_dense = grad_t[:, 0, :] + g[:, : ctx.first]
             grad_emb = grad_t[:, 1:, :].reshape(ctx.emb_shape)
