@@ -12,6 +12,7 @@ setup(
             "recscale.native._kernels",
             sources=[
                 "src/recscale/native/dot_interaction.c",
+                "src/recscale/native/embedding_lookup.c",
                 "src/recscale/native/sparse_update.c",
             ],
             extra_compile_args=["-O3", "-std=c11"],

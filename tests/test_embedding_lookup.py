@@ -43,10 +43,16 @@ CASES = [
     ([7, 3, 11], [4, 4, 4], "sum", True),
     ([5, 1, 9, 2], [4, 8, 4, 2], "sum", False),  # mixed dims: several storage groups
     ([5, 1, 9, 2], [4, 8, 4, 2], "mean", True),
+    # dims that are multiples of 8: the native (C) lookup and update take these
+    ([7, 3, 11], [16, 16, 16], "sum", False),
+    ([7, 3, 11], [8, 8, 8], "sum", True),
+    ([7, 3, 11], [16, 16, 16], "mean", True),
+    ([5, 1, 9, 2], [8, 16, 8, 16], "sum", False),
 ]
+KERNELS = ["torch", "numba", "native"]  # native: C where it applies (dim % 8 == 0), else numba
 
 
-@pytest.mark.parametrize("kernel", ["torch", "numba"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("sizes,dims,pooling,weighted", CASES)
 def test_forward_and_gradient_match_embedding_bag(sizes, dims, pooling, weighted, kernel):
     torch.manual_seed(0)
@@ -88,9 +94,11 @@ def test_forward_and_gradient_match_embedding_bag(sizes, dims, pooling, weighted
         col += d
 
 
-@pytest.mark.parametrize("kernel", ["torch", "numba"])
-def test_repeated_ids_in_one_bag_accumulate(kernel):
-    ebc = EmbeddingBagCollection(_tables([4], [2]), "sum", lambda: SparseSGD(lr=1.0), kernel=kernel)
+@pytest.mark.parametrize("kernel,dim", [("torch", 2), ("numba", 2), ("native", 8)])
+def test_repeated_ids_in_one_bag_accumulate(kernel, dim):
+    ebc = EmbeddingBagCollection(
+        _tables([4], [dim]), "sum", lambda: SparseSGD(lr=1.0), kernel=kernel
+    )
     w0 = _table_weight(ebc, 0).clone()
     values = torch.tensor([1, 1, 1, 2])
     offsets = torch.tensor([0, 4])
@@ -98,8 +106,8 @@ def test_repeated_ids_in_one_bag_accumulate(kernel):
     torch.testing.assert_close(out[0], 3 * w0[1] + w0[2])
     out.sum().backward()
     delta = w0 - _table_weight(ebc, 0)
-    torch.testing.assert_close(delta[1], torch.full((2,), 3.0))
-    torch.testing.assert_close(delta[2], torch.ones(2))
+    torch.testing.assert_close(delta[1], torch.full((dim,), 3.0))
+    torch.testing.assert_close(delta[2], torch.ones(dim))
     assert delta[0].abs().sum() == 0 and delta[3].abs().sum() == 0
 
 
@@ -120,20 +128,21 @@ def test_eval_mode_lookup_does_not_update():
     torch.testing.assert_close(w0, _table_weight(ebc, 0))
 
 
+@pytest.mark.parametrize("dim", [4, 16])  # 16: the native lookup finds it first
 @pytest.mark.parametrize("bad", [10, -1])
-def test_out_of_range_id_names_feature_and_value(bad):
-    ebc = EmbeddingBagCollection(_tables([5, 10], [4, 4]), "sum", lambda: SparseSGD(lr=1.0))
+def test_out_of_range_id_names_feature_and_value(bad, dim):
+    ebc = EmbeddingBagCollection(_tables([5, 10], [dim, dim]), "sum", lambda: SparseSGD(lr=1.0))
     values = torch.tensor([0, 1, 3, bad])
     offsets = torch.tensor([0, 1, 2, 3, 4])  # F=2, B=2
     with pytest.raises(IdOutOfRangeError, match=rf"id {bad} of feature C2 \(sample 1.*10 rows"):
         ebc(values, offsets, 2)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "numba"])
-def test_dirty_flags_mark_exactly_the_touched_rows(kernel):
+@pytest.mark.parametrize("kernel,dim", [("torch", 4), ("numba", 4), ("native", 16)])
+def test_dirty_flags_mark_exactly_the_touched_rows(kernel, dim):
     sizes = [7, 3, 11]
     ebc = EmbeddingBagCollection(
-        _tables(sizes, [4, 4, 4]), "sum", lambda: SparseSGD(lr=1.0), kernel=kernel
+        _tables(sizes, [dim] * 3), "sum", lambda: SparseSGD(lr=1.0), kernel=kernel
     )
     storage = ebc.groups[0].storage
     storage.track_dirty(True)

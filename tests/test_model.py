@@ -100,16 +100,19 @@ def test_same_seed_same_model():
     [("sgd", 0.1, 1e-5), ("rowwise_adagrad", 0.1, 1e-5), ("adam", 0.01, 1e-4)],
 )
 def test_fused_kernels_train_like_reference_path(optimizer, lr, atol):
-    """K training steps with the numba kernels == the straightforward torch path."""
+    """K training steps with the numba kernels, and with the native (C) ones, == the
+    straightforward torch path (dim 16: every native kernel applies)."""
     from recscale.config import load_config
     from recscale.train.data_source import make_synthetic
 
     states = {}
-    for kernels in ("torch", "numba"):
+    for kernels in ("torch", "numba", "native"):
         cfg = load_config(
             "debug",
             [
                 f"--model.kernels={kernels}",
+                "--model.embedding_dim=16",
+                "--model.bottom_mlp=32,16",
                 f"--embedding.optimizer={optimizer}",
                 f"--embedding.lr={lr}",
                 "--data.max_ids_per_feature=3",
@@ -127,4 +130,6 @@ def test_fused_kernels_train_like_reference_path(optimizer, lr, atol):
             opt.step()
         states[kernels] = model.state_dict()
     for key, ref in states["torch"].items():
-        torch.testing.assert_close(states["numba"][key], ref, rtol=1e-4, atol=atol, msg=key)
+        for kernels in ("numba", "native"):
+            got = states[kernels][key]
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=atol, msg=f"{kernels}: {key}")

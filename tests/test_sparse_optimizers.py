@@ -12,10 +12,11 @@ from recscale.embedding.optimizers import SparseAdam, SparseRowwiseAdagrad, Spar
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 
 ROWS, DIM, B, STEPS = 12, 5, 8, 6
-KERNELS = ["torch", "numba"]
+# (kernel, dim): the native C kernels need a dim that is a multiple of 8
+KERNELS = [("torch", DIM), ("numba", DIM), ("native", 16)]
 
 
-def _batches():
+def _batches(dim=DIM):
     g = torch.Generator().manual_seed(7)
     for _ in range(STEPS):
         lengths = torch.randint(0, 4, (B,), generator=g)
@@ -24,26 +25,26 @@ def _batches():
         )  # rows 0-4 only: heavy reuse
         offsets = torch.zeros(B + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        upstream = torch.randn(B, DIM, generator=g)
+        upstream = torch.randn(B, dim, generator=g)
         yield values, offsets, upstream
 
 
-def _run_fused(make_opt, kernel):
-    ebc = EmbeddingBagCollection([TableSpec("C1", ROWS, DIM)], "sum", make_opt, kernel=kernel)
+def _run_fused(make_opt, kernel, dim):
+    ebc = EmbeddingBagCollection([TableSpec("C1", ROWS, dim)], "sum", make_opt, kernel=kernel)
     w0 = ebc.groups[0].storage.weight.clone()
     history = []
-    for values, offsets, upstream in _batches():
+    for values, offsets, upstream in _batches(dim):
         (ebc(values, offsets, B) * upstream).sum().backward()
         history.append(ebc.groups[0].storage.weight.clone())
     return w0, history
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_sgd_matches_torch_sgd(kernel):
-    w0, fused = _run_fused(lambda: SparseSGD(lr=0.3), kernel)
+@pytest.mark.parametrize("kernel,dim", KERNELS)
+def test_sgd_matches_torch_sgd(kernel, dim):
+    w0, fused = _run_fused(lambda: SparseSGD(lr=0.3), kernel, dim)
     param = nn.Parameter(w0.clone())
     opt = torch.optim.SGD([param], lr=0.3)
-    for step, (values, offsets, upstream) in enumerate(_batches()):
+    for step, (values, offsets, upstream) in enumerate(_batches(dim)):
         opt.zero_grad()
         (
             nn.functional.embedding_bag(
@@ -55,13 +56,13 @@ def test_sgd_matches_torch_sgd(kernel):
         torch.testing.assert_close(fused[step], param.detach(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_rowwise_adagrad_matches_dense_reference(kernel):
+@pytest.mark.parametrize("kernel,dim", KERNELS)
+def test_rowwise_adagrad_matches_dense_reference(kernel, dim):
     lr, eps = 0.5, 1e-8
-    w0, fused = _run_fused(lambda: SparseRowwiseAdagrad(lr=lr, eps=eps), kernel)
+    w0, fused = _run_fused(lambda: SparseRowwiseAdagrad(lr=lr, eps=eps), kernel, dim)
     w = w0.clone()
     acc = torch.zeros(ROWS)
-    batches = list(_batches())
+    batches = list(_batches(dim))
     for step in range(STEPS):
         values, offsets, upstream = batches[step]
         bag = nn.EmbeddingBag.from_pretrained(
@@ -77,15 +78,15 @@ def test_rowwise_adagrad_matches_dense_reference(kernel):
     assert untouched and torch.equal(fused[-1][untouched], w0[untouched])
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_adam_matches_torch_sparse_adam(kernel):
+@pytest.mark.parametrize("kernel,dim", KERNELS)
+def test_adam_matches_torch_sparse_adam(kernel, dim):
     lr, b1, b2, eps = 0.05, 0.8, 0.95, 1e-8
-    w0, fused = _run_fused(lambda: SparseAdam(lr=lr, beta1=b1, beta2=b2, eps=eps), kernel)
+    w0, fused = _run_fused(lambda: SparseAdam(lr=lr, beta1=b1, beta2=b2, eps=eps), kernel, dim)
     bag = nn.EmbeddingBag.from_pretrained(
         w0.clone(), freeze=False, mode="sum", include_last_offset=True, sparse=True
     )
     opt = torch.optim.SparseAdam(bag.parameters(), lr=lr, betas=(b1, b2), eps=eps)
-    for step, (values, offsets, upstream) in enumerate(_batches()):
+    for step, (values, offsets, upstream) in enumerate(_batches(dim)):
         opt.zero_grad()
         (bag(values, offsets) * upstream).sum().backward()
         opt.step()

@@ -21,14 +21,20 @@ from __future__ import annotations
 
 import torch
 
+from recscale import native
 from recscale.embedding.storage import RowStorage
 
 
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights):
+    def forward(
+        ctx, placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights, pooled
+    ):
+        """``pooled``: already computed (the native lookup), else ``storage.lookup``."""
         ctx.storage = storage
         ctx.save_for_backward(rows, bag_of_id, segments, per_sample_weights)
+        if pooled is not None:
+            return pooled
         return storage.lookup(rows, offsets, per_sample_weights, for_update=True)
 
     @staticmethod
@@ -37,7 +43,7 @@ class _FusedLookup(torch.autograd.Function):
         # A storage with ``always_apply`` (a replica that all-reduces) joins every step.
         if rows.numel() > 0 or getattr(ctx.storage, "always_apply", False):
             ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 def pooled_lookup(
@@ -48,8 +54,10 @@ def pooled_lookup(
     bag_of_id: torch.Tensor,
     segments: torch.Tensor,
     per_sample_weights: torch.Tensor | None = None,
+    pooled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum-pooled ``[num_bags, dim]``; in training, backward updates ``storage`` in place.
+    ``pooled``: the result, already computed by :func:`native_pooled_lookup`.
 
     ``bag_of_id[n]`` is the bag of ``rows[n]`` (``repeat_interleave`` of bag lengths);
     ``segments`` are the value-index boundaries of the features (``offsets[::B]``).
@@ -57,6 +65,49 @@ def pooled_lookup(
     """
     if torch.is_grad_enabled() and placeholder.requires_grad:
         return _FusedLookup.apply(
-            placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights
+            placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights, pooled
         )
+    if pooled is not None:
+        return pooled
     return storage.lookup(rows, offsets, per_sample_weights)
+
+
+def native_pooled_lookup(
+    table: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    row_offset: torch.Tensor,
+    table_sizes: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | int:
+    """Id checks, global rows, ``bag_of_id`` and the sum-pooled ``[F*B, D]`` in one C pass
+    per feature (``native/embedding_lookup.c``, features split over threads), from
+    feature-major jagged ``values``/``offsets``. Returns ``(pooled, rows, bag_of_id)``,
+    or the index of the first id outside its table (the caller raises)."""
+    lib = native.library()
+    num_f = row_offset.shape[0]
+    values = values.to(torch.int64).contiguous()
+    offsets = offsets.to(torch.int64).contiguous()
+    psw = per_sample_weights
+    psw = psw.to(torch.float32).contiguous() if psw is not None else None
+    n, dim = values.shape[0], table.shape[1]
+    pooled = torch.empty(num_f * batch_size, dim)
+    rows = torch.empty(n, dtype=torch.int64)
+    bag_of_id = torch.empty(n, dtype=torch.int64)
+    bad: list[int] = []
+    head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size)
+    tail = (
+        row_offset.data_ptr(), table_sizes.data_ptr(), psw.data_ptr() if psw is not None else None,
+        pooled.data_ptr(), rows.data_ptr(), bag_of_id.data_ptr(),
+    )  # fmt: skip
+
+    def run(f0: int, f1: int) -> None:
+        rc = lib.recscale_pooled_lookup(*head, f0, f1, *tail)
+        if rc == -2:
+            raise RuntimeError("native pooled lookup: unsupported dim")
+        if rc >= 0:
+            bad.append(rc)
+
+    native.parallel_for(num_f, run, torch.get_num_threads())
+    return min(bad) if bad else (pooled, rows, bag_of_id)

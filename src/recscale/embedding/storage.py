@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recscale import native
 from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
 from recscale.embedding.optimizers import SparseOptimizer
 
@@ -136,6 +137,21 @@ class DeviceStorage(RowStorage):
     @property
     def device(self) -> torch.device:
         return self.weight.device
+
+    def native_lookup_table(self) -> torch.Tensor | None:
+        """The weight for ``recscale.native``'s fused lookup (``embedding_lookup.c``), or
+        None where it does not apply: kernels torch/numba, not fp32 CPU, dim not a
+        multiple of 8 up to 128, or the library not built."""
+        w = self.weight
+        ok = (
+            self.kernel in ("auto", "native")
+            and w.device.type == "cpu"
+            and w.dtype == torch.float32
+            and w.is_contiguous()
+            and self.dim % 8 == 0
+            and self.dim <= 128
+        )
+        return w if ok and native.library() is not None else None
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         return F.embedding_bag(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recscale.embedding.lookup import pooled_lookup
+from recscale.embedding.lookup import native_pooled_lookup, pooled_lookup
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage
 
@@ -259,6 +259,21 @@ class EmbeddingBagCollection(nn.Module):
     def _pooled(self, values, offsets, batch_size, weights) -> torch.Tensor:
         """``[B, F, D]`` (a view, one group) or ``[B, sum_f D_f]`` (several groups)."""
         num_f, b = self.num_features, batch_size
+        if len(self.groups) == 1 and self.pooling == "sum":
+            group = self.groups[0]
+            table = (
+                group.storage.native_lookup_table()
+                if isinstance(group.storage, DeviceStorage)
+                else None
+            )
+            if table is not None and values.device.type == "cpu":
+                done = native_pooled_lookup(table, values, offsets, b, self.feature_row_offset,
+                                            self.table_sizes, weights)  # fmt: skip
+                if not isinstance(done, int):  # else an id is out of range: the path below raises
+                    pooled, rows, bag_of_id = done
+                    pooled = pooled_lookup(group.storage, self.placeholder, rows, offsets,
+                                           bag_of_id, offsets[::b], weights, pooled)  # fmt: skip
+                    return pooled.view(num_f, b, group.dim).transpose(0, 1)
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]
         bag_of_id = torch.repeat_interleave(

@@ -59,7 +59,7 @@ class _FusedMLP(torch.autograd.Function):
             x, w = acts[li], weights[li]
             if ctx.needs_input_grad[2 + 2 * li]:
                 # [o, i] = g^T x; for narrow inputs (i < o) MKL is much faster at x^T g.
-                if w.shape[1] < w.shape[0]:
+                if w.shape[1] * 4 <= w.shape[0]:
                     grads[2 * li] = torch.mm(x.t(), g).t().contiguous()
                 else:
                     grads[2 * li] = torch.mm(g.t(), x)

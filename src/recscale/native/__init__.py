@@ -1,6 +1,6 @@
 """Native C kernels (AVX2 + FMA), called through ctypes.
 
-``pip install`` compiles ``dot_interaction.c`` and ``sparse_update.c`` into the optional extension
+``pip install`` compiles the ``*.c`` files here into the optional extension
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
 loaded here with ctypes rather than imported: it has no Python API, only plain C
 functions over raw fp32 pointers, and ctypes releases the GIL during each call, so
@@ -51,6 +51,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_sparse_update.argtypes = (
         [i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64] + [f32] * 5 + [ptr]
     )
+    lib.recscale_pooled_lookup.restype = i64
+    lib.recscale_pooled_lookup.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64] + [ptr] * 6
 
 
 def library() -> ctypes.CDLL | None:

@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define RS_AHEAD 4 /* samples */
+
 int recscale_native_abi(void) { return 1; }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -59,6 +61,11 @@ static inline __attribute__((always_inline)) void load_t(float *t, const float *
                                                           const int64_t d, int64_t e0, int64_t dsb,
                                                           int64_t esb, int64_t esf) {
     if (e0) memcpy(t, dense + b * dsb, (size_t)d * sizeof(float));
+    /* A feature-major layout puts a sample's rows B*d floats apart: too many streams for
+     * the hardware prefetcher, so fetch the rows of the sample a few ahead by hand. */
+    if (esf != d)
+        for (int64_t f = 0; f < k - e0; ++f)
+            __builtin_prefetch(emb + (b + RS_AHEAD) * esb + f * esf, 0, 3);
     if (esf == d) { /* the features of a sample are contiguous: one copy */
         memcpy(t + e0 * d, emb + b * esb, (size_t)((k - e0) * d) * sizeof(float));
         return;

@@ -1,0 +1,172 @@
+"""The native C kernels (recscale.native) and the fused MLP, against reference paths.
+
+The embedding lookup/update kernels are also covered by test_embedding_lookup.py and
+test_sparse_optimizers.py (kernel "native"), and whole training runs by test_model.py.
+"""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recscale import native
+from recscale.modules import dot_interaction_cpu
+from recscale.modules.interaction import DotInteraction
+from recscale.modules.mlp import MLP
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx2 " in flags and " fma " in flags
+
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason=f"native kernels: {native.status()}"
+)
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not _cpu_has_avx2(), reason="x86-64 with AVX2 only"
+)
+def test_library_is_built_and_loads_on_avx2_machines():
+    """Where the kernels can run they must be there: a broken build fails here rather
+    than silently falling back (and every other native test skipping)."""
+    assert native.library() is not None, native.status()
+    assert native.status().startswith("loaded")
+
+
+def test_env_var_disables_the_library():
+    code = "from recscale import native; print(native.library() is None, native.status())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "RECSCALE_NATIVE": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("True disabled by RECSCALE_NATIVE=0")
+
+
+def test_parallel_for_covers_the_range_once_and_raises_worker_errors():
+    seen: list[tuple[int, int]] = []
+    native.parallel_for(10, lambda lo, hi: seen.append((lo, hi)), 3)
+    covered = sorted(i for lo, hi in seen for i in range(lo, hi))
+    assert covered == list(range(10)) and len(seen) == 3
+
+    def fail(lo: int, hi: int) -> None:
+        if lo > 0:
+            raise ValueError("worker failed")
+
+    with pytest.raises(ValueError, match="worker failed"):
+        native.parallel_for(8, fail, 2)
+
+
+@needs_native
+@pytest.mark.parametrize("dim,num_f", [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1)])
+@pytest.mark.parametrize("has_dense", [True, False])
+@pytest.mark.parametrize("self_interaction", [False, True])
+@pytest.mark.parametrize("layout", ["flat", "feature_major"])
+def test_native_dot_interaction_matches_torch(dim, num_f, has_dense, self_interaction, layout):
+    b = 19  # not a multiple of the thread split
+    g = torch.Generator().manual_seed(dim + num_f)
+    dense0 = torch.randn(b, dim, generator=g)
+    fbd = torch.randn(num_f, b, dim, generator=g)
+    results = {}
+    for kernel in ("native", "torch"):
+        dense = dense0.clone().requires_grad_(True) if has_dense else None
+        base = fbd.clone().requires_grad_(True)
+        # flat: [B, F*D] contiguous; feature_major: the [B, F, D] view the lookup returns
+        emb = (
+            base.transpose(0, 1)
+            if layout == "feature_major"
+            else base.transpose(0, 1).reshape(b, -1)
+        )
+        inter = DotInteraction(num_f, dim, has_dense, self_interaction, kernel=kernel)
+        assert (inter._fused(emb) is dot_interaction_cpu.NativeDotInteraction) == (
+            kernel == "native"
+        )
+        out = inter(dense, emb)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        (out * upstream).sum().backward()
+        results[kernel] = (out.detach(), base.grad, dense.grad if has_dense else None)
+    for got, ref in zip(results["native"], results["torch"]):
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_kernel_choice_is_explicit_about_what_it_cannot_do():
+    inter = DotInteraction(3, 4, True, kernel="native")  # dim 4: not a multiple of 8
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        inter(torch.randn(2, 4), torch.randn(2, 12))
+
+
+@needs_native
+def test_training_step_takes_every_native_path(monkeypatch):
+    """dim 16, sum pooling, fp32 CPU: lookup, interaction and update all run in C."""
+    from recscale.config import load_config
+    from recscale.embedding import cpu_kernels
+    from recscale.models.dlrm import build_model
+    from recscale.modules import embedding_bag_collection as ebc_mod
+    from recscale.train.data_source import make_synthetic
+
+    calls: dict[str, int] = {}
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        ebc_mod, "native_pooled_lookup", spy("lookup", ebc_mod.native_pooled_lookup)
+    )
+    monkeypatch.setattr(cpu_kernels, "_native_update", spy("update", cpu_kernels._native_update))
+    cls = dot_interaction_cpu.NativeDotInteraction
+    monkeypatch.setattr(cls, "apply", spy("interaction", cls.apply))
+    cfg = load_config("debug", ["--model.embedding_dim=16", "--model.bottom_mlp=32,16"])
+    model = build_model(cfg.model, cfg.embedding, seed=0)
+    batch = make_synthetic(cfg).batch(0, 64)
+    torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels).backward()
+    assert calls == {"lookup": 1, "interaction": 1, "update": 1}
+
+
+@pytest.mark.parametrize(
+    "in_dim,widths,final_relu,input_grad",
+    [
+        (13, [512, 256, 64, 16], True, False),  # config A's bottom MLP (narrow-input wgrad)
+        (368, [512, 256, 1], False, True),  # config A's top MLP
+        (7, [5], True, True),
+        (7, [5], False, True),
+        (20, [30, 3], True, True),
+    ],
+)
+def test_fused_mlp_matches_sequential(in_dim, widths, final_relu, input_grad):
+    ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
+    fused = MLP(in_dim, widths, final_relu, fused=True)
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(33, in_dim, generator=torch.Generator().manual_seed(2))
+    results = []
+    for m in (ref, fused):
+        xx = x.clone().requires_grad_(input_grad)
+        y = m(xx)
+        upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+        (y * upstream).sum().backward()
+        results.append((y.detach(), xx.grad, [p.grad for p in m.parameters()]))
+    (y_ref, gx_ref, gp_ref), (y_f, gx_f, gp_f) = results
+    torch.testing.assert_close(y_f, y_ref)
+    if input_grad:
+        torch.testing.assert_close(gx_f, gx_ref)
+    else:
+        assert gx_f is None
+    for got, want in zip(gp_f, gp_ref):
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
