@@ -81,10 +81,11 @@ def native_pooled_lookup(
     table_sizes: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | int:
-    """Id checks, global rows, ``bag_of_id`` and the sum-pooled ``[F*B, D]`` in one C pass
-    per feature (``native/embedding_lookup.c``, features split over threads), from
-    feature-major jagged ``values``/``offsets``. Returns ``(pooled, rows, bag_of_id)``,
-    or the index of the first id outside its table (the caller raises)."""
+    """Id checks, global rows, ``bag_of_id`` and the sum-pooled ``[B*F, D]`` (sample-major:
+    row ``b*F + f``, and ``bag_of_id`` indexes those rows) in one C pass per feature
+    (``native/embedding_lookup.c``, features split over threads), from feature-major
+    jagged ``values``/``offsets``. Returns ``(pooled, rows, bag_of_id)``, or the index of
+    the first id outside its table (the caller raises)."""
     lib = native.library()
     num_f = row_offset.shape[0]
     values = values.to(torch.int64).contiguous()
@@ -96,7 +97,7 @@ def native_pooled_lookup(
     rows = torch.empty(n, dtype=torch.int64)
     bag_of_id = torch.empty(n, dtype=torch.int64)
     bad: list[int] = []
-    head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size)
+    head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size, num_f)
     tail = (
         row_offset.data_ptr(), table_sizes.data_ptr(), psw.data_ptr() if psw is not None else None,
         pooled.data_ptr(), rows.data_ptr(), bag_of_id.data_ptr(),

@@ -249,15 +249,16 @@ class EmbeddingBagCollection(nn.Module):
         batch_size: int,
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Pooled ``[B, F, D]`` (all tables of one dim D). With one storage group this is
-        a view of the lookup's feature-major ``[F, B, D]`` output (strides ``(D, B*D, 1)``),
-        so a consumer that reads strides (the dot interaction) skips the ``[B, F*D]`` copy
-        and hands back its gradient in the same layout."""
+        """Pooled ``[B, F, D]`` (all tables of one dim D), without copies where possible:
+        the native lookup writes it sample-major (contiguous); the torch path's one-group
+        lookup is feature-major, returned as a ``[B, F, D]`` view of ``[F, B, D]`` (strides
+        ``(D, B*D, 1)``). The dot interaction reads either layout in place and hands back
+        its gradient in the same layout."""
         pooled = self._pooled(values, offsets, batch_size, weights)
         return pooled if pooled.dim() == 3 else pooled.view(batch_size, self.num_features, -1)
 
     def _pooled(self, values, offsets, batch_size, weights) -> torch.Tensor:
-        """``[B, F, D]`` (a view, one group) or ``[B, sum_f D_f]`` (several groups)."""
+        """``[B, F, D]`` (one group; see ``pooled_by_feature``) or ``[B, sum_f D_f]``."""
         num_f, b = self.num_features, batch_size
         if len(self.groups) == 1 and self.pooling == "sum":
             group = self.groups[0]
@@ -273,7 +274,7 @@ class EmbeddingBagCollection(nn.Module):
                     pooled, rows, bag_of_id = done
                     pooled = pooled_lookup(group.storage, self.placeholder, rows, offsets,
                                            bag_of_id, offsets[::b], weights, pooled)  # fmt: skip
-                    return pooled.view(num_f, b, group.dim).transpose(0, 1)
+                    return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]
         bag_of_id = torch.repeat_interleave(

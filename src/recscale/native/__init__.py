@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-_ABI = 1
+_ABI = 2
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -52,7 +52,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         [i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64] + [f32] * 5 + [ptr]
     )
     lib.recscale_pooled_lookup.restype = i64
-    lib.recscale_pooled_lookup.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64] + [ptr] * 6
+    lib.recscale_pooled_lookup.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6
 
 
 def library() -> ctypes.CDLL | None:

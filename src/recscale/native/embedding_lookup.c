@@ -8,10 +8,13 @@
  *
  *     check 0 <= values[n] < table_size[f] for all its ids (else return n, the first bad
  *     index, having written nothing for this feature);
- *     rows[n] = values[n] + row_offset[f];  bag_of_id[n] = j;
- *     out[j] = sum_n weight[rows[n]] * psw[n]     (psw = 1 when NULL; out [F * B, d])
+ *     rows[n] = values[n] + row_offset[f];  bag_of_id[n] = o = b * F + f;
+ *     out[o] = sum_n weight[rows[n]] * psw[n]     (psw = 1 when NULL)
  *
- * rows and bag_of_id are what the fused backward (sparse_update.c) takes. The rows of a
+ * so out is sample-major [B, F, d]: what the dot interaction reads (a sample's vectors
+ * contiguous) and, viewed as [B, F * d], what the MLP path takes -- no transpose copy.
+ * bag_of_id indexes out's rows, so the gradient of out ([B * F, d]) goes to the fused
+ * backward (sparse_update.c) as it is, together with rows. The rows of a
  * bag are prefetched a few ids ahead, so the random row reads overlap.
  *
  * Replaces, on the CPU, about ten torch ops (repeat_interleave, the id checks, the row
@@ -29,7 +32,7 @@
 
 RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
                           const int64_t *restrict values, const int64_t *restrict offsets,
-                          int64_t b, int64_t f, int64_t row_offset, int64_t table_size,
+                          int64_t b, int64_t f, int64_t nf, int64_t row_offset, int64_t table_size,
                           const float *restrict psw, float *restrict out, int64_t *restrict rows,
                           int64_t *restrict bag_of_id) {
     const int64_t lo = offsets[f * b], hi = offsets[(f + 1) * b];
@@ -38,6 +41,7 @@ RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
     for (int64_t n = lo; n < hi && n < lo + RS_PREFETCH_AHEAD; ++n)
         __builtin_prefetch(weight + (values[n] + row_offset) * d, 0, 1);
     for (int64_t j = f * b; j < (f + 1) * b; ++j) {
+        const int64_t o = (j - f * b) * nf + f; /* sample j - f*b, feature f */
         __m256 acc[16]; /* d <= 128 */
         for (int64_t c = 0; c < d; c += 8) acc[c / 8] = _mm256_setzero_ps();
         for (int64_t n = offsets[j]; n < offsets[j + 1]; ++n) {
@@ -45,7 +49,7 @@ RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
                 __builtin_prefetch(weight + (values[n + RS_PREFETCH_AHEAD] + row_offset) * d, 0, 1);
             const int64_t r = values[n] + row_offset;
             rows[n] = r;
-            bag_of_id[n] = j;
+            bag_of_id[n] = o;
             const float *w = weight + r * d;
             if (psw) {
                 const __m256 s = _mm256_set1_ps(psw[n]);
@@ -56,7 +60,7 @@ RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
                     acc[c / 8] = _mm256_add_ps(_mm256_loadu_ps(w + c), acc[c / 8]);
             }
         }
-        for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(out + j * d + c, acc[c / 8]);
+        for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(out + o * d + c, acc[c / 8]);
     }
     return -1;
 }
@@ -64,11 +68,12 @@ RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
 /* Features [f0, f1); the switch makes d a constant so the vector loops unroll and the
  * accumulators stay in registers. */
 RS_AVX2 static int64_t features(const float *weight, int64_t d, const int64_t *values,
-                                const int64_t *offsets, int64_t b, int64_t f0, int64_t f1,
-                                const int64_t *row_offset, const int64_t *table_size,
+                                const int64_t *offsets, int64_t b, int64_t nf, int64_t f0,
+                                int64_t f1, const int64_t *row_offset, const int64_t *table_size,
                                 const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
 #define RS_FEATURE(D) \
-    feature(weight, D, values, offsets, b, f, row_offset[f], table_size[f], psw, out, rows, bag_of_id)
+    feature(weight, D, values, offsets, b, f, nf, row_offset[f], table_size[f], psw, out, rows, \
+            bag_of_id)
     for (int64_t f = f0; f < f1; ++f) {
         int64_t bad;
         switch (d) {
@@ -89,15 +94,17 @@ RS_AVX2 static int64_t features(const float *weight, int64_t d, const int64_t *v
 /* -1 on success; n >= 0: values[n] is outside its table (features before it are done);
  * -2: unsupported here (no AVX2 build, or d not a multiple of 8 in 8 .. 128). */
 int64_t recscale_pooled_lookup(const float *weight, int64_t dim, const int64_t *values,
-                               const int64_t *offsets, int64_t batch_size, int64_t f0, int64_t f1,
+                               const int64_t *offsets, int64_t batch_size, int64_t num_features,
+                               int64_t f0, int64_t f1,
                                const int64_t *row_offset, const int64_t *table_size,
                                const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (dim <= 0 || dim % 8 != 0 || dim > 128) return -2;
-    return features(weight, dim, values, offsets, batch_size, f0, f1, row_offset, table_size, psw,
-                    out, rows, bag_of_id);
+    return features(weight, dim, values, offsets, batch_size, num_features, f0, f1, row_offset,
+                    table_size, psw, out, rows, bag_of_id);
 #else
-    (void)weight, (void)dim, (void)values, (void)offsets, (void)batch_size, (void)f0, (void)f1;
+    (void)weight, (void)dim, (void)values, (void)offsets, (void)batch_size, (void)num_features;
+    (void)f0, (void)f1;
     (void)row_offset, (void)table_size, (void)psw, (void)out, (void)rows, (void)bag_of_id;
     return -2;
 #endif
