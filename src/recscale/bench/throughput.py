@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recscale import native
 from recscale.bench.hardware import measure_gather_gbps, measure_gemm_gflops, step_cost
 from recscale.config.schema import Config
 from recscale.models.dlrm import build_model
@@ -161,6 +162,8 @@ def run_throughput(
         "threads": threads,
         "steps": steps,
         "sparse_optimizer": cfg.embedding.optimizer,
+        "kernels": cfg.model.kernels,
+        "native": native.status(),
     }
 
 
@@ -186,6 +189,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
                 if "embedding_cache" in r
                 else []
             ),
+            f"  kernels: {r['kernels']}; native C kernels {r['native']}",
             f"  machine: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s; "
             f"per sample {r['mlp_gflop_per_sample'] * 1e3:.2f} MFLOP MLP, "
             f"{r['embedding_bytes_per_sample']:,.0f} embedding bytes",

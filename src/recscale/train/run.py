@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recscale import native
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
 from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError
@@ -182,6 +183,12 @@ def train(
         f"{t.steps} steps x batch {t.batch_size} on {device} ({threads} threads"
         + (f" per rank, {ctx.world_size} ranks)" if ctx.distributed else ")")
     )
+    if (
+        device.type == "cpu"
+        and cfg.model.kernels in ("auto", "native")
+        and native.library() is None
+    ):
+        echo(f"recscale: native CPU kernels unavailable ({native.status()}); using numba (slower)")
 
     log_file = (
         (run_dir / "train_log.jsonl").open("a" if resume else "w") if run_dir is not None else None
