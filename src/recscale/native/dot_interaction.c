@@ -140,22 +140,32 @@ RS_INLINE void forward_impl(const float *dense, const float *emb, float *out, in
 
 /* Rows [i, i + N) (N = 4 or 1, a constant so the accumulators stay in registers) of
  * grad_T = G @ T, columns [c, c + 8 W) with W = 1 or 2 vectors per row: up to 8
- * independent FMA chains, each T row load shared by N rows. The rows are stored to
- * grad_dense (row 0 with dense features, plus the pass-through gradient) or grad_emb. */
+ * independent FMA chains, each T row load shared by N rows. G holds only its upper
+ * triangle and diagonal (row-major, k x k): the coefficient of (r, j) is G[r][j] for
+ * j >= r and G[j][r] below, so the j loop runs in three ranges with fixed addressing.
+ * The rows are stored to grad_dense (row 0 with dense features, plus the pass-through
+ * gradient) or grad_emb. */
 RS_INLINE void grad_rows(const float *restrict G, const float *restrict t,
-                         const float *restrict gb, float *restrict gd_b, float *restrict ge_b, int64_t k, int64_t d, int64_t e0, int64_t gsf, int64_t i,
-                         const int N, int64_t c, const int W) {
+                         const float *restrict gb, float *restrict gd_b, float *restrict ge_b,
+                         int64_t k, int64_t d, int64_t e0, int64_t gsf, int64_t i, const int N,
+                         int64_t c, const int W) {
     __m256 acc[4][2];
     for (int u = 0; u < N; ++u)
         for (int w = 0; w < W; ++w) acc[u][w] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < k; ++j) {
-        __m256 tj[2];
-        for (int w = 0; w < W; ++w) tj[w] = _mm256_loadu_ps(t + j * d + c + 8 * w);
-        for (int u = 0; u < N; ++u) {
-            const __m256 gv = _mm256_broadcast_ss(G + (i + u) * k + j);
-            for (int w = 0; w < W; ++w) acc[u][w] = _mm256_fmadd_ps(gv, tj[w], acc[u][w]);
-        }
+#define RS_ROW_J(ADDR)                                                                  \
+    {                                                                                   \
+        __m256 tj[2];                                                                   \
+        for (int w = 0; w < W; ++w) tj[w] = _mm256_loadu_ps(t + j * d + c + 8 * w);    \
+        for (int u = 0; u < N; ++u) {                                                   \
+            const __m256 gv = _mm256_broadcast_ss(G + (ADDR));                          \
+            for (int w = 0; w < W; ++w) acc[u][w] = _mm256_fmadd_ps(gv, tj[w], acc[u][w]); \
+        }                                                                               \
     }
+    int64_t j = 0;
+    for (; j < i; ++j) RS_ROW_J(j * k + i + u)          /* below the diagonal: G[j][r] */
+    for (; j < i + N; ++j) RS_ROW_J(i + u <= j ? (i + u) * k + j : j * k + i + u)
+    for (; j < k; ++j) RS_ROW_J((i + u) * k + j)        /* above: G[r][j] */
+#undef RS_ROW_J
     for (int u = 0; u < N; ++u) {
         const int64_t r = i + u;
         for (int w = 0; w < W; ++w) {
@@ -177,15 +187,18 @@ RS_INLINE void backward_impl(const float *dense, const float *emb, const float *
     for (int64_t b = b0; b < b1; ++b) {
         const float *gb = g + b * width;
         load_t(t, dense, emb, b, k, d, e0, dsb, esb, esf);
+        /* Upper triangle and diagonal of G only: row i's pairs are contiguous in g. */
         int64_t p = first;
         for (int64_t i = 0; i < k; ++i) {
-            G[i * k + i] = 0.0f;
-            for (int64_t j = i + offset; j < k; ++j) {
-                const float v = gb[p++];
-                G[i * k + j] = v;
-                G[j * k + i] = v;
-            }
-            G[i * k + i] *= 2.0f; /* d<T_i, T_i>/dT_i = 2 T_i (self_interaction only) */
+            const int64_t n = k - i - offset;
+            float *row = G + i * k + i;
+            if (offset) row[0] = 0.0f;
+            int64_t q = 0;
+            for (; q + 8 <= n; q += 8)
+                _mm256_storeu_ps(row + offset + q, _mm256_loadu_ps(gb + p + q));
+            for (; q < n; ++q) row[offset + q] = gb[p + q];
+            p += n;
+            if (!offset) row[0] *= 2.0f; /* d<T_i, T_i>/dT_i = 2 T_i (self_interaction) */
         }
         float *gd_b = grad_dense + b * d, *ge_b = grad_emb + b * gsb;
         if (d % 16 == 0) {
