@@ -171,7 +171,6 @@ def _native_update(
     seg = segments.to(torch.int64).contiguous()
     grad = grad.contiguous()
     psw = psw.to(torch.float32).contiguous() if psw is not None else None
-    keep = (rows, bag_of_id, seg, grad, psw)  # noqa: F841 - alive until the calls return
     ptr = [t.data_ptr() if t is not None else None for t in (states[0], states[1])]
     args = (
         kind,

@@ -58,7 +58,7 @@ class _FusedMLP(torch.autograd.Function):
         for li in range(n - 1, -1, -1):
             x, w = acts[li], weights[li]
             if ctx.needs_input_grad[2 + 2 * li]:
-                # [o, i] = g^T x; for narrow inputs (i < o) MKL is much faster at x^T g.
+                # [o, i] = g^T x; for narrow inputs (i <= o / 4) MKL is much faster at x^T g.
                 if w.shape[1] * 4 <= w.shape[0]:
                     grads[2 * li] = torch.mm(x.t(), g).t().contiguous()
                 else:
