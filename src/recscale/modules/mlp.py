@@ -66,7 +66,8 @@ class _FusedMLP(torch.autograd.Function):
             if ctx.needs_input_grad[3 + 2 * li]:
                 grads[2 * li + 1] = g.sum(0)
             if li > 0:
-                g_in = torch.mm(g, w)
+                # K = 1 (the logit layer): an outer product, twice as fast as a GEMM call
+                g_in = g * w if w.shape[0] == 1 else torch.mm(g, w)
                 # x = relu(previous layer): mask in place (g_in is our own fresh tensor).
                 g = torch.ops.aten.threshold_backward.grad_input(g_in, x, 0.0, grad_input=g_in)
             elif ctx.needs_input_grad[0]:
