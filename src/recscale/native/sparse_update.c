@@ -5,9 +5,9 @@
  * two segments, so threads given disjoint segment ranges never race):
  *
  *     merge duplicate rows with an open-addressing hash map, summing
- *         acc[u] += grad_pooled[bag_of_id[n]] * psw[n]        (psw = 1 when absent)
- *     and prefetching each new row (and its optimizer state) as it is first seen;
- *     apply the optimizer to every unique row in place:
+ *         acc[u] += grad_pooled[bag_of_id[n]] * psw[n]        (psw = 1 when absent);
+ *     apply the optimizer to every unique row in place, prefetching the rows (and their
+ *     optimizer state) a fixed distance ahead:
  *         SGD:               w -= lr * acc
  *         row-wise Adagrad:  s += mean(acc^2);  w -= lr / (sqrt(s) + eps) * acc
  *         lazy Adam:         m = b1 m + (1 - b1) acc;  v = b2 v + (1 - b2) acc^2;
@@ -79,6 +79,17 @@ typedef struct {
     float *acc;
 } Scratch;
 
+#define RS_AHEAD 16 /* rows in flight (about what the line fill buffers hold) */
+
+RS_INLINE void prefetch_row(const Args *a, int64_t r, const int64_t d) {
+    __builtin_prefetch(a->weight + r * d, 1, 1);
+    if (a->kind == RS_ADAGRAD) __builtin_prefetch(a->state1 + r, 1, 1);
+    if (a->kind == RS_ADAM) {
+        __builtin_prefetch(a->state1 + r * d, 1, 1);
+        __builtin_prefetch(a->state2 + r * d, 1, 1);
+    }
+}
+
 RS_INLINE void segment(const Args *a, int64_t s, const int64_t d, Scratch *sc) {
     const int64_t lo = a->seg_starts[s], n = a->seg_starts[s + 1] - lo;
     if (n <= 0) return;
@@ -95,16 +106,16 @@ RS_INLINE void segment(const Args *a, int64_t s, const int64_t d, Scratch *sc) {
             sc->keys[h] = r;
             sc->slot[h] = u;
             sc->uniq[u] = r;
-            /* the row (and its state) is read-modified-written below: start the misses now */
-            __builtin_prefetch(a->weight + r * d, 1, 1);
-            if (a->kind == RS_ADAGRAD) __builtin_prefetch(a->state1 + r, 1, 1);
             memset(sc->acc + u * d, 0, (size_t)d * sizeof(float));
             ++u;
         }
         const float w = a->psw ? a->psw[lo + k] : 1.0f;
         axpy(sc->acc + sc->slot[h] * d, a->grad + a->bag_of_id[lo + k] * a->grad_stride, w, d);
     }
+    for (int64_t j = 0; j < u && j < RS_AHEAD; ++j) prefetch_row(a, sc->uniq[j], d);
     for (int64_t j = 0; j < u; ++j) {
+        /* rows are read-modified-written: keep RS_AHEAD of them in flight */
+        if (j + RS_AHEAD < u) prefetch_row(a, sc->uniq[j + RS_AHEAD], d);
         const int64_t r = sc->uniq[j];
         float *w = a->weight + r * d;
         const float *g = sc->acc + j * d;
