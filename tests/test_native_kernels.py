@@ -170,3 +170,17 @@ def test_fused_mlp_matches_sequential(in_dim, widths, final_relu, input_grad):
     for got, want in zip(gp_f, gp_ref):
         assert got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_throughput_benchmark_reports_rate_bound_and_kernels():
+    """`recscale bench throughput` on the tiny preset: the fields the issue asks for."""
+    from recscale.bench.throughput import format_report, run_throughput
+    from recscale.config import load_config
+
+    cfg = load_config("debug", ["--model.embedding_dim=16", "--model.bottom_mlp=32,16"])
+    r = run_throughput(cfg, steps=3, warmup=1, echo=lambda _: None)
+    assert r["samples_per_s"] > 0 and r["bound_samples_per_s"] > 0 and r["peak_rss_bytes"] > 0
+    assert r["ratio_to_bound"] == pytest.approx(r["samples_per_s"] / r["bound_samples_per_s"])
+    assert set(r["stage_ms"]) == {"lookup", "forward", "backward", "sparse", "dense_opt"}
+    assert r["native"] == native.status()
+    assert "native C kernels" in format_report("debug", r)

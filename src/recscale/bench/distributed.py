@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recscale.bench.throughput import backward_and_step
 from recscale.config.schema import Config
 from recscale.distributed import init_distributed, plan_for
 from recscale.distributed.pipeline import InputDistPipeline
@@ -60,11 +61,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
         t1 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(module(batch), batch.labels)
         t2 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        t4 = time.perf_counter()
+        t3, t4 = backward_and_step(loss, opt)
         if i >= warmup:
             for s, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 stages[s].append(dt)

@@ -50,6 +50,16 @@ class _SparseTimer:
             storage.apply_pooled_gradients = timed
 
 
+def backward_and_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> tuple[float, float]:
+    """Backward (the fused sparse update runs inside it) then the dense step; returns
+    the ``perf_counter`` after each."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    t3 = time.perf_counter()
+    opt.step()
+    return t3, time.perf_counter()
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -91,11 +101,7 @@ def run_throughput(
         logits = model.top(model.interaction(x, pooled)).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         t2 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        t4 = time.perf_counter()
+        t3, t4 = backward_and_step(loss, opt)
         if record:
             step_seconds.append(t4 - t0)
             sparse = timer.seconds - sparse0
