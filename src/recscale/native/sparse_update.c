@@ -79,7 +79,9 @@ typedef struct {
     float *acc;
 } Scratch;
 
-#define RS_AHEAD 16 /* rows in flight (about what the line fill buffers hold) */
+/* rows in flight; one thread, 53k uniform rows of a 1.7 GB table (huge pages): none
+ * 4.0 ms, 16 ahead 3.0 ms, 32 ahead 2.7 ms, 64 ahead 2.6 ms */
+#define RS_AHEAD 32
 
 RS_INLINE void prefetch_row(const Args *a, int64_t r, const int64_t d) {
     __builtin_prefetch(a->weight + r * d, 1, 1);
