@@ -146,7 +146,7 @@ def fused_update_cpu(
         kind, eps, b1, b2 = _ADAM, optimizer.eps, optimizer.beta1, optimizer.beta2
         step_size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
         s1, s2 = state["exp_avg"].numpy(), state["exp_avg_sq"].numpy()
-    if allow_native and weight.shape[1] % 8 == 0 and native.library() is not None:
+    if allow_native and weight.is_contiguous() and native.applies(weight, weight.shape[1]):
         _native_update(kind, weight, state, rows, segments, bag_of_id, per_sample_weights,
                        grad_pooled, lr, eps, b1, b2, step_size, dirty)  # fmt: skip
         return

@@ -71,6 +71,13 @@ class RowStorage(nn.Module, ABC):
     def device(self) -> torch.device:
         return self.step.device
 
+    def native_lookup_table(self) -> torch.Tensor | None:
+        """The ``[rows, dim]`` weight that ``recscale.native``'s fused lookup
+        (``embedding_lookup.c``) may read and pool directly, or None (the default: the
+        storage's own ``lookup`` runs). Only valid for storages whose backward is
+        ``apply_pooled_gradients`` on those same rows."""
+        return None
+
     def apply_pooled_gradients(
         self,
         rows: torch.Tensor,
@@ -139,19 +146,9 @@ class DeviceStorage(RowStorage):
         return self.weight.device
 
     def native_lookup_table(self) -> torch.Tensor | None:
-        """The weight for ``recscale.native``'s fused lookup (``embedding_lookup.c``), or
-        None where it does not apply: kernels torch/numba, not fp32 CPU, dim not a
-        multiple of 8 up to 128, or the library not built."""
         w = self.weight
-        ok = (
-            self.kernel in ("auto", "native")
-            and w.device.type == "cpu"
-            and w.dtype == torch.float32
-            and w.is_contiguous()
-            and self.dim % 8 == 0
-            and self.dim <= 128
-        )
-        return w if ok and native.library() is not None else None
+        ok = self.kernel in ("auto", "native") and w.is_contiguous()
+        return w if ok and native.applies(w, self.dim, max_dim=128) else None
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         return F.embedding_bag(

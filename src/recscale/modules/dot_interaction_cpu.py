@@ -100,10 +100,10 @@ class FusedDotInteraction(torch.autograd.Function):
 class NativeDotInteraction(torch.autograd.Function):
     """Same contract as :class:`FusedDotInteraction`, on the C kernels: no ``T`` copy
     (the kernels read ``dense`` and ``emb`` in place, ``emb`` with its own strides), the
-    batch split over threads. ``emb`` is ``[B, F*D]`` or ``[B, F, D]``; its gradient
-    comes back with the same shape and strides, so the feature-major view from
-    ``pooled_by_feature`` gets a feature-major gradient the embedding backward takes
-    without a copy."""
+    batch split over threads. ``emb`` is ``[B, F*D]`` or ``[B, F, D]`` with any strides
+    (``pooled_by_feature``: sample-major from the native lookup, a feature-major view
+    from the torch one); its gradient comes back with the same shape and strides, which
+    the embedding backward takes without a copy."""
 
     @staticmethod
     def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim):
@@ -158,13 +158,3 @@ def _check(rc: int) -> None:
 
 def supported(t: torch.Tensor) -> bool:
     return HAVE_NUMBA and t.device.type == "cpu" and t.dtype == torch.float32
-
-
-def native_supported(t: torch.Tensor, dim: int) -> bool:
-    """The C kernels: built and loadable on this CPU, fp32 on the CPU, dim a multiple of 8."""
-    return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and dim % 8 == 0
-        and native.library() is not None
-    )

@@ -262,11 +262,7 @@ class EmbeddingBagCollection(nn.Module):
         num_f, b = self.num_features, batch_size
         if len(self.groups) == 1 and self.pooling == "sum":
             group = self.groups[0]
-            table = (
-                group.storage.native_lookup_table()
-                if isinstance(group.storage, DeviceStorage)
-                else None
-            )
+            table = group.storage.native_lookup_table()
             if table is not None and values.device.type == "cpu":
                 done = native_pooled_lookup(table, values, offsets, b, self.feature_row_offset,
                                             self.table_sizes, weights)  # fmt: skip

@@ -2,7 +2,7 @@
 
 Inputs: ``dense_BD`` ``[B, D]`` (or None when there are no dense features) and
 ``pooled_BX`` ``[B, sum_f D_f]`` from :class:`EmbeddingBagCollection` -- or, for the dot
-interaction, ``[B, F, D]`` with any strides (``pooled_by_feature``'s feature-major view).
+interaction, ``[B, F, D]`` with any strides (``pooled_by_feature``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class DotInteraction(nn.Module):
         if self.kernel == "torch":
             return None
         if self.kernel in ("auto", "native"):
-            if dot_interaction_cpu.native_supported(x, self.dim):
+            if native.applies(x, self.dim):
                 return dot_interaction_cpu.NativeDotInteraction
             if self.kernel == "native":
                 raise RuntimeError(

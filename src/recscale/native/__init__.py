@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 _ABI = 2
 _lock = threading.Lock()
 _loaded = False
@@ -83,6 +85,19 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if not lib.recscale_cpu_supported():
         return None, "this CPU lacks AVX2/FMA"
     return lib, f"loaded ({path.name}, AVX2 + FMA)"
+
+
+def applies(t: torch.Tensor, dim: int, max_dim: int | None = None) -> bool:
+    """Whether the kernels can run on ``t``: an fp32 CPU tensor, a row width ``dim`` that
+    is a multiple of 8 (one AVX2 vector), at most ``max_dim``, and the library loaded."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and dim > 0
+        and dim % 8 == 0
+        and (max_dim is None or dim <= max_dim)
+        and library() is not None
+    )
 
 
 def status() -> str:
