@@ -141,8 +141,8 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     from pathlib import Path
 
     from recscale.checkpoint.manager import CheckpointManager
+    from recscale.checkpoint.state import restore
     from recscale.config import CheckpointConfig
-    from recscale.distributed.checkpoint import ShardedTables, restore_sharded
 
     torch.set_num_threads(1)
     ctx = init_distributed(torch.device("cpu"), timeout_s=60)
@@ -153,15 +153,14 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
     module = shard(model, plan, ctx)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
-    trainer = restore_sharded(model, opt, [Path(p) for p in chain.split(",")])
+    trainer = restore(model, opt, [Path(p) for p in chain.split(",")])
     assert trainer["step"] == first_step
     batches, _ = global_batches(cfg, first_step + steps, batch_size)
     lo, hi = r * batch_size // w, (r + 1) * batch_size // w
     # Full first, then increments (rows touched since): the newest chain mixes both.
     ckpt_cfg = CheckpointConfig(every_steps=1, async_write=False, full_every=100,
                                 full_if_fraction=1.0)  # fmt: skip
-    mgr = CheckpointManager(ckpt_cfg, Path(out_root), model, opt, {"plan": plan.to_dict()},
-                            ShardedTables(model, ctx))  # fmt: skip
+    mgr = CheckpointManager(ckpt_cfg, Path(out_root), model, opt, {"plan": plan.to_dict()}, ctx)
     for i, b in enumerate(batches[first_step:]):
         local = b.slice(lo, hi)
         loss = F.binary_cross_entropy_with_logits(module(local), local.labels)

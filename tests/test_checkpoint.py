@@ -29,7 +29,11 @@ BASE = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=20
 
 
 def _state(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
+    """The trained model's state: its final checkpoint loaded into a plain model."""
+    cfg = load_config(str(run_dir / "config.toml"))
+    model = build_model(cfg.model, cfg.embedding, seed=123)  # every value must come from disk
+    restore(model, None, resolve_chain(run_dir, echo=lambda _m: None))
+    return model.state_dict()
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -100,17 +104,17 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path):
     cfg = load_config("debug", [*BASE, "--train.steps=40", "--checkpoint.full_every=1"])
     train(cfg, tmp_path, **QUIET)
     newest = checkpoint_dirs(tmp_path / "checkpoints")[-1]
-    victim = newest / "tables" / "C3.weight.f32"
+    victim = next((newest / "parts").rglob("C3.*.weight.f32"))  # parts/rank00000/C3.r0-N.c0-D...
     data = bytearray(victim.read_bytes())
     data[5] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"C3\.weight\.f32: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=r"C3\.r0-\d+\.c0-\d+\.weight\.f32: checksum mismatch"):
         verify(newest)
     messages = []
     chain = resolve_chain(tmp_path, echo=messages.append)
     assert chain[-1].name == "step_00000020" and "step_00000040" in messages[0]
-    (newest / "tables" / "C4.weight.f32").write_bytes(b"short")  # truncated file
-    with pytest.raises(CheckpointError, match=r"C4\.weight\.f32: 5 bytes"):
+    next((newest / "parts").rglob("C4.*.weight.f32")).write_bytes(b"short")  # truncated file
+    with pytest.raises(CheckpointError, match=r"C4\.r0-\d+\.c0-\d+\.weight\.f32: 5 bytes"):
         verify(newest, checksums=False)
     r = subprocess.run([sys.executable, "-m", "recscale", "checkpoint", "inspect", str(tmp_path), "--json"],
                        capture_output=True, text=True)  # fmt: skip

@@ -42,11 +42,12 @@ def test_layout_places_every_row_and_column_once():
         assert bool((cover == 1).all())
     for r, rs in enumerate(layout.per_rank):
         assert all(s.owner == r for s in rs.shards)
-        # storage groups by width; shards of a group occupy consecutive rows
-        for g, width in enumerate(rs.group_widths):
-            mine = [(s, row) for s, gg, row in zip(rs.shards, rs.group_of, rs.group_row) if gg == g]
-            assert all(s.width == width for s, _ in mine)
-            assert sum(s.num_rows for s, _ in mine) == rs.group_rows[g]
+        # wire order: every rank's shards in global shard order
+        assert [s.index for s in rs.shards] == sorted(s.index for s in rs.shards)
+    assert not layout.is_identity
+    one = build_layout(names, rows, dims,
+                       _plan([TablePlacement(n, "table_wise", [0], {}, {}) for n in names], 1))  # fmt: skip
+    assert one.is_identity
 
 
 @pytest.mark.parametrize(

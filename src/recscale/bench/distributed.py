@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from recscale.bench.throughput import backward_and_step
 from recscale.config.schema import Config
 from recscale.distributed import init_distributed, plan_for
-from recscale.distributed.pipeline import InputDistPipeline
-from recscale.distributed.planning import default_memory_per_rank
+from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.distributed.spawn import run_ranks
+from recscale.planner.from_config import default_memory_per_rank
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.parallel import build_sharded
+from recscale.train.parallel import build
 
 STAGES = ("input_dist", "forward", "backward", "dense_opt")
 
@@ -38,7 +38,7 @@ STAGES = ("input_dist", "forward", "backward", "dense_opt")
 def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     ctx = init_distributed(torch.device("cpu"), cfg.distributed.timeout_s)
-    model, module, plan = build_sharded(cfg, ctx, echo=lambda _m: None)
+    model, module, plan = build(cfg, ctx, echo=lambda _m: None)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     b = cfg.train.batch_size
     n = b // ctx.world_size
@@ -57,7 +57,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
     for i in range(warmup + steps):
         batch = batches[i % len(batches)]
         t0 = time.perf_counter()
-        ebc.prefetched(ebc.distribute_input(batch.values, batch.offsets, n, batch.weights))
+        ebc.enqueue(ebc.distribute_input(batch.values, batch.offsets, n, batch.weights))
         t1 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(module(batch), batch.labels)
         t2 = time.perf_counter()
@@ -68,7 +68,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
             seq.append(t4 - t0)
 
     source = itertools.islice(itertools.cycle(batches), warmup + steps)
-    pipe = InputDistPipeline(source, ebc, ctx.device)
+    pipe = EmbeddingPipeline(source, ebc, ctx.device)
     piped, t_prev = [], None
     for i, batch in enumerate(pipe):
         step(batch)

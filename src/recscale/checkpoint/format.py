@@ -2,40 +2,51 @@
 
 ::
 
-    checkpoints/step_00000100/          full checkpoint
-        manifest.json                   kind, step, parent, precision, files {name: {bytes, crc32}}
-        trainer.json                    step, loader position, RNG state, config, plan
-        dense.pt                        MLP weights + dense optimizer state (torch.save)
-        tables/C1.weight.f32            rows of table C1 (or .f16 / .q8 + C1.qparams.f32)
-        tables/C1.state_sum.f32         optimizer state rows
-    checkpoints/step_00000150.inc/      incremental: only rows touched since the previous one
-        tables/C1.rows.i64              which rows (table-local ids) follow
+    checkpoints/step_00000100/              full checkpoint
+        manifest.json                       kind, step, parent, precision, world size,
+                                            tables (each with its parts), files {name: {bytes, crc32}}
+        trainer.json                        step, loader position, RNG state, config, plan
+        dense.pt                            MLP weights + dense optimizer state (torch.save)
+        parts/rank00001/C1.r0-500.c0-16.weight.f32     rows [0, 500) x cols [0, 16) of C1
+        parts/rank00001/C1.r0-500.c0-16.state_sum.f32  their optimizer state
+        ...                                 (.f16, or .q8 + .qparams.f32 for quantized rows)
+    checkpoints/step_00000150.inc/          incremental: only rows touched since the previous one
+        parts/rank00000/C1.r0-500.c0-16.rows.i64       which rows (table row ids) follow
         ...
 
-Tables are stored per feature in table-local row order - a layout that does not
-depend on how the tables were batched or sharded, so a checkpoint can be loaded
-under another plan.
+Every rank writes the parts it holds (its shards; rank 0 also the replicated tables)
+into the same temporary directory, in parallel, and then a small
+``parts/rankNNNNN.json`` with its files' sizes and CRCs; rank 0 waits for all of
+them, writes the manifest and renames. Nothing passes through rank 0's memory but
+its own parts (the directory must be on a filesystem every rank sees, as for any
+multi-node checkpoint). Parts are rectangles of a table in table coordinates, so a
+checkpoint loads under any world size and plan: each rank reads the overlap of every
+part with what it holds. (Version 1 checkpoints, one whole part per table under
+``tables/``, load the same way.)
 
-A checkpoint is written under ``.NAME.tmp-PID``: every file is fsynced, the
-manifest (with a CRC32 and size per file) is written and fsynced last, then the
-directory is renamed to its final name and the parent directory fsynced. A crash
-at any moment leaves the previous checkpoints untouched; a damaged checkpoint
-fails :func:`verify`, which names the file.
+A checkpoint is written under ``.NAME.tmp-TOKEN`` (one token per run, the same on
+every rank): every file is fsynced, the manifest (with a CRC32 and size per file) is
+written and fsynced last, then the directory is renamed to its final name and the
+parent directory fsynced. A crash at any moment leaves the previous checkpoints
+untouched; a damaged checkpoint fails :func:`verify`, which names the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import time
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class CheckpointError(RuntimeError):
@@ -51,32 +62,79 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointWriter:
-    def __init__(self, final_dir: Path) -> None:
-        self.final_dir = final_dir
-        self.tmp = final_dir.parent / f".{final_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        (self.tmp / "tables").mkdir(parents=True)
+    """One rank's writer into a checkpoint's temporary directory (see the module doc)."""
+
+    def __init__(self, final_dir: Path, token: str, rank: int = 0) -> None:
+        self.final_dir, self.rank = final_dir, rank
+        self.tmp = final_dir.parent / f".{final_dir.name}.tmp-{token}"
+        (self.tmp / "parts").mkdir(parents=True, exist_ok=True)
         self.files: dict[str, dict[str, int]] = {}
 
     def write_bytes(self, name: str, data: bytes | memoryview) -> None:
-        path = self.tmp / name
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self.files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        self.write_chunks(name, [data])
 
     def write_array(self, name: str, array: np.ndarray) -> None:
         self.write_bytes(name, memoryview(np.ascontiguousarray(array)).cast("B"))
 
-    def finalize(self, manifest: dict[str, Any]) -> Path:
-        manifest = {**manifest, "format_version": FORMAT_VERSION, "files": self.files}
+    def write_chunks(self, name: str, chunks: Iterable[bytes | memoryview | np.ndarray]) -> None:
+        """A file from a stream of pieces (a table too large to hold in memory at once)."""
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        size, crc = 0, 0
+        with open(path, "wb") as f:
+            for chunk in chunks:
+                if isinstance(chunk, np.ndarray):
+                    chunk = memoryview(np.ascontiguousarray(chunk)).cast("B")
+                f.write(chunk)
+                size += len(chunk)
+                crc = zlib.crc32(chunk, crc)
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[name] = {"bytes": size, "crc32": crc}
+
+    def commit_part(self, tables: list[dict[str, Any]]) -> None:
+        """This rank is done: its files' sizes and CRCs and its table parts, for rank 0."""
+        data = json.dumps({"files": self.files, "tables": tables}).encode()
+        part = self.tmp / "parts" / f"rank{self.rank:05d}.json"
+        with open(part.with_suffix(".json.tmp"), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part.with_suffix(".json.tmp"), part)
+
+    def finalize(self, manifest: dict[str, Any], world_size: int, timeout_s: float) -> Path:
+        """Rank 0: wait for every rank's part, write the manifest, rename into place."""
+        deadline = time.monotonic() + timeout_s
+        parts = []
+        for r in range(world_size):
+            path = self.tmp / "parts" / f"rank{r:05d}.json"
+            while not path.exists():
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"{self.final_dir.name}: rank {r} did not write its part within "
+                        f"{timeout_s:.0f}s (the previous checkpoint stays the newest)"
+                    )
+                time.sleep(0.01)
+            parts.append(json.loads(path.read_text()))
+        files: dict[str, dict[str, int]] = {}
+        by_name: dict[str, dict[str, Any]] = {}
+        for p in parts:
+            files.update(p["files"])
+            for t in p["tables"]:
+                entry = by_name.setdefault(t["name"], {**t["table"], "stored_rows": 0, "parts": []})
+                entry["parts"].append(t["part"])
+                entry["stored_rows"] += t["part"]["stored_rows"]
+        tables = [by_name[t] for t in manifest.pop("table_order") if t in by_name]
+        manifest = {**manifest, "tables": tables, "world_size": world_size,
+                    "format_version": FORMAT_VERSION, "files": files}  # fmt: skip
         data = json.dumps(manifest, indent=1).encode()
         with open(self.tmp / MANIFEST, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(self.tmp / "tables")
+        for d in {(self.tmp / n).parent for n in files}:
+            _fsync_dir(d)
+        _fsync_dir(self.tmp / "parts")
         _fsync_dir(self.tmp)
         # Replacing a checkpoint of the same step (a run restarted from an earlier one):
         # move the old one aside first, never delete it before the new one is in place;
@@ -135,4 +193,7 @@ def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
 
 
 def read_array(path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    return np.fromfile(path / name, dtype=dtype).reshape(shape)
+    """A stored array, memory-mapped (slices read only what they touch)."""
+    if math.prod(shape) == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path / name, dtype=dtype, mode="r", shape=shape)

@@ -8,11 +8,17 @@ increment would exceed ``full_if_fraction`` of all rows - then it is *full*.
 
 Asynchronous: ``capture`` copies the state to host memory (the training stall,
 reported), then one background thread writes it; a save that comes while the
-previous write is still running first waits for it (also counted as stall).
+previous write is still running first waits for it (also counted as stall). Tables
+on a host/ssd tier are streamed from their storage instead, synchronously.
+
+Every rank runs the same code (world size 1 included): each writes its own parts in
+parallel, rank 0 adds the dense state and the manifest (``format.py``), and only
+rank 0 prunes. Every rank must call ``save`` at the same steps.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -23,11 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from recscale.checkpoint.format import CheckpointError, read_manifest, recover, verify
-from recscale.checkpoint.state import capture, write
+from recscale.checkpoint.format import (
+    CheckpointError,
+    CheckpointWriter,
+    read_manifest,
+    recover,
+    verify,
+)
+from recscale.checkpoint.state import capture, write_part
 from recscale.config.schema import CheckpointConfig
-from recscale.models.dlrm import DLRM
+from recscale.distributed.context import DistContext
 
 _NAME = re.compile(r"^step_(\d{8})(\.inc)?$")
 
@@ -92,32 +105,16 @@ class CheckpointStats:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-class LocalTables:
-    """Where the manager finds the tables: here, the single-process model (the sharded
-    twin is ``recscale.distributed.checkpoint.ShardedTables``)."""
-
-    is_writer = True
-
-    def __init__(self, model: DLRM) -> None:
-        self.model = model
-
-    def storages(self) -> list:
-        return [g.storage for g in self.model.embeddings.groups]
-
-    def global_sum(self, x: int) -> int:
-        return x
-
-    def capture(self, dense_opt, trainer, kind, precision, parent, step):
-        return capture(self.model, dense_opt, trainer, kind, precision, parent, step)
-
-
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
-                 meta: dict[str, Any] | None = None, tables: Any = None) -> None:  # fmt: skip
-        """``tables``: a :class:`LocalTables`-like source (default: ``model``'s own). With
-        a sharded source every rank calls ``save``; only its writer (rank 0) writes."""
+    def __init__(self, cfg: CheckpointConfig, root: Path, model, dense_opt: torch.optim.Optimizer,
+                 meta: dict[str, Any] | None = None, ctx: DistContext | None = None,
+                 timeout_s: float = 300.0) -> None:  # fmt: skip
+        """``model.embeddings`` is any collection with ``local_parts()`` and ``storages()``
+        (whole tables, or this rank's shards); ``ctx``: the ranks (default: one process).
+        ``timeout_s``: how long rank 0 waits for the other ranks' parts."""
         self.cfg, self.root, self.model, self.dense_opt = cfg, root, model, dense_opt
-        self.tables = tables if tables is not None else LocalTables(model)
+        self.ctx = ctx if ctx is not None else DistContext()
+        self.timeout_s = timeout_s
         self.meta = meta or {}
         self.stats = CheckpointStats()
         self._thread: threading.Thread | None = None
@@ -127,15 +124,25 @@ class CheckpointManager:
         self._last_name: str | None = None
         self.enabled = cfg.every_steps > 0 or cfg.every_minutes > 0
         self._total_rows = sum(t.num_rows for t in model.embeddings.tables)
-        for storage in self.tables.storages():
+        for storage in model.embeddings.storages():
             storage.track_dirty(self.enabled)
-        if not self.tables.is_writer:
-            return
-        if self.enabled:
-            root.mkdir(parents=True, exist_ok=True)
-        recover(root)
-        for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
-            shutil.rmtree(stale, ignore_errors=True)
+        token = [f"{os.getpid()}-{time.time_ns()}"]
+        if self.ctx.is_main:
+            if self.enabled:
+                root.mkdir(parents=True, exist_ok=True)
+            recover(root)
+            for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
+                shutil.rmtree(stale, ignore_errors=True)
+        if self.ctx.distributed:  # one token for the run's temp dirs; stale ones gone first
+            dist.broadcast_object_list(token, src=0, group=self.ctx.dense)
+        self._token = token[0]
+
+    def _global_sum(self, x: int) -> int:
+        if not self.ctx.distributed:
+            return x
+        t = torch.tensor([x], dtype=torch.int64, device=self.ctx.device)  # NCCL: on the GPU
+        dist.all_reduce(t, group=self.ctx.dense)
+        return int(t[0])
 
     def resume_from(self, chain: list[Path]) -> None:
         """Continue the chain: the next checkpoint may be an increment of the restored one."""
@@ -151,33 +158,38 @@ class CheckpointManager:
     def _kind(self) -> str:
         if self._last_name is None or self._since_full + 1 >= self.cfg.full_every:
             return "full"
-        dirty = self.tables.global_sum(sum(int(s.dirty.sum()) for s in self.tables.storages()))
+        storages = self.model.embeddings.storages()
+        dirty = self._global_sum(sum(int(s.dirty.sum()) for s in storages))
         return "full" if dirty > self.cfg.full_if_fraction * self._total_rows else "incremental"
 
     def save(self, step: int, trainer: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         self.wait()
         kind = self._kind()
-        for storage in self.tables.storages():
-            if hasattr(storage, "flush"):  # a cached tier: dirty rows back to the slow tier
-                storage.flush()
-        snap = self.tables.capture(self.dense_opt, trainer, kind, self.cfg.precision,
-                                   self._last_name if kind == "incremental" else None, step)  # fmt: skip
-        for storage in self.tables.storages():
+        storages = self.model.embeddings.storages()
+        for storage in storages:
+            storage.flush()  # a cached tier: dirty rows back to the slow tier
+        snap = capture(self.model, self.dense_opt, trainer, kind, self.cfg.precision,
+                       self._last_name if kind == "incremental" else None, step, self.ctx.rank)  # fmt: skip
+        for storage in storages:
             storage.dirty.zero_()
         name = f"step_{step:08d}" + (".inc" if kind == "incremental" else "")
         self._last_name, self._last_time = name, time.monotonic()
         self._since_full = 0 if kind == "full" else self._since_full + 1
         capture_s = time.perf_counter() - t0
         self.stats.stall_seconds += capture_s
-        if snap is None:  # a sharded run's other ranks: rank 0 writes what they sent
-            return
-        snap.meta = self.meta
+        manifest = {"kind": kind, "step": step, "parent": snap.parent, "precision": snap.precision,
+                    "table_order": snap.table_order, **self.meta}  # fmt: skip
+        is_main, world, token, rank = self.ctx.is_main, self.ctx.world_size, self._token, self.ctx.rank
 
         def run() -> None:
             t = time.perf_counter()
             try:
-                path = write(snap, self.root / name)
+                writer = CheckpointWriter(self.root / name, token, rank)
+                write_part(snap, writer)
+                if not is_main:
+                    return
+                path = writer.finalize(manifest, world, self.timeout_s)
                 on_disk = sum(f["bytes"] for f in read_manifest(path)["files"].values())
                 self._prune()
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
@@ -190,19 +202,13 @@ class CheckpointManager:
             setattr(self.stats, kind, getattr(self.stats, kind) + 1)
             self.stats.last = name
             self.stats.history.append(
-                {
-                    "name": name,
-                    "kind": kind,
-                    "bytes": on_disk,
-                    "capture_s": capture_s,
-                    "write_s": secs,
-                }
+                {"name": name, "kind": kind, "bytes": on_disk, "capture_s": capture_s, "write_s": secs}
             )
 
-        if self.cfg.async_write:
+        if self.cfg.async_write and not snap.streamed:
             self._thread = threading.Thread(target=run, name="recscale-checkpoint", daemon=False)
             self._thread.start()
-        else:  # the write itself stalls training too
+        else:  # the write itself stalls training too (always, for streamed host/ssd tables)
             t = time.perf_counter()
             run()
             self.stats.stall_seconds += time.perf_counter() - t

@@ -1,12 +1,25 @@
-"""What a checkpoint holds, captured as an in-memory snapshot and restored from a chain.
+"""What a checkpoint holds, captured per rank and restored from a chain, at any world size.
 
-``capture`` copies what must be written into host memory (so training can go on
-while a background thread writes it); ``write`` puts a snapshot on disk;
-``restore`` loads a full checkpoint and then applies each increment in order.
+Tables are read and written through the collection's ``local_parts()``: each is a
+``(TablePart, storage, first storage row)`` - a whole table in a single process, a
+shard (or a replica) in a sharded run. The same code runs in both:
+
+* ``capture`` copies this rank's parts (all rows, or for an increment the rows touched
+  since the last checkpoint) to host memory, so training can go on while a background
+  thread writes them; parts on a host/ssd tier are not copied but *streamed* from the
+  storage in chunks when written (the manager then writes synchronously);
+* ``write_part`` writes one rank's snapshot into the checkpoint's temporary directory;
+  rank 0 also writes ``dense.pt`` + ``trainer.json`` and assembles the manifest
+  (``format.CheckpointWriter.finalize``);
+* ``restore`` loads a full checkpoint and then each increment in order: every rank reads
+  the overlap of each stored part with each of its own parts (memory-mapped, in chunks),
+  so a checkpoint written under any plan loads under any other.
 
 Embedding rows can be stored as ``fp32``, ``fp16`` or ``int8`` (row-wise: per row
 ``scale = (max - min) / 255`` and ``bias = min``, ``q = round((x - bias) / scale)``,
-as Check-N-Run). Optimizer state is always fp32.
+as Check-N-Run). Optimizer state is always fp32. Row-wise state (one value per row)
+of a column-split table is kept per column part; a restore takes it from the stored
+part that holds the restored part's first column.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,19 +36,28 @@ import numpy as np
 import torch
 
 from recscale.checkpoint.format import CheckpointError, CheckpointWriter, read_array, verify
-from recscale.models.dlrm import DLRM
+from recscale.config.schema import CHECKPOINT_PRECISIONS as PRECISIONS
 
-PRECISIONS = ("fp32", "fp16", "int8")
+__all__ = ["PRECISIONS", "PartSnapshot", "Snapshot", "capture", "restore", "write_part"]
+
+_CHUNK_ROWS = 1 << 16
 
 
 @dataclass
-class TableSnapshot:
-    name: str
-    num_rows: int
-    dim: int
-    rows: np.ndarray | None  # table-local row ids (incremental) or None (all rows)
-    weight: np.ndarray  # [n, dim] float32
-    state: dict[str, np.ndarray]  # name -> [n, ...] float32
+class PartSnapshot:
+    name: str  # the table's name
+    num_rows: int  # the whole table's
+    dim: int  # the whole table's
+    part: Any  # TablePart: the rectangle held
+    rows: np.ndarray | None  # table row ids (incremental), or None (every row of the part)
+    weight: np.ndarray | None  # [n, width] float32; None: streamed from ``storage``
+    state: dict[str, np.ndarray]  # name -> [n, ...] float32 (streamed: empty)
+    storage: Any = None  # streamed parts: read at write time
+    first: int = 0  # streamed parts: the part's first row in ``storage``
+
+    @property
+    def streamed(self) -> bool:
+        return self.weight is None
 
 
 @dataclass
@@ -43,76 +66,69 @@ class Snapshot:
     kind: str  # full | incremental
     precision: str
     parent: str | None
-    tables: list[TableSnapshot]
-    dense: bytes
+    rank: int
+    parts: list[PartSnapshot]
+    table_order: list[str]
+    dense: bytes | None  # rank 0 only
     trainer: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        n = len(self.dense)
-        for t in self.tables:
-            n += t.weight.nbytes + sum(s.nbytes for s in t.state.values())
+        n = len(self.dense or b"")
+        for p in self.parts:
+            if not p.streamed:
+                n += p.weight.nbytes + sum(s.nbytes for s in p.state.values())
         return n
 
-
-def _table_views(model: DLRM):
-    """(table spec, storage, first row of the table in the storage) per feature."""
-    ebc = model.embeddings
-    for f, spec in enumerate(ebc.tables):
-        group = ebc.groups[int(ebc.group_of_feature[f])]
-        yield spec, group.storage, int(ebc.feature_row_offset[f])
+    @property
+    def streamed(self) -> bool:
+        return any(p.streamed for p in self.parts)
 
 
-def _dense_bytes(model: DLRM, dense_opt: torch.optim.Optimizer) -> bytes:
+def _dense_bytes(model, dense_opt: torch.optim.Optimizer, embedding_step: int) -> bytes:
     buf = io.BytesIO()
     dense_state = {
         k: v.detach().cpu().clone()
         for k, v in model.state_dict().items()
         if not k.startswith("embeddings.")
     }
-    steps = [int(g.storage.step) for g in model.embeddings.groups]
-    torch.save(
-        {"model": dense_state, "optimizer": dense_opt.state_dict(), "storage_steps": steps}, buf
-    )
+    torch.save({"model": dense_state, "optimizer": dense_opt.state_dict(),
+                "embedding_step": embedding_step}, buf)  # fmt: skip
     return buf.getvalue()
 
 
 def capture(
-    model: DLRM, dense_opt: torch.optim.Optimizer, trainer: dict[str, Any], kind: str, precision: str,
-    parent: str | None, step: int,
+    model, dense_opt: torch.optim.Optimizer, trainer: dict[str, Any], kind: str, precision: str,
+    parent: str | None, step: int, rank: int = 0,
 ) -> Snapshot:  # fmt: skip
-    """Copy the state to host memory. ``incremental`` takes only rows marked dirty."""
-    tables = []
-    for spec, storage, start in _table_views(model):
-        stop = start + spec.num_rows
+    """Copy this rank's state to host memory (see the module doc). ``incremental`` takes
+    only rows marked dirty. Replicated parts are written by rank 0 alone."""
+    ebc = model.embeddings
+    parts = []
+    for p, storage, first in ebc.local_parts():
+        if p.kind == "data_parallel" and rank != 0:
+            continue
+        spec = ebc.tables[p.feature]  # the model's table (p.feature indexes the model's)
+        name, table_rows, dim = spec.name, spec.num_rows, spec.dim
         if kind == "incremental":
-            local = torch.nonzero(storage.dirty[start:stop]).squeeze(1).cpu()
-            idx, rows = local + start, local.numpy()
+            local = torch.nonzero(storage.dirty[first : first + p.num_rows]).squeeze(1).cpu()
+            idx = (local + first).to(storage.device)
+            rows = (local + p.row_lo).numpy()
+        elif storage.tier != "device":
+            parts.append(PartSnapshot(name, table_rows, dim, p, None, None, {}, storage, first))
+            continue
         else:
-            idx, rows = torch.arange(start, stop), None
-        idx = idx.to(storage.device)
+            idx, rows = torch.arange(first, first + p.num_rows, device=storage.device), None
         weight, state = storage.read_rows(idx), storage.read_state(idx)
-        tables.append(
-            TableSnapshot(
-                spec.name,
-                spec.num_rows,
-                spec.dim,
-                rows,
-                weight.cpu().numpy(),
-                {n: s.cpu().numpy() for n, s in state.items()},
-            )  # fmt: skip
-        )
+        parts.append(PartSnapshot(name, table_rows, dim, p, rows, weight.cpu().numpy(),
+                                  {n: s.cpu().numpy() for n, s in state.items()}))  # fmt: skip
+    steps = [int(s.step) for s in ebc.storages()]
+    dense = _dense_bytes(model, dense_opt, max(steps, default=0)) if rank == 0 else None
     rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
-    return Snapshot(
-        step,
-        kind,
-        precision,
-        parent,
-        tables,
-        _dense_bytes(model, dense_opt),
-        {**trainer, "torch_rng": rng},
-    )
+    order = [t.name for t in ebc.tables]
+    return Snapshot(step, kind, precision, parent, rank, parts, order, dense,
+                    {**trainer, "torch_rng": rng})  # fmt: skip
 
 
 def _quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,93 +144,175 @@ def _dequantize_int8(q: np.ndarray, qparams: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32) * qparams[:, :1] + qparams[:, 1:2]).astype(np.float32)
 
 
-def write(snap: Snapshot, final_dir: Path) -> Path:
-    w = CheckpointWriter(final_dir)
-    try:
-        tables_meta = []
-        for t in snap.tables:
-            base = f"tables/{t.name}"
-            if t.rows is not None:
-                w.write_array(f"{base}.rows.i64", t.rows.astype(np.int64))
-            if snap.precision == "fp32":
-                w.write_array(f"{base}.weight.f32", t.weight)
-            elif snap.precision == "fp16":
-                w.write_array(f"{base}.weight.f16", t.weight.astype(np.float16))
-            else:
-                q, qp = _quantize_int8(t.weight)
-                w.write_array(f"{base}.weight.q8", q)
-                w.write_array(f"{base}.qparams.f32", qp)
-            for name, s in t.state.items():
-                w.write_array(f"{base}.state_{name}.f32", s.astype(np.float32))
-            tables_meta.append({
-                "name": t.name, "num_rows": t.num_rows, "dim": t.dim, "stored_rows": int(t.weight.shape[0]),
-                "state": {n: list(s.shape[1:]) for n, s in t.state.items()},
-            })  # fmt: skip
+def _part_prefix(rank: int, name: str, p) -> str:
+    return f"parts/rank{rank:05d}/{name}.r{p.row_lo}-{p.row_hi}.c{p.col_lo}-{p.col_hi}"
+
+
+def _streamed(ps: PartSnapshot, what: str, precision: str) -> Iterator[np.ndarray]:
+    """One file of a streamed part, chunk by chunk: ``what`` is a weight file suffix
+    (``weight.f32`` ...) or ``state_NAME``; the storage is read once per file."""
+    for lo in range(0, ps.part.num_rows, _CHUNK_ROWS):
+        hi = min(ps.part.num_rows, lo + _CHUNK_ROWS)
+        idx = torch.arange(ps.first + lo, ps.first + hi)
+        if what.startswith("state_"):
+            yield ps.storage.read_state(idx)[what[6:]].cpu().numpy().astype(np.float32)
+            continue
+        files = dict(_weight_files(precision, "", ps.storage.read_rows(idx).cpu().numpy()))
+        yield files["." + what]
+
+
+def _weight_files(precision: str, base: str, weight: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    if precision == "fp32":
+        return [(f"{base}.weight.f32", weight.astype(np.float32, copy=False))]
+    if precision == "fp16":
+        return [(f"{base}.weight.f16", weight.astype(np.float16))]
+    q, qp = _quantize_int8(weight)
+    return [(f"{base}.weight.q8", q), (f"{base}.qparams.f32", qp)]
+
+
+def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
+    """This rank's parts (and, on rank 0, the dense state) into the temporary directory."""
+    tables = []
+    for ps in snap.parts:
+        p = ps.part
+        base = _part_prefix(snap.rank, ps.name, p)
+        if ps.rows is not None:
+            w.write_array(f"{base}.rows.i64", ps.rows.astype(np.int64))
+        if ps.streamed:  # a host/ssd tier: chunk by chunk, never the whole part in memory
+            shapes = ps.storage.optimizer.state_shapes(p.width)
+            for n, _ in _weight_files(snap.precision, "", np.zeros((0, 1), np.float32)):
+                w.write_chunks(base + n, _streamed(ps, n[1:], snap.precision))
+            for sname in shapes:
+                w.write_chunks(f"{base}.state_{sname}.f32",
+                               _streamed(ps, f"state_{sname}", snap.precision))  # fmt: skip
+            state_tails = {sname: list(shape) for sname, shape in shapes.items()}
+            stored = p.num_rows
+        else:
+            for n, arr in _weight_files(snap.precision, base, ps.weight):
+                w.write_array(n, arr)
+            for s, arr in ps.state.items():
+                w.write_array(f"{base}.state_{s}.f32", arr.astype(np.float32))
+            state_tails = {s: list(arr.shape[1:]) for s, arr in ps.state.items()}
+            stored = int(ps.weight.shape[0])
+        tables.append({
+            "name": ps.name,
+            "table": {"name": ps.name, "num_rows": ps.num_rows, "dim": ps.dim, "state": state_tails},
+            "part": {"prefix": base, "kind": p.kind, "row_lo": p.row_lo, "row_hi": p.row_hi,
+                     "col_lo": p.col_lo, "col_hi": p.col_hi, "stored_rows": stored,
+                     "state": state_tails},
+        })  # fmt: skip
+    if snap.dense is not None:
         w.write_bytes("dense.pt", snap.dense)
         w.write_bytes("trainer.json", json.dumps(snap.trainer, indent=1).encode())
-        return w.finalize({
-            "kind": snap.kind, "step": snap.step, "parent": snap.parent, "precision": snap.precision,
-            "tables": tables_meta, **snap.meta,
-        })  # fmt: skip
-    except BaseException:
-        w.abort()
-        raise
+    w.commit_part(tables)
 
 
-def read_weight(path: Path, name: str, precision: str, n: int, dim: int) -> np.ndarray:
-    base = f"tables/{name}"
+# -- restore ----------------------------------------------------------------------------
+
+
+def _stored_parts(tm: dict[str, Any]) -> list[dict[str, Any]]:
+    """A table's stored parts; a version-1 checkpoint's table is one whole part."""
+    if "parts" in tm:
+        return tm["parts"]
+    return [{"prefix": f"tables/{tm['name']}", "row_lo": 0, "row_hi": tm["num_rows"], "col_lo": 0,
+             "col_hi": tm["dim"], "stored_rows": tm["stored_rows"], "state": tm["state"]}]  # fmt: skip
+
+
+def _read_weight(path: Path, base: str, precision: str, n: int, width: int, sel) -> np.ndarray:
     if precision == "fp32":
-        return read_array(path, f"{base}.weight.f32", np.float32, (n, dim))
+        return np.array(read_array(path, f"{base}.weight.f32", np.float32, (n, width))[sel])
     if precision == "fp16":
-        return read_array(path, f"{base}.weight.f16", np.float16, (n, dim)).astype(np.float32)
-    q = read_array(path, f"{base}.weight.q8", np.uint8, (n, dim))
-    return _dequantize_int8(q, read_array(path, f"{base}.qparams.f32", np.float32, (n, 2)))
+        return read_array(path, f"{base}.weight.f16", np.float16, (n, width))[sel].astype(np.float32)
+    q = read_array(path, f"{base}.weight.q8", np.uint8, (n, width))[sel]
+    return _dequantize_int8(q, read_array(path, f"{base}.qparams.f32", np.float32, (n, 2))[sel])
+
+
+def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, mine) -> None:
+    """Copy the overlap of stored part ``sp`` into each of this rank's ``mine`` parts."""
+    n, width = sp["stored_rows"], sp["col_hi"] - sp["col_lo"]
+    base = sp["prefix"]
+    if incremental:
+        stored_rows = np.array(read_array(path, f"{base}.rows.i64", np.int64, (n,)))
+    for p, storage, first in mine:
+        c0, c1 = max(p.col_lo, sp["col_lo"]), min(p.col_hi, sp["col_hi"])
+        r0, r1 = max(p.row_lo, sp["row_lo"]), min(p.row_hi, sp["row_hi"])
+        if c0 >= c1 or r0 >= r1:
+            continue
+        if incremental:
+            positions = np.nonzero((stored_rows >= r0) & (stored_rows < r1))[0]
+            chunks = [positions[i : i + _CHUNK_ROWS] for i in range(0, len(positions), _CHUNK_ROWS)]
+            rows_of = lambda sel: stored_rows[sel]  # noqa: E731
+        else:
+            lo = r0 - sp["row_lo"]
+            chunks = [slice(a, min(r1 - sp["row_lo"], a + _CHUNK_ROWS))
+                      for a in range(lo, r1 - sp["row_lo"], _CHUNK_ROWS)]  # fmt: skip
+            rows_of = lambda sel: np.arange(sel.start, sel.stop) + sp["row_lo"]  # noqa: E731
+        whole_cols = (c0, c1) == (p.col_lo, p.col_hi)
+        first_col_here = sp["col_lo"] <= p.col_lo < sp["col_hi"]
+        for sel in chunks:
+            table_rows = rows_of(sel)
+            if len(table_rows) == 0:
+                continue
+            idx = torch.from_numpy(table_rows - p.row_lo + first).to(storage.device)
+            weight = torch.from_numpy(
+                _read_weight(path, base, precision, n, width, sel)[:, c0 - sp["col_lo"] : c1 - sp["col_lo"]]
+            )  # fmt: skip
+            if not whole_cols:  # patch some columns of the rows it holds
+                full = storage.read_rows(idx).cpu()
+                full[:, c0 - p.col_lo : c1 - p.col_lo] = weight
+                weight = full
+            storage.write_rows(idx, weight)
+            state = {}
+            current = storage.read_state(idx) if not whole_cols else None
+            for sname, tail in sp["state"].items():
+                arr = torch.from_numpy(np.array(read_array(
+                    path, f"{base}.state_{sname}.f32", np.float32, (n, *tail))[sel]))  # fmt: skip
+                if arr.dim() == 2:  # element-wise state: the same columns as the weight
+                    arr = arr[:, c0 - sp["col_lo"] : c1 - sp["col_lo"]]
+                    if not whole_cols:
+                        cur = current[sname].cpu()
+                        cur[:, c0 - p.col_lo : c1 - p.col_lo] = arr
+                        arr = cur
+                elif not first_col_here:  # row-wise state: from the part of our first column
+                    arr = current[sname].cpu() if current is not None else None
+                if arr is not None:
+                    state[sname] = arr
+            if state:
+                storage.write_state(idx, state)
 
 
 @torch.no_grad()
-def restore(
-    model: DLRM, dense_opt: torch.optim.Optimizer | None, chain: list[Path]
-) -> dict[str, Any]:
-    """Load ``chain`` (a full checkpoint, then increments in order); returns trainer state."""
-    views = {spec.name: (spec, storage, start) for spec, storage, start in _table_views(model)}
+def restore(model, dense_opt: torch.optim.Optimizer | None, chain: list[Path]) -> dict[str, Any]:
+    """Load ``chain`` (a full checkpoint, then increments in order) into the parts this
+    process holds - a whole model, or this rank's shards; returns the trainer state."""
+    ebc = model.embeddings
+    mine_by_name: dict[str, list] = {}
+    for p, storage, first in ebc.local_parts():
+        mine_by_name.setdefault(ebc.tables[p.feature].name, []).append((p, storage, first))
+    specs = {t.name: t for t in ebc.tables}
     trainer: dict[str, Any] = {}
     for path in chain:
         manifest = verify(path)
+        incremental = manifest["kind"] == "incremental"
         for tm in manifest["tables"]:
-            if tm["name"] not in views:
+            spec = specs.get(tm["name"])
+            if spec is None:
                 raise CheckpointError(f"{path}: table {tm['name']} is not in the model")
-            spec, storage, start = views[tm["name"]]
             if (tm["num_rows"], tm["dim"]) != (spec.num_rows, spec.dim):
                 raise CheckpointError(
                     f"{path}: table {tm['name']} is {tm['num_rows']} x {tm['dim']}, the model's is "
                     f"{spec.num_rows} x {spec.dim}"
                 )
-            n = tm["stored_rows"]
-            if manifest["kind"] == "incremental":
-                local = read_array(path, f"tables/{tm['name']}.rows.i64", np.int64, (n,))
-                idx = torch.from_numpy(local) + start
-            else:
-                idx = torch.arange(start, start + spec.num_rows)
-            weight = read_weight(path, tm["name"], manifest["precision"], n, tm["dim"])
-            storage.write_rows(idx, torch.from_numpy(weight))
-            state = {
-                sname: torch.from_numpy(
-                    read_array(
-                        path, f"tables/{tm['name']}.state_{sname}.f32", np.float32, (n, *tail)
-                    )
-                )
-                for sname, tail in tm["state"].items()
-            }
-            storage.write_state(idx, state)
-        dense = torch.load(io.BytesIO((path / "dense.pt").read_bytes()), weights_only=False)
+            for sp in _stored_parts(tm):
+                _apply_stored_part(path, manifest["precision"], incremental, sp,
+                                   mine_by_name.get(tm["name"], []))  # fmt: skip
+        dense = torch.load(io.BytesIO((path / "dense.pt").read_bytes()), weights_only=True)
         unexpected = model.load_state_dict(dense["model"], strict=False).unexpected_keys
         if unexpected:
             raise CheckpointError(f"{path}: dense state has unknown keys {unexpected[:3]}")
-        steps = dense["storage_steps"]
-        if len(steps) != len(model.embeddings.groups):  # written by a sharded run: one count
-            steps = [max(steps)] * len(model.embeddings.groups)
-        for g, s in zip(model.embeddings.groups, steps):
-            g.storage.step.fill_(s)
+        step = dense.get("embedding_step", max(dense.get("storage_steps", [0])))
+        for storage in ebc.storages():
+            storage.step.fill_(step)
         if dense_opt is not None:
             dense_opt.load_state_dict(dense["optimizer"])
         trainer = json.loads((path / "trainer.json").read_text())

@@ -8,8 +8,8 @@ import json
 import sys
 
 from recscale.config.loader import load_config, preset_names
-from recscale.distributed.planning import table_infos
 from recscale.planner import Constraints, PlanError, Topology, plan_sharding
+from recscale.planner.from_config import table_infos
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -24,6 +24,14 @@ SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("auto", "synthetic", "binary")
+# Every list of allowed values lives here, once; the modules that act on them import it.
+# Kernels, in fallback order after "auto": native C (CPU), Triton (GPU), numba (CPU), torch ops.
+KERNELS = ("auto", "native", "triton", "numba", "torch")
+PLACEMENTS = ("device", "host", "ssd")  # where a table's rows live (a storage tier)
+CACHE_POLICIES = ("lfu", "lru")
+CHECKPOINT_PRECISIONS = ("fp32", "fp16", "int8")
+SHARDING_KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+PRECISIONS = ("fp32", "tf32", "bf16")  # train.precision: the MLPs and interaction
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -87,7 +95,7 @@ class ModelConfig:
                     )
         _choice("model.pooling", self.pooling, POOLINGS)
         _choice("model.interaction", self.interaction, INTERACTIONS)
-        _choice("model.kernels", self.kernels, ("auto", "torch", "numba", "native"))
+        _choice("model.kernels", self.kernels, KERNELS)
         for key, mlp in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
             for w in mlp:
                 if w <= 0:
@@ -145,9 +153,9 @@ class EmbeddingConfig:
 
     def validate(self) -> None:
         _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
-        _choice("embedding.placement", self.placement, ("device", "ssd", "host", "auto"))
+        _choice("embedding.placement", self.placement, (*PLACEMENTS, "auto"))
         _positive("embedding.memory_budget_gb", self.memory_budget_gb, allow_zero=True)
-        _choice("embedding.cache_policy", self.cache_policy, ("lfu", "lru"))
+        _choice("embedding.cache_policy", self.cache_policy, CACHE_POLICIES)
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _positive("embedding.lr", self.lr)
         _positive("embedding.eps", self.eps)
@@ -279,10 +287,10 @@ class CheckpointConfig:
             raise ConfigError(
                 "checkpoint.full_if_fraction", f"must be in [0, 1], got {self.full_if_fraction}"
             )
-        _choice("checkpoint.precision", self.precision, ("fp32", "fp16", "int8"))
+        _choice("checkpoint.precision", self.precision, CHECKPOINT_PRECISIONS)
 
 
-SHARDINGS = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise")
+SHARDINGS = ("auto", *SHARDING_KINDS)
 
 
 @dataclass

@@ -5,9 +5,9 @@ Layered above ``modules/`` and ``models/``, which never import it.
 
 from recscale.distributed.context import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.layout import Shard, ShardLayout, build_layout
-from recscale.distributed.model_parallel import shard
-from recscale.distributed.planning import plan_for, table_infos, uniform_plan
+from recscale.distributed.model_parallel import one_rank_plan, shard
 from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
+from recscale.planner.from_config import plan_for, table_infos, uniform_plan
 
 __all__ = [
     "DistContext",
@@ -17,6 +17,7 @@ __all__ = [
     "build_layout",
     "init_distributed",
     "launched_by_torchrun",
+    "one_rank_plan",
     "plan_for",
     "shard",
     "table_infos",

@@ -8,13 +8,20 @@ Sender (every rank, its local batch of B samples)::
                        --sort---->  wire order: (owner, owner's shard order), stable,
                                     so ids stay in sample order within a shard
     lengths [S, B]  ids per (shard, sample) in wire order     -> all_to_all_single
-    values  [n]     storage rows on the owner (v - row_lo + group_row) -> all_to_all_single
+
+    values  [n]     ids local to their shard (v - row_lo)                -> all_to_all_single
     weights [n]     per-id pooling weights (mean pooling, weighted ids), when any
 
 Receiver (the owner of S_me shards) gets, per source rank, its lengths ``[S_me, B]``
 and values, and reorders them from (source, shard, sample) to (shard, source,
-sample): each shard's ids are then one contiguous segment, as the fused backward
-needs (no row in two segments), and each storage group is one slice.
+sample). The result is a :class:`LocalBatch`: an ordinary jagged batch for the
+compute stage, whose "tables" are this rank's shards and whose "samples" are the
+W*B samples of all ranks (sample ``r*B + b`` is sample b of rank r)::
+
+    bag (shard i, source r, sample b) = i * (W*B) + r*B + b       (feature-major, as Batch)
+
+World size 1 with every table whole (``ShardLayout.is_identity``): the batch passes
+through unchanged.
 """
 
 from __future__ import annotations
@@ -28,21 +35,15 @@ from recscale.distributed.layout import ShardLayout
 
 
 @dataclass
-class GroupInput:
-    """The ids one local storage group pools: bags ordered (shard, source rank, sample)."""
+class LocalBatch:
+    """The hand-off from input dist to compute: the jagged ids this rank's shards pool,
+    bags feature-major over (shard, source rank, sample) - see the module doc."""
 
-    rows: torch.Tensor  # [n] storage rows
-    offsets: torch.Tensor  # [S_g * W * B + 1]
-    bag_of_id: torch.Tensor  # [n]
-    segments: torch.Tensor  # [S_g + 1] value boundaries of the shards
-    weights: torch.Tensor | None  # [n]
-
-
-@dataclass
-class DistInput:
-    batch_size: int  # B, the local batch of every rank
-    groups: list[GroupInput]
-    values: torch.Tensor  # the local batch's ``values`` it was made from (identity check)
+    values: torch.Tensor  # [n] ids local to their shard
+    offsets: torch.Tensor  # [S_me * W * B + 1]
+    batch_size: int  # W * B: the compute stage's "batch"
+    weights: torch.Tensor | None  # [n] per-id pooling weights
+    source: torch.Tensor  # the local batch's ``values`` it was made from (identity check)
 
 
 def _all_to_all(out, inp, out_splits, in_splits, group) -> None:
@@ -74,23 +75,16 @@ class InputDist:
         wire_pos = [0] * len(layout.shards)
         for pos, idx in enumerate(wire):
             wire_pos[idx] = pos
-        row_shift = [0] * len(layout.shards)
-        for rs in layout.per_rank:
-            for s, grow in zip(rs.shards, rs.group_row):
-                row_shift[s.index] = grow - s.row_lo
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         self.feature_base = t(base[:-1])
         self.sharded_mask = torch.zeros(nf, dtype=torch.bool, device=device)
         self.sharded_mask[self.sharded_features] = True
         self.block_starts, self.block_first, self.block_count = t(starts), t(first), t(count)
         self.expand = bool(count) and max(count) > 1
-        self.wire_pos, self.row_shift = t(wire_pos), t(row_shift)
+        self.wire_pos = t(wire_pos)
+        self.row_shift = t([-s.row_lo for s in layout.shards])
         self.shards_per_rank = [len(rs.shards) for rs in layout.per_rank]
-        me = layout.per_rank[rank]
-        self.my_groups = []  # (first, last) position of each local group among my shards
-        for g in range(len(me.group_widths)):
-            pos = [i for i, gg in enumerate(me.group_of) if gg == g]
-            self.my_groups.append((pos[0], pos[-1] + 1))
+        self.identity = layout.is_identity
 
     def __call__(
         self,
@@ -99,8 +93,11 @@ class InputDist:
         batch_size: int,
         weights: torch.Tensor | None,
         group: dist.ProcessGroup | None,
-    ) -> DistInput:
-        """``weights``: per-id pooling weights already including mean pooling's 1/len."""
+    ) -> LocalBatch:
+        """``weights``: per-id pooling weights already including mean pooling's 1/len
+        (identity layout: the batch's own weights; the compute stage pools as the model)."""
+        if self.identity:
+            return LocalBatch(values, offsets, batch_size, weights, values)
         b, w, dev = batch_size, self.world, self.device
         batch_values = values
         nf = len(self.layout.num_rows)
@@ -153,10 +150,10 @@ class InputDist:
             if send_w is not None:
                 recv_w = torch.empty(sum(out_splits), dtype=send_w.dtype, device=dev)
                 _all_to_all(recv_w, send_w, out_splits, in_splits, group)
-        return DistInput(b, self._regroup(recv_len, recv_rows, recv_w, s_me, b), batch_values)
+        return self._regroup(recv_len, recv_rows, recv_w, s_me, b, batch_values)
 
-    def _regroup(self, recv_len, recv_rows, recv_w, s_me, b) -> list[GroupInput]:
-        """(source, shard, sample) -> (shard, source, sample), split by storage group."""
+    def _regroup(self, recv_len, recv_rows, recv_w, s_me, b, source) -> LocalBatch:
+        """(source, shard, sample) -> (shard, source, sample)."""
         w, dev = self.world, self.device
         n_bags = w * s_me * b
         starts = torch.cumsum(recv_len, 0) - recv_len
@@ -169,20 +166,5 @@ class InputDist:
             torch.arange(n_bags, device=dev), new_len, output_size=n
         )
         gather = new_start[bag_of_id] + torch.arange(n, device=dev) - offsets[bag_of_id]
-        rows = recv_rows[gather]
         wts = None if recv_w is None else recv_w[gather]
-        out = []
-        per_shard = w * b
-        for lo, hi in self.my_groups:
-            v_lo, v_hi = int(offsets[lo * per_shard]), int(offsets[hi * per_shard])
-            g_off = offsets[lo * per_shard : hi * per_shard + 1] - v_lo
-            out.append(
-                GroupInput(
-                    rows[v_lo:v_hi],
-                    g_off,
-                    bag_of_id[v_lo:v_hi] - lo * per_shard,
-                    g_off[::per_shard].contiguous(),
-                    None if wts is None else wts[v_lo:v_hi],
-                )
-            )
-        return out
+        return LocalBatch(recv_rows[gather], offsets, w * b, wts, source)

@@ -8,11 +8,10 @@ A :class:`Shard` is a rectangle of one table, ``rows [row_lo, row_hi) x cols
     column_wise  one per rank:  all rows, columns split by the plan's ``dims``
     data_parallel no shards:    every rank holds the whole table (``dp_features``)
 
-On its owner, a shard lives in a local storage group with every other shard of the
-same width (``group``), at rows ``[group_row, group_row + row_hi - row_lo)``. Each
-rank's shards are ordered by (group, global shard index): the order both the input
-and output all-to-all use, so sender and receiver agree without telling each other.
-The layout is a pure function of (tables, plan), identical on every rank.
+On its owner, the shards form the tables of one
+:class:`~recscale.modules.EmbeddingBagCollection` (the compute stage), in global
+shard order: the order both all-to-alls use, so sender and receiver agree without
+telling each other. The layout is a pure function of (tables, plan), identical on every rank.
 """
 
 from __future__ import annotations
@@ -44,13 +43,9 @@ class Shard:
 
 @dataclass
 class RankShards:
-    """One rank's shards in wire order, and their place in its storage groups."""
+    """One rank's shards, in wire order (global shard index)."""
 
     shards: list[Shard] = field(default_factory=list)
-    group_widths: list[int] = field(default_factory=list)
-    group_of: list[int] = field(default_factory=list)  # per shard in ``shards``
-    group_row: list[int] = field(default_factory=list)  # first storage row, per shard
-    group_rows: list[int] = field(default_factory=list)  # total rows, per group
 
 
 @dataclass
@@ -64,6 +59,17 @@ class ShardLayout:
     @property
     def world_size(self) -> int:
         return len(self.per_rank)
+
+    @property
+    def is_identity(self) -> bool:
+        """One rank holding every table whole, in table order: both distribution stages
+        have nothing to do (world size 1, the single-process run)."""
+        return (
+            self.world_size == 1
+            and not self.dp_features
+            and [(s.feature, s.row_lo, s.row_hi, s.col_lo, s.col_hi) for s in self.shards]
+            == [(f, 0, n, 0, d) for f, (n, d) in enumerate(zip(self.num_rows, self.dims))]
+        )
 
 
 def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -117,16 +123,5 @@ def build_layout(
             for r, w in zip(p.ranks, p.dims):
                 shards.append(Shard(len(shards), f, p.kind, r, 0, n, c, c + w))
                 c += w
-    per_rank = []
-    for r in range(world):
-        mine = [s for s in shards if s.owner == r]
-        widths = sorted({s.width for s in mine})
-        mine.sort(key=lambda s: (widths.index(s.width), s.index))
-        rs = RankShards(mine, widths, group_rows=[0] * len(widths))
-        for s in mine:
-            g = widths.index(s.width)
-            rs.group_of.append(g)
-            rs.group_row.append(rs.group_rows[g])
-            rs.group_rows[g] += s.num_rows
-        per_rank.append(rs)
+    per_rank = [RankShards([s for s in shards if s.owner == r]) for r in range(world)]
     return ShardLayout(list(num_rows), list(dims), shards, dp, per_rank)

@@ -1,7 +1,10 @@
 """``shard(model, plan, ctx)``: the single-device DLRM made hybrid-parallel from outside.
 
 * ``model.embeddings`` (an :class:`EmbeddingBagCollection`, possibly still on the meta
-  device) is replaced by its sharded twin holding only this rank's shards;
+  device) is replaced by its sharded twin holding only this rank's shards (at world
+  size 1 with a one-rank plan: the whole tables, both distribution stages idle);
+* each table's tier is the plan's (``TablePlacement.placement``: host/ssd with its cache),
+  else the table's own (``embedding.placement``);
 * the rest (bottom/top MLPs, interaction) is wrapped in DistributedDataParallel on
   the ``dense`` group, with every ``embeddings.*`` parameter and buffer excluded
   (they are not replicas: each rank holds different shards).
@@ -12,30 +15,52 @@ The model code never imports this package.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recscale.distributed.context import DistContext
 from recscale.distributed.layout import build_layout
-from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
+from recscale.distributed.sharded_embedding import (
+    ShardedEmbeddingBagCollection,
+    StorageFactory,
+)
 from recscale.models.dlrm import DLRM
-from recscale.planner import ShardingPlan
+from recscale.planner import ShardingPlan, TablePlacement
 
 
-def shard(model: DLRM, plan: ShardingPlan, ctx: DistContext) -> nn.Module:
+def one_rank_plan(names: list[str]) -> ShardingPlan:
+    """World size 1: every table whole on rank 0 (the identity layout)."""
+    return ShardingPlan(1, [TablePlacement(n, "table_wise", [0], {}, {}) for n in names],
+                        [0], [0.0])  # fmt: skip
+
+
+def shard(
+    model: DLRM, plan: ShardingPlan, ctx: DistContext, make_storage: StorageFactory | None = None
+) -> nn.Module:
     """Returns the module to train (DDP-wrapped when ``ctx`` is distributed); ``model``
     itself is changed in place, so ``model.embeddings`` is the sharded collection. The
-    shards take the collection's optimizer, init seed and kernel choice."""
+    shards take the collection's optimizer, init seed and kernel choice; ``make_storage``
+    builds their host/ssd storages (``embedding/placement.py``; needed for those tiers)."""
     if plan.world_size != ctx.world_size:
         raise ValueError(f"plan for {plan.world_size} ranks, job has {ctx.world_size}")
     ebc = model.embeddings
-    tables = ebc.tables
+    by_name = {p.table: p for p in plan.placements}
+    tables = []
+    for t in ebc.tables:
+        p = by_name.get(t.name)
+        if p is not None and p.placement != "device":
+            t = replace(t, placement=p.placement, cache_bytes=p.cache_bytes)
+        tables.append(t)
+    if make_storage is None and any(t.placement != "device" for t in tables):
+        raise ValueError("host/ssd tables need make_storage (embedding.placement.storage_factory)")
     layout = build_layout([t.name for t in tables], [t.num_rows for t in tables],
                           [t.dim for t in tables], plan)  # fmt: skip
     model.embeddings = ShardedEmbeddingBagCollection(
         tables, ebc.pooling, ebc.make_optimizer, layout, ctx,
         seed=ebc.seed, validate_ids=ebc.validate_ids, kernel=ebc.kernel,
+        make_storage=make_storage,
     )  # fmt: skip
     model.to(ctx.device)
     if not ctx.distributed:

@@ -1,17 +1,20 @@
-"""The train pipeline: batch t+1's input all-to-all runs while batch t computes.
+"""The train pipeline: batch t+1's input dist and cache prefetch run while batch t computes.
 
-A background thread takes the next local batch, moves it to the device and runs the
+A background thread takes the next local batch, moves it to the device, runs the
 sharded collection's input dist (bucketize, all-to-all of lengths, ids and weights,
-regroup) on the ``input`` process group, then registers the result; the training
-step's forward finds it ready and goes straight to the lookups. The GIL is released
-inside the collectives and tensor kernels, so the two overlap on a multi-core host
-(on a GPU the same thread would drive its own CUDA stream).
+regroup) on the ``input`` process group, makes its rows resident in any host/ssd
+tier's cache (``prefetch``), and hands the :class:`LocalBatch` over (``enqueue``); the
+training step's forward finds it ready and goes straight to the lookups. The GIL is
+released inside the collectives, file reads and tensor kernels, so the two overlap on
+a multi-core host. At world size 1 the input dist is the identity and only the
+prefetch runs (the pipeline is used there only for tiered tables).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 from recscale.data.batch import Batch
@@ -20,7 +23,7 @@ from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
 _DONE = object()
 
 
-class InputDistPipeline:
+class EmbeddingPipeline:
     """Iterate local batches whose input dist already ran ``ahead`` batches early.
 
     Collectives must match across ranks, so the thread distributes batch t+ahead+1
@@ -40,6 +43,7 @@ class InputDistPipeline:
         self._permits = threading.Semaphore(ahead)
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self.prefetch_seconds = 0.0  # time spent making rows resident (cached tiers)
         self._thread = threading.Thread(target=self._run, name="recscale-input-dist", daemon=True)
         self._thread.start()
 
@@ -56,9 +60,12 @@ class InputDistPipeline:
                     self._queue.put(_DONE)
                     return
                 batch = batch.to(self._device, non_blocking=True)
-                inp = self._ebc.distribute_input(batch.values, batch.offsets, batch.batch_size,
-                                                 batch.weights)  # fmt: skip
-                self._ebc.prefetched(inp)
+                local = self._ebc.distribute_input(batch.values, batch.offsets,
+                                                   batch.batch_size, batch.weights)  # fmt: skip
+                t = time.perf_counter()
+                self._ebc.prefetch(local)
+                self.prefetch_seconds += time.perf_counter() - t
+                self._ebc.enqueue(local)
                 self._queue.put(batch)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._queue.put(e)
@@ -77,3 +84,4 @@ class InputDistPipeline:
         """Stop after the collective in flight (every rank has the same one in flight)."""
         self._stop.set()
         self._thread.join(timeout)
+        self._ebc.clear_ready()

@@ -1,24 +1,36 @@
-"""The sharded twin of :class:`~recscale.modules.EmbeddingBagCollection`.
+"""The sharded twin of :class:`~recscale.modules.EmbeddingBagCollection`: three stages.
 
 Same call, same result: ``(values, offsets, B, weights) -> pooled [B, sum_f D_f]``
 for this rank's local batch, while the tables live where the plan put them::
 
-    local batch --input dist (all-to-all ids)--> owners: shard lookups (fused storage)
-                                                   |
-    pooled [B, sum D] <--output dist (all-to-all pooled vectors)--+
-        + data_parallel tables: looked up locally from a full replica
+    local Batch --input dist--> LocalBatch --compute--> [W*B, X_me] --output dist--> [B, sum D]
+                (ids to owners)  (jagged ids   (an Embedding-    (pooled rows back
+                                  of my shards) BagCollection     to the samples'
+                                                over my shards)   ranks)
+      + data_parallel tables: a second collection over full replicas, looked up locally
 
-Output assembly per shard: table_wise copies, column_wise places its columns,
-row_wise adds its partial sum. Backward is the reverse all-to-all of the pooled
-gradients, then each owner's fused sparse optimizer on its rows. Gradients are
-divided by the world size: each rank's loss is a mean over its B samples, and the
-model is trained on the mean over all W*B (as DistributedDataParallel averages the
-dense gradients). Replicated tables all-reduce a dense gradient with a touched-row
-count and all apply the same update to the rows any rank touched.
+* input dist (``input_dist.py``): bucketize ids by owning shard, all-to-all; hands the
+  compute stage a :class:`LocalBatch` - an ordinary jagged batch whose tables are this
+  rank's shards and whose W*B samples are every rank's.
+* compute: today's single-device ``EmbeddingBagCollection`` (fused lookup, fused
+  sparse-optimizer backward, native / Triton kernels, every storage tier), built over
+  the shards: each shard is one of its tables, initialised (and checkpointed) by its
+  place in the model table (``TablePart``).
+* output dist (``output_dist.py``): all-to-all of pooled vectors back; its backward is
+  the reverse all-to-all, after which the compute stage's own backward applies the
+  sparse optimizer where the rows live.
+
+World size 1 is the same pipeline with a one-rank plan (``ShardLayout.is_identity``):
+both distribution stages hand their input through, and the compute stage *is* the
+single-device collection over whole tables - same kernels, same speed.
+
+Replicated (data_parallel) tables all-reduce a dense gradient with a touched-row count
+and apply the same update on every rank (``AllReducedStorage``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -26,17 +38,20 @@ import torch.distributed as dist
 from torch import nn
 
 from recscale.distributed.context import DistContext
-from recscale.distributed.input_dist import DistInput, InputDist
-from recscale.distributed.layout import Shard, ShardLayout
+from recscale.distributed.input_dist import InputDist, LocalBatch
+from recscale.distributed.layout import ShardLayout
+from recscale.distributed.output_dist import OutputDist
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import DeviceStorage, per_id_gradients
+from recscale.embedding.storage import DeviceStorage, RowStorage, per_id_gradients
 from recscale.modules.embedding_bag_collection import (
     EmbeddingBagCollection,
+    TablePart,
     TableSpec,
     check_ids,
-    init_table_rows,
     pooling_weights,
 )
+
+StorageFactory = Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
 
 
 class AllReducedStorage(DeviceStorage):
@@ -65,16 +80,18 @@ class AllReducedStorage(DeviceStorage):
         self.apply_gradients(touched, buf[touched, : self.dim] / self.world_size)
 
 
-class _ShardedPooling(torch.autograd.Function):
+class _OutputDistFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, placeholder, dp_pooled, module, inp: DistInput):
-        ctx.module, ctx.inp = module, inp
-        return module._forward_pooled(inp, dp_pooled)
+    def forward(ctx, placeholder, pooled, dp_pooled, module, batch_size):
+        ctx.module, ctx.batch_size = module, batch_size
+        ctx.has_pooled = pooled.requires_grad
+        return module.output_dist.forward(pooled, dp_pooled, batch_size, module.ctx.embed)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_dp = ctx.module._backward_pooled(ctx.inp, grad_out)
-        return None, grad_dp, None, None
+        m = ctx.module
+        grad_local, grad_dp = m.output_dist.backward(grad_out, ctx.batch_size, m.ctx.embed)
+        return None, (grad_local if ctx.has_pooled else None), grad_dp, None, None
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -88,30 +105,40 @@ class ShardedEmbeddingBagCollection(nn.Module):
         seed: int = 0,
         validate_ids: bool = True,
         kernel: str = "auto",
+        make_storage: StorageFactory | None = None,
     ) -> None:
+        """``tables``: the model's tables (a table's ``placement`` and ``cache_bytes``
+        carry over to its shards, the cache split by rows). ``make_storage`` builds a
+        compute group's storage for host/ssd shards (see ``embedding/placement.py``)."""
         super().__init__()
         self.tables, self.pooling, self.layout, self.ctx = list(tables), pooling, layout, ctx
         self.validate_ids = validate_ids
+        self.identity = layout.is_identity
         dev = ctx.device
         self.placeholder = nn.Parameter(torch.zeros(0, device=dev))
         self.register_buffer(
             "table_sizes", torch.tensor([t.num_rows for t in tables], device=dev), persistent=False
         )
-        col = [0]
-        for t in tables:
-            col.append(col[-1] + t.dim)
-        self.col_base, self.output_dim = col[:-1], col[-1]
-        me = layout.per_rank[ctx.rank]
-        self.my_shards = me.shards
-        self.storages = nn.ModuleList(
-            DeviceStorage(n, w, make_optimizer(), dev, kernel)
-            for n, w in zip(me.group_rows, me.group_widths)
-        )
-        for s, g, grow in zip(me.shards, me.group_of, me.group_row):
-            weight = self.storages[g].weight
+        mine = layout.per_rank[ctx.rank].shards
+        specs, parts = [], []
+        for s in mine:
             t = tables[s.feature]
-            init_table_rows(weight[grow : grow + s.num_rows], seed, s.feature, t.num_rows, t.dim,
-                            s.row_lo, s.row_hi, s.col_lo, s.col_hi)  # fmt: skip
+            name = t.name if self.identity else f"{t.name}.{s.kind}{s.index}"
+            cache = t.cache_bytes * s.num_rows // max(t.num_rows, 1)
+            specs.append(TableSpec(name, s.num_rows, s.width, t.placement, cache))
+            parts.append(TablePart(s.feature, s.kind, s.row_lo, s.row_hi, s.col_lo, s.col_hi,
+                                   t.num_rows, t.dim))  # fmt: skip
+        # The compute stage. Identity: it pools as the model (mean pooling, id checks);
+        # else the senders did both, and it sum-pools the weights they sent.
+        self.compute = (
+            EmbeddingBagCollection(
+                specs, pooling if self.identity else "sum", make_optimizer,
+                validate_ids=validate_ids and self.identity, device=dev, seed=seed,
+                kernel=kernel, make_storage=make_storage, parts=parts,
+            )  # fmt: skip
+            if mine
+            else None
+        )
         self.dp_features = list(layout.dp_features)
         self.dp = None
         if self.dp_features:
@@ -120,49 +147,46 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 validate_ids=False, device=dev, seed=seed, kernel=kernel,
                 make_storage=lambda n, d, opt, _tables: AllReducedStorage(
                     n, d, opt, dev, kernel, ctx.embed, ctx.world_size),
-                init_ids=self.dp_features,
+                parts=[TablePart(f, "data_parallel", 0, tables[f].num_rows, 0, tables[f].dim,
+                                 tables[f].num_rows, tables[f].dim) for f in self.dp_features],
             )  # fmt: skip
-        # Columns of the replicated tables in the local pooled output and in the model's.
-        dp_in = [0]
-        for f in self.dp_features:
-            dp_in.append(dp_in[-1] + tables[f].dim)
-        self._dp_cols = [(f, dp_in[i], self.col_base[f], tables[f].dim)
-                         for i, f in enumerate(self.dp_features)]  # fmt: skip
         self.input_dist = InputDist(layout, ctx.rank, dev)
-        # Where each shard's pooled block lands in the receive buffer (elements per sample).
-        self._recv_base = []
-        base = 0
-        for rs in layout.per_rank:
-            for s in rs.shards:
-                self._recv_base.append((s, base))
-                base += s.width
-        self._recv_width = base
-        self._send_width = sum(s.width for s in me.shards)
-        self._per_rank_width = [sum(s.width for s in rs.shards) for rs in layout.per_rank]
-        self._ready: dict[int, DistInput] = {}
+        self.output_dist = OutputDist(layout, ctx.rank, dev)
+        self._ready: deque[LocalBatch] = deque()
 
     @property
     def num_features(self) -> int:
         return len(self.tables)
 
-    def local_parts(self, include_replicas: bool = True):
-        """This rank's pieces of the tables, each ``(shard, storage, first storage row)``:
-        the owned shards, then (``include_replicas``) a whole-table pseudo-shard for every
-        replicated table. Checkpoints and tests read and write rows through these."""
-        me = self.layout.per_rank[self.ctx.rank]
-        for s, g, grow in zip(me.shards, me.group_of, me.group_row):
-            yield s, self.storages[g], grow
-        if include_replicas and self.dp is not None:
-            for i, f in enumerate(self.dp_features):
-                t = self.tables[f]
-                g = self.dp.groups[int(self.dp.group_of_feature[i])]
-                s = Shard(-1, f, "data_parallel", self.ctx.rank, 0, t.num_rows, 0, t.dim)
-                yield s, g.storage, int(self.dp.feature_row_offset[i])
+    @property
+    def output_dim(self) -> int:
+        return self.output_dist.output_dim
 
-    # -- input ---------------------------------------------------------------------
-    def distribute_input(self, values, offsets, batch_size, weights=None) -> DistInput:
-        """Run the input all-to-all for a local batch (the train pipeline calls this ahead,
-        on its own thread and process group)."""
+    def collections(self) -> list[EmbeddingBagCollection]:
+        return [c for c in (self.compute, self.dp) if c is not None]
+
+    def storages(self) -> list[RowStorage]:
+        """Every storage of this rank: the shards' groups, then the replicas'."""
+        return [s for c in self.collections() for s in c.storages()]
+
+    def tiered(self) -> bool:
+        return any(c.tiered() for c in self.collections())
+
+    def local_parts(self, include_replicas: bool = True):
+        """This rank's pieces of the tables, each ``(TablePart, storage, first storage
+        row)``: the owned shards, then (``include_replicas``) every replicated table.
+        Checkpoints and tests read and write rows through these."""
+        if self.compute is not None:
+            yield from self.compute.local_parts()
+        if include_replicas and self.dp is not None:
+            yield from self.dp.local_parts()
+
+    # -- stage 1: input dist -----------------------------------------------------------
+    def distribute_input(self, values, offsets, batch_size, weights=None) -> LocalBatch:
+        """Run the input dist for a local batch (the train pipeline calls this ahead, on
+        its own thread and process group, then hands the result over with ``enqueue``)."""
+        if self.identity:
+            return self.input_dist(values, offsets, batch_size, weights, None)
         lengths = offsets[1:] - offsets[:-1]
         bag_of_id = torch.repeat_interleave(
             torch.arange(lengths.shape[0], device=values.device),
@@ -175,26 +199,56 @@ class ShardedEmbeddingBagCollection(nn.Module):
         psw = pooling_weights(self.pooling, lengths, bag_of_id, weights)
         return self.input_dist(values, offsets, batch_size, psw, self.ctx.input)
 
-    def prefetched(self, inp: DistInput) -> None:
-        """Register an input already distributed for the batch whose ``values`` it holds."""
-        self._ready[id(inp.values)] = inp
+    def prefetch(self, local: LocalBatch) -> None:
+        """Make a distributed batch's rows resident in the cached tiers ahead of its lookup."""
+        if self.compute is not None and self.compute.tiered():
+            self.compute.prefetch(local.values, local.offsets, local.batch_size)
 
-    # -- forward / backward ----------------------------------------------------------
+    def enqueue(self, local: LocalBatch) -> None:
+        """Hand over a batch already distributed: the forward of the batch whose ``values``
+        it was made from takes it (batches arrive in order, so a FIFO)."""
+        self._ready.append(local)
+
+    def clear_ready(self) -> None:
+        self._ready.clear()
+        for s in self.storages():
+            s.clear_prefetch()
+
+    def _local_batch(self, values, offsets, batch_size, weights) -> LocalBatch:
+        if self._ready and self._ready[0].source is values:
+            return self._ready.popleft()
+        return self.distribute_input(values, offsets, batch_size, weights)
+
+    # -- stages 2 and 3: compute, output dist --------------------------------------------
     def forward(self, values, offsets, batch_size, weights=None) -> torch.Tensor:
-        inp = self._ready.pop(id(values), None)
-        if inp is None or inp.values is not values:
-            inp = self.distribute_input(values, offsets, batch_size, weights)
-        dp_pooled = None
-        if self.dp is not None:
-            v, o, w = self._dp_subset(values, offsets, batch_size, weights)
-            dp_pooled = self.dp(v, o, batch_size, w)
-        if torch.is_grad_enabled() and self.placeholder.requires_grad:
-            return _ShardedPooling.apply(self.placeholder, dp_pooled, self, inp)
-        return self._forward_pooled(inp, dp_pooled)
+        """``[B, sum_f D_f]`` for this rank's local batch."""
+        local = self._local_batch(values, offsets, batch_size, weights)
+        if self.identity:
+            return self.compute(local.values, local.offsets, local.batch_size, local.weights)
+        return self._distributed(local, values, offsets, batch_size, weights)
 
     def pooled_by_feature(self, values, offsets, batch_size, weights=None) -> torch.Tensor:
-        """``[B, F, D]`` like the unsharded collection's (here a view of ``[B, F*D]``)."""
-        return self(values, offsets, batch_size, weights).view(batch_size, self.num_features, -1)
+        """``[B, F, D]`` like the unsharded collection's (the identity layout: its very
+        output, without copies; else a view of ``[B, F*D]``)."""
+        local = self._local_batch(values, offsets, batch_size, weights)
+        if self.identity:
+            return self.compute.pooled_by_feature(local.values, local.offsets,
+                                                  local.batch_size, local.weights)  # fmt: skip
+        out = self._distributed(local, values, offsets, batch_size, weights)
+        return out.view(batch_size, self.num_features, -1)
+
+    def _distributed(self, local: LocalBatch, values, offsets, b, weights) -> torch.Tensor:
+        if self.compute is not None:
+            pooled = self.compute(local.values, local.offsets, local.batch_size, local.weights)
+        else:
+            pooled = torch.zeros(local.batch_size, 0, device=self.ctx.device)
+        dp_pooled = None
+        if self.dp is not None:
+            v, o, w = self._dp_subset(values, offsets, b, weights)
+            dp_pooled = self.dp(v, o, b, w)
+        if torch.is_grad_enabled() and self.placeholder.requires_grad:
+            return _OutputDistFn.apply(self.placeholder, pooled, dp_pooled, self, b)
+        return self.output_dist.forward(pooled, dp_pooled, b, self.ctx.embed)
 
     def _dp_subset(self, values, offsets, b, weights):
         vs, os_, ws, total = [], [offsets.new_zeros(1)], [], 0
@@ -206,64 +260,3 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 ws.append(weights[lo:hi])
             total += hi - lo
         return torch.cat(vs), torch.cat(os_), (torch.cat(ws) if weights is not None else None)
-
-    def _forward_pooled(self, inp: DistInput, dp_pooled) -> torch.Tensor:
-        b, w, dev = inp.batch_size, self.ctx.world_size, self.ctx.device
-        parts = []
-        with torch.no_grad():
-            for storage, g in zip(self.storages, inp.groups):
-                pooled = storage.lookup(g.rows, g.offsets, g.weights)  # [S_g * W * B, width]
-                parts.append(pooled.view(-1, w, b * storage.dim).transpose(0, 1).reshape(w, -1))
-            send = torch.cat(parts, 1).reshape(-1) if parts else torch.zeros(0, device=dev)
-            recv = torch.empty(b * self._recv_width, device=dev)
-            if self.ctx.embed is not None:
-                dist.all_to_all_single(recv, send, [b * x for x in self._per_rank_width],
-                                       [b * self._send_width] * w, group=self.ctx.embed)  # fmt: skip
-            else:
-                recv.copy_(send)
-            out = torch.zeros(b, self.output_dim, device=dev)
-            for s, base in self._recv_base:
-                block = recv[b * base : b * (base + s.width)].view(b, s.width)
-                c = self.col_base[s.feature] + s.col_lo
-                out[:, c : c + s.width] += block
-            if dp_pooled is not None:
-                for _f, c_in, c_out, d in self._dp_cols:
-                    out[:, c_out : c_out + d] = dp_pooled[:, c_in : c_in + d]
-        return out
-
-    @torch.no_grad()
-    def _backward_pooled(self, inp: DistInput, grad_out: torch.Tensor):
-        b, w, dev = inp.batch_size, self.ctx.world_size, self.ctx.device
-        grad_out = grad_out.contiguous()
-        pieces = []
-        for s, _ in self._recv_base:  # wire order: by owner, then the owner's shard order
-            c = self.col_base[s.feature] + s.col_lo
-            pieces.append(grad_out[:, c : c + s.width].reshape(-1))
-        send = torch.cat(pieces) if pieces else torch.zeros(0, device=dev)
-        recv = torch.empty(w * b * self._send_width, device=dev)
-        if self.ctx.embed is not None:
-            dist.all_to_all_single(recv, send, [b * self._send_width] * w,
-                                   [b * x for x in self._per_rank_width], group=self.ctx.embed)  # fmt: skip
-        else:
-            recv.copy_(send)
-        recv = recv.view(w, -1).div_(w)
-        start = 0
-        for storage, g in zip(self.storages, inp.groups):
-            n_shards = g.segments.shape[0] - 1
-            width = n_shards * b * storage.dim
-            grad = (
-                recv[:, start : start + width]
-                .reshape(w, n_shards, b, storage.dim)
-                .transpose(0, 1)
-                .reshape(-1, storage.dim)
-            )
-            start += width
-            if g.rows.numel() > 0:
-                storage.apply_pooled_gradients(g.rows, g.segments, g.bag_of_id, g.weights, grad)
-            else:  # keep the step count (Adam's bias correction) in line with the unsharded model
-                storage.apply_gradients(g.rows, grad[:0])
-        if not self.dp_features:
-            return None
-        return torch.cat(
-            [grad_out[:, c_out : c_out + d] for _f, _c_in, c_out, d in self._dp_cols], 1
-        )

@@ -42,11 +42,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
+from recscale.config.schema import CACHE_POLICIES as POLICIES
+from recscale.embedding import kernels
+from recscale.embedding.cpu_kernels import fused_update_cpu
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
-
-POLICIES = ("lfu", "lru")
 
 
 def _remove(path: Path) -> None:
@@ -322,6 +322,9 @@ class CachedStorage(RowStorage):
     def track_dirty(self, enabled: bool) -> None:
         self.dirty = torch.zeros(self.num_rows, dtype=torch.bool) if enabled else None
 
+    def cache_stats(self) -> CacheStats:
+        return self.stats
+
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
         with self._lock:
@@ -331,11 +334,21 @@ class CachedStorage(RowStorage):
                 raise RuntimeError("a row was evicted between its lookup and its update")
             if self.dirty is not None:
                 self.dirty[rows] = True
-            if self.kernel != "torch" and numba_supports(self.cache_weight, self.optimizer):
+            kernel = kernels.choose(self.kernel, "backward", self.cache_weight, self.dim)
+            if kernel in ("native", "numba"):
                 self.step += 1
                 fused_update_cpu(self.optimizer, self.cache_weight, self.cache_state, slots, segments,
                                  bag_of_id, per_sample_weights, grad_pooled, int(self.step),
-                                 self.cache_dirty, allow_native=self.kernel != "numba")  # fmt: skip
+                                 self.cache_dirty, allow_native=kernel == "native")  # fmt: skip
+            elif kernel == "triton":  # the host tier's cache in GPU memory
+                from recscale.embedding import triton_kernels
+
+                self.step += 1
+                slots_dev = slots.to(self.device)
+                triton_kernels.fused_update(self.optimizer, self.cache_weight, self.cache_state,
+                                            slots_dev, bag_of_id, per_sample_weights, grad_pooled,
+                                            int(self.step))  # fmt: skip
+                self.cache_dirty[slots] = True
             else:
                 grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
                 unique, summed = merge_duplicate_rows(slots.to(grad_ids.device), grad_ids)

@@ -41,8 +41,10 @@ class _FusedLookup(torch.autograd.Function):
     def backward(ctx, grad_pooled):
         rows, bag_of_id, segments, psw = ctx.saved_tensors
         # A storage with ``always_apply`` (a replica that all-reduces) joins every step.
-        if rows.numel() > 0 or getattr(ctx.storage, "always_apply", False):
+        if rows.numel() > 0 or ctx.storage.always_apply:
             ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
+        else:  # every backward is one optimizer step (Adam's bias correction counts them)
+            ctx.storage.step += 1
         return None, None, None, None, None, None, None, None
 
 

@@ -12,6 +12,11 @@ optimizer's per-row state. The lookup kernel only ever calls:
 * ``read_rows`` / ``write_rows``, ``read_state`` / ``write_state``
                                                  -> raw access (checkpoints, tests)
 
+Abilities are declared, never probed: ``tier`` (device | host | ssd), ``always_apply``
+(joins a collective every step, ids or not), ``prefetch`` / ``clear_prefetch`` /
+``flush`` / ``cache_stats`` (no-ops / None unless a tier has a slow level), and
+``track_dirty`` + ``dirty`` (rows updated since the last checkpoint).
+
 :class:`DeviceStorage` keeps everything in one tensor on the compute device. Other
 tiers (host memory under a GPU, SSD under a cache) implement the same interface,
 so models never change with placement.
@@ -25,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recscale import native
-from recscale.embedding.cpu_kernels import fused_update_cpu, numba_supports
+from recscale.embedding import kernels
+from recscale.embedding.cpu_kernels import fused_update_cpu
 from recscale.embedding.optimizers import SparseOptimizer
 
-KERNELS = ("auto", "torch", "numba", "native")  # native: the numba kernels here
+KERNELS = kernels.KERNELS
 
 
 def merge_duplicate_rows(
@@ -55,6 +60,29 @@ def per_id_gradients(
 class RowStorage(nn.Module, ABC):
     num_rows: int
     dim: int
+    tier: str = "device"  # where the rows live: device | host | ssd (config.schema.PLACEMENTS)
+    always_apply: bool = False  # a replica whose update joins a collective every step
+    dirty: torch.Tensor | None = None  # [num_rows] bool while tracking (see track_dirty)
+
+    def track_dirty(self, enabled: bool) -> None:
+        """Keep a per-row flag of rows updated since the flags were last cleared
+        (incremental checkpoints write only those rows)."""
+        self.dirty = (
+            torch.zeros(self.num_rows, dtype=torch.bool, device=self.device) if enabled else None
+        )
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Make a coming batch's ``rows`` fast to reach (a tier with a cache); default: nothing."""
+
+    def clear_prefetch(self) -> None:
+        """Forget prefetched batches that will not be looked up; default: nothing."""
+
+    def flush(self) -> None:
+        """Write cached changes back to the slow tier (before a checkpoint); default: nothing."""
+
+    def cache_stats(self):
+        """Hit/miss counters of a cached tier (``CacheStats``), or None."""
+        return None
 
     @abstractmethod
     def lookup(
@@ -130,8 +158,8 @@ class DeviceStorage(RowStorage):
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.num_rows, self.dim, self.optimizer, self.kernel = num_rows, dim, optimizer, kernel
         self.register_buffer("weight", torch.empty(num_rows, dim, device=device))
+        # The step count stays on the CPU: read every step (Adam), never a device sync.
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
-        self.dirty: torch.Tensor | None = None
         self.state_names = []
         for name, shape in optimizer.state_shapes(dim).items():
             t = torch.full((num_rows, *shape), optimizer.init_value(name), device=device)
@@ -147,10 +175,15 @@ class DeviceStorage(RowStorage):
 
     def native_lookup_table(self) -> torch.Tensor | None:
         w = self.weight
-        ok = self.kernel in ("auto", "native") and w.is_contiguous()
-        return w if ok and native.applies(w, self.dim, max_dim=128) else None
+        if self.kernel not in ("auto", "native"):
+            return None
+        return w if kernels.choose(self.kernel, "lookup", w, self.dim, 128) == "native" else None
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        if kernels.choose(self.kernel, "lookup", self.weight, self.dim) == "triton":
+            from recscale.embedding import triton_kernels
+
+            return triton_kernels.pooled_lookup(self.weight, rows, offsets, per_sample_weights)
         return F.embedding_bag(
             rows,
             self.weight,
@@ -160,37 +193,32 @@ class DeviceStorage(RowStorage):
             include_last_offset=True,
         )
 
-    def track_dirty(self, enabled: bool) -> None:
-        """Keep a per-row flag of rows updated since the flags were last cleared
-        (incremental checkpoints write only those rows)."""
-        self.dirty = (
-            torch.zeros(self.num_rows, dtype=torch.bool, device=self.weight.device)
-            if enabled
-            else None
-        )
-
-    def uses_fused_cpu_kernel(self) -> bool:
-        """``auto`` picks the numba kernel for fp32 CPU storage, the torch path elsewhere."""
-        if self.kernel == "torch":
-            return False
-        supported = numba_supports(self.weight, self.optimizer)
-        if self.kernel == "numba" and not supported:
-            raise RuntimeError("embedding.kernel=numba needs numba and fp32 CPU storage")
-        return supported
+    def backward_kernel(self) -> str:
+        """Which kernel runs the fused backward (see ``embedding/kernels.py``)."""
+        return kernels.choose(self.kernel, "backward", self.weight, self.dim)
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        if not self.uses_fused_cpu_kernel():
+        kernel = self.backward_kernel()
+        if kernel == "torch":
             if self.dirty is not None:
                 self.dirty.index_fill_(0, rows, True)
             return super().apply_pooled_gradients(
                 rows, segments, bag_of_id, per_sample_weights, grad_pooled
             )
         self.step += 1
+        if kernel == "triton":
+            from recscale.embedding import triton_kernels
+
+            triton_kernels.fused_update(
+                self.optimizer, self.weight, self.optimizer_state(), rows, bag_of_id,
+                per_sample_weights, grad_pooled, int(self.step), self.dirty,
+            )  # fmt: skip
+            return
         fused_update_cpu(
             self.optimizer, self.weight, self.optimizer_state(), rows, segments, bag_of_id,
             per_sample_weights, grad_pooled, int(self.step), self.dirty,
-            allow_native=self.kernel != "numba",
+            allow_native=kernel == "native",
         )  # fmt: skip
 
     @torch.no_grad()

@@ -7,49 +7,16 @@ jagged ids -> EmbeddingBagCollection -> [B, F*D]+
 
 from __future__ import annotations
 
-import math
-import tempfile
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
-from recscale.embedding.cached_storage import CachedStorage
 from recscale.embedding.optimizers import build_sparse_optimizer
-from recscale.embedding.storage import DeviceStorage
+from recscale.embedding.placement import row_bytes, storage_factory
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.interaction import CatInteraction, DotInteraction
 from recscale.modules.mlp import MLP
-
-
-def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
-    """Bytes of one row with its optimizer state (fp32)."""
-    shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
-    return 4 * (dim + sum(max(1, math.prod(s)) for s in shapes))
-
-
-def storage_factory(cfg: EmbeddingConfig, device: torch.device | None, kernel: str):
-    """Device tables in a :class:`DeviceStorage`; ssd tables in a :class:`CachedStorage`
-    (one file per dim under ``cfg.ssd_dir``, a temp dir when empty) whose cache holds
-    the group's tables' ``cache_bytes``."""
-    root = Path(cfg.ssd_dir) if cfg.ssd_dir else None
-
-    def make(num_rows: int, dim: int, optimizer, tables: list[TableSpec]):
-        nonlocal root
-        if tables[0].placement == "device":
-            return DeviceStorage(num_rows, dim, optimizer, device, kernel)
-        rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
-        if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
-            return CachedStorage(num_rows, dim, optimizer, None, rows, policy=cfg.cache_policy,
-                                 kernel=kernel, device=device)  # fmt: skip
-        if root is None:
-            root = Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
-        return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
-                             policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
-
-    return make
 
 
 def table_specs(

@@ -39,6 +39,33 @@ class TableSpec:
     cache_bytes: int = 0  # ssd: the table's share of the hot-row cache
 
 
+@dataclass(frozen=True)
+class TablePart:
+    """The rectangle of a model table that one table of a collection holds: rows
+    ``[row_lo, row_hi)`` x columns ``[col_lo, col_hi)`` of model table ``feature``
+    (``kind``: table_wise for a whole table, else the sharding kind that cut it).
+    Initial weights are drawn for the rectangle's place in the model table, and
+    checkpoints write and read rows by it, so any cut of a table initialises,
+    saves and restores to the values the whole table has."""
+
+    feature: int
+    kind: str
+    row_lo: int
+    row_hi: int
+    col_lo: int
+    col_hi: int
+    table_rows: int  # rows of the whole model table (the init's bound depends on it)
+    table_dim: int  # its dim (the init draws whole rows, then keeps the part's columns)
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_hi - self.row_lo
+
+    @property
+    def width(self) -> int:
+        return self.col_hi - self.col_lo
+
+
 def _chunk_seed(seed: int, feature: int, chunk: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + feature * 0xBF58476D1CE4E5B9 + chunk) % (1 << 63)
 
@@ -109,7 +136,8 @@ def pooling_weights(
 
 
 class _Group(nn.Module):
-    def __init__(self, features: list[int], tables: list[TableSpec], storage: RowStorage) -> None:
+    def __init__(self, features: list[int], tables: list[TableSpec], storage: RowStorage,
+                 device: torch.device | None = None) -> None:  # fmt: skip
         super().__init__()
         self.features = features
         self.dim = tables[features[0]].dim
@@ -118,7 +146,8 @@ class _Group(nn.Module):
         for f in features:
             offsets.append(offsets[-1] + tables[f].num_rows)
         self.register_buffer(
-            "row_offsets", torch.tensor(offsets[:-1], dtype=torch.int64), persistent=False
+            "row_offsets", torch.tensor(offsets[:-1], dtype=torch.int64, device=device),
+            persistent=False,
         )
 
 
@@ -134,13 +163,13 @@ class EmbeddingBagCollection(nn.Module):
         kernel: str = "auto",
         make_storage: Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
         | None = None,
-        init_ids: list[int] | None = None,
+        parts: list[TablePart] | None = None,
     ) -> None:
         """Tables are grouped by (dim, placement). ``make_storage(rows, dim, optimizer,
         tables)`` builds a group's storage (default: a :class:`DeviceStorage` on
-        ``device``; it is required for tables not placed on the device). ``init_ids``:
-        the index each table's initial weights are drawn under (default its position;
-        a collection holding a subset of a model's tables passes their model indices)."""
+        ``device``; it is required for tables not placed on the device). ``parts``: which
+        rectangle of which model table each table is (default: table i is the whole model
+        table i); a collection over shards, or over a subset of a model's tables, says so."""
         super().__init__()
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be sum or mean, got {pooling!r}")
@@ -148,13 +177,19 @@ class EmbeddingBagCollection(nn.Module):
         self.pooling = pooling
         # Kept so that distributed.shard can build the same storages, shard by shard.
         self.make_optimizer, self.seed, self.kernel = make_optimizer, seed, kernel
-        self.init_ids = list(init_ids) if init_ids is not None else list(range(len(tables)))
+        self.parts = list(parts) if parts is not None else [
+            TablePart(f, "table_wise", 0, t.num_rows, 0, t.dim, t.num_rows, t.dim)
+            for f, t in enumerate(tables)
+        ]  # fmt: skip
         self.validate_ids = validate_ids
+        # Index buffers live beside the ids they index (the compute device; a model built
+        # with its tables on the meta device keeps them on the CPU).
+        idx_dev = None if device is None or torch.device(device).type == "meta" else device
         # Zero-size parameter that makes autograd call the fused backward (see embedding/lookup.py).
         self.placeholder = nn.Parameter(torch.zeros(0, device=device))
         self.register_buffer(
             "table_sizes",
-            torch.tensor([t.num_rows for t in tables], dtype=torch.int64),
+            torch.tensor([t.num_rows for t in tables], dtype=torch.int64, device=idx_dev),
             persistent=False,
         )
         by_dim: dict[tuple[int, str], list[int]] = {}
@@ -170,19 +205,21 @@ class EmbeddingBagCollection(nn.Module):
                 if make_storage is not None
                 else DeviceStorage(rows, dim, make_optimizer(), device, kernel)
             )
-            group = _Group(features, tables, storage)
+            group = _Group(features, tables, storage, idx_dev)
             self._init_weights(group, seed)
             self.groups.append(group)
             for i, f in enumerate(features):
                 group_of_feature[f], local_index[f] = g, i
-        self.register_buffer("group_of_feature", torch.tensor(group_of_feature), persistent=False)
+        self.register_buffer("group_of_feature", torch.tensor(group_of_feature, device=idx_dev),
+                             persistent=False)  # fmt: skip
         # Per-feature row offset into its group's storage.
         row_offset = [
             int(self.groups[group_of_feature[f]].row_offsets[local_index[f]])
             for f in range(len(tables))
         ]
         self.register_buffer(
-            "feature_row_offset", torch.tensor(row_offset, dtype=torch.int64), persistent=False
+            "feature_row_offset", torch.tensor(row_offset, dtype=torch.int64, device=idx_dev),
+            persistent=False,
         )
 
     @torch.no_grad()
@@ -192,17 +229,17 @@ class EmbeddingBagCollection(nn.Module):
             return
         start = 0
         for f in group.features:
-            n = self.tables[f].num_rows
-            if isinstance(storage, DeviceStorage):
-                init_table_rows(storage.weight[start : start + n], seed, self.init_ids[f], n,
-                                group.dim, 0, n, 0, group.dim)  # fmt: skip
-            else:  # another tier: through write_rows, a chunk at a time
+            n, p = self.tables[f].num_rows, self.parts[f]
+            rect = (p.row_lo, p.row_hi, p.col_lo, p.col_hi)
+            if isinstance(storage, DeviceStorage) and storage.device.type == "cpu":
+                init_table_rows(storage.weight[start : start + n], seed, p.feature, p.table_rows,
+                                p.table_dim, *rect)  # fmt: skip
+            else:  # a GPU or another tier: drawn on the CPU, written a chunk at a time
                 for lo in range(0, n, _INIT_CHUNK_ROWS):
                     hi = min(n, lo + _INIT_CHUNK_ROWS)
                     chunk = torch.empty(hi - lo, group.dim)
-                    init_table_rows(
-                        chunk, seed, self.init_ids[f], n, group.dim, lo, hi, 0, group.dim
-                    )
+                    init_table_rows(chunk, seed, p.feature, p.table_rows, p.table_dim,
+                                    p.row_lo + lo, p.row_lo + hi, p.col_lo, p.col_hi)  # fmt: skip
                     storage.write_rows(torch.arange(start + lo, start + hi), chunk)
             start += n
 
@@ -214,10 +251,24 @@ class EmbeddingBagCollection(nn.Module):
     def output_dim(self) -> int:
         return sum(t.dim for t in self.tables)
 
+    def storages(self) -> list[RowStorage]:
+        return [g.storage for g in self.groups]
+
+    def tiered(self) -> bool:
+        """Whether any table lives behind a cache (host or ssd tier)."""
+        return any(g.storage.tier != "device" for g in self.groups)
+
+    def local_parts(self):
+        """Each table's ``(TablePart, storage, first storage row)``: checkpoints and tests
+        read and write rows through these (see :class:`TablePart`)."""
+        for f in range(len(self.tables)):
+            group = self.groups[int(self.group_of_feature[f])]
+            yield self.parts[f], group.storage, int(self.feature_row_offset[f])
+
     def prefetch(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> None:
         """Bring a coming batch's rows into every cached storage ahead of its lookup
         (storages without a slow tier have nothing to do)."""
-        groups = [(i, g) for i, g in enumerate(self.groups) if hasattr(g.storage, "prefetch")]
+        groups = [(i, g) for i, g in enumerate(self.groups) if g.storage.tier != "device"]
         if not groups:
             return
         lengths = offsets[1:] - offsets[:-1]

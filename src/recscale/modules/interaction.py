@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from recscale import native
+from recscale.config.schema import KERNELS
 from recscale.modules import dot_interaction_cpu
 
-KERNELS = ("auto", "torch", "numba", "native")
 # The top MLP's first GEMM runs ~15% faster when its input width is a multiple of 8
 # (367 -> 368 for config A on AVX2); the pad columns are always zero, so their weights
 # never receive a gradient and the model is mathematically the unpadded one.

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+from recscale.config.schema import SHARDING_KINDS
+
+KINDS = SHARDING_KINDS
 
 
 @dataclass(frozen=True)

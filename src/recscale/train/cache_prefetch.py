@@ -1,4 +1,6 @@
-"""The prefetch pipeline for embeddings on the ssd tier (``embedding.placement=ssd``).
+"""Cache prefetch for a single-device collection on a host/ssd tier (the throughput
+benchmark; training runs the same prefetch inside ``distributed.pipeline``), and the
+cache statistics of any collection.
 
 While step t computes, a background thread takes batch t+1 and makes its rows
 resident in the hot-row cache (reading misses from the file, evicting and writing
@@ -35,13 +37,13 @@ class CachePrefetcher:
         return iter(Prefetcher(self._run(), depth=self._ahead))
 
     def close(self) -> None:
-        for g in self._ebc.groups:
-            if hasattr(g.storage, "clear_prefetch"):
-                g.storage.clear_prefetch()
+        for s in self._ebc.storages():
+            s.clear_prefetch()
 
 
 def cached_storages(ebc) -> list:
-    return [g.storage for g in getattr(ebc, "groups", []) if hasattr(g.storage, "stats")]
+    """The storages with a cache (host/ssd tiers) of a collection, sharded or not."""
+    return [s for s in ebc.storages() if s.cache_stats() is not None]
 
 
 def cache_report(ebc, prefetch_seconds: float, wait_seconds: float) -> dict | None:
@@ -51,7 +53,7 @@ def cache_report(ebc, prefetch_seconds: float, wait_seconds: float) -> dict | No
         return None
     total: dict[str, float] = {}
     for st in storages:
-        for k, v in st.stats.as_dict().items():
+        for k, v in st.cache_stats().as_dict().items():
             total[k] = total.get(k, 0) + v
     total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 1.0
     total["cache_rows"] = sum(st.cache_rows for st in storages)
@@ -64,7 +66,7 @@ def cache_report(ebc, prefetch_seconds: float, wait_seconds: float) -> dict | No
 def hit_rate_since(ebc, last: tuple[int, int]) -> tuple[float, tuple[int, int]]:
     """Hit rate of the lookups since ``last`` (lookups, hits), and the new totals."""
     storages = cached_storages(ebc)
-    lookups = sum(st.stats.lookups for st in storages)
-    hits = sum(st.stats.hits for st in storages)
+    lookups = sum(st.cache_stats().lookups for st in storages)
+    hits = sum(st.cache_stats().hits for st in storages)
     d = lookups - last[0]
     return ((hits - last[1]) / d if d else 1.0), (lookups, hits)

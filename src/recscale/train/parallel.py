@@ -1,6 +1,7 @@
-"""What ``train()`` does differently on more than one rank (world size 1 skips all of it).
+"""Building and stepping the model the same way at every world size.
 
-* build the model with its tables on the meta device, plan, and ``shard`` it;
+* build the model with its tables on the meta device, plan, and ``shard`` it (world
+  size 1: a one-rank plan, whole tables);
 * each rank takes its slice ``[r B/W, (r+1) B/W)`` of every global batch;
 * one all-reduce per step of (loss, stop flag): the logged loss is the global mean,
   a NaN anywhere stops every rank before any update, and a time limit hit on one
@@ -11,7 +12,9 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,35 +23,55 @@ from torch import nn
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
-from recscale.distributed import DistContext, plan_for, shard
-from recscale.distributed.planning import default_memory_per_rank
+from recscale.distributed import DistContext, one_rank_plan, shard
+from recscale.embedding.placement import storage_factory
 from recscale.models.dlrm import DLRM, build_model
 from recscale.planner import PlanError, ShardingPlan
+from recscale.planner.from_config import auto_placements, default_memory_per_rank, plan_for
 
 
-def build_sharded(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
-                  ) -> tuple[DLRM, nn.Module, ShardingPlan]:  # fmt: skip
+def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
+          ) -> tuple[DLRM, nn.Module, ShardingPlan]:  # fmt: skip
+    """The model every rank trains, at any world size: build it with its tables on the
+    meta device, plan, and ``shard`` it (world size 1: the one-rank plan, whole tables,
+    idle distribution stages - unless a plan or a sharding kind is asked for). Returns
+    (model, the module to call - DDP-wrapped on several ranks -, plan)."""
     w = ctx.world_size
     if cfg.train.batch_size % w:
         raise ConfigError(
             "train.batch_size", f"{cfg.train.batch_size} does not divide across {w} ranks"
         )
-    gb = cfg.distributed.memory_per_rank_gb
-    memory = int(gb * 1e9) if gb else default_memory_per_rank(ctx.device, w)
-    try:
-        plan = plan_for(cfg, w, memory)
-    except PlanError as e:
-        raise ConfigError("distributed.memory_per_rank_gb", str(e)) from e
+    e, d = cfg.embedding, cfg.distributed
+    placements = None
+    if e.placement == "auto" and w == 1:  # the planner's tiers for one process
+        placements = auto_placements(cfg, echo)
+    if w == 1 and not d.plan and d.sharding == "auto":
+        plan = one_rank_plan([f"C{i + 1}" for i in range(len(cfg.model.table_sizes))])
+    else:
+        gb = d.memory_per_rank_gb
+        memory = int(gb * 1e9) if gb else default_memory_per_rank(ctx.device, w)
+        ssd = 0
+        if e.placement == "auto":  # several ranks: the planner places tiers per rank
+            Path(e.ssd_dir).mkdir(parents=True, exist_ok=True)
+            ssd = int(shutil.disk_usage(e.ssd_dir).free * 0.9) // w
+        try:
+            plan = plan_for(cfg, w, memory, ssd_per_rank=ssd)
+        except PlanError as err:
+            raise ConfigError("distributed.memory_per_rank_gb", str(err)) from err
     model = build_model(cfg.model, cfg.embedding, device=ctx.device, seed=cfg.train.seed,
-                        materialize_embeddings=False)  # fmt: skip
-    module = shard(model, plan, ctx)
-    kinds: dict[str, int] = {}
-    for p in plan.placements:
-        kinds[p.kind] = kinds.get(p.kind, 0) + 1
-    mem = plan.memory_per_rank
-    echo(f"recscale: {w} ranks; sharding " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-         + (f"; planned embedding memory per rank {min(mem) / 1e9:.3f}-{max(mem) / 1e9:.3f} GB"
-            if any(mem) else ""))  # fmt: skip
+                        materialize_embeddings=False, placements=placements)  # fmt: skip
+    make_storage = storage_factory(e, ctx.device, cfg.model.kernels,
+                                   subdir=f"rank{ctx.rank:05d}" if w > 1 else "")  # fmt: skip
+    module = shard(model, plan, ctx, make_storage)
+    if w > 1:
+        kinds: dict[str, int] = {}
+        for p in plan.placements:
+            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        mem = plan.memory_per_rank
+        tiers = sorted({p.placement for p in plan.placements} - {"device"})
+        echo(f"recscale: {w} ranks; sharding " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+             + (f"; planned embedding memory per rank {min(mem) / 1e9:.3f}-{max(mem) / 1e9:.3f} GB"
+                if any(mem) else "") + (f"; tiers {', '.join(tiers)}" if tiers else ""))  # fmt: skip
     return model, module, plan
 
 
@@ -64,18 +87,30 @@ def reduce_step(loss_value: float, stop: bool, ctx: DistContext) -> tuple[float,
 
 
 @torch.no_grad()
-def evaluate_distributed(module: nn.Module, batches: Iterable[Batch], ctx: DistContext
-                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """All predictions and labels of the eval set, on every rank."""
+def predict(module: nn.Module, batches: Iterable[Batch], ctx: DistContext
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """All predictions and labels of the eval set, on every rank (each scores its slice
+    of every batch; the slices are all-gathered)."""
+    was_training = module.training
+    module.eval()
+    try:
+        return _predict(module, batches, ctx)
+    finally:
+        module.train(was_training)
+
+
+def _predict(module, batches, ctx) -> tuple[torch.Tensor, torch.Tensor]:
     w, r = ctx.world_size, ctx.rank
     logits, labels = [], []
     for b in batches:
         n = -(-b.batch_size // w)  # ceil: the last rank's slice is padded
         lo, hi = min(r * n, b.batch_size), min((r + 1) * n, b.batch_size)
-        local = b.slice(lo, hi).pad(n).to(ctx.device)
+        local = b.slice(lo, hi).pad(n).to(ctx.device) if w > 1 else b.to(ctx.device)
         out = module(local).float()
-        gathered = [torch.empty_like(out) for _ in range(w)]
-        dist.all_gather(gathered, out, group=ctx.dense)
-        logits.append(torch.cat(gathered).cpu()[: b.batch_size])
+        if w > 1:
+            gathered = [torch.empty_like(out) for _ in range(w)]
+            dist.all_gather(gathered, out, group=ctx.dense)
+            out = torch.cat(gathered)
+        logits.append(out.cpu()[: b.batch_size])
         labels.append(b.labels.cpu())
     return torch.cat(logits), torch.cat(labels)

@@ -12,8 +12,8 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.models.dlrm import row_bytes
-from recscale.planner import (
+from recscale.embedding.placement import row_bytes
+from recscale.planner.plan import (
     Constraints,
     PlanError,
     ShardingPlan,
@@ -64,8 +64,11 @@ def default_memory_per_rank(device: torch.device, local_world: int) -> int:
     return total // (2 * max(local_world, 1))
 
 
-def plan_for(cfg: Config, world_size: int, memory_per_rank: int) -> ShardingPlan:
-    """The plan a job runs: a plan file, one kind for all tables, or the planner's."""
+def plan_for(
+    cfg: Config, world_size: int, memory_per_rank: int, ssd_per_rank: int = 0
+) -> ShardingPlan:
+    """The plan a job runs: a plan file, one kind for all tables, or the planner's
+    (``ssd_per_rank`` > 0: with an ssd tier for the tables that do not fit)."""
     d = cfg.distributed
     tables = table_infos(cfg)
     if d.plan:
@@ -81,7 +84,7 @@ def plan_for(cfg: Config, world_size: int, memory_per_rank: int) -> ShardingPlan
         return plan
     if d.sharding != "auto":
         return uniform_plan(tables, world_size, d.sharding)
-    topo = Topology(world_size, memory_per_rank)
+    topo = Topology(world_size, memory_per_rank, ssd_per_rank=ssd_per_rank)
     return plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
 
 

@@ -1,0 +1,55 @@
+"""Where a table's rows live: the storage tier of each table group, and its size.
+
+``placement`` (``config.schema.PLACEMENTS``) per table::
+
+    device   a DeviceStorage in the compute device's memory (CPU RAM or GPU HBM)
+    host     a CachedStorage: rows in host memory (pinned under CUDA), a hot-row cache
+             on the compute device - a GPU run's tables larger than its memory
+    ssd      a CachedStorage: rows in a file, a hot-row cache in memory
+
+The planner decides placements (``planner/``); this module only builds storages.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from recscale.config.schema import EmbeddingConfig
+from recscale.embedding.cached_storage import CachedStorage
+from recscale.embedding.optimizers import build_sparse_optimizer
+from recscale.embedding.storage import DeviceStorage
+
+
+def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
+    """Bytes of one row with its optimizer state (fp32)."""
+    shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
+    return 4 * (dim + sum(max(1, math.prod(s)) for s in shapes))
+
+
+def storage_factory(
+    cfg: EmbeddingConfig, device: torch.device | None, kernel: str, subdir: str = ""
+):
+    """Device tables in a :class:`DeviceStorage`; ssd tables in a :class:`CachedStorage`
+    (one file per dim under ``cfg.ssd_dir``/``subdir`` - each rank its own - or a temp
+    dir when empty) whose cache holds the group's tables' ``cache_bytes``. Returns
+    ``make(num_rows, dim, optimizer, tables)``."""
+    root = Path(cfg.ssd_dir) / subdir if cfg.ssd_dir else None
+
+    def make(num_rows: int, dim: int, optimizer, tables: list):
+        nonlocal root
+        if tables[0].placement == "device":
+            return DeviceStorage(num_rows, dim, optimizer, device, kernel)
+        rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
+        if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
+            return CachedStorage(num_rows, dim, optimizer, None, rows, policy=cfg.cache_policy,
+                                 kernel=kernel, device=device)  # fmt: skip
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
+        return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
+                             policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
+
+    return make

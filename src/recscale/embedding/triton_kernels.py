@@ -1,0 +1,182 @@
+"""Triton kernels for the GPU embedding path: the table-batched pooled lookup, and the
+fused backward that merges duplicate ids and applies the sparse optimizer to the
+touched rows only (no dense table gradient, as FBGEMM's TBE does on GPUs).
+
+Optional (``pip install -e '.[gpu]'``); the torch-ops path is the fallback and the
+reference they are tested against. Under ``TRITON_INTERPRET=1`` the same kernels run
+on CPU tensors, which is how CI tests them without a GPU. Written for Triton >= 3.6
+(what ships beside torch 2.11 on the GPU machines we measure on).
+
+Lookup, ``BLOCK_B`` bags x ``BLOCK_D`` columns per program::
+
+    rows [N] (global storage rows), offsets [num_bags + 1], psw [N] (optional)
+    out[bag, :] = sum_{i in [offsets[bag], offsets[bag+1])} psw[i] * weight[rows[i], :]
+
+Backward, ``BLOCK_U`` distinct rows per program. The host sorts the ids by row
+(``torch.sort``; ties keep any order) and cuts the sorted list into one segment per
+distinct row::
+
+    unique [U]      distinct rows, ascending
+    seg    [U + 1]  segment u holds sorted positions [seg[u], seg[u+1])
+    order  [N]      sorted position -> original id index
+    g_u = sum over the segment of grad_pooled[bag_of_id[i], :] * psw[i]   (registers)
+    then SGD / row-wise Adagrad / Adam on weight[unique[u]] and its state, in place.
+
+Every distinct row is owned by one program, so updates never race.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SGD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2
+
+
+@triton.jit
+def _pooled_lookup_kernel(
+    weight_ptr, rows_ptr, offsets_ptr, psw_ptr, out_ptr, num_bags, D,
+    HAS_PSW: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bmask = bags < num_bags
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    start = tl.load(offsets_ptr + bags, mask=bmask, other=0)
+    length = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0) - start
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    for j in range(0, tl.max(length, axis=0)):
+        valid = j < length
+        row = tl.load(rows_ptr + start + j, mask=valid, other=0)
+        m2 = valid[:, None] & cmask[None, :]
+        v = tl.load(weight_ptr + row[:, None] * D + cols[None, :], mask=m2, other=0.0)
+        if HAS_PSW:
+            v = v * tl.load(psw_ptr + start + j, mask=valid, other=0.0)[:, None]
+        acc += v
+    out = out_ptr + bags.to(tl.int64)[:, None] * D + cols[None, :]
+    tl.store(out, acc, mask=bmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _fused_update_kernel(
+    weight_ptr, s1_ptr, s2_ptr, unique_ptr, seg_ptr, order_ptr, bag_ptr, psw_ptr, grad_ptr,
+    dirty_ptr, U, D, lr, eps, b1, b2, step_size,
+    OPT: tl.constexpr, HAS_PSW: tl.constexpr, HAS_DIRTY: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    us = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    umask = us < U
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    lo = tl.load(seg_ptr + us, mask=umask, other=0)
+    count = tl.load(seg_ptr + us + 1, mask=umask, other=0) - lo
+    g = tl.zeros([BLOCK_U, BLOCK_D], dtype=tl.float32)
+    for j in range(0, tl.max(count, axis=0)):
+        valid = j < count
+        idx = tl.load(order_ptr + lo + j, mask=valid, other=0)
+        bag = tl.load(bag_ptr + idx, mask=valid, other=0)
+        gv = tl.load(grad_ptr + bag[:, None] * D + cols[None, :],
+                     mask=valid[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+        if HAS_PSW:
+            gv = gv * tl.load(psw_ptr + idx, mask=valid, other=0.0)[:, None]
+        g += gv
+    row = tl.load(unique_ptr + us, mask=umask, other=0)
+    m2 = umask[:, None] & cmask[None, :]
+    w_ptrs = weight_ptr + row[:, None] * D + cols[None, :]
+    w = tl.load(w_ptrs, mask=m2, other=0.0)
+    if OPT == 0:
+        w = w - lr * g
+    elif OPT == 1:
+        acc = tl.load(s1_ptr + row, mask=umask, other=0.0) + tl.sum(g * g, axis=1) / D
+        tl.store(s1_ptr + row, acc, mask=umask)
+        w = w - (lr / (tl.sqrt(acc) + eps))[:, None] * g
+    else:
+        m_ptrs = s1_ptr + row[:, None] * D + cols[None, :]
+        v_ptrs = s2_ptr + row[:, None] * D + cols[None, :]
+        m = tl.load(m_ptrs, mask=m2, other=0.0) * b1 + (1.0 - b1) * g
+        v = tl.load(v_ptrs, mask=m2, other=0.0) * b2 + (1.0 - b2) * g * g
+        tl.store(m_ptrs, m, mask=m2)
+        tl.store(v_ptrs, v, mask=m2)
+        w = w - step_size * m / (tl.sqrt(v) + eps)
+    tl.store(w_ptrs, w, mask=m2)
+    if HAS_DIRTY:
+        tl.store(dirty_ptr + row, tl.full([BLOCK_U], 1, tl.uint8), mask=umask)
+
+
+def _blocks(dim: int, budget: int = 4096) -> tuple[int, int]:
+    """(rows per program, padded dim): about ``budget`` elements of registers a program."""
+    block_d = triton.next_power_of_2(dim)
+    return max(1, min(64, budget // block_d)), block_d
+
+
+def pooled_lookup(
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Sum-pooled ``[len(offsets) - 1, D]`` (``F.embedding_bag(mode="sum",
+    include_last_offset=True)`` semantics; empty bags give zeros)."""
+    num_bags, dim = offsets.shape[0] - 1, weight.shape[1]
+    out = torch.empty(num_bags, dim, device=weight.device, dtype=torch.float32)
+    if num_bags == 0:
+        return out
+    block_b, block_d = _blocks(dim)
+    psw = per_sample_weights
+    _pooled_lookup_kernel[(triton.cdiv(num_bags, block_b),)](
+        weight, rows.contiguous(), offsets.contiguous(),
+        psw.contiguous() if psw is not None else rows, out, num_bags, dim,
+        HAS_PSW=psw is not None, BLOCK_B=block_b, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
+
+
+def fused_update(
+    optimizer,
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    bag_of_id: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    grad_pooled: torch.Tensor,
+    step: int,
+    dirty: torch.Tensor | None = None,
+) -> None:
+    """The fused embedding backward on ``weight`` / ``state`` (see the module doc);
+    ``step`` is the optimizer's step count for Adam's bias correction. Marks the touched
+    rows in ``dirty`` (bool ``[rows]``) when given."""
+    from recscale.embedding.optimizers import SparseAdam, SparseRowwiseAdagrad, SparseSGD
+
+    n, dim = rows.shape[0], weight.shape[1]
+    if n == 0:
+        return
+    sorted_rows, order = torch.sort(rows)
+    unique, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    u = unique.shape[0]
+    seg = torch.zeros(u + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(counts, 0, out=seg[1:])
+    lr, eps, b1, b2, step_size = float(optimizer.lr), 0.0, 0.0, 0.0, 0.0
+    s1 = s2 = weight  # unused pointers for SGD
+    if isinstance(optimizer, SparseSGD):
+        opt = SGD
+    elif isinstance(optimizer, SparseRowwiseAdagrad):
+        opt, eps, s1 = ROWWISE_ADAGRAD, optimizer.eps, state["sum"]
+    elif isinstance(optimizer, SparseAdam):
+        opt, eps, b1, b2 = ADAM, optimizer.eps, optimizer.beta1, optimizer.beta2
+        step_size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+        s1, s2 = state["exp_avg"], state["exp_avg_sq"]
+    else:
+        raise TypeError(f"no Triton update for {type(optimizer).__name__}")
+    block_u, block_d = _blocks(dim)
+    psw = per_sample_weights
+    _fused_update_kernel[(triton.cdiv(u, block_u),)](
+        weight, s1, s2, unique, seg, order, bag_of_id.contiguous(),
+        psw.contiguous() if psw is not None else rows, grad_pooled.contiguous(),
+        dirty.view(torch.uint8) if dirty is not None else rows, u, dim,
+        lr, eps, b1, b2, step_size,
+        OPT=opt, HAS_PSW=psw is not None, HAS_DIRTY=dirty is not None,
+        BLOCK_U=block_u, BLOCK_D=block_d,
+    )  # fmt: skip
