@@ -1,5 +1,23 @@
+import os
+
 import pytest
 import torch
+
+# The device the tests train on: RECSCALE_TEST_DEVICE (cpu unless set; `cuda` on a GPU
+# machine). It pins train.device=auto, in this process and in every CLI subprocess.
+os.environ.setdefault("RECSCALE_TEST_DEVICE", "cpu")
+# Without a GPU, Triton kernels run through Triton's interpreter on CPU tensors (must be
+# set before any kernel is defined, i.e. before recscale.embedding.triton_kernels loads).
+if os.environ["RECSCALE_TEST_DEVICE"] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    dev = torch.device(os.environ["RECSCALE_TEST_DEVICE"])
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("RECSCALE_TEST_DEVICE=cuda but no CUDA device")
+    return dev
 
 
 @pytest.fixture(autouse=True)

@@ -172,3 +172,41 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     mgr.save(first_step + steps, {"step": first_step + steps})
     mgr.wait()
     torch.distributed.destroy_process_group()
+
+
+def checkpoint_memory(root: str, big_rows: int) -> dict:
+    """A 2-rank checkpoint where rank 1 holds one big table and rank 0 only small ones:
+    returns rank 0's peak memory growth during the save and the part files each wrote."""
+    import resource
+    from pathlib import Path
+
+    from recscale.checkpoint.manager import CheckpointManager
+    from recscale.config import CheckpointConfig
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"), timeout_s=60)
+    cfg = parity_config("rowwise_adagrad")
+    cfg.model.table_sizes = [big_rows] + cfg.model.table_sizes[1:]
+    names = [t.name for t in table_infos(cfg)]
+    plan = ShardingPlan.from_dict({
+        "world_size": 2, "memory_per_rank": [0, 0], "cost_per_rank": [0.0, 0.0],
+        "placements": [{"table": n, "kind": "table_wise", "ranks": [1 if i == 0 else 0],
+                        "memory_per_rank": {}, "cost_per_rank": {}} for i, n in enumerate(names)],
+    })  # fmt: skip
+    model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+    module = shard(model, plan, ctx)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    batches, _ = global_batches(cfg, 1, 64)
+    local = batches[0].slice(ctx.rank * 32, (ctx.rank + 1) * 32)
+    F.binary_cross_entropy_with_logits(module(local), local.labels).backward()
+    opt.step()
+    mgr = CheckpointManager(CheckpointConfig(every_steps=1, async_write=False), Path(root), model,
+                            opt, {"plan": plan.to_dict()}, ctx)  # fmt: skip
+    with open("/proc/self/statm") as f:
+        rss_before = int(f.read().split()[1]) * resource.getpagesize()
+    mgr.save(1, {"step": 1})
+    mgr.wait()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.distributed.barrier(group=ctx.dense)
+    torch.distributed.destroy_process_group()
+    return {"growth": peak - rss_before, "rank": ctx.rank}

@@ -89,3 +89,23 @@ def test_killed_rank_fails_the_job(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path: Path):
+    """Tiers under sharding: each rank's shards on its own file and cache; the same AUC
+    as one process with the same placement; the final checkpoint resumes."""
+    tier = ["--embedding.placement=ssd", f"--embedding.ssd_dir={tmp_path / 'ssd'}",
+            "--embedding.cache_bytes=150000", "--train.steps=60"]  # fmt: skip
+    run = tmp_path / "run"
+    out = subprocess.run(TORCHRUN + _free_port_args() + ARGS + tier + ["--run-dir", str(run)],
+                         capture_output=True, text=True, env=_env(), timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["embedding_cache"]["lookups"] > 0
+    assert metrics["embedding_cache"]["hit_rate"] < 1.0  # the cache is smaller than the tables
+    assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["rank00000", "rank00001"]
+    cfg = load_config("debug", ARGS[5:] + tier + ["--train.save_model=false"])
+    cfg.embedding.ssd_dir = str(tmp_path / "ssd1")
+    single = train(cfg, None, echo=lambda _m: None)
+    assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
+    assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)

@@ -248,14 +248,18 @@ class TrainConfig:
     log_every: int = 50
     # Stop after this many seconds of training even if steps remain (0 = no limit).
     max_seconds: float = 0.0
-    # Write the trained model to RUN_DIR/model.pt (for `recscale eval`).
+    # Write the trained model as a final checkpoint in RUN_DIR/checkpoints (for `recscale eval`).
     save_model: bool = True
+    # Arithmetic of the MLPs and the interaction: fp32, tf32 (CUDA: TF32 tensor-core
+    # GEMMs), or bf16 (autocast; fp32 master weights, tables and optimizer state).
+    precision: str = "fp32"
 
     def validate(self) -> None:
         _positive("train.batch_size", self.batch_size)
         _positive("train.steps", self.steps)
         _positive("train.eval_batch_size", self.eval_batch_size)
         _choice("train.device", self.device, DEVICES)
+        _choice("train.precision", self.precision, PRECISIONS)
         _positive("train.threads", self.threads, allow_zero=True)
         _positive("train.log_every", self.log_every)
         _positive("train.max_seconds", self.max_seconds, allow_zero=True)

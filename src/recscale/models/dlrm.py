@@ -130,4 +130,7 @@ def build_model(
     materialize_embeddings: bool = True,
     placements: list[tuple[str, int]] | None = None,
 ) -> DLRM:
-    return DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings, placements)
+    model = DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings, placements)
+    if device is not None and materialize_embeddings:
+        model.to(device)  # the index buffers of the interaction too
+    return model

@@ -52,8 +52,8 @@ class DotInteraction(nn.Module):
     def _fused(self, x: torch.Tensor):
         """The fused Function to run, or None for the torch path. ``auto``: native C
         kernels where they apply, else numba, else torch."""
-        if self.kernel == "torch":
-            return None
+        if self.kernel == "torch" or torch.is_autocast_enabled(x.device.type):
+            return None  # (under autocast the torch ops, which autocast casts to bf16)
         if self.kernel in ("auto", "native"):
             if native.applies(x, self.dim):
                 return dot_interaction_cpu.NativeDotInteraction

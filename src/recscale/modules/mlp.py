@@ -110,7 +110,9 @@ class MLP(nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fused:
+        # Under autocast (train.precision=bf16) the plain layers: autocast casts each GEMM
+        # (the fused node's hand-written backward assumes one dtype throughout).
+        if not self.fused or torch.is_autocast_enabled(x.device.type):
             return self.layers(x)
         params = [p for m in self.layers if isinstance(m, nn.Linear) for p in (m.weight, m.bias)]
         return _FusedMLP.apply(x, self.final_activation, *params)

@@ -44,6 +44,7 @@ from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
+from recscale.train.precision import autocast, set_matmul_precision
 from recscale.train.progress import Progress
 
 
@@ -52,8 +53,15 @@ class TrainingDiverged(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU. The test suite pins ``auto`` with
+    ``RECSCALE_TEST_DEVICE`` (cpu by default), so ``RECSCALE_TEST_DEVICE=cuda pytest``
+    runs every training test on the GPU and a plain ``pytest`` stays on the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        pinned = os.environ.get("RECSCALE_TEST_DEVICE")
+        if pinned:
+            name = pinned
+        else:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is available")
     return torch.device(name)
@@ -131,6 +139,7 @@ def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
 def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
     t = cfg.train
     torch.manual_seed(t.seed)
+    set_matmul_precision(t.precision)
     threads = t.threads or available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
     torch.set_num_threads(threads)
     if ctx is None:
@@ -222,8 +231,9 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
             out_of_time = bool(t.max_seconds) and time.perf_counter() - start >= t.max_seconds
             step += 1
             batch = batch.to(ctx.device, non_blocking=True)
-            logits = job.module(batch)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            with autocast(t.precision, ctx.device):
+                logits = job.module(batch)
+            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
             # the global mean loss; every rank stops together (see parallel.py)
             loss_value, stop = reduce_step(float(loss.detach()), out_of_time, ctx)
             if stop and math.isfinite(loss_value):
@@ -295,7 +305,8 @@ def evaluate_job(job: Job) -> dict[str, float] | None:
     """Exact metrics over the whole eval set (every rank scores its slice); None when
     interrupted."""
     try:
-        return binary_metrics(*predict(job.module, eval_batches(job.cfg), job.ctx))
+        with autocast(job.cfg.train.precision, job.ctx.device):
+            return binary_metrics(*predict(job.module, eval_batches(job.cfg), job.ctx))
     except KeyboardInterrupt:
         return None
 
