@@ -108,7 +108,9 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path):
     data = bytearray(victim.read_bytes())
     data[5] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"C3\.r0-\d+\.c0-\d+\.weight\.f32: checksum mismatch"):
+    with pytest.raises(
+        CheckpointError, match=r"C3\.r0-\d+\.c0-\d+\.weight\.f32: checksum mismatch"
+    ):
         verify(newest)
     messages = []
     chain = resolve_chain(tmp_path, echo=messages.append)

@@ -180,7 +180,12 @@ class CheckpointManager:
         self.stats.stall_seconds += capture_s
         manifest = {"kind": kind, "step": step, "parent": snap.parent, "precision": snap.precision,
                     "table_order": snap.table_order, **self.meta}  # fmt: skip
-        is_main, world, token, rank = self.ctx.is_main, self.ctx.world_size, self._token, self.ctx.rank
+        is_main, world, token, rank = (
+            self.ctx.is_main,
+            self.ctx.world_size,
+            self._token,
+            self.ctx.rank,
+        )
 
         def run() -> None:
             t = time.perf_counter()
@@ -202,7 +207,13 @@ class CheckpointManager:
             setattr(self.stats, kind, getattr(self.stats, kind) + 1)
             self.stats.last = name
             self.stats.history.append(
-                {"name": name, "kind": kind, "bytes": on_disk, "capture_s": capture_s, "write_s": secs}
+                {
+                    "name": name,
+                    "kind": kind,
+                    "bytes": on_disk,
+                    "capture_s": capture_s,
+                    "write_s": secs,
+                }
             )
 
         if self.cfg.async_write and not snap.streamed:

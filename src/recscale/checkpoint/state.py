@@ -222,7 +222,9 @@ def _read_weight(path: Path, base: str, precision: str, n: int, width: int, sel)
     if precision == "fp32":
         return np.array(read_array(path, f"{base}.weight.f32", np.float32, (n, width))[sel])
     if precision == "fp16":
-        return read_array(path, f"{base}.weight.f16", np.float16, (n, width))[sel].astype(np.float32)
+        return read_array(path, f"{base}.weight.f16", np.float16, (n, width))[sel].astype(
+            np.float32
+        )
     q = read_array(path, f"{base}.weight.q8", np.uint8, (n, width))[sel]
     return _dequantize_int8(q, read_array(path, f"{base}.qparams.f32", np.float32, (n, 2))[sel])
 

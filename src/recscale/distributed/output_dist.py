@@ -83,8 +83,9 @@ class OutputDist:
         output, gradient of the replicated tables' ``[B, sum D_dp]``)."""
         b, w = batch_size, self.world
         blocks = [  # per destination rank r: the [B, X_r] columns of its shards
-            torch.cat([grad_out[:, c_out : c_out + width] for _c, c_out, width in cols], 1)
-            .reshape(-1)
+            torch.cat([grad_out[:, c_out : c_out + width] for _c, c_out, width in cols], 1).reshape(
+                -1
+            )
             for cols in self.blocks
             if cols
         ]

@@ -132,9 +132,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # else the senders did both, and it sum-pools the weights they sent.
         self.compute = (
             EmbeddingBagCollection(
-                specs, pooling if self.identity else "sum", make_optimizer,
-                validate_ids=validate_ids and self.identity, device=dev, seed=seed,
-                kernel=kernel, make_storage=make_storage, parts=parts,
+                specs,
+                pooling if self.identity else "sum",
+                make_optimizer,
+                validate_ids=validate_ids and self.identity,
+                device=dev,
+                seed=seed,
+                kernel=kernel,
+                make_storage=make_storage,
+                parts=parts,
             )  # fmt: skip
             if mine
             else None

@@ -146,7 +146,8 @@ class _Group(nn.Module):
         for f in features:
             offsets.append(offsets[-1] + tables[f].num_rows)
         self.register_buffer(
-            "row_offsets", torch.tensor(offsets[:-1], dtype=torch.int64, device=device),
+            "row_offsets",
+            torch.tensor(offsets[:-1], dtype=torch.int64, device=device),
             persistent=False,
         )
 
@@ -218,7 +219,8 @@ class EmbeddingBagCollection(nn.Module):
             for f in range(len(tables))
         ]
         self.register_buffer(
-            "feature_row_offset", torch.tensor(row_offset, dtype=torch.int64, device=idx_dev),
+            "feature_row_offset",
+            torch.tensor(row_offset, dtype=torch.int64, device=idx_dev),
             persistent=False,
         )
 

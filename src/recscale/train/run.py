@@ -198,7 +198,9 @@ def _announce(job: Job) -> None:
     )
     if (ctx.device.type == "cpu" and cfg.model.kernels in ("auto", "native")
             and native.library() is None):  # fmt: skip
-        job.echo(f"recscale: native CPU kernels unavailable ({native.status()}); using numba (slower)")
+        job.echo(
+            f"recscale: native CPU kernels unavailable ({native.status()}); using numba (slower)"
+        )
 
 
 def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
@@ -377,7 +379,9 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
         metrics["checkpoints"] = {"saved": st.saved, "full": st.full, "incremental": st.incremental,
                                   "bytes": st.bytes, "stall_s": st.stall_seconds, "write_s": st.write_seconds,
                                   "last": st.last, "history": st.history}  # fmt: skip
-    echo(f"trained {trained} steps in {loop.seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s")
+    echo(
+        f"trained {trained} steps in {loop.seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
+    )
     if job.run_dir is not None:
         _write_json(job.run_dir / "metrics.json", metrics)
         echo(f"wrote {job.run_dir}/metrics.json")
