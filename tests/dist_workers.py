@@ -174,10 +174,14 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     torch.distributed.destroy_process_group()
 
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def checkpoint_memory(root: str, big_rows: int) -> dict:
     """A 2-rank checkpoint where rank 1 holds one big table and rank 0 only small ones:
     returns rank 0's peak memory growth during the save and the part files each wrote."""
-    import resource
     from pathlib import Path
 
     from recscale.checkpoint.manager import CheckpointManager
@@ -202,11 +206,14 @@ def checkpoint_memory(root: str, big_rows: int) -> dict:
     opt.step()
     mgr = CheckpointManager(CheckpointConfig(every_steps=1, async_write=False), Path(root), model,
                             opt, {"plan": plan.to_dict()}, ctx)  # fmt: skip
-    with open("/proc/self/statm") as f:
-        rss_before = int(f.read().split()[1]) * resource.getpagesize()
+    # Peak memory during the save alone: reset the process's high-water mark (VmHWM)
+    # to its current size first, then read it back after.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss_before = _status_kb("VmRSS") * 1024
     mgr.save(1, {"step": 1})
     mgr.wait()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_kb("VmHWM") * 1024
     torch.distributed.barrier(group=ctx.dense)
     torch.distributed.destroy_process_group()
     return {"growth": peak - rss_before, "rank": ctx.rank}

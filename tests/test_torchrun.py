@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from recscale.config import load_config
 from recscale.train.run import train
@@ -24,6 +25,8 @@ ARGS = ["-m", "recscale", "train", "--config", "debug", "--train.progress=false"
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
+    if torch.cuda.device_count() < 2:  # two ranks need two GPUs (NCCL): else gloo on the CPU
+        env["RECSCALE_TEST_DEVICE"] = "cpu"
     return env
 
 
@@ -48,9 +51,15 @@ def test_two_ranks_train_like_one(tmp_path: Path):
 
     cfg = load_config("debug", ["--train.steps=60", "--train.progress=false",
                                 "--data.max_ids_per_feature=2", "--train.save_model=false"])  # fmt: skip
+    cfg.train.device = _ranks_device()
     single = train(cfg, None, echo=lambda _m: None)
     assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
     assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)
+
+
+def _ranks_device() -> str:
+    """Where the 2-rank runs train (see ``_env``): compare with one process there."""
+    return "auto" if torch.cuda.device_count() >= 2 else "cpu"
 
 
 def _children(pid: int) -> list[int]:
@@ -106,6 +115,7 @@ def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path: Path):
     assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["rank00000", "rank00001"]
     cfg = load_config("debug", ARGS[5:] + tier + ["--train.save_model=false"])
     cfg.embedding.ssd_dir = str(tmp_path / "ssd1")
+    cfg.train.device = _ranks_device()
     single = train(cfg, None, echo=lambda _m: None)
     assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
     assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)

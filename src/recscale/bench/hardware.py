@@ -1,4 +1,5 @@
-"""Measure this machine's own limits: fp32 GEMM rate and random row-gather bandwidth.
+"""Measure the training device's own limits: GEMM rate and random row-gather bandwidth
+(the CPU's, or a GPU's: GEMMs in the run's precision on the tensor cores, HBM gathers).
 
 The throughput bound of a DLRM step on a CPU is (Zion study; the CPU speed issue)::
 
@@ -19,37 +20,54 @@ import torch
 from recscale.config.schema import Config
 
 
-def _best_seconds(fn, repeats: int, warmup: int = 2) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn, repeats: int, warmup: int = 2, device: torch.device | None = None) -> float:
+    device = device or torch.device("cpu")
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
         fn()
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure_gemm_gflops(batch_size: int, repeats: int = 10) -> float:
-    """Best fp32 GEMM rate over MLP-like shapes at this batch size (GFLOP/s)."""
+def measure_gemm_gflops(
+    batch_size: int, device: torch.device | None = None, precision: str = "fp32", repeats: int = 10
+) -> float:
+    """Best GEMM rate over MLP-like shapes at this batch size (GFLOP/s), on ``device`` in
+    ``precision`` (fp32, tf32 or bf16: the GEMMs a step of that precision runs)."""
+    device = device or torch.device("cpu")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     best = 0.0
     for k, n in ((512, 512), (1024, 1024), (512, 256)):
-        a, b = torch.randn(batch_size, k), torch.randn(k, n)
-        secs = _best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats)
+        a = torch.randn(batch_size, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        secs = _best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats, device=device)
         best = max(best, 2 * batch_size * k * n / secs / 1e9)
     return best
 
 
 def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: int = 5) -> float:
-    """Random row-gather bandwidth from ``table`` (GB/s of row bytes).
+    """Random row-gather bandwidth from ``table`` (GB/s of row bytes), on its device.
 
     Pass the model's own embedding storage: it is larger than the caches, and no
     extra memory is allocated (a probe table of its own would inflate peak RSS).
     """
     rows, dim = table.shape
-    out = torch.empty(lookups, dim, dtype=table.dtype)
-    idx = torch.randint(0, rows, (lookups,))
-    secs = _best_seconds(lambda: torch.index_select(table, 0, idx, out=out), repeats)
+    if table.device.type == "cuda":
+        lookups = max(lookups, 1 << 22)  # enough work to fill the GPU
+    out = torch.empty(lookups, dim, dtype=table.dtype, device=table.device)
+    idx = torch.randint(0, rows, (lookups,), device=table.device)
+    secs = _best_seconds(lambda: torch.index_select(table, 0, idx, out=out), repeats,
+                         device=table.device)  # fmt: skip
     return lookups * dim * table.element_size() / secs / 1e9
 
 

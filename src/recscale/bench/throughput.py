@@ -1,7 +1,11 @@
 """``recscale bench throughput``: steady-state training samples/s against the hardware bound.
 
-Batches are generated beforehand (cycled), so the figure measures training, not
-data generation. Each timed step is split into stages::
+Batches are generated beforehand (cycled; on the training device), so the figure
+measures training, not data generation. The model is built exactly as ``recscale
+train`` builds it (``train.parallel.build``: world size 1 of the sharded pipeline) on
+``train.device``, in ``train.precision``. On CUDA every stage is timed with CUDA events
+on the stream (no host syncs inside a step) and the bound comes from the GPU's own
+probes. Each timed step is split into stages::
 
     lookup     embedding forward (one fused lookup over all tables)
     forward    bottom MLP + interaction + top MLP + loss
@@ -24,40 +28,65 @@ import torch.nn.functional as F
 from recscale import native
 from recscale.bench.hardware import measure_gather_gbps, measure_gemm_gflops, step_cost
 from recscale.config.schema import Config
-from recscale.models.dlrm import build_model
-from recscale.train.cache_prefetch import CachePrefetcher, cache_report, cached_storages
+from recscale.distributed import DistContext
+from recscale.distributed.pipeline import EmbeddingPipeline
+from recscale.train.cache_prefetch import cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.run import available_cores
+from recscale.train.parallel import build
+from recscale.train.precision import autocast, set_matmul_precision
+from recscale.train.run import available_cores, resolve_device
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
+
+
+class Clock:
+    """Timestamps on the host (CPU) or CUDA events on the current stream (GPU): a step's
+    stages are timed without syncing the device inside the step; ``seconds`` resolves
+    them at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def seconds(self, a, b) -> float:
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
 
 class _SparseTimer:
     """Wraps each storage's fused backward (apply_pooled_gradients) to time it."""
 
-    def __init__(self, model) -> None:
-        self.seconds = 0.0
-        for group in model.embeddings.groups:
-            storage = group.storage
+    def __init__(self, model, clock: Clock) -> None:
+        self.spans: list[tuple] = []
+        for storage in model.embeddings.storages():
             original = storage.apply_pooled_gradients
 
             def timed(*args, _orig=original):
-                t = time.perf_counter()
+                t = clock.mark()
                 _orig(*args)
-                self.seconds += time.perf_counter() - t
+                self.spans.append((t, clock.mark()))
 
             storage.apply_pooled_gradients = timed
 
 
-def backward_and_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> tuple[float, float]:
+def backward_and_step(loss: torch.Tensor, opt: torch.optim.Optimizer, clock: Clock | None = None):
     """Backward (the fused sparse update runs inside it) then the dense step; returns
-    the ``perf_counter`` after each."""
+    a timestamp after each (``clock.mark()``; ``perf_counter`` without a clock)."""
+    mark = clock.mark if clock is not None else time.perf_counter
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    t3 = time.perf_counter()
+    t3 = mark()
     opt.step()
-    return t3, time.perf_counter()
+    return t3, mark()
 
 
 def peak_rss_bytes() -> int:
@@ -74,44 +103,54 @@ def run_throughput(
     threads = cfg.train.threads or available_cores()
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
+    device = resolve_device(cfg.train.device)
+    precision = cfg.train.precision
+    set_matmul_precision(precision)
+    clock = Clock(device)
     b = cfg.train.batch_size
     echo(
-        f"building model ({sum(cfg.model.table_sizes):,} rows x dim {cfg.model.embedding_dim}) ..."
+        f"building model ({sum(cfg.model.table_sizes):,} rows x dim {cfg.model.embedding_dim}) "
+        f"on {device} ..."
     )
-    model = build_model(cfg.model, cfg.embedding, seed=cfg.train.seed)
+    model, _module, _plan = build(cfg, DistContext(device=device), echo)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
     if tiered:  # fresh batches every step, or the cache would just learn 8 batches
         distinct_batches = warmup + steps
         echo(f"generating {distinct_batches} batches ...")
-    batches = [data.batch(i, b) for i in range(distinct_batches)]
+    # made once, then held on the device: the figure is the training step alone
+    batches = [data.batch(i, b).to(device) for i in range(distinct_batches)]
     ids_per_sample = sum(x.values.numel() for x in batches) / (b * len(batches))
-    timer = _SparseTimer(model)
-    totals = dict.fromkeys(STAGES, 0.0)
-
-    step_seconds: list[float] = []
+    timer = _SparseTimer(model, clock)
+    marks: list[tuple] = []
 
     def step(batch, record: bool) -> None:
-        t0 = time.perf_counter()
-        sparse0 = timer.seconds
-        pooled = model.embed(batch)
-        t1 = time.perf_counter()
-        x = model.bottom(batch.dense) if model.bottom is not None else None
-        logits = model.top(model.interaction(x, pooled)).squeeze(1)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        t2 = time.perf_counter()
-        t3, t4 = backward_and_step(loss, opt)
+        t0 = clock.mark()
+        n_sparse = len(timer.spans)
+        with autocast(precision, device):
+            pooled = model.embed(batch)
+            t1 = clock.mark()
+            x = model.bottom(batch.dense) if model.bottom is not None else None
+            logits = model.top(model.interaction(x, pooled)).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        t2 = clock.mark()
+        t3, t4 = backward_and_step(loss, opt, clock)
         if record:
-            step_seconds.append(t4 - t0)
-            sparse = timer.seconds - sparse0
-            for k, v in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2 - sparse, sparse, t4 - t3)):
-                totals[k] += v
+            marks.append((t0, t1, t2, t3, t4, timer.spans[n_sparse:]))
+        else:
+            timer.spans.clear()
 
-    echo(f"warm-up {warmup} steps, then {steps} timed steps of batch {b} on {threads} threads ...")
-    # ssd tier: the prefetch pipeline brings batch t+1's rows in while step t runs; the
-    # step time then includes any wait for it (reported as prefetch_wait).
-    source = iter(CachePrefetcher(batches, model.embeddings)) if tiered else None
+    echo(
+        f"warm-up {warmup} steps, then {steps} timed steps of batch {b} on {device}"
+        + (f" ({threads} threads)" if device.type == "cpu" else f" ({precision})")
+        + " ..."
+    )
+    # host/ssd tiers: the embedding pipeline brings batch t+1's rows in while step t runs
+    # (as in training); the step time then includes any wait for it (prefetch_wait).
+    source = None
+    if tiered:
+        source = iter(EmbeddingPipeline(iter(batches), model.embeddings, device))
     waits: list[float] = []
 
     def next_batch(i: int, record: bool):
@@ -127,20 +166,32 @@ def run_throughput(
         step(next_batch(i, False), record=False)
     for st in cached_storages(model.embeddings):
         st.stats = type(st.stats)()  # count the steady state only
+    if clock.cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(steps):
         step(next_batch(i, True), record=True)
-    for i, w in enumerate(waits):  # a step's time includes waiting for its batch
-        step_seconds[i] += w
+    if clock.cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    totals = dict.fromkeys(STAGES, 0.0)
+    step_seconds: list[float] = []
+    for i, (t0, t1, t2, t3, t4, spans) in enumerate(marks):
+        sparse = sum(clock.seconds(a, z) for a, z in spans)
+        parts = (clock.seconds(t0, t1), clock.seconds(t1, t2), clock.seconds(t2, t3) - sparse,
+                 sparse, clock.seconds(t3, t4))  # fmt: skip
+        for k, v in zip(STAGES, parts):
+            totals[k] += v
+        # a step's time includes waiting for its batch
+        step_seconds.append(clock.seconds(t0, t4) + (waits[i] if waits else 0.0))
     # Steady state = the median step: robust to the multi-ms stalls a shared VM
     # injects now and then; the mean over all steps is reported beside it.
     sps = b / statistics.median(step_seconds)
 
-    gemm = measure_gemm_gflops(b)
-    weights = [getattr(g.storage, "weight", None) for g in model.embeddings.groups]
+    gemm = measure_gemm_gflops(b, device, precision)
+    weights = [getattr(s, "weight", None) for s in model.embeddings.storages()]
     weights = [w for w in weights if w is not None] or [
-        torch.empty(1 << 20, cfg.model.embedding_dim)
+        torch.empty(1 << 20, cfg.model.embedding_dim, device=device)
     ]
     gather = measure_gather_gbps(max(weights, key=len))
     cost = step_cost(cfg, model.interaction.out_dim, ids_per_sample)
@@ -170,6 +221,11 @@ def run_throughput(
         "sparse_optimizer": cfg.embedding.optimizer,
         "kernels": cfg.model.kernels,
         "native": native.status(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "precision": precision,
+        "peak_device_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                              else None),
     }
 
 
@@ -180,7 +236,9 @@ def format_report(name: str, r: dict[str, Any]) -> str:
         [
             f"config {name}: {r['samples_per_s']:,.0f} samples/s  (bound {r['bound_samples_per_s']:,.0f}, "
             f"ratio {r['ratio_to_bound']:.2f}; mean over all steps {r['samples_per_s_mean']:,.0f})",
-            f"  {r['ms_per_step']:.2f} ms/step (median) of batch {r['batch_size']} on {r['threads']} threads; "
+            f"  {r['ms_per_step']:.2f} ms/step (median) of batch {r['batch_size']} on "
+            f"{r['device_name'] if r['device'] != 'cpu' else str(r['threads']) + ' threads'} "
+            f"({r['precision']}); "
             f"stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB)",
@@ -196,7 +254,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
                 else []
             ),
             f"  kernels: {r['kernels']}; native C kernels {r['native']}",
-            f"  machine: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s; "
+            f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s; "
             f"per sample {r['mlp_gflop_per_sample'] * 1e3:.2f} MFLOP MLP, "
             f"{r['embedding_bytes_per_sample']:,.0f} embedding bytes",
         ]

@@ -17,9 +17,12 @@ _DONE = object()
 
 
 class Prefetcher(Generic[T]):
-    def __init__(self, source: Iterable[T], depth: int = 4) -> None:
+    def __init__(self, source: Iterable[T], depth: int = 4, pin: bool = False) -> None:
+        """``pin``: page-lock each item (``item.pin_memory()``) on the producer thread, for
+        asynchronous copies to a GPU (see :class:`DeviceFeeder`)."""
         self._source = source
         self._depth = depth
+        self._pin = pin
 
     def __iter__(self) -> Iterator[T]:
         if self._depth <= 0:
@@ -31,6 +34,8 @@ class Prefetcher(Generic[T]):
         def produce() -> None:
             try:
                 for item in self._source:
+                    if self._pin:
+                        item = item.pin_memory()
                     while not stop.is_set():
                         try:
                             q.put(item, timeout=0.1)
@@ -56,3 +61,50 @@ class Prefetcher(Generic[T]):
         finally:
             stop.set()
             thread.join(timeout=5)
+
+
+class DeviceFeeder:
+    """Batches already on ``device`` when the step asks for them.
+
+    On CUDA: each batch (pinned by the loader's thread: ``Prefetcher(pin=True)``) is
+    copied to the GPU one batch ahead on a side stream, so the copy of batch t+1
+    overlaps step t; the step's stream waits on the copy's event, and the tensors are
+    marked as used by that stream (so the caching allocator never hands their memory
+    out while the step still reads them). Elsewhere it yields the batches as they come
+    (``batch.to`` in the step is then a no-op or a plain copy).
+    """
+
+    def __init__(self, batches: Iterable, device) -> None:
+        import torch
+
+        self._batches, self._device = batches, device
+        self._cuda = device.type == "cuda" and torch.cuda.is_available()
+
+    def __iter__(self) -> Iterator:
+        if not self._cuda:
+            yield from self._batches
+            return
+        import torch
+
+        side = torch.cuda.Stream(device=self._device)
+        pending = None
+        for batch in self._batches:
+            with torch.cuda.stream(side):
+                moved = batch.to(self._device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            if pending is not None:
+                yield self._hand_over(*pending)
+            pending = (moved, ready)
+        if pending is not None:
+            yield self._hand_over(*pending)
+
+    @staticmethod
+    def _hand_over(batch, ready):
+        import torch
+
+        main = torch.cuda.current_stream()
+        main.wait_event(ready)
+        for t in batch.tensors():
+            t.record_stream(main)
+        return batch

@@ -58,6 +58,12 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistCont
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"local rank {local_rank} needs its own GPU but this machine has "
+                f"{torch.cuda.device_count()}: start at most that many ranks per node "
+                "(--nproc_per_node), or train on the CPU (--train.device=cpu)"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

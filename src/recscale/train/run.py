@@ -35,7 +35,7 @@ from recscale.checkpoint.state import restore
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
-from recscale.data.prefetch import Prefetcher
+from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.models.dlrm import DLRM
@@ -212,7 +212,8 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
         log_file = (job.run_dir / "train_log.jsonl").open("a" if resumed else "w")
     progress = Progress(t.steps, t.batch_size, t.progress and ctx.is_main, initial=start_step)
     stream = Prefetcher(train_batches(cfg, start_step, ctx.rank, ctx.world_size),
-                        depth=cfg.data.prefetch_batches)  # fmt: skip
+                        depth=cfg.data.prefetch_batches, pin=ctx.device.type == "cuda")  # fmt: skip
+    stream = DeviceFeeder(stream, ctx.device)  # CUDA: pinned, copied ahead on a side stream
     pipeline = None
     if (ctx.distributed and cfg.distributed.pipeline) or ebc.tiered():
         stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device)
