@@ -107,3 +107,24 @@ def test_batch_slice_of_from_lists():
     b = Batch.from_lists([[0.0]] * 3, [[[1], [], [2, 3]], [[4], [5], [6]]], [0.0, 1.0, 0.0])
     s = b.slice(1, 3)
     assert s.values.tolist() == [2, 3, 5, 6] and s.offsets.tolist() == [0, 0, 2, 3, 4]
+
+
+def test_shard_applies_the_plans_tiers(tmp_path):
+    """The planner's host/ssd choice for a table is applied, not advisory: its shards
+    live in a cached storage with the plan's cache; the others stay in device memory."""
+    from recscale.distributed import DistContext, shard
+    from recscale.embedding.placement import storage_factory
+    from recscale.models.dlrm import build_model
+
+    cfg = load_config("debug", [f"--embedding.ssd_dir={tmp_path}"])
+    names = [t.name for t in table_infos(cfg)]
+    plan = _plan([TablePlacement(n, "table_wise", [0], {}, {}, placement="ssd" if i == 2 else "device",
+                                 cache_bytes=4000 if i == 2 else 0)
+                  for i, n in enumerate(names)], 1)  # fmt: skip
+    model = build_model(cfg.model, cfg.embedding, materialize_embeddings=False)
+    shard(model, plan, DistContext(), storage_factory(cfg.embedding, None, "auto"))
+    tiers = sorted(s.tier for s in model.embeddings.storages())
+    assert tiers == ["device", "ssd"]
+    (cached,) = [s for s in model.embeddings.storages() if s.tier == "ssd"]
+    assert cached.num_rows == cfg.model.table_sizes[2] and cached.cache_rows < cached.num_rows
+    assert model.embeddings.layout.is_identity  # one rank, whole tables: no dist stages

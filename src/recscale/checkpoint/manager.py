@@ -38,7 +38,7 @@ from recscale.checkpoint.format import (
     recover,
     verify,
 )
-from recscale.checkpoint.state import capture, write_part
+from recscale.checkpoint.state import Checkpointable, capture, write_part
 from recscale.config.schema import CheckpointConfig
 from recscale.distributed.context import DistContext
 
@@ -106,7 +106,7 @@ class CheckpointStats:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, root: Path, model, dense_opt: torch.optim.Optimizer,
+    def __init__(self, cfg: CheckpointConfig, root: Path, model: Checkpointable, dense_opt: torch.optim.Optimizer,
                  meta: dict[str, Any] | None = None, ctx: DistContext | None = None,
                  timeout_s: float = 300.0) -> None:  # fmt: skip
         """``model.embeddings`` is any collection with ``local_parts()`` and ``storages()``

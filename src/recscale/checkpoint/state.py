@@ -27,18 +27,50 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from recscale.checkpoint.format import CheckpointError, CheckpointWriter, read_array, verify
 from recscale.config.schema import CHECKPOINT_PRECISIONS as PRECISIONS
+from recscale.embedding.storage import RowStorage
+from recscale.modules.embedding_bag_collection import TablePart, TableSpec
 
-__all__ = ["PRECISIONS", "PartSnapshot", "Snapshot", "capture", "restore", "write_part"]
+__all__ = [
+    "PRECISIONS",
+    "PartSnapshot",
+    "Snapshot",
+    "TableSource",
+    "capture",
+    "restore",
+    "write_part",
+]
+
+
+class TableSource(Protocol):
+    """What checkpoints read and write: an embedding collection - single-device or its
+    sharded twin - and the parts of the model's tables this process holds."""
+
+    tables: list[TableSpec]  # the model's tables (a part's ``feature`` indexes them)
+
+    def local_parts(self) -> Iterable[tuple[TablePart, RowStorage, int]]: ...
+
+    def storages(self) -> list[RowStorage]: ...
+
+
+class Checkpointable(Protocol):
+    """A model whose ``embeddings`` is a :class:`TableSource` (``DLRM``, sharded or not)."""
+
+    embeddings: TableSource
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> Any: ...
+
 
 _CHUNK_ROWS = 1 << 16
 
@@ -48,11 +80,11 @@ class PartSnapshot:
     name: str  # the table's name
     num_rows: int  # the whole table's
     dim: int  # the whole table's
-    part: Any  # TablePart: the rectangle held
+    part: TablePart  # the rectangle held
     rows: np.ndarray | None  # table row ids (incremental), or None (every row of the part)
     weight: np.ndarray | None  # [n, width] float32; None: streamed from ``storage``
     state: dict[str, np.ndarray]  # name -> [n, ...] float32 (streamed: empty)
-    storage: Any = None  # streamed parts: read at write time
+    storage: RowStorage | None = None  # streamed parts: read at write time
     first: int = 0  # streamed parts: the part's first row in ``storage``
 
     @property
@@ -86,7 +118,9 @@ class Snapshot:
         return any(p.streamed for p in self.parts)
 
 
-def _dense_bytes(model, dense_opt: torch.optim.Optimizer, embedding_step: int) -> bytes:
+def _dense_bytes(
+    model: Checkpointable, dense_opt: torch.optim.Optimizer, embedding_step: int
+) -> bytes:
     buf = io.BytesIO()
     dense_state = {
         k: v.detach().cpu().clone()
@@ -99,7 +133,7 @@ def _dense_bytes(model, dense_opt: torch.optim.Optimizer, embedding_step: int) -
 
 
 def capture(
-    model, dense_opt: torch.optim.Optimizer, trainer: dict[str, Any], kind: str, precision: str,
+    model: Checkpointable, dense_opt: torch.optim.Optimizer, trainer: dict[str, Any], kind: str, precision: str,
     parent: str | None, step: int, rank: int = 0,
 ) -> Snapshot:  # fmt: skip
     """Copy this rank's state to host memory (see the module doc). ``incremental`` takes
@@ -284,7 +318,9 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
 
 
 @torch.no_grad()
-def restore(model, dense_opt: torch.optim.Optimizer | None, chain: list[Path]) -> dict[str, Any]:
+def restore(
+    model: Checkpointable, dense_opt: torch.optim.Optimizer | None, chain: list[Path]
+) -> dict[str, Any]:
     """Load ``chain`` (a full checkpoint, then increments in order) into the parts this
     process holds - a whole model, or this rank's shards; returns the trainer state."""
     ebc = model.embeddings

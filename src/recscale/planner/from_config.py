@@ -88,37 +88,47 @@ def plan_for(
     return plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
 
 
-def placement_plan(cfg: Config, ssd_dir: str) -> ShardingPlan:
-    """``embedding.placement=auto`` for one process: the planner with this machine's
-    memory budget and the free space under ``ssd_dir`` as the ssd tier."""
+def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None) -> ShardingPlan:
+    """``embedding.placement=auto`` for one process: the planner with the training
+    device's memory budget (``embedding.memory_budget_gb``; default half of it) and, for
+    the tables that do not fit, host memory behind an HBM cache (GPU runs) and then the
+    free space under ``ssd_dir`` as the ssd tier."""
     e = cfg.embedding
+    device = device or torch.device("cpu")
     memory = (
         int(e.memory_budget_gb * 1e9)
         if e.memory_budget_gb
-        else default_memory_per_rank(torch.device("cpu"), 1)
+        else default_memory_per_rank(device, 1)
     )
+    host = 0
+    if device.type == "cuda":  # the host tier: most of the host memory
+        host = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
     Path(ssd_dir).mkdir(parents=True, exist_ok=True)
     ssd = int(shutil.disk_usage(ssd_dir).free * 0.9)
     tables = table_infos(cfg)
     total = sum(t.bytes for t in tables)
     fraction = min(1.0, e.cache_bytes / total) if e.cache_bytes else 0.1
-    topo = Topology(1, memory, ssd_per_rank=ssd)
+    topo = Topology(1, memory, ssd_per_rank=ssd, host_per_rank=host)
     cons = Constraints(batch_size=cfg.train.batch_size, ssd_cache_fraction=fraction)
     return plan_sharding(tables, topo, cons)
 
 
-def auto_placements(cfg: Config, echo: Callable[[str], None]) -> list[tuple[str, int]]:
-    """``embedding.placement=auto``: ask the planner which tables go to ssd (the largest,
-    until the rest fits the memory budget) and with how much cache."""
+def auto_placements(
+    cfg: Config, echo: Callable[[str], None], device: torch.device | None = None
+) -> list[tuple[str, int]]:
+    """``embedding.placement=auto``: ask the planner which tables leave device memory
+    (the largest, until the rest fits the memory budget: to host memory on a GPU run,
+    else ssd) and with how much cache."""
     try:
-        plan = placement_plan(cfg, cfg.embedding.ssd_dir)
+        plan = placement_plan(cfg, cfg.embedding.ssd_dir, device)
     except PlanError as e:
         raise ConfigError("embedding.memory_budget_gb", str(e)) from e
-    on_ssd = [p for p in plan.placements if p.placement == "ssd"]
-    if on_ssd:
-        echo(f"recscale: placement auto: {len(on_ssd)} tables on ssd under {cfg.embedding.ssd_dir} "
-             f"({sum(p.ssd_bytes for p in on_ssd) / 1e9:.2f} GB, cache {sum(p.cache_bytes for p in on_ssd) / 1e9:.2f} GB), "
-             f"{len(plan.placements) - len(on_ssd)} in memory")  # fmt: skip
+    moved = [p for p in plan.placements if p.placement != "device"]
+    if moved:
+        tiers = ", ".join(sorted({p.placement for p in moved}))
+        echo(f"recscale: placement auto: {len(moved)} tables on {tiers} "
+             f"({sum(p.ssd_bytes for p in moved) / 1e9:.2f} GB, cache {sum(p.cache_bytes for p in moved) / 1e9:.2f} GB), "
+             f"{len(plan.placements) - len(moved)} in device memory")  # fmt: skip
     else:
         echo("recscale: placement auto: every table fits in memory")
     return [(p.placement, p.cache_bytes) for p in plan.placements]

@@ -44,7 +44,7 @@ def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
     e, d = cfg.embedding, cfg.distributed
     placements = None
     if e.placement == "auto" and w == 1:  # the planner's tiers for one process
-        placements = auto_placements(cfg, echo)
+        placements = auto_placements(cfg, echo, ctx.device)
     if w == 1 and not d.plan and d.sharding == "auto":
         plan = one_rank_plan([f"C{i + 1}" for i in range(len(cfg.model.table_sizes))])
     else:
