@@ -57,8 +57,10 @@ def chain_of(path: Path) -> list[Path]:
     """The full checkpoint and the increments leading to ``path``, in restore order."""
     chain = [path]
     manifest = read_manifest(path)
-    while manifest["kind"] == "incremental":
-        parent = path.parent / manifest["parent"]
+    while manifest.get("kind") == "incremental":
+        parent = path.parent / str(manifest.get("parent"))
+        if parent in chain:  # a damaged (or planted) manifest must not loop forever
+            raise CheckpointError(f"{chain[-1]}: its chain of parents loops back to {parent.name}")
         if not parent.exists():
             raise CheckpointError(f"{chain[-1]}: its parent {parent} is missing")
         chain.append(parent)

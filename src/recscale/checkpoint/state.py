@@ -244,6 +244,18 @@ def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
 # -- restore ----------------------------------------------------------------------------
 
 
+def load_dense(path: Path) -> dict[str, Any]:
+    """``dense.pt``, loaded as tensors and plain containers only (``weights_only``): a
+    planted pickle is refused, never run."""
+    try:
+        return torch.load(io.BytesIO((path / "dense.pt").read_bytes()), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path / 'dense.pt'}: not a plain tensor file, refused to load it ({first})"
+        ) from e
+
+
 def _stored_parts(tm: dict[str, Any]) -> list[dict[str, Any]]:
     """A table's stored parts; a version-1 checkpoint's table is one whole part."""
     if "parts" in tm:
@@ -341,10 +353,18 @@ def restore(
                     f"{path}: table {tm['name']} is {tm['num_rows']} x {tm['dim']}, the model's is "
                     f"{spec.num_rows} x {spec.dim}"
                 )
+            mine = mine_by_name.get(tm["name"], [])
+            for _p, storage, _first in mine[:1]:
+                want = set(storage.optimizer.state_shapes(1))
+                if set(tm["state"]) != want:
+                    raise CheckpointError(
+                        f"{path}: table {tm['name']} has optimizer state {sorted(tm['state'])}, "
+                        f"the model's embedding optimizer keeps {sorted(want)}: resume with "
+                        "the embedding.optimizer the checkpoint was written with"
+                    )
             for sp in _stored_parts(tm):
-                _apply_stored_part(path, manifest["precision"], incremental, sp,
-                                   mine_by_name.get(tm["name"], []))  # fmt: skip
-        dense = torch.load(io.BytesIO((path / "dense.pt").read_bytes()), weights_only=True)
+                _apply_stored_part(path, manifest["precision"], incremental, sp, mine)
+        dense = load_dense(path)
         unexpected = model.load_state_dict(dense["model"], strict=False).unexpected_keys
         if unexpected:
             raise CheckpointError(f"{path}: dense state has unknown keys {unexpected[:3]}")
@@ -352,7 +372,18 @@ def restore(
         for storage in ebc.storages():
             storage.step.fill_(step)
         if dense_opt is not None:
-            dense_opt.load_state_dict(dense["optimizer"])
+            try:
+                saved_groups = dense["optimizer"]["param_groups"]
+                own_groups = dense_opt.state_dict()["param_groups"]
+                if [sorted(g) for g in saved_groups] != [sorted(g) for g in own_groups]:
+                    raise ValueError("its hyper-parameters are another optimizer's")
+                dense_opt.load_state_dict(dense["optimizer"])
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(
+                    f"{path}: the dense optimizer state does not fit optimizer "
+                    f"{type(dense_opt).__name__} ({e}): resume with the optimizer.name it was "
+                    "written with"
+                ) from e
         trainer = json.loads((path / "trainer.json").read_text())
     if "torch_rng" in trainer:
         rng = np.frombuffer(base64.b64decode(trainer["torch_rng"]), dtype=np.uint8).copy()

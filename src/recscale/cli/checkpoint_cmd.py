@@ -8,6 +8,7 @@ from pathlib import Path
 
 from recscale.checkpoint.format import CheckpointError, read_manifest, verify
 from recscale.checkpoint.manager import chain_of, checkpoint_dirs
+from recscale.checkpoint.state import load_dense
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +41,7 @@ def _describe(path: Path) -> dict:
         chain = chain_of(path)
         for p in chain:
             verify(p)
+            load_dense(p)  # loadable as plain tensors (a planted pickle is not valid)
         info.update(valid=True, chain=[p.name for p in chain])
     except CheckpointError as e:
         info.update(valid=False, error=str(e))

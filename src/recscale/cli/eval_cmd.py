@@ -63,13 +63,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         model.load_state_dict(
             torch.load(run_dir / "model.pt", map_location=device, weights_only=True)
         )
-    else:  # no final model (save_model=false, or the run died): the newest valid checkpoint
+    else:  # the final checkpoint (or, after a crash, the newest valid one)
         try:
             chain = resolve_chain(run_dir, echo=lambda m: print(m, file=sys.stderr))
+            step = restore(model, None, chain)["step"]
         except CheckpointError as e:
             print(f"recscale: error: {e}", file=sys.stderr)
             return 1
-        step = restore(model, None, chain)["step"]
         print(f"recscale: evaluating checkpoint {chain[-1].name} (step {step})", file=sys.stderr)
     split = args.split or cfg.data.eval_split
     metrics = evaluate(model, eval_batches(cfg, split), device)

@@ -15,6 +15,8 @@ from recscale.cli import (
     train_cmd,
 )
 from recscale.config.errors import ConfigError
+from recscale.data.dataset import DatasetError
+from recscale.embedding.cached_storage import TierFileError
 
 COMMANDS = {
     "train": train_cmd,
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
+    except (DatasetError, TierFileError) as e:  # bad input files, an unusable ssd_dir
+        print(f"recscale: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # outside the training loop (which handles its own)
         print("recscale: interrupted", file=sys.stderr)
         return 130

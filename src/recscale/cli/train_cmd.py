@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from recscale.checkpoint.format import CheckpointError
 from recscale.config.loader import load_config, preset_names
 from recscale.modules.embedding_bag_collection import IdOutOfRangeError
-from recscale.train.run import TrainingDiverged, train
+from recscale.train.run import RunDirInUse, TrainingDiverged, train
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,9 +65,34 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         run_dir = resume_dir
     else:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        n = 1
+        while run_dir.exists():  # two runs started within the same second
+            n += 1
+            run_dir = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    terminated = _on_sigterm_interrupt()
     try:
         metrics = train(cfg, run_dir, resume=args.resume)
-    except (TrainingDiverged, IdOutOfRangeError, CheckpointError) as e:
+    except (TrainingDiverged, IdOutOfRangeError, CheckpointError, RunDirInUse) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
+    if terminated.is_set():
+        print("recscale: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
+        return 143
     return 130 if metrics["interrupted"] else 0
+
+
+def _on_sigterm_interrupt() -> threading.Event:
+    """SIGTERM (what schedulers and torchrun send) stops training like Ctrl-C: the loop
+    ends at the step boundary, the final checkpoint and metrics.json are written, and
+    the exit code is 143 (128 + SIGTERM). Returns the event a SIGTERM sets."""
+    seen = threading.Event()
+
+    def handler(signum, frame):
+        if seen.is_set():  # a second SIGTERM: stop now
+            raise SystemExit(143)
+        seen.set()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+    return seen

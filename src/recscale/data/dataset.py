@@ -48,10 +48,33 @@ class BinaryDataset:
         self.rows = int(self.meta["splits"][split]["rows"])
         self.num_dense = int(self.meta["num_dense"])
         self.num_sparse = int(self.meta["num_sparse"])
+        if len(self.table_sizes) != self.num_sparse:
+            raise DatasetError(
+                f"{meta_path}: {len(self.table_sizes)} table sizes for {self.num_sparse} "
+                "categorical columns (a damaged or hand-edited metadata.json)"
+            )
         d = self.root / split
+        # Check each column file against metadata.json before mapping it: a wrong size
+        # means a truncated copy, another dataset's file or another dtype (float64 dense).
+        for name, width, item in (("dense.f32", self.num_dense, 4), ("sparse.i32", self.num_sparse, 4),
+                                  ("labels.u8", 1, 1)):  # fmt: skip
+            f = d / name
+            want = self.rows * width * item
+            have = f.stat().st_size if f.exists() else None
+            if have != want:
+                raise DatasetError(
+                    f"{f}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
+                    f"({self.rows:,} rows x {width} x {item} bytes) needs {want:,}: rewrite the "
+                    "dataset with `recscale data preprocess`"
+                )
         self.dense = np.memmap(d / "dense.f32", np.float32, "r", shape=(self.rows, self.num_dense))
         self.sparse = np.memmap(d / "sparse.i32", np.int32, "r", shape=(self.rows, self.num_sparse))
         self.labels = np.memmap(d / "labels.u8", np.uint8, "r", shape=(self.rows,))
+        if self.rows and int(self.labels.max()) > 1:
+            bad = int(np.argmax(self.labels > 1))
+            raise DatasetError(
+                f"{d / 'labels.u8'}: row {bad} has label {int(self.labels[bad])}; labels are 0 or 1"
+            )
 
     @property
     def table_sizes(self) -> list[int]:

@@ -31,8 +31,11 @@ it may be, and ``--resume`` rewrites every row from the last checkpoint.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
+import os
+import shutil
 import threading
 import weakref
 from dataclasses import dataclass
@@ -49,8 +52,50 @@ from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path, lock_fd: int | None = None) -> None:
     path.unlink(missing_ok=True)
+    if lock_fd is not None:
+        os.close(lock_fd)  # releases the lock
+
+
+class TierFileError(RuntimeError):
+    """The ssd tier's file cannot be made: in use by another run, no space, no access."""
+
+
+def _claim_file(path: Path, nbytes: int) -> int:
+    """Lock ``path`` for this process (another run sharing the ssd_dir would truncate and
+    corrupt it), then create it with all ``nbytes`` reserved up front (a full disk fails
+    here with a message, not later with a bus error in the middle of training).
+    Returns the locked file descriptor (held until the storage is gone)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise TierFileError(f"cannot create the ssd tier's file {path}: {e.strerror} "
+                            "(set --embedding.ssd_dir to a writable directory)") from e  # fmt: skip
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TierFileError(
+            f"{path} is in use by another training run: give each run its own "
+            "--embedding.ssd_dir (by default each run uses RUN_DIR/embeddings)"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.ftruncate(fd, 0)
+        free = shutil.disk_usage(path.parent).free
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise TierFileError(
+            f"cannot reserve {nbytes / 1e9:.2f} GB for the ssd tier's file {path} "
+            f"({e.strerror}; {free / 1e9:.2f} GB free there): free space, or point "
+            "--embedding.ssd_dir at a larger disk"
+        ) from e
+    return fd
 
 
 class CacheTooSmallError(RuntimeError):
@@ -130,15 +175,15 @@ class CachedStorage(RowStorage):
             self.file = self._host.numpy()
         else:
             self.path = Path(path)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = np.memmap(self.path, dtype=np.float32, mode="w+", shape=(num_rows, col))
+            lock_fd = _claim_file(self.path, num_rows * col * 4)
+            self.file = np.memmap(self.path, dtype=np.float32, mode="r+", shape=(num_rows, col))
             # Rows are read at random: without this each miss would fault in the kernel's
             # readahead window (128 KB+) for a 68-byte row (measured: ~1 GB/s of reads).
             if hasattr(mmap, "MADV_RANDOM") and getattr(self.file, "_mmap", None) is not None:
                 self.file._mmap.madvise(mmap.MADV_RANDOM)
             # Scratch space: gone with the storage (checkpoints hold what must survive).
-            self._finalizer = weakref.finalize(self, _remove, self.path)
-        for name, _shape, lo, hi in self._state_cols:  # a new file reads as zeros already
+            self._finalizer = weakref.finalize(self, _remove, self.path, lock_fd)
+        for name, _shape, lo, hi in self._state_cols:  # a new (fallocated) file reads as zeros
             if optimizer.init_value(name) != 0.0:
                 for r in range(0, num_rows, 1 << 18):
                     self.file[r : r + (1 << 18), lo:hi] = optimizer.init_value(name)

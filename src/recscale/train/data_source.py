@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
-from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
+from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError, LoaderPosition
 from recscale.data.synthetic import SyntheticCriteo
 
 
@@ -34,6 +34,18 @@ def adopt_dataset_shapes(cfg: Config) -> str | None:
         raise ConfigError(
             "model.num_dense_features",
             f"is {cfg.model.num_dense_features} but {cfg.data.path} has {ds.num_dense} dense features",
+        )
+    # The split evaluated at the end is opened now: a bad data.eval_split fails in a
+    # second, not after training.
+    try:
+        ev = BinaryDataset(cfg.data.path, cfg.data.eval_split)
+    except (DatasetError, OSError) as e:
+        raise ConfigError("data.eval_split", str(e)) from e
+    if ev.table_sizes != ds.table_sizes or ev.num_dense != ds.num_dense:
+        raise ConfigError(
+            "data.eval_split",
+            f"split {cfg.data.eval_split!r} of {cfg.data.path} has other shapes than "
+            f"{cfg.data.train_split!r}",
         )
     note = None
     if cfg.model.table_sizes != ds.table_sizes:

@@ -52,6 +52,27 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step."""
 
 
+class RunDirInUse(RuntimeError):
+    """The run directory holds another run (and this one is not resuming it)."""
+
+
+def check_run_dir(run_dir: Path, resume: Path | None) -> None:
+    """Refuse a run directory that holds another run: its checkpoints would be counted
+    (and pruned) as this run's, and ``--resume`` would restore the other run. Resuming
+    the run in that very directory is fine."""
+    marks = [n for n in ("config.toml", "metrics.json", "checkpoints") if (run_dir / n).exists()]
+    if not marks:
+        return
+    if resume is not None:
+        r = Path(resume).resolve()
+        if run_dir.resolve() in (r, *r.parents):
+            return
+    raise RunDirInUse(
+        f"{run_dir} holds another run ({', '.join(marks)}); continue it with --resume {run_dir}, "
+        "or choose another --run-dir"
+    )
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto``: CUDA when present, else the CPU. The test suite pins ``auto`` with
     ``RECSCALE_TEST_DEVICE`` (cpu by default), so ``RECSCALE_TEST_DEVICE=cuda pytest``
@@ -149,7 +170,11 @@ def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
     return ctx, threads
 
 
-def build_job(cfg: Config, run_dir: Path | None, echo, ctx: DistContext | None) -> Job:
+def build_job(
+    cfg: Config, run_dir: Path | None, echo, ctx: DistContext | None, resume: Path | None = None
+) -> Job:
+    if run_dir is not None:
+        check_run_dir(run_dir, resume)
     ctx, threads = _process(cfg, ctx)
     ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
     if not ctx.is_main:  # one voice and one writer: rank 0
@@ -332,7 +357,7 @@ def train(
     sharded, each rank trains on its slice of every global batch, and only rank 0
     prints, shows progress and writes ``run_dir`` (see ``train/parallel.py``).
     """
-    job = build_job(cfg, run_dir, echo, ctx)
+    job = build_job(cfg, run_dir, echo, ctx, resume)
     start_step = restore_job(job, resume) if resume is not None else 0
     _announce(job)
     loop = train_loop(job, start_step, resume is not None)

@@ -1,0 +1,202 @@
+"""Bad input loses nothing and says what is wrong in one line (the first-contact issue):
+planted pickles, shared ssd files, reused run directories, bad eval splits, damaged
+datasets, SIGTERM, looping manifests, a disk too small for the ssd tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import make_dataset
+
+from recscale.checkpoint.format import CheckpointError
+from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
+from recscale.config import ConfigError, load_config
+from recscale.embedding.cached_storage import CachedStorage, TierFileError
+from recscale.embedding.optimizers import SparseSGD
+from recscale.train.run import RunDirInUse, train
+
+QUIET = dict(echo=lambda *_: None)
+BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"]
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recscale", *args], capture_output=True,
+                          text=True, timeout=120, **kw)  # fmt: skip
+
+
+def _one_line_error(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+class _Planted:
+    """Unpickling this runs code (it would create the marker file)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_planted_pickle_is_refused_not_run(tmp_path):
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
+    (ck,) = [d for d in checkpoint_dirs(run / "checkpoints") if d.name.endswith("20")]
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"model": _Planted(str(marker))})
+    (ck / "dense.pt").write_bytes(payload)
+    manifest = json.loads((ck / "manifest.json").read_text())  # an attacker fixes the CRC too
+    manifest["files"]["dense.pt"] = {"bytes": len(payload), "crc32": zlib.crc32(payload)}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    r = _cli("train", "--resume", str(ck), "--run-dir", str(run), "--train.steps=30")
+    assert r.returncode == 1 and "refused to load" in _one_line_error(r.stderr)
+    r = _cli("checkpoint", "inspect", str(ck))
+    assert r.returncode == 1 and "INVALID" in r.stdout
+    r = _cli("eval", "--model", str(run))
+    assert r.returncode == 1 and "refused to load" in _one_line_error(r.stderr)
+    assert not marker.exists()
+
+
+def test_two_runs_cannot_share_an_ssd_file(tmp_path):
+    path = tmp_path / "tables_dim8.f32"
+    first = CachedStorage(100, 8, SparseSGD(0.1), path, cache_rows=10)
+    with pytest.raises(TierFileError, match="in use by another training run"):
+        CachedStorage(100, 8, SparseSGD(0.1), path, cache_rows=10)
+    assert path.stat().st_size == 100 * 8 * 4  # the first run's file is intact
+    del first
+
+
+def test_the_ssd_file_is_reserved_up_front(tmp_path):
+    """A disk too small fails at start with a message (here: a 1 MB file-size limit)."""
+    code = f"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from pathlib import Path
+from recscale.embedding.cached_storage import CachedStorage, TierFileError
+from recscale.embedding.optimizers import SparseSGD
+try:
+    CachedStorage(1_000_000, 8, SparseSGD(0.1), Path({str(tmp_path / "t.f32")!r}), cache_rows=10)
+except TierFileError as e:
+    print(e)
+    sys.exit(3)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert "cannot reserve 0.03 GB" in r.stdout and not (tmp_path / "t.f32").exists()
+
+
+def test_a_run_directory_holding_another_run_is_refused(tmp_path):
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(RunDirInUse, match="--resume"):
+        train(load_config("debug", [*BASE, "--train.batch_size=128"]), run, **QUIET)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    r = _cli("train", "--config", "debug", *BASE, "--run-dir", str(run))
+    assert r.returncode == 1 and "holds another run" in _one_line_error(r.stderr)
+    # resuming the run in its own directory is what the directory is for
+    cfg = load_config(str(run / "config.toml"), ["--train.steps=30"])
+    assert train(cfg, run, resume=run, **QUIET)["steps"] == 30
+
+
+def test_a_bad_eval_split_fails_before_training(tmp_path):
+    ds = make_dataset(tmp_path, 300, seed=1, hash_size=50)
+    cfg = load_config("debug", [*BASE, f"--data.path={ds}", "--data.eval_split=nope"])
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="data.eval_split.*no split 'nope'"):
+        train(cfg, tmp_path / "run", **QUIET)
+    assert time.monotonic() - t0 < 10
+    assert not (tmp_path / "run" / "train_log.jsonl").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "float64", "labels", "tables"])
+def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
+    ds = make_dataset(tmp_path, 300, seed=2, hash_size=50)
+    split = ds / "train"
+    if damage == "truncated":
+        data = (split / "sparse.i32").read_bytes()
+        (split / "sparse.i32").write_bytes(data[: len(data) // 3])
+        match = "sparse.i32"
+    elif damage == "float64":
+        dense = np.fromfile(split / "dense.f32", np.float32)
+        dense.astype(np.float64).tofile(split / "dense.f32")
+        match = "dense.f32"
+    elif damage == "labels":
+        labels = np.fromfile(split / "labels.u8", np.uint8)
+        labels[7] = 2
+        labels.tofile(split / "labels.u8")
+        match = "row 7 has label 2"
+    else:  # 20 table sizes for 26 columns: once a segfault in the native update
+        meta = json.loads((ds / "metadata.json").read_text())
+        meta["table_sizes"] = meta["table_sizes"][:20]
+        (ds / "metadata.json").write_text(json.dumps(meta))
+        match = "20 table sizes for 26"
+    r = _cli("train", "--config", "debug", *BASE, f"--data.path={ds}", "--run-dir",
+             str(tmp_path / "run"))  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert match in _one_line_error(r.stderr)
+
+
+def test_sigterm_stops_like_ctrl_c(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recscale", "train", "--config", "debug", "--train.steps=1000000",
+         "--train.log_every=5", "--checkpoint.every_steps=1000", "--run-dir", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    log = run / "train_log.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (log.exists() and log.stat().st_size > 0):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "SIGTERM" in err
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["interrupted"] is True and metrics["steps"] > 0
+    chain = resolve_chain(run, echo=lambda _m: None)  # the final checkpoint, resumable
+    assert chain[-1].name == f"step_{metrics['steps']:08d}"
+
+
+def test_a_manifest_whose_parent_is_itself_does_not_loop(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config("debug", [*BASE, "--checkpoint.every_steps=10", "--checkpoint.full_every=4",
+                                "--checkpoint.full_if_fraction=1.0"])  # fmt: skip
+    train(cfg, run, **QUIET)
+    inc = checkpoint_dirs(run / "checkpoints")[-1]
+    assert inc.name.endswith(".inc")
+    manifest = json.loads((inc / "manifest.json").read_text())
+    manifest["parent"] = inc.name
+    (inc / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="loops back"):
+        resolve_chain(inc)
+    messages: list[str] = []
+    chain = resolve_chain(run, echo=messages.append)  # falls back to the full one
+    assert chain[-1].name == "step_00000010" and "loops back" in messages[0]
+    r = _cli("checkpoint", "inspect", str(run))
+    assert r.returncode == 1 and "loops back" in r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--embedding.optimizer=adam", "--optimizer.name=sgd"])
+def test_resume_with_another_optimizer_says_so(tmp_path, flag):
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10", "--optimizer.name=adam"]),
+          run, **QUIET)  # fmt: skip
+    r = _cli("train", "--resume", str(run), flag, "--train.steps=30")
+    assert r.returncode == 1
+    assert "resume with the" in _one_line_error(r.stderr)
