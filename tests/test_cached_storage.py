@@ -188,3 +188,22 @@ def test_checkpoint_writes_dirty_rows_back_to_the_file(tmp_path):
     assert not bool(st.cache_dirty.any())
     rows = torch.arange(st.num_rows)
     assert torch.equal(torch.from_numpy(st.file[:, : st.dim].copy()), st.read_rows(rows))
+
+
+def test_cache_for_one_batch_but_not_two_stops_prefetching_not_training(tmp_path):
+    """A cache that holds a batch but not the next one beside it: the prefetch gives up
+    (with a warning) and the lookups bring their own rows in; values stay right."""
+    st = _storage(tmp_path, rows=100, cache=10)
+    values = torch.randn(100, 4)
+    st.write_rows(torch.arange(100), values)
+    a, b = torch.arange(0, 8), torch.arange(50, 58)
+    st.prefetch(a)
+    with pytest.warns(RuntimeWarning, match="prefetching ahead is off"):
+        st.prefetch(b)  # 16 distinct rows pinned at once > 10
+    for rows in (a, b):
+        pooled = st.lookup(rows, torch.tensor([0, 8]), None, for_update=True)
+        torch.testing.assert_close(pooled[0], values[rows].sum(0))
+        st.apply_pooled_gradients(rows, torch.tensor([0, 8]), torch.zeros(8, dtype=torch.int64),
+                                  None, torch.zeros(1, 4))  # fmt: skip
+    st.prefetch(a)  # off from now on: a no-op, not an error
+    assert not st._prefetch_pins

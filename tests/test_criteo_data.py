@@ -160,20 +160,15 @@ def test_too_many_bad_lines_fails_and_keeps_previous_output(tmp_path, sample):
     assert not (tmp_path / "out.tmp").exists()
 
 
-def test_truncated_gzip_is_reported(tmp_path, sample):
+def test_truncated_gzip_is_an_error(tmp_path, sample):
+    """An incomplete download is an error naming the file and line, even with every bad
+    line allowed: never a silently short dataset."""
     data = gzip.compress(sample.read_bytes())
     gz = tmp_path / "cut.gz"
     gz.write_bytes(data[: len(data) // 2])
-    meta = _pp(tmp_path, [gz], max_bad_fraction=1.0)
-    report = meta["bad_lines"]
-    assert report["counts"]["truncated gzip"] == 1
-    assert report["examples"]["truncated gzip"][0].startswith(f"{gz}:")
-    rows = meta["splits"]["train"]["rows"]
-    assert 0 < rows < 200  # the rows before the cut are kept, the partial line is not
-    full = reference_parse(sample)[1]
-    np.testing.assert_array_equal(
-        np.asarray(BinaryDataset(tmp_path / "ds", "train").dense), full[:rows]
-    )
+    with pytest.raises(BadDataError, match=rf"{gz}:\d+: the gzip archive is truncated"):
+        _pp(tmp_path, [gz], max_bad_fraction=1.0)
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
 
 
 def test_split_by_file(tmp_path, sample):

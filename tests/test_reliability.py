@@ -200,3 +200,77 @@ def test_resume_with_another_optimizer_says_so(tmp_path, flag):
     r = _cli("train", "--resume", str(run), flag, "--train.steps=30")
     assert r.returncode == 1
     assert "resume with the" in _one_line_error(r.stderr)
+
+
+def _synth(tmp_path: Path, name: str = "in.tsv", lines: int = 300) -> Path:
+    from recscale.data.criteo_tsv_writer import synthetic_lines
+
+    src = tmp_path / name
+    src.write_text("\n".join(synthetic_lines(lines, seed=5)) + "\n")
+    return src
+
+
+@pytest.mark.parametrize("where", ["unrelated", "holds_input", "parent", "cwd"])
+def test_preprocess_never_deletes_what_is_not_a_dataset(tmp_path, where, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    src = _synth(work)
+    if where == "unrelated":
+        out = tmp_path / "photos"
+        out.mkdir()
+        (out / "keep.jpg").write_bytes(b"precious")
+    elif where == "holds_input":
+        out = work
+    else:
+        out = Path("..") if where == "parent" else Path(".")
+    r = _cli("data", "preprocess", "--input", str(src), "--out", str(out), "--split", "none",
+             "--hash-size", "100", cwd=work)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    _one_line_error(r.stderr)
+    assert src.exists() and work.exists()
+    if where == "unrelated":
+        assert (out / "keep.jpg").read_bytes() == b"precious"
+
+
+def test_replacing_a_dataset_keeps_the_old_one_if_the_swap_fails(tmp_path, monkeypatch):
+    from recscale.data import preprocess as pp
+
+    src = _synth(tmp_path)
+    opts = lambda: pp.PreprocessOptions(inputs=[src], out=tmp_path / "ds", split="none",  # noqa: E731
+                                        hash_sizes=[100])  # fmt: skip
+    pp.preprocess(opts(), echo=lambda _m: None)
+    before = (tmp_path / "ds" / "metadata.json").read_text()
+    real = os.replace
+
+    def failing(a, b):
+        if str(a).endswith("ds.tmp"):  # the moment between "move aside" and "rename in"
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(pp.os, "replace", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pp.preprocess(opts(), echo=lambda _m: None)
+    monkeypatch.setattr(pp.os, "replace", real)
+    assert (tmp_path / "ds" / "metadata.json").read_text() == before  # whole, the old one
+    assert not list(tmp_path.glob(".ds.old-*"))
+
+
+def test_test_files_need_by_file_and_by_file_needs_a_train_input(tmp_path):
+    a, b = _synth(tmp_path, "a.tsv"), _synth(tmp_path, "b.tsv")
+    r = _cli("data", "preprocess", "--input", str(a), str(b), "--out", str(tmp_path / "ds"),
+             "--test", str(b), "--hash-size", "100")  # fmt: skip
+    assert r.returncode == 1 and "add --split by-file" in _one_line_error(r.stderr)
+    r = _cli("data", "preprocess", "--input", str(a), "--out", str(tmp_path / "ds"),
+             "--split", "by-file", "--hash-size", "100")  # fmt: skip
+    assert r.returncode == 1 and "no input for training" in _one_line_error(r.stderr)
+    assert not (tmp_path / "ds.tmp").exists() and not (tmp_path / "ds").exists()
+
+
+def test_tables_beyond_memory_fail_in_a_second_naming_the_fixes():
+    cfg = load_config("debug", BASE)
+    cfg.model.table_sizes = [10**12] + cfg.model.table_sizes[1:]
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"embedding.placement.*need [\d,.]+ GB.*placement=auto"):
+        train(cfg, None, **QUIET)
+    assert time.monotonic() - t0 < 5

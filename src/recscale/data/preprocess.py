@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT, NUM_DENSE, TRUNCATED_GZIP
+from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT, NUM_DENSE
 from recscale.data.id_counts import IdCounts
 from recscale.data.sources import Piece, parquet_pieces, tsv_pieces
 
@@ -82,6 +82,48 @@ class PreprocessOptions:
             raise ValueError("--min-count must be >= 1")
         if self.input_format not in ("criteo", "parquet"):
             raise ValueError(f"--format must be criteo or parquet, got {self.input_format!r}")
+        if (self.test_files or self.val_files) and self.split != "by-file":
+            raise ValueError(
+                f"--test/--val name the files of each split, which only --split by-file uses "
+                f"(this is --split {self.split}): add --split by-file"
+            )
+        if self.split == "by-file":
+            held_out = {Path(p).resolve() for p in (self.test_files or [self.inputs[-1]])}
+            held_out |= {Path(p).resolve() for p in self.val_files}
+            if all(Path(p).resolve() in held_out for p in self.inputs):
+                raise ValueError(
+                    "--split by-file leaves no input for training (the test split defaults to "
+                    "the last input): give more inputs, or name the test files with --test"
+                )
+        check_output_dir(Path(self.out), [*self.inputs, *self.test_files, *self.val_files])
+
+
+def _is_dataset_dir(path: Path) -> bool:
+    return (path / "metadata.json").is_file()
+
+
+def check_output_dir(out: Path, inputs: list[Path]) -> None:
+    """Refuse an output that would destroy something: a non-empty directory that is not
+    a dataset, one that holds an input, or the working directory or one of its parents."""
+    o = out.resolve()
+    cwd = Path.cwd().resolve()
+    if o == cwd or o in cwd.parents:
+        raise ValueError(f"--out {out} is the working directory or one of its parents; "
+                         "name a new directory for the dataset")  # fmt: skip
+    for p in inputs:
+        if o in Path(p).resolve().parents:
+            raise ValueError(f"--out {out} holds the input {p}; write the dataset elsewhere")
+    if o.exists() and not o.is_dir():
+        raise ValueError(f"--out {out} is a file; name a directory for the dataset")
+    if o.is_dir() and any(o.iterdir()) and not _is_dataset_dir(o):
+        raise ValueError(
+            f"--out {out} is a non-empty directory that is not a recscale dataset "
+            "(no metadata.json); it is left alone: name a new or empty directory"
+        )
+    tmp = o.with_name(o.name + ".tmp")
+    leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt"}
+    if tmp.exists() and not {c.name for c in tmp.iterdir()} <= leftovers:
+        raise ValueError(f"{tmp} exists and is not a leftover of an earlier preprocess; move it")
 
 
 @dataclass
@@ -237,9 +279,12 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
                     report.add_statuses(c.status[: c.lines], path, line, opts.examples_per_kind)
                     line += c.lines
                 raw.append(piece)
-                if piece.truncated:
-                    report.add(TRUNCATED_GZIP, f"{path}:{line}", opts.examples_per_kind)
-                    report.lines += 1
+                if piece.truncated:  # an incomplete download: never silently a short dataset
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise BadDataError(
+                        f"{path}:{line}: the gzip archive is truncated (it ends after "
+                        f"{line - 1:,} lines): the file is incomplete; download it again"
+                    )
             file_rows.append((path, lo, raw.rows))
             echo(
                 f"parsed {path}: {raw.rows - lo:,} rows ({text_bytes / 1e6 / (time.perf_counter() - start):.0f} MB/s so far)"
@@ -328,9 +373,18 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
         "seconds": seconds,
     }
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    # Replace an old dataset without a moment where a half one could be read as whole:
+    # move the old one aside, rename the new one in, then delete the old one.
+    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        os.replace(out, aside)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if aside.exists() and not out.exists():
+            os.replace(aside, out)  # the old dataset back where it was
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
     echo(
         f"wrote {out}: "
         + ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits_meta.items())

@@ -37,6 +37,7 @@ import mmap
 import os
 import shutil
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,7 @@ class CachedStorage(RowStorage):
         self.cache_dirty = torch.zeros(c, dtype=torch.bool)
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
         self._prefetch_pins: list[_Prefetched] = []  # prefetched batches not yet looked up
+        self._prefetch_off = False  # set when the cache cannot hold two batches at once
         self._update_pins: list[torch.Tensor] = []  # looked up for an update not yet applied
         self.dirty: torch.Tensor | None = None
         self.stats = CacheStats()
@@ -246,11 +248,12 @@ class CachedStorage(RowStorage):
         victims = torch.topk(s, k, largest=False).indices
         victims = victims[torch.isfinite(s[victims])]
         if victims.numel() < need:
-            held = int((self.row_of_slot >= 0).sum()) - int(torch.isfinite(s).sum())
+            pinned = int((self.row_of_slot >= 0).sum()) - int(torch.isfinite(s).sum())
+            total = pinned + self.free.numel() + need  # all of it wanted resident at once
             raise CacheTooSmallError(
-                f"the embedding cache holds {c:,} rows, but the batches in flight (the one "
-                f"training and up to two prefetched) need {held + need:,} distinct rows at once; "
-                f"raise embedding.cache_bytes"
+                f"the embedding cache holds {c:,} rows, but the batches in flight need "
+                f"{total:,} distinct rows resident at once ({pinned:,} already pinned); "
+                "raise embedding.cache_bytes"
             )
         self._write_back(victims)
         self.slot_of_row[self.row_of_slot[victims]] = -1
@@ -310,12 +313,26 @@ class CachedStorage(RowStorage):
         Does the lookup's bookkeeping too (unique ids, slots, scores), so the training
         thread's lookup of the same batch only pools; the file is read without holding
         the lock, so the training thread keeps running meanwhile."""
+        if self._prefetch_off:
+            return
         rows = rows.cpu()
         uniq, inverse = torch.unique(rows, return_inverse=True)
         with self._lock:
             slots = self.slot_of_row[uniq].long()
             missing = uniq[slots < 0]
-            reserved = self._reserve(missing.numel(), slots[slots >= 0])
+            try:
+                reserved = self._reserve(missing.numel(), slots[slots >= 0])
+            except CacheTooSmallError as e:
+                if not (self._prefetch_pins or self._update_pins):
+                    raise  # one batch alone does not fit: nothing to give up but the run
+                # The batch in flight and this one do not fit together: stop prefetching
+                # (each lookup then brings its own rows in) rather than stop training.
+                self._prefetch_off = True
+                warnings.warn(
+                    f"{e}; prefetching ahead is off for this table group (lookups now wait "
+                    "for their misses)", RuntimeWarning, stacklevel=2,
+                )  # fmt: skip
+                return
             generation = self._write_backs
         data = self.file[missing.numpy()] if missing.numel() else None  # unlocked: the slow part
         with self._lock:

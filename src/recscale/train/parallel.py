@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,7 +25,8 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.distributed import DistContext, one_rank_plan, shard
-from recscale.embedding.placement import storage_factory
+from recscale.distributed.layout import build_layout
+from recscale.embedding.placement import row_bytes, storage_factory
 from recscale.models.dlrm import DLRM, build_model
 from recscale.planner import PlanError, ShardingPlan
 from recscale.planner.from_config import auto_placements, default_memory_per_rank, plan_for
@@ -58,6 +60,7 @@ def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
             plan = plan_for(cfg, w, memory, ssd_per_rank=ssd)
         except PlanError as err:
             raise ConfigError("distributed.memory_per_rank_gb", str(err)) from err
+    check_memory(cfg, plan, placements, ctx)
     model = build_model(cfg.model, cfg.embedding, device=ctx.device, seed=cfg.train.seed,
                         materialize_embeddings=False, placements=placements)  # fmt: skip
     make_storage = storage_factory(e, ctx.device, cfg.model.kernels,
@@ -73,6 +76,53 @@ def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
              + (f"; planned embedding memory per rank {min(mem) / 1e9:.3f}-{max(mem) / 1e9:.3f} GB"
                 if any(mem) else "") + (f"; tiers {', '.join(tiers)}" if tiers else ""))  # fmt: skip
     return model, module, plan
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on ``device`` (free GPU memory; the host's
+    MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) -> None:
+    """Fail in a second, naming the fixes, when this rank's in-memory tables (rows,
+    optimizer state) cannot fit the memory there is - instead of a raw allocator error
+    minutes later (a 40M-row hash space per table, a 10^12-row table)."""
+    e = cfg.embedding
+    names = [f"C{i + 1}" for i in range(len(cfg.model.table_sizes))]
+    dims = cfg.model.dims()
+    layout = build_layout(names, list(cfg.model.table_sizes), dims, plan)
+    tier = {p.table: p.placement for p in plan.placements}
+    for i, n in enumerate(names):
+        if tier.get(n, "device") == "device":
+            own = placements[i][0] if placements is not None else e.placement
+            tier[n] = own if own in ("host", "ssd") else "device"
+    need = 0
+    for s in layout.per_rank[ctx.rank].shards:
+        if tier[names[s.feature]] == "device":
+            need += s.num_rows * row_bytes(e, s.width)
+    for f in layout.dp_features:
+        need += cfg.model.table_sizes[f] * row_bytes(e, dims[f])
+    have = available_memory(ctx.device)
+    if need > 0.9 * have:
+        where = "GPU" if ctx.device.type == "cuda" else "host"
+        raise ConfigError(
+            "embedding.placement",
+            f"the embedding tables in {where} memory need {need / 1e9:,.1f} GB (rows x (dim + "
+            f"optimizer state) x 4 bytes) but {have / 1e9:,.1f} GB are available: use "
+            "--embedding.placement=auto (the planner moves the largest tables to "
+            f"{'host memory or ' if where == 'GPU' else ''}ssd), or give the dataset fewer rows "
+            "(`recscale data preprocess --mode vocab`, or a smaller --hash-size)",
+        )
 
 
 def reduce_step(loss_value: float, stop: bool, ctx: DistContext) -> tuple[float, bool]:
