@@ -274,3 +274,47 @@ def test_tables_beyond_memory_fail_in_a_second_naming_the_fixes():
     with pytest.raises(ConfigError, match=r"embedding.placement.*need [\d,.]+ GB.*placement=auto"):
         train(cfg, None, **QUIET)
     assert time.monotonic() - t0 < 5
+
+
+def test_epochs_give_the_steps_and_do_not_mix_with_steps(tmp_path):
+    ds = make_dataset(tmp_path, 1000, seed=3, hash_size=50)
+    cfg = load_config("debug", [*BASE[:2], f"--data.path={ds}", "--data.eval_split=train",
+                                "--train.epochs=2", "--train.batch_size=128"])  # fmt: skip
+    m = train(cfg, tmp_path / "run", **QUIET)
+    assert m["steps"] == -(-2 * 1000 // 128)  # ceil(2 x rows / batch)
+    saved = load_config(str(tmp_path / "run" / "config.toml"))  # reloads: steps recorded
+    assert saved.train.steps == m["steps"] and saved.train.epochs == 0
+    with pytest.raises(ConfigError, match="both train.steps and train.epochs"):
+        load_config("debug", ["--train.steps=10", "--train.epochs=1"])
+    with pytest.raises(ConfigError, match="train.epochs.*needs a dataset"):
+        train(load_config("debug", ["--train.epochs=1"]), None, **QUIET)
+
+
+def test_an_empty_manifest_is_invalid_and_resume_falls_back(tmp_path):
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10",
+                                "--checkpoint.full_every=1"]), run, **QUIET)  # fmt: skip
+    newest = checkpoint_dirs(run / "checkpoints")[-1]
+    (newest / "manifest.json").write_text("{}")
+    messages: list[str] = []
+    chain = resolve_chain(run, echo=messages.append)
+    assert chain[-1].name == "step_00000010" and "not a complete manifest" in messages[0]
+    r = _cli("checkpoint", "inspect", str(run))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "not a complete manifest" in r.stdout
+
+
+def test_default_hash_sizes_fit_the_data(tmp_path):
+    src = _synth(tmp_path, lines=500)
+    r = _cli("data", "preprocess", "--input", str(src), "--out", str(tmp_path / "ds"),
+             "--split", "none")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "ds" / "metadata.json").read_text())
+    assert max(meta["table_sizes"]) <= 4 * 500 and meta["hash_sizes"] == meta["table_sizes"]
+
+
+def test_an_ssd_dir_that_cannot_be_created_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    r = _cli("train", "--config", "debug", *BASE, "--embedding.placement=ssd",
+             f"--embedding.ssd_dir={blocker / 'sub'}", "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    assert r.returncode == 1 and "ssd_dir" in _one_line_error(r.stderr)

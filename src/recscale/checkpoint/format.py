@@ -170,9 +170,14 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not mpath.exists():
         raise CheckpointError(f"{path}: no {MANIFEST} (incomplete or not a checkpoint)")
     try:
-        return json.loads(mpath.read_text())
+        manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from e
+    missing = [k for k in ("kind", "step", "files", "tables") if not isinstance(manifest, dict)
+               or k not in manifest]  # fmt: skip
+    if missing:
+        raise CheckpointError(f"{mpath}: not a complete manifest (no {', '.join(missing)})")
+    return manifest
 
 
 def verify(path: Path, checksums: bool = True) -> dict[str, Any]:

@@ -21,8 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--mode", default="hash", choices=["hash", "vocab"], help="categorical id mode")
     pp.add_argument(
         "--hash-size",
-        default="40000000",
-        help="hash mode: rows per table, one number or 26 comma-separated (default 40M, MLPerf)",
+        default="auto",
+        help="hash mode: rows per table, one number or 26 comma-separated, or auto (default: "
+        "4 x each feature's distinct values in the train split, at most 40M as MLPerf)",
     )
     pp.add_argument(
         "--min-count", type=int, default=1, help="vocab mode: rarer ids share one 'rare' id"
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         from recscale.data.preprocess import BadDataError, PreprocessOptions, preprocess
 
         try:
-            sizes = [int(s) for s in str(args.hash_size).split(",")]
+            hs = str(args.hash_size)
+            sizes = [] if hs == "auto" else [int(s) for s in hs.split(",")]
         except ValueError:
             print(
                 f"recscale: error: --hash-size must be integers, got {args.hash_size!r}",

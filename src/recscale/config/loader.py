@@ -138,14 +138,37 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"{path} is not valid TOML: {e}") from e
+        layer = []
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(section, f"top-level entries of {path} must be [sections]")
             for key, value in table.items():
                 set_key(cfg, f"{section}.{key}", value)
-    for key, value in parse_overrides(overrides or []):
+                layer.append((f"{section}.{key}", value))
+        _steps_or_epochs(cfg, layer, str(path))
+    parsed = parse_overrides(overrides or [])
+    for key, value in parsed:
         set_key(cfg, key, value)
+    _steps_or_epochs(cfg, parsed, "the command line")
     return cfg.validate()
+
+
+def _steps_or_epochs(cfg: Config, layer: list[tuple[str, Any]], where: str) -> None:
+    """``train.steps`` and ``train.epochs`` say the same thing: one layer (a TOML file, or
+    the command line) may set one of them, and it wins over what a lower layer set."""
+    keys = {k for k, _ in layer}
+    epochs = dict(layer).get("train.epochs")
+    steps = dict(layer).get("train.steps")
+    if float(epochs or 0) > 0 and int(steps or 0) > 0:
+        raise ConfigError(
+            "train.epochs",
+            f"{where} sets both train.steps and train.epochs; set one (steps are derived from "
+            "epochs and the dataset's rows)",
+        )
+    if "train.epochs" in keys and float(epochs or 0) > 0:
+        cfg.train.steps = 0  # derived from the data when the run starts
+    elif "train.steps" in keys:
+        cfg.train.epochs = 0.0
 
 
 def _toml_value(v: Any) -> str:

@@ -238,6 +238,9 @@ class DataConfig:
 class TrainConfig:
     batch_size: int = 1024
     steps: int = 3000
+    # Train this many passes over the dataset instead (steps = ceil(epochs x rows / batch);
+    # a dataset only). Setting it sets train.steps = 0; a layer may not set both.
+    epochs: float = 0.0
     eval_batch_size: int = 16384
     seed: int = 0
     device: str = "auto"
@@ -256,7 +259,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         _positive("train.batch_size", self.batch_size)
-        _positive("train.steps", self.steps)
+        _positive("train.epochs", self.epochs, allow_zero=True)
+        if self.epochs == 0:
+            _positive("train.steps", self.steps)
+        elif self.steps != 0:
+            raise ConfigError(
+                "train.epochs", "train.steps and train.epochs are both set; set one of them"
+            )
         _positive("train.eval_batch_size", self.eval_batch_size)
         _choice("train.device", self.device, DEVICES)
         _choice("train.precision", self.precision, PRECISIONS)

@@ -40,6 +40,7 @@ from recscale.data.sources import Piece, parquet_pieces, tsv_pieces
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
+HASH_CAP = 40_000_000  # MLPerf's rows per table
 BLOCK_ROWS = 1 << 18
 
 
@@ -53,7 +54,9 @@ class PreprocessOptions:
     out: Path
     input_format: str = "criteo"  # criteo (TSV, plain or .gz) | parquet
     id_mode: str = "hash"  # hash | vocab
-    hash_sizes: list[int] = field(default_factory=lambda: [40_000_000])  # one, or one per feature
+    # hash mode: one size, one per feature, or [] = auto: 4 x the feature's distinct values
+    # in the train split, at most 40M (MLPerf's cap) - tables that fit the data
+    hash_sizes: list[int] = field(default_factory=list)
     min_count: int = 1
     split: str = "kaggle"  # kaggle | by-file | none
     test_files: list[Path] = field(default_factory=list)
@@ -74,7 +77,7 @@ class PreprocessOptions:
             raise ValueError(f"--mode must be hash or vocab, got {self.id_mode!r}")
         if self.split not in ("kaggle", "by-file", "none"):
             raise ValueError(f"--split must be kaggle, by-file or none, got {self.split!r}")
-        if len(self.hash_sizes) not in (1, NUM_CAT) or min(self.hash_sizes) <= 0:
+        if self.hash_sizes and (len(self.hash_sizes) not in (1, NUM_CAT) or min(self.hash_sizes) <= 0):
             raise ValueError(
                 f"--hash-size takes 1 or {NUM_CAT} positive sizes, got {self.hash_sizes}"
             )
@@ -310,8 +313,13 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
         )
     if opts.id_mode == "vocab":
         table_sizes = counts.assign_vocab(opts.min_count)
-    else:
+    elif opts.hash_sizes:
         table_sizes = list(opts.hash_sizes) * (NUM_CAT if len(opts.hash_sizes) == 1 else 1)
+    else:  # auto: room for the values the data has (~22% of them share a row), <= 40M
+        table_sizes = [min(HASH_CAP, max(16, 4 * counts.summary(f)["distinct"]))
+                       for f in range(NUM_CAT)]  # fmt: skip
+        echo(f"hash sizes from the data (4 x distinct values, at most {HASH_CAP:,}): "
+             f"{sum(table_sizes):,} rows in all, largest {max(table_sizes):,}")  # fmt: skip
     sizes_u64 = np.array(table_sizes, np.uint64)
 
     splits_meta: dict[str, Any] = {}
@@ -357,7 +365,7 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
         "table_sizes": [int(s) for s in table_sizes],
         "id_mode": opts.id_mode,
         "min_count": opts.min_count if opts.id_mode == "vocab" else None,
-        "hash_sizes": list(opts.hash_sizes) if opts.id_mode == "hash" else None,
+        "hash_sizes": table_sizes if opts.id_mode == "hash" else None,
         "splits": splits_meta,
         "split_rule": opts.split,
         "inputs": [str(p) for p in all_inputs],

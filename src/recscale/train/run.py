@@ -32,9 +32,11 @@ import torch.nn.functional as F
 from recscale import native
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
 from recscale.checkpoint.state import restore
+from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
+from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.pipeline import EmbeddingPipeline
@@ -150,6 +152,15 @@ def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
     note = adopt_dataset_shapes(cfg)
     if note:
         echo(f"recscale: {note}")
+    if cfg.train.epochs > 0:  # steps from the data; the run's config records the steps
+        if not cfg.data.uses_dataset():
+            raise ConfigError("train.epochs", "needs a dataset (data.path): synthetic data "
+                              "has no epochs; use train.steps")  # fmt: skip
+        rows = BinaryDataset(cfg.data.path, cfg.data.train_split).rows
+        cfg.train.steps = max(1, math.ceil(cfg.train.epochs * rows / cfg.train.batch_size))
+        echo(f"recscale: {cfg.train.epochs:g} epochs of {rows:,} rows = {cfg.train.steps:,} steps "
+             f"of batch {cfg.train.batch_size}")  # fmt: skip
+        cfg.train.epochs = 0.0
     if cfg.embedding.placement != "device" and not cfg.embedding.ssd_dir:
         cfg.embedding.ssd_dir = (
             str(run_dir / "embeddings") if run_dir else tempfile.mkdtemp(prefix="recscale-ssd-")
