@@ -123,7 +123,7 @@ def test_a_bad_eval_split_fails_before_training(tmp_path):
     assert not (tmp_path / "run" / "train_log.jsonl").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "float64", "labels", "tables"])
+@pytest.mark.parametrize("damage", ["truncated", "float64", "labels", "tables", "nan"])
 def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
     ds = make_dataset(tmp_path, 300, seed=2, hash_size=50)
     split = ds / "train"
@@ -140,6 +140,11 @@ def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
         labels[7] = 2
         labels.tofile(split / "labels.u8")
         match = "row 7 has label 2"
+    elif damage == "nan":
+        dense = np.fromfile(split / "dense.f32", np.float32)
+        dense[13 * 11 + 4] = np.nan  # row 11
+        dense.tofile(split / "dense.f32")
+        match = "row 11 has a non-finite dense value"
     else:  # 20 table sizes for 26 columns: once a segfault in the native update
         meta = json.loads((ds / "metadata.json").read_text())
         meta["table_sizes"] = meta["table_sizes"][:20]

@@ -31,6 +31,27 @@ class DatasetError(ValueError):
     pass
 
 
+_FINITE_CHECKED: set[tuple[str, int, int]] = set()
+
+
+def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> None:
+    """Raise naming the first row whose dense features hold NaN or inf (they would turn
+    every metric into NaN). Once per file version per process: a scan reads the file."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _FINITE_CHECKED:
+        return
+    for lo in range(0, dense.shape[0], chunk_rows):
+        block = np.asarray(dense[lo : lo + chunk_rows])
+        ok = np.isfinite(block).all(axis=1)
+        if not ok.all():
+            row = lo + int(np.argmin(ok))
+            raise DatasetError(
+                f"{path}: row {row} has a non-finite dense value ({block[row - lo].tolist()})"
+            )
+    _FINITE_CHECKED.add(key)
+
+
 class BinaryDataset:
     """One split of a dataset written by ``recscale data preprocess``."""
 
@@ -70,6 +91,7 @@ class BinaryDataset:
         self.dense = np.memmap(d / "dense.f32", np.float32, "r", shape=(self.rows, self.num_dense))
         self.sparse = np.memmap(d / "sparse.i32", np.int32, "r", shape=(self.rows, self.num_sparse))
         self.labels = np.memmap(d / "labels.u8", np.uint8, "r", shape=(self.rows,))
+        _check_finite(d / "dense.f32", self.dense)
         if self.rows and int(self.labels.max()) > 1:
             bad = int(np.argmax(self.labels > 1))
             raise DatasetError(
