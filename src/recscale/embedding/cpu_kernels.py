@@ -18,22 +18,24 @@ width is a multiple of 8, and the numba kernel otherwise.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from recscale import native
 from recscale.embedding.optimizers import (
+    ADAM_KIND,
+    ROWWISE_ADAGRAD_KIND,
+    SGD_KIND,
     SparseAdam,
     SparseOptimizer,
     SparseRowwiseAdagrad,
     SparseSGD,
+    fused_params,
 )
 from recscale.kernels import HAVE_NUMBA
 from recscale.kernels import numba as nb
 
-_SGD, _ADAGRAD, _ADAM = 0, 1, 2
+_SGD, _ADAGRAD, _ADAM = SGD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND
 
 if HAVE_NUMBA:
 
@@ -133,19 +135,10 @@ def fused_update_cpu(
 ) -> None:
     """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module
     doc); ``allow_native=False`` forces the numba kernel."""
+    fp = fused_params(optimizer, step)
+    kind, lr, eps, b1, b2, step_size = fp.kind, fp.lr, fp.eps, fp.beta1, fp.beta2, fp.step_size
     empty = np.zeros((1, 1), np.float32)
-    s1 = s2 = empty
-    lr, eps, b1, b2, step_size = float(optimizer.lr), 0.0, 0.0, 0.0, 0.0
-    if isinstance(optimizer, SparseSGD):
-        kind = _SGD
-    elif isinstance(optimizer, SparseRowwiseAdagrad):
-        kind, eps = _ADAGRAD, optimizer.eps
-        s1 = state["sum"].numpy()
-    else:
-        assert isinstance(optimizer, SparseAdam)
-        kind, eps, b1, b2 = _ADAM, optimizer.eps, optimizer.beta1, optimizer.beta2
-        step_size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-        s1, s2 = state["exp_avg"].numpy(), state["exp_avg_sq"].numpy()
+    s1, s2 = ([state[n].numpy() for n in fp.state_names] + [empty, empty])[:2]
     if allow_native and weight.is_contiguous() and native.applies(weight, weight.shape[1]):
         _native_update(kind, weight, state, rows, segments, bag_of_id, per_sample_weights,
                        grad_pooled, lr, eps, b1, b2, step_size, dirty)  # fmt: skip
@@ -165,7 +158,9 @@ def _native_update(
     kind, weight, state, rows, segments, bag_of_id, psw, grad, lr, eps, b1, b2, step_size, dirty
 ) -> None:
     lib = native.library()
-    names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[kind]
+    names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[
+        kind
+    ]  # FusedParams order
     states = [state[n] for n in names] + [None, None]
     rows, bag_of_id = rows.to(torch.int64).contiguous(), bag_of_id.to(torch.int64).contiguous()
     seg = segments.to(torch.int64).contiguous()

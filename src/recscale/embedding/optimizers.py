@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -112,6 +113,39 @@ class SparseAdam(SparseOptimizer):
         state["exp_avg_sq"].index_copy_(0, rows, v)
         step_size = self.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
         weight.index_add_(0, rows, m.div_(v.sqrt_().add_(self.eps)), alpha=-step_size)
+
+
+@dataclass(frozen=True)
+class FusedParams:
+    """An optimizer's step as plain numbers, for the fused kernels (C, numba, Triton):
+    ``kind`` 0 SGD, 1 row-wise Adagrad, 2 Adam; Adam's bias correction is folded into
+    ``step_size``; ``state_names`` in the order the kernels take the state tensors."""
+
+    kind: int
+    lr: float
+    eps: float = 0.0
+    beta1: float = 0.0
+    beta2: float = 0.0
+    step_size: float = 0.0
+    state_names: tuple[str, ...] = ()
+
+
+SGD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = 0, 1, 2
+
+
+def fused_params(optimizer: SparseOptimizer, step: int) -> FusedParams:
+    """``optimizer``'s ``step``-th update for a fused kernel (see :class:`FusedParams`)."""
+    if isinstance(optimizer, SparseSGD):
+        return FusedParams(SGD_KIND, float(optimizer.lr))
+    if isinstance(optimizer, SparseRowwiseAdagrad):
+        return FusedParams(ROWWISE_ADAGRAD_KIND, float(optimizer.lr), optimizer.eps,
+                           state_names=("sum",))  # fmt: skip
+    if isinstance(optimizer, SparseAdam):
+        b1, b2 = optimizer.beta1, optimizer.beta2
+        size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+        return FusedParams(ADAM_KIND, float(optimizer.lr), optimizer.eps, b1, b2, size,
+                           ("exp_avg", "exp_avg_sq"))  # fmt: skip
+    raise TypeError(f"no fused kernel for {type(optimizer).__name__}")
 
 
 def build_sparse_optimizer(cfg: EmbeddingConfig) -> SparseOptimizer:

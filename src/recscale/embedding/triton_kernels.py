@@ -27,13 +27,9 @@ Every distinct row is owned by one program, so updates never race.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
-
-SGD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2
 
 
 @triton.jit
@@ -87,13 +83,13 @@ def _fused_update_kernel(
     m2 = umask[:, None] & cmask[None, :]
     w_ptrs = weight_ptr + row[:, None] * D + cols[None, :]
     w = tl.load(w_ptrs, mask=m2, other=0.0)
-    if OPT == 0:
+    if OPT == 0:  # optimizers.SGD_KIND
         w = w - lr * g
-    elif OPT == 1:
+    elif OPT == 1:  # ROWWISE_ADAGRAD_KIND
         acc = tl.load(s1_ptr + row, mask=umask, other=0.0) + tl.sum(g * g, axis=1) / D
         tl.store(s1_ptr + row, acc, mask=umask)
         w = w - (lr / (tl.sqrt(acc) + eps))[:, None] * g
-    else:
+    else:  # ADAM_KIND
         m_ptrs = s1_ptr + row[:, None] * D + cols[None, :]
         v_ptrs = s2_ptr + row[:, None] * D + cols[None, :]
         m = tl.load(m_ptrs, mask=m2, other=0.0) * b1 + (1.0 - b1) * g
@@ -148,7 +144,7 @@ def fused_update(
     """The fused embedding backward on ``weight`` / ``state`` (see the module doc);
     ``step`` is the optimizer's step count for Adam's bias correction. Marks the touched
     rows in ``dirty`` (bool ``[rows]``) when given."""
-    from recscale.embedding.optimizers import SparseAdam, SparseRowwiseAdagrad, SparseSGD
+    from recscale.embedding.optimizers import fused_params
 
     n, dim = rows.shape[0], weight.shape[1]
     if n == 0:
@@ -158,25 +154,15 @@ def fused_update(
     u = unique.shape[0]
     seg = torch.zeros(u + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts, 0, out=seg[1:])
-    lr, eps, b1, b2, step_size = float(optimizer.lr), 0.0, 0.0, 0.0, 0.0
-    s1 = s2 = weight  # unused pointers for SGD
-    if isinstance(optimizer, SparseSGD):
-        opt = SGD
-    elif isinstance(optimizer, SparseRowwiseAdagrad):
-        opt, eps, s1 = ROWWISE_ADAGRAD, optimizer.eps, state["sum"]
-    elif isinstance(optimizer, SparseAdam):
-        opt, eps, b1, b2 = ADAM, optimizer.eps, optimizer.beta1, optimizer.beta2
-        step_size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-        s1, s2 = state["exp_avg"], state["exp_avg_sq"]
-    else:
-        raise TypeError(f"no Triton update for {type(optimizer).__name__}")
+    fp = fused_params(optimizer, step)
+    s1, s2 = ([state[n] for n in fp.state_names] + [weight, weight])[:2]  # unused: any pointer
     block_u, block_d = _blocks(dim)
     psw = per_sample_weights
     _fused_update_kernel[(triton.cdiv(u, block_u),)](
         weight, s1, s2, unique, seg, order, bag_of_id.contiguous(),
         psw.contiguous() if psw is not None else rows, grad_pooled.contiguous(),
         dirty.view(torch.uint8) if dirty is not None else rows, u, dim,
-        lr, eps, b1, b2, step_size,
-        OPT=opt, HAS_PSW=psw is not None, HAS_DIRTY=dirty is not None,
+        fp.lr, fp.eps, fp.beta1, fp.beta2, fp.step_size,
+        OPT=fp.kind, HAS_PSW=psw is not None, HAS_DIRTY=dirty is not None,
         BLOCK_U=block_u, BLOCK_D=block_d,
     )  # fmt: skip
