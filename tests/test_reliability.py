@@ -323,3 +323,23 @@ def test_an_ssd_dir_that_cannot_be_created_is_one_line(tmp_path):
     r = _cli("train", "--config", "debug", *BASE, "--embedding.placement=ssd",
              f"--embedding.ssd_dir={blocker / 'sub'}", "--run-dir", str(tmp_path / "run"))  # fmt: skip
     assert r.returncode == 1 and "ssd_dir" in _one_line_error(r.stderr)
+
+
+def test_a_failing_final_evaluation_keeps_the_trained_model(tmp_path):
+    """An out-of-range id in the test split fails the final evaluation, one line, after
+    the trained model (the final checkpoint) is already written."""
+    from recscale.data.preprocess import PreprocessOptions, preprocess
+
+    src = _synth(tmp_path, lines=700)
+    preprocess(PreprocessOptions(inputs=[src], out=tmp_path / "ds", hash_sizes=[100],
+                                 split="kaggle"), echo=lambda _m: None)  # fmt: skip
+    sparse = tmp_path / "ds" / "test" / "sparse.i32"
+    ids = np.fromfile(sparse, np.int32)
+    ids[5] = 10_000  # table C6 has 100 rows
+    ids.tofile(sparse)
+    run = tmp_path / "run"
+    r = _cli("train", "--config", "debug", *BASE, f"--data.path={tmp_path / 'ds'}",
+             "--data.eval_split=test", "--run-dir", str(run))  # fmt: skip
+    assert r.returncode == 1 and "outside its table" in _one_line_error(r.stderr)
+    chain = resolve_chain(run, echo=lambda _m: None)
+    assert chain[-1].name == "step_00000020"
