@@ -248,7 +248,9 @@ def load_dense(path: Path) -> dict[str, Any]:
     """``dense.pt``, loaded as tensors and plain containers only (``weights_only``): a
     planted pickle is refused, never run."""
     try:
-        return torch.load(io.BytesIO((path / "dense.pt").read_bytes()), weights_only=True)
+        return torch.load(
+            io.BytesIO((path / "dense.pt").read_bytes()), map_location="cpu", weights_only=True
+        )
     except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(

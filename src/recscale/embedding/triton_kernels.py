@@ -149,7 +149,7 @@ def fused_update(
     n, dim = rows.shape[0], weight.shape[1]
     if n == 0:
         return
-    sorted_rows, order = torch.sort(rows)
+    sorted_rows, order = torch.sort(rows, stable=True)  # a fixed summation order: bitwise resume
     unique, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     u = unique.shape[0]
     seg = torch.zeros(u + 1, dtype=torch.int64, device=rows.device)
