@@ -8,7 +8,8 @@ on the stream (no host syncs inside a step) and the bound comes from the GPU's o
 probes. Each timed step is split into stages::
 
     lookup     embedding forward (one fused lookup over all tables)
-    forward    bottom MLP + interaction + top MLP + loss
+    forward    bottom MLP + interaction + top MLP + loss (each also on its own in
+               ``stage_detail_ms``, with ``data``: making one batch)
     backward   autograd backward, excluding ...
     sparse     ... the fused sparse optimizer applied inside the embedding backward
     dense_opt  the dense optimizer step
@@ -120,7 +121,9 @@ def run_throughput(
         distinct_batches = warmup + steps
         echo(f"generating {distinct_batches} batches ...")
     # made once, then held on the device: the figure is the training step alone
+    t_data = time.perf_counter()
     batches = [data.batch(i, b).to(device) for i in range(distinct_batches)]
+    data_ms = 1e3 * (time.perf_counter() - t_data) / distinct_batches  # made by the loader thread in training
     ids_per_sample = sum(x.values.numel() for x in batches) / (b * len(batches))
     timer = _SparseTimer(model, clock)
     marks: list[tuple] = []
@@ -132,12 +135,15 @@ def run_throughput(
             pooled = model.embed(batch)
             t1 = clock.mark()
             x = model.bottom(batch.dense) if model.bottom is not None else None
-            logits = model.top(model.interaction(x, pooled)).squeeze(1)
+            tb = clock.mark()
+            z = model.interaction(x, pooled)
+            ti = clock.mark()
+            logits = model.top(z).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
         t2 = clock.mark()
         t3, t4 = backward_and_step(loss, opt, clock)
         if record:
-            marks.append((t0, t1, t2, t3, t4, timer.spans[n_sparse:]))
+            marks.append((t0, t1, t2, t3, t4, timer.spans[n_sparse:], (t1, tb, ti, t2)))
         else:
             timer.spans.clear()
 
@@ -175,8 +181,11 @@ def run_throughput(
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     totals = dict.fromkeys(STAGES, 0.0)
+    detail = dict.fromkeys(("bottom_mlp", "interaction", "top_mlp"), 0.0)
     step_seconds: list[float] = []
-    for i, (t0, t1, t2, t3, t4, spans) in enumerate(marks):
+    for i, (t0, t1, t2, t3, t4, spans, fwd) in enumerate(marks):
+        for k, (a, z) in zip(detail, zip(fwd[:-1], fwd[1:])):
+            detail[k] += clock.seconds(a, z)
         sparse = sum(clock.seconds(a, z) for a, z in spans)
         parts = (clock.seconds(t0, t1), clock.seconds(t1, t2), clock.seconds(t2, t3) - sparse,
                  sparse, clock.seconds(t3, t4))  # fmt: skip
@@ -209,6 +218,8 @@ def run_throughput(
         "ratio_to_bound": sps / bound,
         "ms_per_step": 1e3 * b / sps,
         "stage_ms": {k: 1e3 * v / steps for k, v in totals.items()},
+        # forward split further; data: making one batch (overlapped with the step in training)
+        "stage_detail_ms": {"data": data_ms, **{k: 1e3 * v / steps for k, v in detail.items()}},
         "peak_rss_bytes": peak_rss_bytes(),
         "model_state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
         "gemm_gflops": gemm,

@@ -1,31 +1,48 @@
-"""``recscale bench throughput --config A|B|NAME [--json]`` and
-``recscale bench pipeline --config NAME --world-size N`` (N local gloo ranks)."""
+"""``recscale bench throughput --config A|B|NAME [--json]``,
+``recscale bench pipeline --config NAME --world-size N`` (N local gloo ranks) and
+``recscale bench sweep --vary section.key=v1,v2 [--vary ...] --out DIR``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from recscale.config.loader import load_config, preset_names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure training throughput against the hardware bound")
-    p.add_argument("what", choices=["throughput", "pipeline"])
+    p.add_argument("what", choices=["throughput", "pipeline", "sweep"])
     p.add_argument(
-        "--config", default="A", help=f"preset ({', '.join(preset_names())}) or TOML path"
-    )
+        "--config", default=None,
+        help=f"preset ({', '.join(preset_names())}) or TOML path (default A; sweep: default)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--world-size", type=int, default=2, help="pipeline: local ranks")
     p.add_argument("--threads", type=int, default=1, help="pipeline: torch threads per rank")
+    p.add_argument("--vary", action="append", default=[],
+                   help="sweep: section.key=v1,v2,... (repeat for a grid)")  # fmt: skip
+    p.add_argument("--out", default=None, help="sweep: directory for results.csv and plots")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.bench.throughput import format_report, run_throughput
 
+    if args.what == "sweep":
+        from recscale.bench.sweep import parse_vary, run_sweep
+
+        if not args.out:
+            print("recscale: error: bench sweep needs --out DIR", file=sys.stderr)
+            return 2
+        varies = parse_vary(args.vary, args.config)
+        steps = args.steps if args.steps != 50 else 20  # a sweep point needs fewer
+        rows = run_sweep(args.config, varies, Path(args.out), steps, min(args.warmup, 5), overrides)
+        return 1 if all(r.get("error") for r in rows) else 0
+    args.config = args.config or "A"
     cfg = load_config(args.config, overrides)
     if args.what == "pipeline":
         from recscale.bench.distributed import format_pipeline_report, run_pipeline_bench

@@ -1,0 +1,52 @@
+"""``recscale bench sweep``: the grid, the CSV, the plots, resuming, bad knobs."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recscale.bench.sweep import grid, parse_vary, point_overrides
+from recscale.config import ConfigError, load_config
+
+
+def test_grid_is_the_product_and_the_dim_keeps_the_dot_interaction_valid():
+    varies = parse_vary(["model.embedding_dim=8,16", "train.batch_size=64,128,256"], "debug")
+    points = grid(varies)
+    assert len(points) == 6 and points[0] == {"model.embedding_dim": "8", "train.batch_size": "64"}
+    over = point_overrides("debug", {"model.embedding_dim": "16"})
+    cfg = load_config("debug", over)  # valid: the bottom MLP now ends at 16
+    assert cfg.model.bottom_mlp[-1] == 16
+
+
+@pytest.mark.parametrize("spec, match", [("model.nope=1,2", "model.nope"),
+                                         ("train.batch_size=", "section.key=v1"),
+                                         ("train.batch_size=0,8", "train.batch_size")])  # fmt: skip
+def test_bad_knobs_are_refused_naming_the_key(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_vary([spec], "debug")
+
+
+def test_sweep_writes_csv_and_plots_and_resumes(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "recscale", "bench", "sweep", "--vary",
+           "model.embedding_dim=8,16", "--config", "debug", "--steps", "5", "--out", str(out)]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["model.embedding_dim"] for row in rows] == ["8", "16"]
+    for row in rows:
+        assert not row["error"] and float(row["samples_per_s"]) > 0
+        assert float(row["lookup_ms"]) > 0 and float(row["backward_ms"]) > 0
+        assert int(row["peak_rss_bytes"]) > 0
+    assert list(out.glob("*.png"))
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # nothing left to run
+    assert again.returncode == 0 and "2 of 2 points already" in again.stderr + again.stdout
+    with open(out / "results.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 2
