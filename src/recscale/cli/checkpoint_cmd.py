@@ -75,6 +75,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             kinds: dict[str, int] = {}
             for p in plan["placements"]:
                 kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
-            print(f"  written by {plan['world_size']} ranks: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-                  + " (tables stored whole: loads at any world size)")  # fmt: skip
+            w = plan["world_size"]
+            print(f"  written by {w} rank{'s' if w > 1 else ''}: "
+                  + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                  + " (parts in table coordinates: loads at any world size and plan)")  # fmt: skip
     return 0 if all(i["valid"] for i in infos) else 1
