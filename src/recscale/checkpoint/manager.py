@@ -135,9 +135,8 @@ class CheckpointManager:
             recover(root)
             for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
                 shutil.rmtree(stale, ignore_errors=True)
-        if self.ctx.distributed:  # one token for the run's temp dirs; stale ones gone first
-            dist.broadcast_object_list(token, src=0, group=self.ctx.dense)
-        self._token = token[0]
+        # one token for the run's temp dirs, the same on every rank; stale ones gone first
+        self._token = self.ctx.broadcast(token[0])
 
     def _global_sum(self, x: int) -> int:
         if not self.ctx.distributed:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,14 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (one rank: ``obj`` itself)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.dense)
+        return box[0]
 
 
 def launched_by_torchrun() -> bool:

@@ -210,11 +210,7 @@ def restore_job(job: Job, resume: Path) -> int:
     """Restore the newest valid chain under ``resume`` on every rank; returns its step.
     Rank 0 picks (and may repair) the chain; every rank loads its own parts of it."""
     ctx = job.ctx
-    chain = resolve_chain(resume, job.echo) if ctx.is_main else None
-    if ctx.distributed:
-        box = [chain]
-        torch.distributed.broadcast_object_list(box, src=0, group=ctx.dense)
-        chain = box[0]
+    chain = ctx.broadcast(resolve_chain(resume, job.echo) if ctx.is_main else None)
     step = int(restore(job.model, job.dense_opt, chain)["step"])
     job.echo(f"recscale: resumed from {chain[-1]} (step {step}; chain of {len(chain)})")
     if job.ckpt is not None and chain[-1].parent.resolve() == job.ckpt.root.resolve():
@@ -251,7 +247,9 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                         depth=cfg.data.prefetch_batches, pin=ctx.device.type == "cuda")  # fmt: skip
     stream = DeviceFeeder(stream, ctx.device)  # CUDA: pinned, copied ahead on a side stream
     pipeline = None
-    if (ctx.distributed and cfg.distributed.pipeline) or ebc.tiered():
+    # A thread runs ahead when there is something to overlap: an input all-to-all, or
+    # the prefetch of a cached tier (one process, device tables: neither).
+    if (cfg.distributed.pipeline and not ebc.identity) or ebc.tiered():
         stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device)
     cached = bool(cached_storages(ebc))
     batches, wait_s, window_wait, cache_seen = iter(stream), 0.0, 0.0, (0, 0)
