@@ -92,6 +92,8 @@ def step_cost(cfg: Config, interaction_out_dim: int, ids_per_sample: float) -> S
             macs += d * w
             d = w
     d = interaction_out_dim
+    if m.interaction == "dcnv2":  # two B x d x r GEMMs a cross layer
+        macs += m.dcn_layers * 2 * d * m.dcn_rank
     for w in m.top_mlp:
         macs += d * w
         d = w

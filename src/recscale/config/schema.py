@@ -19,7 +19,7 @@ DEFAULT_TABLE_SIZES = [
 ]  # fmt: skip
 
 POOLINGS = ("sum", "mean")
-INTERACTIONS = ("dot", "cat")
+INTERACTIONS = ("dot", "cat", "dcnv2")
 SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,6 +60,9 @@ class ModelConfig:
     interaction: str = "dot"
     # Include each feature's dot product with itself (the diagonal) in the dot interaction.
     interaction_self: bool = False
+    # dcnv2: low-rank cross layers over [dense, embeddings] (MLPerf DLRMv2: 3 layers, rank 512).
+    dcn_layers: int = 3
+    dcn_rank: int = 512
     # Fused kernels (embedding backward, dot interaction): auto = the fastest available
     # (native C/AVX2 dot interaction, numba embedding backward on CPU; torch elsewhere);
     # torch = the straightforward reference path; numba = numba only; native = require
@@ -95,6 +98,9 @@ class ModelConfig:
                     )
         _choice("model.pooling", self.pooling, POOLINGS)
         _choice("model.interaction", self.interaction, INTERACTIONS)
+        if self.interaction == "dcnv2":
+            _positive("model.dcn_layers", self.dcn_layers)
+            _positive("model.dcn_rank", self.dcn_rank)
         _choice("model.kernels", self.kernels, KERNELS)
         for key, mlp in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
             for w in mlp:

@@ -14,6 +14,7 @@ from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
 from recscale.embedding.optimizers import build_sparse_optimizer
 from recscale.embedding.placement import row_bytes, storage_factory
+from recscale.modules.dcn import DCNv2Interaction
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.interaction import CatInteraction, DotInteraction
 from recscale.modules.mlp import MLP
@@ -92,6 +93,10 @@ class DLRM(nn.Module):
                 model_cfg.interaction_self,
                 kernel=model_cfg.kernels,
             )
+        elif model_cfg.interaction == "dcnv2":
+            self.interaction = DCNv2Interaction(self.embeddings.output_dim, dense_dim,
+                                                model_cfg.dcn_layers, model_cfg.dcn_rank,
+                                                device=device, generator=gen)  # fmt: skip
         else:
             self.interaction = CatInteraction(self.embeddings.output_dim, dense_dim)
         self.top = MLP(
