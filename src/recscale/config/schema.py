@@ -31,7 +31,8 @@ PLACEMENTS = ("device", "host", "ssd")  # where a table's rows live (a storage t
 CACHE_POLICIES = ("lfu", "lru")
 CHECKPOINT_PRECISIONS = ("fp32", "fp16", "int8")
 SHARDING_KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
-PRECISIONS = ("fp32", "tf32", "bf16")  # train.precision: the MLPs and interaction
+PRECISIONS = ("fp32", "tf32", "bf16")
+SCHEDULE_DECAYS = ("polynomial", "linear")  # train.precision: the MLPs and interaction
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -179,12 +180,32 @@ class DenseOptimizerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     eps: float = 1e-8
+    # Learning-rate schedule, for the dense and the embedding learning rates alike
+    # (train/schedule.py): linear warm-up over warmup_steps, then from decay_start a decay
+    # over decay_steps down to decay_to x the rate (polynomial: squared, as the reference
+    # DLRM; or linear), which then stays. 0 steps = no warm-up / no decay.
+    warmup_steps: int = 0
+    decay_start: int = 0
+    decay_steps: int = 0
+    decay: str = "polynomial"
+    decay_to: float = 0.0
 
     def validate(self) -> None:
         _choice("optimizer.name", self.name, DENSE_OPTIMIZERS)
         _positive("optimizer.lr", self.lr)
         _positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optimizer.eps", self.eps)
+        _positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optimizer.decay_start", self.decay_start, allow_zero=True)
+        _positive("optimizer.decay_steps", self.decay_steps, allow_zero=True)
+        _choice("optimizer.decay", self.decay, SCHEDULE_DECAYS)
+        if not 0.0 <= self.decay_to <= 1.0:
+            raise ConfigError("optimizer.decay_to", f"must be in [0, 1], got {self.decay_to}")
+        if self.decay_steps and self.decay_start < self.warmup_steps:
+            raise ConfigError(
+                "optimizer.decay_start",
+                f"{self.decay_start} is inside the warm-up ({self.warmup_steps} steps)",
+            )
 
 
 @dataclass
@@ -200,6 +221,8 @@ class DataConfig:
     path: str = ""
     train_split: str = "train"
     eval_split: str = "test"
+    # What train.eval_every scores during training (a dataset without it: eval_split).
+    val_split: str = "val"
     # Block shuffle of the binary dataset (block order and rows within a block).
     shuffle: bool = True
     block_rows: int = 65536
@@ -259,6 +282,10 @@ class TrainConfig:
     max_seconds: float = 0.0
     # Write the trained model as a final checkpoint in RUN_DIR/checkpoints (for `recscale eval`).
     save_model: bool = True
+    # Score the validation split every N steps (0 = only at the end) ...
+    eval_every: int = 0
+    # ... and stop once its AUC reaches this (0 = never; MLPerf style: time to target).
+    target_auc: float = 0.0
     # Arithmetic of the MLPs and the interaction: fp32, tf32 (CUDA: TF32 tensor-core
     # GEMMs), or bf16 (autocast; fp32 master weights, tables and optimizer state).
     precision: str = "fp32"
@@ -275,6 +302,11 @@ class TrainConfig:
         _positive("train.eval_batch_size", self.eval_batch_size)
         _choice("train.device", self.device, DEVICES)
         _choice("train.precision", self.precision, PRECISIONS)
+        _positive("train.eval_every", self.eval_every, allow_zero=True)
+        if not 0.0 <= self.target_auc < 1.0:
+            raise ConfigError("train.target_auc", f"must be in [0, 1), got {self.target_auc}")
+        if self.target_auc and not self.eval_every:
+            raise ConfigError("train.target_auc", "needs train.eval_every (how often to check it)")
         _positive("train.threads", self.threads, allow_zero=True)
         _positive("train.log_every", self.log_every)
         _positive("train.max_seconds", self.max_seconds, allow_zero=True)

@@ -47,6 +47,12 @@ def adopt_dataset_shapes(cfg: Config) -> str | None:
             f"split {cfg.data.eval_split!r} of {cfg.data.path} has other shapes than "
             f"{cfg.data.train_split!r}",
         )
+    if cfg.train.eval_every and cfg.data.val_split not in ds.meta["splits"]:
+        raise ConfigError(
+            "data.val_split",
+            f"{cfg.data.path} has no split {cfg.data.val_split!r} to score during training "
+            f"(it has {', '.join(ds.meta['splits'])})",
+        )
     note = None
     if cfg.model.table_sizes != ds.table_sizes:
         note = f"table sizes from {cfg.data.path}/metadata.json ({len(ds.table_sizes)} tables, {sum(ds.table_sizes):,} rows)"

@@ -48,6 +48,7 @@ from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
 from recscale.train.precision import autocast, set_matmul_precision
 from recscale.train.progress import Progress
+from recscale.train.schedule import LRSchedule, scheduled
 
 
 class TrainingDiverged(RuntimeError):
@@ -142,6 +143,8 @@ class LoopResult:
     seconds: float
     wait_s: float
     prefetch_s: float
+    evals: list[dict[str, Any]]  # train.eval_every: the validation scores along the way
+    reached: dict[str, Any] | None  # train.target_auc: the evaluation that reached it
 
 
 def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
@@ -257,6 +260,11 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     interrupted = False
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
     start = window_start = time.perf_counter()
+    schedule = None
+    if scheduled(cfg.optimizer):
+        schedule = LRSchedule(cfg.optimizer, job.dense_opt, ebc.storages(), cfg.embedding.lr)
+    evals: list[dict[str, Any]] = []
+    reached_at = None
     job.module.train()
     try:
         while True:
@@ -267,6 +275,8 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 break
             out_of_time = bool(t.max_seconds) and time.perf_counter() - start >= t.max_seconds
             step += 1
+            if schedule is not None:
+                schedule.step(step)
             batch = batch.to(ctx.device, non_blocking=True)
             with autocast(t.precision, ctx.device):
                 logits = job.module(batch)
@@ -289,6 +299,14 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
             if job.ckpt is not None and job.ckpt.enabled and job.ckpt.due(step):
                 job.ckpt.save(step, {"step": step})
                 saved_step = step
+            if t.eval_every and step % t.eval_every == 0:
+                ev = evaluate_during(job, step, time.perf_counter() - start, log_file)
+                evals.append(ev)
+                if t.target_auc and ev["auc"] >= t.target_auc:  # the same on every rank
+                    reached_at = ev
+                    job.echo(f"recscale: target AUC {t.target_auc} reached at step {step} "
+                             f"({ev['elapsed_s']:.1f}s)")  # fmt: skip
+                    break
             if step % t.log_every == 0 or step == t.steps:
                 now = time.perf_counter()
                 sps = window_steps * t.batch_size / max(now - window_start, 1e-9)
@@ -317,7 +335,23 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     if window_steps:
         last_loss = window_loss / window_steps
     return LoopResult(step, saved_step, interrupted, last_loss, time.perf_counter() - start,
-                      wait_s, pipeline.prefetch_seconds if pipeline is not None else 0.0)  # fmt: skip
+                      wait_s, pipeline.prefetch_seconds if pipeline is not None else 0.0,
+                      evals, reached_at)  # fmt: skip
+
+
+def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, Any]:
+    """Score the validation split mid-training (every rank; the result is global)."""
+    cfg = job.cfg
+    split = cfg.data.val_split if cfg.data.uses_dataset() else None
+    with autocast(cfg.train.precision, job.ctx.device):
+        m = binary_metrics(*predict(job.module, eval_batches(cfg, split), job.ctx))
+    ev = {"step": step, "elapsed_s": elapsed, "auc": m["auc"], "logloss": m["logloss"]}
+    job.echo(f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}")
+    if log_file is not None:
+        log_file.write(json.dumps({"step": step, "val_auc": m["auc"], "val_logloss": m["logloss"],
+                                   "elapsed_s": elapsed}) + "\n")  # fmt: skip
+        log_file.flush()
+    return ev
 
 
 def save_final(job: Job, loop: LoopResult) -> None:
@@ -391,6 +425,12 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
         "world_size": ctx.world_size,
         "data_wait_seconds": loop.wait_s,
     }
+    if loop.evals:
+        metrics["validation"] = loop.evals
+    if t.target_auc:
+        metrics["target_auc"] = t.target_auc
+        metrics["time_to_target_s"] = loop.reached["elapsed_s"] if loop.reached else None
+        metrics["target_reached_step"] = loop.reached["step"] if loop.reached else None
     cache = cache_report(job.model.embeddings, loop.prefetch_s, loop.wait_s)
     if cache is not None:
         metrics["embedding_cache"] = cache
