@@ -87,6 +87,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
         n = write_tsv(args.out, args.lines, seed=args.seed)
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
+        opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
+        print(f"the click model itself scores AUC {opt['auc']:.4f}, logloss {opt['logloss']:.4f} "
+              f"on the lines --split kaggle makes the test split (the ceiling; {args.out}.optimum.json)")  # fmt: skip
         return 0
     meta_path = args.path / "metadata.json"
     if not meta_path.exists():

@@ -8,6 +8,7 @@ the ids, so a model trained on the result learns something.
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,11 @@ _CARDINALITIES = [1460, 583, 100_000, 50_000, 305, 24, 12_517, 633, 3, 9_314, 5_
 
 
 def synthetic_lines(count: int, seed: int = 0) -> list[str]:
+    return synthetic_lines_and_logits(count, seed)[0]
+
+
+def synthetic_lines_and_logits(count: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
+    """The lines, and the click model's logit of each: what its labels were drawn from."""
     rng = np.random.default_rng(seed)
     salts = np.random.default_rng(12345).integers(0, 2**32, size=26, dtype=np.uint64)
     ranks = np.stack([zipf_ranks(rng.random(count), n, 1.05) for n in _CARDINALITIES], axis=1)
@@ -26,7 +32,8 @@ def synthetic_lines(count: int, seed: int = 0) -> list[str]:
         (ranks.astype(np.uint64) * np.uint64(2654435761) + salts) & np.uint64(0xFFFFFFFF)
     ).astype(np.uint32)
     signal = (np.sin(ranks[:, :6].astype(np.float64)).sum(axis=1)) * 0.8
-    labels = (rng.random(count) < 1 / (1 + np.exp(-(signal - 1.2)))).astype(int)
+    logits = signal - 1.2
+    labels = (rng.random(count) < 1 / (1 + np.exp(-logits))).astype(int)
     ints = np.floor(rng.lognormal(1.5, 1.5, size=(count, 13))).astype(np.int64) - 1
     int_missing = rng.random((count, 13)) < 0.15
     cat_missing = rng.random((count, 26)) < 0.04
@@ -35,7 +42,28 @@ def synthetic_lines(count: int, seed: int = 0) -> list[str]:
         ints_s = ["" if int_missing[r, k] else str(ints[r, k]) for k in range(13)]
         cats_s = ["" if cat_missing[r, k] else f"{hexes[r, k]:08x}" for k in range(26)]
         lines.append("\t".join([str(labels[r]), *ints_s, *cats_s]))
-    return lines
+    return lines, logits
+
+
+def write_optimum(path: Path, logits: np.ndarray, labels: np.ndarray) -> dict:
+    """The click model's own scores, as metrics: the ceiling any model can reach on these
+    lines (the Bayes-optimal predictor knows the true click probability). Written for
+    all lines and for the lines ``--split kaggle`` makes the test split (the last half of
+    the last seventh)."""
+    import torch
+
+    from recscale.train.metrics import binary_metrics
+
+    n = len(labels)
+    train_end = n * 6 // 7
+    test_lo = train_end + (n - train_end) // 2
+    out = {"note": "metrics of the generator's true click probabilities (the Bayes-optimal "
+                   "predictor given everything the generator knows)"}  # fmt: skip
+    for name, lo in (("all", 0), ("kaggle_test", test_lo)):
+        m = binary_metrics(torch.from_numpy(logits[lo:]), torch.from_numpy(labels[lo:]).double())
+        out[name] = {"lines": n - lo, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"]}
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
 
 def write_tsv(
@@ -44,10 +72,16 @@ def write_tsv(
     """Write ``lines`` lines (``.gz`` paths are gzip-compressed). Returns bytes of text.
 
     For speed, ``distinct_blocks`` blocks of ``block`` lines are generated and then
-    cycled; parsing speed does not depend on repetition.
+    cycled; parsing speed does not depend on repetition. Also writes ``PATH.optimum.json``
+    (:func:`write_optimum`): the best AUC and logloss any model can reach on the lines.
     """
-    blocks = [("\n".join(synthetic_lines(min(block, lines), seed + i)) + "\n").encode()
-              for i in range(min(distinct_blocks, -(-lines // block)))]  # fmt: skip
+    made = [synthetic_lines_and_logits(min(block, lines), seed + i)
+            for i in range(min(distinct_blocks, -(-lines // block)))]  # fmt: skip
+    blocks = [("\n".join(ls) + "\n").encode() for ls, _ in made]
+    order = [(i % len(made), min(block, lines - w)) for i, w in enumerate(range(0, lines, block))]
+    all_logits = np.concatenate([made[b][1][:n] for b, n in order])
+    all_labels = np.concatenate([np.array([ln[0] == "1" for ln in made[b][0][:n]]) for b, n in order])
+    write_optimum(Path(str(path) + ".optimum.json"), all_logits, all_labels)
     opener = gzip.open if str(path).endswith(".gz") else open
     written = total = 0
     with opener(path, "wb") as f:
