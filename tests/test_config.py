@@ -9,7 +9,7 @@ from recscale.config.loader import preset_dir
 
 
 def test_presets_exist_and_load():
-    for name in ("debug", "default", "criteo_kaggle", "criteo_terabyte"):
+    for name in ("debug", "default", "criteo_kaggle", "criteo_kaggle_reference", "criteo_terabyte"):
         assert name in preset_names()
         cfg = load_config(name)
         assert len(cfg.model.table_sizes) == 26
@@ -17,6 +17,9 @@ def test_presets_exist_and_load():
     assert tb.model.embedding_dim == 128 and tb.model.top_mlp == [1024, 1024, 512, 256, 1]
     kg = load_config("criteo_kaggle")
     assert kg.model.bottom_mlp == [512, 256, 64, 16] and kg.model.table_sizes[2] == 10131227
+    ref = load_config("criteo_kaggle_reference")  # same model, the reference DLRM's recipe
+    assert ref.model == kg.model and (ref.embedding.optimizer, ref.embedding.lr) == ("sgd", 0.1)
+    assert kg.embedding.optimizer == "rowwise_adagrad"
 
 
 def test_default_preset_equals_dataclass_defaults():
