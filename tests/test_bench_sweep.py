@@ -50,3 +50,30 @@ def test_sweep_writes_csv_and_plots_and_resumes(tmp_path):
     assert again.returncode == 0 and "2 of 2 points already" in again.stderr + again.stdout
     with open(out / "results.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 2
+
+
+def test_other_load_sees_other_processes_but_not_this_one():
+    """Against a baseline taken first (whatever else the machine runs): a spinning child
+    adds about a core, this process spinning adds nothing."""
+    from recscale.bench.hardware import OtherLoad
+
+    load = OtherLoad()
+    time.sleep(1.0)
+    base = load.cores_busy()
+    spin = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"]
+    )
+    try:
+        time.sleep(0.5)
+        load = OtherLoad()
+        time.sleep(1.5)
+        child = load.cores_busy()
+    finally:
+        spin.wait()
+    load = OtherLoad()
+    t = time.time()
+    while time.time() - t < 1.0:
+        pass
+    own = load.cores_busy()
+    assert child > base + 0.5, (base, child)
+    assert own < base + 0.5, (base, own)

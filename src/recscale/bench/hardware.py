@@ -12,6 +12,7 @@ read-modify-write of each row and its optimizer state.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -69,6 +70,39 @@ def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: in
     secs = _best_seconds(lambda: torch.index_select(table, 0, idx, out=out), repeats,
                          device=table.device)  # fmt: skip
     return lookups * dim * table.element_size() / secs / 1e9
+
+
+class OtherLoad:
+    """CPU time other processes used over an interval (from ``/proc/stat`` minus this
+    process's own): a probe taken while the machine was busy reads low, and a bound
+    that reads low can be beaten - so the benchmark re-takes it."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)
+        return busy, sum(fields), float(own[11]) + float(own[12])  # utime + stime (ticks)
+
+    def cores_busy(self) -> float | None:
+        """Average number of cores other processes kept busy since the last call."""
+        end = self._read()
+        if end is None or self._start is None:
+            return None
+        (b0, t0, o0), (b1, t1, o1) = self._start, end
+        self._start = end
+        if t1 <= t0:
+            return 0.0
+        cores = os.cpu_count() or 1
+        return max(0.0, (b1 - b0 - (o1 - o0)) / (t1 - t0) * cores)
 
 
 @dataclass
