@@ -14,7 +14,7 @@ from recscale.config.loader import load_config, preset_names
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure training throughput against the hardware bound")
-    p.add_argument("what", choices=["throughput", "pipeline", "sweep"])
+    p.add_argument("what", choices=["throughput", "pipeline", "sweep", "calibrate"])
     p.add_argument(
         "--config", default=None,
         help=f"preset ({', '.join(preset_names())}) or TOML path (default A; sweep: default)",
@@ -26,12 +26,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="pipeline: torch threads per rank")
     p.add_argument("--vary", action="append", default=[],
                    help="sweep: section.key=v1,v2,... (repeat for a grid)")  # fmt: skip
-    p.add_argument("--out", default=None, help="sweep: directory for results.csv and plots")
+    p.add_argument("--out", default=None,
+                   help="sweep: directory for results.csv and plots; calibrate: the JSON file "
+                   "(default ~/.cache/recscale/calibration-HOST.json)")  # fmt: skip
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.bench.throughput import format_report, run_throughput
 
+    if args.what == "calibrate":
+        from recscale.perfmodel import calibrate, default_path
+
+        path = Path(args.out) if args.out else default_path()
+        cal = calibrate()
+        cal.save(path)
+        for name, law in cal.laws.items():
+            print(f"  {name:<14} fit error (median) {law.fit_error:.1%}")
+        print(f"wrote {path} (recscale plan uses it to predict step times)")
+        return 0
     if args.what == "sweep":
         from recscale.bench.sweep import parse_vary, run_sweep
 

@@ -35,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--host-per-rank", type=float, default=0.0,
         help="GPU runs: GB of host memory per rank for tables under a GPU cache (0 = none)",
     )  # fmt: skip
+    p.add_argument(
+        "--calibration", default=None,
+        help="per-op rates from `recscale bench calibrate` (default: this host's, if saved)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
 
 
@@ -51,8 +55,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except PlanError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
+    pred = _prediction(cfg, args)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
+        out = plan.to_dict()
+        if pred is not None:
+            out["predicted_step_ms"] = pred.step_seconds * 1e3
+            out["predicted_samples_per_s"] = pred.samples_per_s
+            out["predicted_stage_ms"] = pred.stages_ms
+        print(json.dumps(out, indent=1))
         return 0
     print(f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
           f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}")  # fmt: skip
@@ -71,4 +81,29 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"memory per rank: max {max(mem) / 1e9:.2f} GB, min {min(mem) / 1e9:.2f} GB")
     print(f"embedding cost per step (lookup + update + all-to-all): slowest rank {plan.max_cost * 1e3:.3f} ms, "
           f"mean {sum(cost) / len(cost) * 1e3:.3f} ms, imbalance {plan.imbalance:.2f}")  # fmt: skip
+    if pred is not None:
+        stages = "  ".join(f"{k} {v:.2f}" for k, v in pred.stages_ms.items())
+        print(
+            f"predicted step per rank (performance model, this machine's calibration): "
+            f"{pred.step_seconds * 1e3:.2f} ms, {pred.samples_per_s:,.0f} samples/s; stages (ms): {stages}"
+        )
+    else:
+        print(
+            "no calibration for this machine: `recscale bench calibrate` (a minute) lets plan "
+            "predict step times"
+        )
     return 0
+
+
+def _prediction(cfg, args):
+    """The performance model's step time for one rank, when a calibration exists."""
+    from pathlib import Path
+
+    from recscale.perfmodel import Calibration, default_path, predict
+
+    path = Path(args.calibration) if args.calibration else default_path()
+    if not path.exists():
+        if args.calibration:
+            raise SystemExit(f"recscale: error: --calibration {path}: no such file")
+        return None
+    return predict(cfg, Calibration.load(path), world_size=args.world_size)

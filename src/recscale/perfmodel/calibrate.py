@@ -1,0 +1,231 @@
+"""``recscale bench calibrate``: measure this machine's per-op rates once, fit a few
+constants per op, save them (plain JSON) for the performance model to reuse.
+
+Each op is timed at a small grid of shapes as the training step runs it (fp32, the
+machine's threads), then fitted by least squares on relative error (rows weighted by
+1/t) to a cost law with non-negative coefficients::
+
+    MLP layer forward     t = a * 2MKN + b * MN + c * MK + d * KN + e   (M batch, K in, N out)
+    MLP layer backward    t = a * 4MKN + b * MN + c * MK + d * KN + e   (dgrad + wgrad, ReLU mask)
+    dot interaction f+b   t = a * B K^2 D + b * B K^2 + c     (K = features + 1)
+    embedding lookup      t = a * ids D + b * ids + c        (fused lookup, random rows)
+    embedding update      t = a * ids D + b * ids + c        (fused backward + row-wise Adagrad)
+    dense optimizer       t = a * params + c                  (fused Adam)
+
+The model (``model.py``) sums them over a config's layers; a step-level fit over whole
+steps of four configurations (``STEP_CONFIGS``) then gives ``step_scale`` (ops in a
+step vs alone) and ``step_overhead`` (dispatch, the loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT = 2
+
+
+@dataclass
+class Law:
+    """``t = sum(coef_i * feature_i)`` seconds; ``features`` names them (see module doc)."""
+
+    features: list[str]
+    coef: list[float]
+    fit_error: float = 0.0  # median relative error on the calibration points
+
+    def __call__(self, **x: float) -> float:
+        return sum(c * x[f] for f, c in zip(self.features, self.coef))
+
+
+@dataclass
+class Calibration:
+    machine: str
+    threads: int
+    laws: dict[str, Law] = field(default_factory=dict)
+    step_scale: float = 1.0
+    step_overhead: float = 0.0
+    format: int = FORMAT
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        d = json.loads(Path(path).read_text())
+        if d.get("format") != FORMAT:
+            raise ValueError(
+                f"{path}: calibration format {d.get('format')}; run `recscale bench calibrate` again"
+            )
+        laws = {k: Law(**v) for k, v in d.pop("laws").items()}
+        return cls(**{**d, "laws": laws})
+
+
+def default_path() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "recscale" / f"calibration-{platform.node() or 'host'}.json"
+
+
+def _time(fn, repeats: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def _fit(features: list[str], rows: list[dict[str, float]], times: list[float]) -> Law:
+    """Non-negative least squares on relative error (drop a negative coefficient, refit)."""
+    keep = list(range(len(features)))
+    t = np.maximum(np.array(times), 5e-6)  # below timer noise, a point would dominate
+    while True:
+        a = np.array([[r[features[i]] for i in keep] for r in rows]) / t[:, None]
+        coef, *_ = np.linalg.lstsq(a, np.ones(len(t)), rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep = [k for k, c in zip(keep, coef) if c >= 0]
+    full = [0.0] * len(features)
+    for k, c in zip(keep, coef):
+        full[k] = max(0.0, float(c))
+    law = Law(features, full)
+    pred = np.array([law(**r) for r in rows])
+    law.fit_error = float(np.median(np.abs(pred - t) / t))
+    return law
+
+
+def _mlp_layer(echo) -> tuple[Law, Law]:
+    from recscale.modules.mlp import MLP
+
+    rows, fwd, bwd = [], [], []
+    for m in (256, 1024, 4096):
+        for k, n in ((13, 512), (512, 256), (256, 64), (64, 16), (512, 512), (1024, 1024),
+                     (400, 512), (256, 1), (128, 1024)):  # fmt: skip
+            mlp = MLP(k, [n], final_activation=n > 1)
+            x = torch.randn(m, k, requires_grad=True)
+            g = torch.randn(m, n)
+            fwd.append(_time(lambda mlp=mlp, x=x: mlp(x)))
+            out = mlp(x)
+            bwd.append(_time(lambda out=out, g=g: out.backward(g, retain_graph=True)))
+            rows.append({"flops2": 2.0 * m * k * n, "flops4": 4.0 * m * k * n, "mn": float(m * n),
+                         "mk": float(m * k), "kn": float(k * n), "one": 1.0})  # fmt: skip
+    echo(f"  MLP layers: {len(rows)} shapes")
+    return (_fit(["flops2", "mn", "mk", "kn", "one"], rows, fwd),
+            _fit(["flops4", "mn", "mk", "kn", "one"], rows, bwd))  # fmt: skip
+
+
+def _interaction(echo) -> Law:
+    from recscale.modules.interaction import DotInteraction
+
+    rows, ts = [], []
+    for b in (256, 1024, 4096):
+        for f, d in ((8, 8), (26, 16), (26, 32), (26, 64), (13, 128)):
+            inter = DotInteraction(f, d, True)
+            dense = torch.randn(b, d, requires_grad=True)
+            emb = torch.randn(b, f, d, requires_grad=True)
+            out = inter(dense, emb)
+            g = torch.randn_like(out)
+
+            def fb(inter=inter, dense=dense, emb=emb, g=g):
+                inter(dense, emb).backward(g)
+
+            ts.append(_time(fb))
+            k = f + 1
+            rows.append({"bkkd": float(b * k * k * d), "bkk": float(b * k * k), "one": 1.0})
+    echo(f"  dot interaction: {len(rows)} shapes")
+    return _fit(["bkkd", "bkk", "one"], rows, ts)
+
+
+def _embedding(echo) -> tuple[Law, Law]:
+    from recscale.config import load_config
+    from recscale.embedding.optimizers import build_sparse_optimizer
+    from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
+
+    cfg = load_config("debug", ["--embedding.optimizer=rowwise_adagrad"])
+    rows, look, upd = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    for d in (8, 16, 64, 128):
+        tables = [TableSpec(f"C{i}", 1 << 19, d) for i in range(8)]  # 4M rows: beyond the caches
+        ebc = EmbeddingBagCollection(tables, "sum", lambda: build_sparse_optimizer(cfg.embedding))
+        for b in (512, 2048, 8192):
+            for pool in (1, 4):
+                n = b * pool * len(tables)
+                values = torch.randint(0, 1 << 19, (n,), generator=gen)
+                offsets = torch.arange(0, n + 1, pool)
+                lookup = lambda ebc=ebc, v=values, o=offsets, b=b: ebc(v, o, b)  # noqa: E731
+                look.append(_time(lookup, repeats=5))
+                g = torch.randn(b, len(tables) * d)
+                out = lookup()
+                # the fused backward applies the optimizer: each repeat is one more step
+                upd.append(
+                    _time(lambda out=out, g=g: out.backward(g, retain_graph=True), repeats=5)
+                )
+                rows.append({"ids_d": float(n * d), "ids": float(n), "one": 1.0})
+    echo(f"  embeddings: {len(rows)} shapes")
+    return _fit(["ids_d", "ids", "one"], rows, look), _fit(["ids_d", "ids", "one"], rows, upd)
+
+
+def _dense_optimizer(echo) -> Law:
+    rows, ts = [], []
+    for p in (10_000, 300_000, 1_000_000, 3_000_000):
+        w = torch.nn.Parameter(torch.randn(p))
+        w.grad = torch.randn(p)
+        opt = torch.optim.Adam([w], lr=1e-3, fused=True)
+        ts.append(_time(opt.step))
+        rows.append({"params": float(p), "one": 1.0})
+    echo(f"  dense optimizer: {len(rows)} sizes")
+    return _fit(["params", "one"], rows, ts)
+
+
+# Whole steps the step-level fit uses; none is among the validation configurations
+# (benchmarks/perfmodel_validation.py).
+STEP_CONFIGS = (
+    ("debug", []),
+    ("default", ["--train.batch_size=128"]),
+    ("default", ["--train.batch_size=8192"]),
+    (
+        "default",
+        ["--model.embedding_dim=24", "--model.bottom_mlp=512,256,24", "--train.batch_size=2048"],
+    ),
+)
+
+
+def calibrate(echo=print) -> Calibration:
+    """Measure and fit every law, then the step-level fit from whole steps: a step takes
+    ``step_scale`` x the sum of its ops (ops run back to back share caches and cores
+    differently than alone) plus ``step_overhead`` (dispatch, the loss)."""
+    threads = torch.get_num_threads()
+    cal = Calibration(machine=platform.node() or "host", threads=threads)
+    echo(f"calibrating on {threads} threads ...")
+    cal.laws["mlp_forward"], cal.laws["mlp_backward"] = _mlp_layer(echo)
+    cal.laws["interaction"] = _interaction(echo)
+    cal.laws["lookup"], cal.laws["update"] = _embedding(echo)
+    cal.laws["dense_opt"] = _dense_optimizer(echo)
+    from recscale.bench.throughput import run_throughput
+    from recscale.config import load_config
+    from recscale.perfmodel.model import predict
+
+    sums, measured = [], []
+    for name, over in STEP_CONFIGS:
+        cfg = load_config(name, ["--train.device=cpu", *over])
+        measured.append(
+            run_throughput(cfg, steps=15, warmup=5, echo=lambda _m: None)["ms_per_step"] / 1e3
+        )
+        sums.append(predict(cfg, cal).step_seconds)  # scale 1, overhead 0 so far
+    law = _fit(["sum", "one"], [{"sum": s_, "one": 1.0} for s_ in sums], measured)
+    cal.step_scale, cal.step_overhead = law.coef[0] or 1.0, law.coef[1]
+    echo(
+        f"  whole steps: {cal.step_scale:.3f} x the ops + {cal.step_overhead * 1e3:.2f} ms "
+        f"(fit error {law.fit_error:.1%})"
+    )
+    return cal
