@@ -36,6 +36,7 @@ from recscale.bench.hardware import (
 from recscale.config.schema import Config
 from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
+from recscale.embedding.storage import DeviceStorage
 from recscale.train.cache_prefetch import cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
@@ -128,7 +129,9 @@ def run_throughput(
     # made once, then held on the device: the figure is the training step alone
     t_data = time.perf_counter()
     batches = [data.batch(i, b).to(device) for i in range(distinct_batches)]
-    data_ms = 1e3 * (time.perf_counter() - t_data) / distinct_batches  # made by the loader thread in training
+    data_ms = (
+        1e3 * (time.perf_counter() - t_data) / distinct_batches
+    )  # made by the loader thread in training
     ids_per_sample = sum(x.values.numel() for x in batches) / (b * len(batches))
     timer = _SparseTimer(model, clock)
     marks: list[tuple] = []
@@ -213,8 +216,7 @@ def run_throughput(
         echo(f"the machine was busy during the GEMM probe ({probe_load:.2f} other cores): again")
         gemm = max(gemm, measure_gemm_gflops(b, device, precision))
         probe_load = load.cores_busy()
-    weights = [getattr(s, "weight", None) for s in model.embeddings.storages()]
-    weights = [w for w in weights if w is not None] or [
+    weights = [s.weight for s in model.embeddings.storages() if isinstance(s, DeviceStorage)] or [
         torch.empty(1 << 20, cfg.model.embedding_dim, device=device)
     ]
     gather = measure_gather_gbps(max(weights, key=len))
@@ -255,8 +257,9 @@ def run_throughput(
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
-        "peak_device_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                              else None),
+        "peak_device_bytes": (
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        ),
     }
 
 
@@ -286,8 +289,12 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             ),
             f"  kernels: {r['kernels']}; native C kernels {r['native']}",
             f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s"
-            + (f" (other processes: {r['other_cores_busy_during_probe']:.2f} cores busy during the probe)"
-               if r.get("other_cores_busy_during_probe") else "") + "; "
+            + (
+                f" (other processes: {r['other_cores_busy_during_probe']:.2f} cores busy during the probe)"
+                if r.get("other_cores_busy_during_probe")
+                else ""
+            )
+            + "; "
             f"per sample {r['mlp_gflop_per_sample'] * 1e3:.2f} MFLOP MLP, "
             f"{r['embedding_bytes_per_sample']:,.0f} embedding bytes",
         ]
