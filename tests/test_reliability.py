@@ -305,7 +305,9 @@ def test_an_empty_manifest_is_invalid_and_resume_falls_back(tmp_path):
     chain = resolve_chain(run, echo=messages.append)
     assert chain[-1].name == "step_00000010" and "not a complete manifest" in messages[0]
     r = _cli("checkpoint", "inspect", str(run))
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "not a complete manifest" in r.stdout
+    assert (
+        r.returncode == 1 and "Traceback" not in r.stderr and "not a complete manifest" in r.stdout
+    )
 
 
 def test_default_hash_sizes_fit_the_data(tmp_path):

@@ -80,7 +80,9 @@ def write_tsv(
     blocks = [("\n".join(ls) + "\n").encode() for ls, _ in made]
     order = [(i % len(made), min(block, lines - w)) for i, w in enumerate(range(0, lines, block))]
     all_logits = np.concatenate([made[b][1][:n] for b, n in order])
-    all_labels = np.concatenate([np.array([ln[0] == "1" for ln in made[b][0][:n]]) for b, n in order])
+    all_labels = np.concatenate(
+        [np.array([ln[0] == "1" for ln in made[b][0][:n]]) for b, n in order]
+    )
     write_optimum(Path(str(path) + ".optimum.json"), all_logits, all_labels)
     opener = gzip.open if str(path).endswith(".gz") else open
     written = total = 0

@@ -77,7 +77,9 @@ class PreprocessOptions:
             raise ValueError(f"--mode must be hash or vocab, got {self.id_mode!r}")
         if self.split not in ("kaggle", "by-file", "none"):
             raise ValueError(f"--split must be kaggle, by-file or none, got {self.split!r}")
-        if self.hash_sizes and (len(self.hash_sizes) not in (1, NUM_CAT) or min(self.hash_sizes) <= 0):
+        if self.hash_sizes and (
+            len(self.hash_sizes) not in (1, NUM_CAT) or min(self.hash_sizes) <= 0
+        ):
             raise ValueError(
                 f"--hash-size takes 1 or {NUM_CAT} positive sizes, got {self.hash_sizes}"
             )

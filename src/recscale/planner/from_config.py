@@ -96,9 +96,7 @@ def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None
     e = cfg.embedding
     device = device or torch.device("cpu")
     memory = (
-        int(e.memory_budget_gb * 1e9)
-        if e.memory_budget_gb
-        else default_memory_per_rank(device, 1)
+        int(e.memory_budget_gb * 1e9) if e.memory_budget_gb else default_memory_per_rank(device, 1)
     )
     host = 0
     if device.type == "cuda":  # the host tier: most of the host memory
