@@ -11,6 +11,7 @@ machine's threads), then fitted by least squares on relative error (rows weighte
     embedding lookup      t = a * ids D + b * ids + c        (fused lookup, random rows)
     embedding update      t = a * ids D + b * ids + c        (fused backward + row-wise Adagrad)
     dense optimizer       t = a * params + c                  (fused Adam)
+    element-wise          t = a * B width + c                 (concat; a cross layer's x0*y+x)
 
 The model (``model.py``) sums them over a config's layers; a step-level fit over whole
 steps of four configurations (``STEP_CONFIGS``) then gives ``step_scale`` (ops in a
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclass
@@ -175,6 +176,26 @@ def _embedding(echo) -> tuple[Law, Law]:
     return _fit(["ids_d", "ids", "one"], rows, look), _fit(["ids_d", "ids", "one"], rows, upd)
 
 
+def _elementwise(echo) -> Law:
+    """Concatenating [dense, embeddings] (cat, DCNv2) and a cross layer's x0 * y + x
+    (DCNv2): B x width elements written forward and read back in the backward."""
+    rows, ts = [], []
+    for b in (256, 1024, 4096):
+        for width in (64, 256, 1024, 3456):
+            dense = torch.randn(b, 16, requires_grad=True)
+            emb = torch.randn(b, width - 16, requires_grad=True)
+            g = torch.randn(b, width)
+
+            def fb(dense=dense, emb=emb, g=g):
+                x0 = torch.cat([dense, emb], 1)
+                torch.addcmul(x0, x0, x0).backward(g)
+
+            ts.append(_time(fb))
+            rows.append({"bw": float(b * width), "one": 1.0})
+    echo(f"  concat / cross-layer element-wise: {len(rows)} shapes")
+    return _fit(["bw", "one"], rows, ts)
+
+
 def _dense_optimizer(echo) -> Law:
     rows, ts = [], []
     for p in (10_000, 300_000, 1_000_000, 3_000_000):
@@ -211,6 +232,7 @@ def calibrate(echo=print) -> Calibration:
     cal.laws["interaction"] = _interaction(echo)
     cal.laws["lookup"], cal.laws["update"] = _embedding(echo)
     cal.laws["dense_opt"] = _dense_optimizer(echo)
+    cal.laws["elementwise"] = _elementwise(echo)
     from recscale.bench.throughput import run_throughput
     from recscale.config import load_config
     from recscale.perfmodel.model import predict

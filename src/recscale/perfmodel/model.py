@@ -6,7 +6,8 @@ For one rank of ``world_size`` (batch B = global batch / W; CPU, fp32)::
     lookup       law(ids = B x sum_f pooling_f, D)
     bottom MLP   sum over layers of mlp_forward(M=B, K, N)
     interaction  dot: the calibrated dot law (forward + backward, counted in forward);
-                 cat: nothing; dcnv2: two GEMMs a cross layer as MLP layers
+                 cat: the element-wise law (the concatenation); dcnv2: two GEMMs a
+                 cross layer as MLP layers + the element-wise law per layer
     top MLP      sum over layers of mlp_forward(M=B, K, N)
     backward     sum over MLP layers of mlp_backward (the first bottom layer: wgrad only)
     sparse       update law (fused backward + optimizer)
@@ -83,7 +84,10 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
         )
     elif m.interaction == "dcnv2":
         width = emb_out + dense_dim
-        fw = bw_ = 0.0
+        ew = cal.laws["elementwise"] if "elementwise" in cal.laws else None
+        # the concatenation, then per layer x0 * y + x (as element-wise passes)
+        fw = ew(bw=float(b * width), one=1.0) * (1 + m.dcn_layers) if ew else 0.0
+        bw_ = 0.0
         for _ in range(m.dcn_layers):
             a = _mlp(cal, b, [m.dcn_rank], width, True)
             c = _mlp(cal, b, [width], m.dcn_rank, True)
@@ -94,7 +98,8 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
         inter_out = width
     else:
         inter_out = emb_out + dense_dim
-        st["interaction"] = 0.0
+        ew = cal.laws.get("elementwise")
+        st["interaction"] = ew(bw=float(b * inter_out), one=1.0) if ew else 0.0
     fw, bw, p, _ = _mlp(cal, b, m.top_mlp, inter_out, True)
     st["top_mlp"], bwd, params = fw, bwd + bw, params + p
     st["backward"] = bwd
