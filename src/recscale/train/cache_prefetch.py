@@ -1,6 +1,7 @@
-"""Cache prefetch for a single-device collection on a host/ssd tier (the throughput
-benchmark; training runs the same prefetch inside ``distributed.pipeline``), and the
-cache statistics of any collection.
+"""Cache prefetch for a single-device ``EmbeddingBagCollection`` used directly (library
+use and its tests; training and the benchmarks run the same prefetch inside
+``distributed.pipeline``, after the input dist), and the cache statistics of any
+collection.
 
 While step t computes, a background thread takes batch t+1 and makes its rows
 resident in the hot-row cache (reading misses from the file, evicting and writing
