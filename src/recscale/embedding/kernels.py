@@ -66,8 +66,10 @@ def _applies(kernel: str, op: str, t: torch.Tensor, dim: int, max_dim: int | Non
         return f"there is no {kernel} kernel for the {op}"
     if kernel == "torch":
         return None
+    # The interaction kernels read any [B, F, D] strides; the embedding ones want rows.
+    contiguous = op == "interaction" or t.is_contiguous()
     if kernel == "native":
-        if native.applies(t, dim, max_dim) and t.is_contiguous():
+        if native.applies(t, dim, max_dim) and contiguous:
             return None
         return (f"the native kernels need recscale.native ({native.status()}), contiguous "
                 "fp32 CPU tensors and a dim that is a multiple of 8")  # fmt: skip
@@ -75,13 +77,13 @@ def _applies(kernel: str, op: str, t: torch.Tensor, dim: int, max_dim: int | Non
         if not triton_available():
             return _triton_import()
         on_device = t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())
-        if on_device and t.dtype == torch.float32 and t.is_contiguous():
+        if on_device and t.dtype == torch.float32 and contiguous:
             return None
         return "the Triton kernels need contiguous fp32 CUDA tensors (or TRITON_INTERPRET=1)"
     # numba
     from recscale.embedding.cpu_kernels import HAVE_NUMBA
 
-    if HAVE_NUMBA and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+    if HAVE_NUMBA and t.device.type == "cpu" and t.dtype == torch.float32 and contiguous:
         return None
     return "the numba kernels need numba and contiguous fp32 CPU tensors"
 

@@ -175,8 +175,6 @@ class DeviceStorage(RowStorage):
 
     def native_lookup_table(self) -> torch.Tensor | None:
         w = self.weight
-        if self.kernel not in ("auto", "native"):
-            return None
         return w if kernels.choose(self.kernel, "lookup", w, self.dim, 128) == "native" else None
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recscale import native
 from recscale.config.schema import KERNELS
+from recscale.embedding import kernels
 from recscale.modules import dot_interaction_cpu
 
 # The top MLP's first GEMM runs ~15% faster when its input width is a multiple of 8
@@ -50,22 +50,15 @@ class DotInteraction(nn.Module):
         self.pad = self.out_dim - width
 
     def _fused(self, x: torch.Tensor):
-        """The fused Function to run, or None for the torch path. ``auto``: native C
-        kernels where they apply, else numba, else torch."""
-        if self.kernel == "torch" or torch.is_autocast_enabled(x.device.type):
-            return None  # (under autocast the torch ops, which autocast casts to bf16)
-        if self.kernel in ("auto", "native"):
-            if native.applies(x, self.dim):
-                return dot_interaction_cpu.NativeDotInteraction
-            if self.kernel == "native":
-                raise RuntimeError(
-                    "model.kernels=native needs the native kernels (recscale.native: "
-                    f"{native.status()}), fp32 CPU tensors and a dim that is a multiple of 8"
-                )
-        if dot_interaction_cpu.supported(x):
+        """The fused Function to run, or None for the torch path (``embedding/kernels.py``
+        picks: native C where it applies, else numba, else torch)."""
+        if torch.is_autocast_enabled(x.device.type):
+            return None  # under autocast the torch ops, which autocast casts to bf16
+        kernel = kernels.choose(self.kernel, "interaction", x, self.dim)
+        if kernel == "native":
+            return dot_interaction_cpu.NativeDotInteraction
+        if kernel == "numba":
             return dot_interaction_cpu.FusedDotInteraction
-        if self.kernel == "numba":
-            raise RuntimeError("model.kernels=numba needs numba and fp32 CPU tensors")
         return None
 
     def forward(self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor) -> torch.Tensor:

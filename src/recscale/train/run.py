@@ -98,18 +98,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-@torch.no_grad()
+def score(module: torch.nn.Module, batches: Iterable[Batch], ctx: DistContext,
+          precision: str = "fp32") -> dict[str, float]:  # fmt: skip
+    """Exact metrics over every batch (every rank scores its slice; see ``predict``)."""
+    with autocast(precision, ctx.device):
+        return binary_metrics(*predict(module, batches, ctx))
+
+
 def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dict[str, float]:
-    """Score every batch and compute exact metrics over all predictions."""
-    was_training = model.training
-    model.eval()
-    logits, labels = [], []
-    for batch in batches:
-        batch = batch.to(device)
-        logits.append(model(batch).float().cpu())
-        labels.append(batch.labels.cpu())
-    model.train(was_training)
-    return binary_metrics(torch.cat(logits), torch.cat(labels))
+    """Score a model in this process (``recscale eval``)."""
+    return score(model, batches, DistContext(device=device))
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -343,8 +341,7 @@ def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, 
     """Score the validation split mid-training (every rank; the result is global)."""
     cfg = job.cfg
     split = cfg.data.val_split if cfg.data.uses_dataset() else None
-    with autocast(cfg.train.precision, job.ctx.device):
-        m = binary_metrics(*predict(job.module, eval_batches(cfg, split), job.ctx))
+    m = score(job.module, eval_batches(cfg, split), job.ctx, cfg.train.precision)
     ev = {"step": step, "elapsed_s": elapsed, "auc": m["auc"], "logloss": m["logloss"]}
     job.echo(f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}")
     if log_file is not None:
@@ -376,8 +373,7 @@ def evaluate_job(job: Job) -> dict[str, float] | None:
     """Exact metrics over the whole eval set (every rank scores its slice); None when
     interrupted."""
     try:
-        with autocast(job.cfg.train.precision, job.ctx.device):
-            return binary_metrics(*predict(job.module, eval_batches(job.cfg), job.ctx))
+        return score(job.module, eval_batches(job.cfg), job.ctx, job.cfg.train.precision)
     except KeyboardInterrupt:
         return None
 
