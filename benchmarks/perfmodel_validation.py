@@ -3,6 +3,15 @@ the calibration never saw (the calibration fits per-op laws on isolated ops, plu
 per-step constant from the `debug` and `default` configs; none of the points below).
 
     python benchmarks/perfmodel_validation.py [--calibration PATH] [--out DIR]
+    python benchmarks/perfmodel_validation.py --world-size 2   # 2 local ranks, 1 thread each
+
+With ``--world-size W`` the points run on W local ranks (gloo, the training path's
+sequential step: input dist, lookups, output dist, MLPs, backward, all-reduce) under
+the plan the planner makes from the same calibration, which is taken at the threads a
+rank has, its whole-step fit on W local ranks (``calibrate(threads=T, world_size=W)``,
+saved to DIR/calibration.json; none of its step configurations is a point below) - the
+prediction includes the all-to-all and all-reduce laws measured on this host's
+loopback.
 
 Writes DIR/validation.csv and DIR/predicted_vs_measured.png and prints the median and
 worst absolute relative error.
@@ -51,34 +60,70 @@ POINTS = [
 ]
 
 
+# Several ranks: each point also names a sharding ("auto" = the planner's choice).
+DIST_POINTS = [
+    ["--train.batch_size=1024"],
+    ["--train.batch_size=4096"],
+    ["--model.embedding_dim=64", "--model.bottom_mlp=512,256,64", "--train.batch_size=2048"],
+    ["--distributed.sharding=row_wise", "--train.batch_size=2048"],
+    ["--distributed.sharding=table_wise", "--train.batch_size=2048"],
+    ["--data.max_ids_per_feature=6", "--train.batch_size=2048"],
+]
+
+
+def _measure(cfg, args) -> float:
+    if args.world_size == 1:
+        r = run_throughput(cfg, steps=args.steps, warmup=5, echo=lambda _m: None)
+        return r["ms_per_step"]
+    from recscale.bench.distributed import run_pipeline_bench
+
+    r = run_pipeline_bench(cfg, args.world_size, args.steps, 5, args.threads)
+    return r["sequential_step_ms"]
+
+
+def _plan(cfg, cal, w: int):
+    if w == 1:
+        return None
+    from recscale.perfmodel.model import default_plan
+
+    return default_plan(cfg, cal, w)  # what the job plans
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibration", default=None)
     ap.add_argument("--out", default="perfmodel_validation")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=3, help="runs a point (the median counts)")
+    ap.add_argument("--world-size", type=int, default=1, help="local ranks a point runs on")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank (W > 1)")
     args = ap.parse_args()
-    path = Path(args.calibration) if args.calibration else default_path()
-    if not path.exists():
-        calibrate().save(path)
-    cal = Calibration.load(path)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    w = args.world_size
+    if w == 1:
+        path = Path(args.calibration) if args.calibration else default_path()
+        if not path.exists():
+            calibrate().save(path)
+    else:
+        path = Path(args.calibration) if args.calibration else out / "calibration.json"
+        if not path.exists():
+            calibrate(threads=args.threads, collective_ranks=w, world_size=w).save(path)
+    cal = Calibration.load(path)
+    points = POINTS if w == 1 else DIST_POINTS
     rows = []
-    for i, over in enumerate(POINTS):
+    for i, over in enumerate(points):
         cfg = load_config("default", ["--train.device=cpu", *over])
+        cfg.distributed.calibration = str(path)  # the job plans with the same laws
         # the median of a few runs: steps of a few ms vary by up to 30% on a shared VM
-        runs = [
-            run_throughput(cfg, steps=args.steps, warmup=5, echo=lambda _m: None)["ms_per_step"]
-            for _ in range(args.repeats)
-        ]
-        p = predict(cfg, cal)
+        runs = [_measure(cfg, args) for _ in range(args.repeats)]
+        p = predict(cfg, cal, w, _plan(cfg, cal, w))
         measured, predicted = statistics.median(runs), p.step_seconds * 1e3
         err = (predicted - measured) / measured
         rows.append({"point": " ".join(o.lstrip("-") for o in over), "measured_ms": round(measured, 3),
                      "predicted_ms": round(predicted, 3), "error": round(err, 4)})  # fmt: skip
         print(
-            f"{i + 1:2d}/{len(POINTS)} {rows[-1]['point']:<70} measured {measured:8.2f} ms  "
+            f"{i + 1:2d}/{len(points)} {rows[-1]['point']:<70} measured {measured:8.2f} ms  "
             f"predicted {predicted:8.2f} ms  error {err:+.1%}",
             flush=True,
         )
@@ -107,7 +152,7 @@ def main() -> None:
         ax.set_yscale("log")
         ax.set_xlabel("measured ms/step")
         ax.set_ylabel("predicted ms/step")
-        ax.set_title("performance model, held-out configs")
+        ax.set_title(f"performance model, held-out configs, {w} rank(s)")
         fig.tight_layout()
         fig.savefig(out / "predicted_vs_measured.png", dpi=100)
     except ImportError:

@@ -74,3 +74,90 @@ def test_calibration_round_trip_and_plan_prints_the_prediction(tmp_path):
     want = predict(load_config("debug"), Calibration.load(path))
     assert out["predicted_step_ms"] == pytest.approx(want.step_seconds * 1e3)
     assert out["predicted_samples_per_s"] == pytest.approx(want.samples_per_s)
+
+
+def _with_collectives(cal: Calibration, per_byte: float = 1e-9, per_call: float = 0.0):
+    for name in ("all_to_all", "all_reduce"):
+        cal.laws[name] = Law(["bytes", "one"], [per_byte, per_call])
+    return cal
+
+
+def test_several_ranks_count_each_ranks_rows_and_bytes():
+    """W = 2, every table row-wise: each rank looks up half the ids; the all-to-all moves
+    B p 8 / W id bytes + 2 B D 4 (W-1)/W vector bytes a table; the all-reduce the ring
+    bytes of the dense parameters; 1 ns a byte, 1 ns an id x column."""
+    from recscale.planner.from_config import table_infos, uniform_plan
+
+    cfg = load_config("debug", ["--train.batch_size=256", "--data.max_ids_per_feature=3"])
+    w, b = 2, 256
+    cal = _with_collectives(_unit_calibration(), per_call=1e-6)
+    tables = table_infos(cfg)
+    one = predict(cfg, cal, world_size=1).stages_ms
+    two = predict(cfg, cal, world_size=w, plan=uniform_plan(tables, w, "row_wise")).stages_ms
+    f, d, p = len(tables), cfg.model.embedding_dim, 2.0
+    assert (
+        two["lookup"] == pytest.approx(b * f * p * d / w * 1e-6) == pytest.approx(one["lookup"] / 2)
+    )
+    a2a = f * (b * p * 8 / w + 2 * b * d * 4 * (w - 1) / w) * 1e-9 + 5 * 1e-6
+    assert two["all_to_all"] == pytest.approx(a2a * 1e3)
+    # the dense parameters: the unit law charges 1 ns each in dense_opt
+    params = one["dense_opt"] * 1e6
+    assert two["all_reduce"] == pytest.approx((2 * (w - 1) / w * params * 4 * 1e-9 + 1e-6) * 1e3)
+    assert two["bottom_mlp"] == pytest.approx(one["bottom_mlp"] / 2)  # half the batch a rank
+    assert "all_to_all" not in one
+
+
+def test_table_wise_slowest_rank_sets_the_step_and_memory_is_per_rank():
+    from recscale.planner import ShardingPlan, TablePlacement
+    from recscale.planner.from_config import table_infos
+
+    cfg = load_config("debug")
+    tables = table_infos(cfg)
+    # every table on rank 1: rank 0 has no embedding work
+    plan = ShardingPlan(2, [TablePlacement(t.name, "table_wise", [1], {}, {}) for t in tables],
+                        [0, 0], [0.0, 0.0])  # fmt: skip
+    p = predict(cfg, _with_collectives(_unit_calibration()), world_size=2, plan=plan)
+    assert p.slowest_rank == 1
+    assert p.embedding_bytes == sum(t.bytes for t in tables)
+    assert p.memory_bytes > p.embedding_bytes
+
+
+@pytest.mark.parametrize("per_byte", [1e-12, 1e-9, 1e-7])
+def test_planner_choice_is_predicted_no_slower_than_any_uniform_plan(per_byte):
+    """The planner minimises the predicted step: whatever the collectives cost, its plan
+    is predicted at least as fast (within its 2% tie band) as one kind for every table."""
+    from recscale.perfmodel.model import default_plan
+    from recscale.planner.from_config import table_infos, uniform_plan
+
+    cfg = load_config("default", ["--train.batch_size=4096"])
+    cal = _with_collectives(_unit_calibration(), per_byte=per_byte, per_call=1e-5)
+    tables = table_infos(cfg)
+    for w in (2, 4):
+        chosen = predict(cfg, cal, w, default_plan(cfg, cal, w)).step_seconds
+        for kind in ("table_wise", "row_wise", "column_wise", "data_parallel"):
+            other = predict(cfg, cal, w, uniform_plan(tables, w, kind)).step_seconds
+            assert chosen <= other * 1.02, (w, kind, chosen, other)
+
+
+def test_plan_uses_the_calibrations_costs(tmp_path):
+    """With a calibration, `recscale plan` plans with its laws: on a slow network the
+    large tables go whole to one rank each (table_wise: no partial sums of every sample
+    from every rank to send back, as row_wise has), on a fast one they split by rows."""
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    _with_collectives(_unit_calibration(), per_byte=1e-13).save(fast)
+    _with_collectives(_unit_calibration(), per_byte=1e-6).save(slow)
+
+    def plan(path):
+        r = subprocess.run([sys.executable, "-m", "recscale", "plan", "--config", "default",
+                            "--world-size", "4", "--train.batch_size=4096", "--calibration", str(path), "--json"],
+                           capture_output=True, text=True)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    a, b = plan(fast), plan(slow)
+    assert a["costs"] == b["costs"] == "test"
+    assert a["predicted_step_ms"] < b["predicted_step_ms"]
+    assert b["predicted_stage_ms"]["all_to_all"] > a["predicted_stage_ms"]["all_to_all"]
+    assert "predicted_memory_bytes" in a
+    kinds = lambda out: {p["kind"] for p in out["placements"]}  # noqa: E731
+    assert "table_wise" in kinds(b) and "table_wise" not in kinds(a)

@@ -22,8 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--world-size", type=int, default=2, help="pipeline: local ranks")
-    p.add_argument("--threads", type=int, default=1, help="pipeline: torch threads per rank")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="pipeline: local ranks (default 2); calibrate: fit whole steps on "
+                   "this many local ranks (predicting W local ranks; default 1)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None,
+                   help="pipeline: torch threads per rank (default 1); calibrate: threads to "
+                   "measure the ops on (default: torch's)")  # fmt: skip
     p.add_argument("--vary", action="append", default=[],
                    help="sweep: section.key=v1,v2,... (repeat for a grid)")  # fmt: skip
     p.add_argument("--out", default=None,
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         from recscale.perfmodel import calibrate, default_path
 
         path = Path(args.out) if args.out else default_path()
-        cal = calibrate()
+        cal = calibrate(threads=args.threads, world_size=args.world_size or 1)
         cal.save(path)
         for name, law in cal.laws.items():
             print(f"  {name:<14} fit error (median) {law.fit_error:.1%}")
@@ -59,7 +63,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.what == "pipeline":
         from recscale.bench.distributed import format_pipeline_report, run_pipeline_bench
 
-        r = run_pipeline_bench(cfg, args.world_size, args.steps, args.warmup, args.threads)
+        r = run_pipeline_bench(
+            cfg, args.world_size or 2, args.steps, args.warmup, args.threads or 1
+        )
         r["config"] = args.config
         print(json.dumps(r, indent=2) if args.json else format_pipeline_report(args.config, r))
         return 0

@@ -1,4 +1,4 @@
-"""``recscale data preprocess|synth-tsv|info``: build and inspect binary datasets."""
+"""``recscale data preprocess|synth-tsv|multihot|info``: build and inspect binary datasets."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--out", type=Path, required=True)
     sp.add_argument("--seed", type=int, default=0)
 
+    mp = dsub.add_parser(
+        "multihot", help="a one-hot dataset -> multi-hot bags (MLPerf DLRMv2 style)"
+    )
+    mp.add_argument("--input", required=True, type=Path, help="a one-hot dataset directory")
+    mp.add_argument("--out", required=True, type=Path, help="the multi-hot dataset directory")
+    mp.add_argument(
+        "--bag-sizes", default="mlperf",
+        help="ids per bag: one number, one per feature (comma-separated), or mlperf "
+        "(MLPerf DLRMv2's 26 sizes: 3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1)",
+    )  # fmt: skip
+    mp.add_argument("--seed", type=int, default=0, help="draws the bags' offsets")
+
     ip = dsub.add_parser("info", help="print a dataset's metadata")
     ip.add_argument("path", type=Path)
 
@@ -90,6 +102,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
         print(f"the click model itself scores AUC {opt['auc']:.4f}, logloss {opt['logloss']:.4f} "
               f"on the lines --split kaggle makes the test split (the ceiling; {args.out}.optimum.json)")  # fmt: skip
+        return 0
+    if args.data_command == "multihot":
+        from recscale.data.dataset import DatasetError
+        from recscale.data.multihot import MLPERF_BAG_SIZES, to_multihot
+
+        try:
+            sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
+                     else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
+            to_multihot(args.input, args.out, sizes, args.seed)
+        except (DatasetError, ValueError) as e:
+            print(f"recscale: error: {e}", file=sys.stderr)
+            return 1
         return 0
     meta_path = args.path / "metadata.json"
     if not meta_path.exists():

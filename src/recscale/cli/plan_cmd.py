@@ -9,6 +9,7 @@ import sys
 
 from recscale.config.loader import load_config, preset_names
 from recscale.planner import Constraints, PlanError, Topology, plan_sharding
+from recscale.planner.costs import CostLaws
 from recscale.planner.from_config import table_infos
 
 
@@ -22,11 +23,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--memory-per-rank", type=float, default=64.0, help="GB for embedding tables per rank"
     )
     p.add_argument(
-        "--all-to-all-gbps", type=float, default=12.5, help="GB/s per rank (default 100 Gb/s)"
-    )
+        "--all-to-all-gbps", type=float, default=None,
+        help="GB/s per rank for all-to-all and all-reduce (default: the calibration's "
+        "measured local rate, else 12.5 = 100 Gb/s)",
+    )  # fmt: skip
     p.add_argument(
-        "--gather-gbps", type=float, default=10.0, help="random row-gather GB/s per rank"
-    )
+        "--gather-gbps", type=float, default=None,
+        help="random row-gather GB/s per rank (default: the calibration's lookup and "
+        "update laws, else 10)",
+    )  # fmt: skip
     p.add_argument(
         "--ssd-per-rank", type=float, default=0.0, help="GB of SSD per rank for tables (0 = none)"
     )
@@ -45,23 +50,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     tables = table_infos(cfg)
-    topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), args.all_to_all_gbps * 1e9,
-                    args.all_to_all_gbps * 1e9, args.gather_gbps * 1e9,
+    a2a = (args.all_to_all_gbps or 12.5) * 1e9
+    topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), a2a, a2a,
+                    (args.gather_gbps or 10.0) * 1e9,
                     ssd_per_rank=int(args.ssd_per_rank * 1e9),
                     ssd_bandwidth=args.ssd_gbps * 1e9,
                     host_per_rank=int(args.host_per_rank * 1e9))  # fmt: skip
+    cal = _calibration(args)
+    laws = _laws(cal, topo, args)
     try:
-        plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
+        plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size), laws)
     except PlanError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    pred = _prediction(cfg, args)
+    pred = None
+    if cal is not None:
+        from recscale.perfmodel import predict
+
+        pred = predict(cfg, cal, world_size=args.world_size, plan=plan)
     if args.json:
         out = plan.to_dict()
         if pred is not None:
             out["predicted_step_ms"] = pred.step_seconds * 1e3
             out["predicted_samples_per_s"] = pred.samples_per_s
             out["predicted_stage_ms"] = pred.stages_ms
+            out["predicted_memory_bytes"] = pred.memory_bytes
+        out["costs"] = laws.source
         print(json.dumps(out, indent=1))
         return 0
     print(f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
@@ -79,13 +93,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     mem, cost = plan.memory_per_rank, plan.cost_per_rank
     print(f"memory per rank: max {max(mem) / 1e9:.2f} GB, min {min(mem) / 1e9:.2f} GB")
-    print(f"embedding cost per step (lookup + update + all-to-all): slowest rank {plan.max_cost * 1e3:.3f} ms, "
+    print(f"embedding cost per step (lookup + update + collectives; costs: {laws.source}): "
+          f"slowest rank {plan.max_cost * 1e3:.3f} ms, "
           f"mean {sum(cost) / len(cost) * 1e3:.3f} ms, imbalance {plan.imbalance:.2f}")  # fmt: skip
     if pred is not None:
         stages = "  ".join(f"{k} {v:.2f}" for k, v in pred.stages_ms.items())
         print(
             f"predicted step per rank (performance model, this machine's calibration): "
-            f"{pred.step_seconds * 1e3:.2f} ms, {pred.samples_per_s:,.0f} samples/s; stages (ms): {stages}"
+            f"{pred.step_seconds * 1e3:.2f} ms, {pred.samples_per_s:,.0f} samples/s "
+            f"(slowest rank {pred.slowest_rank}); memory {pred.memory_bytes / 1e9:.2f} GB "
+            f"on the largest rank; stages (ms): {stages}"
         )
     else:
         print(
@@ -95,15 +112,34 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _prediction(cfg, args):
-    """The performance model's step time for one rank, when a calibration exists."""
+def _calibration(args):
+    """This machine's calibration (``--calibration`` or the saved default), or None."""
     from pathlib import Path
 
-    from recscale.perfmodel import Calibration, default_path, predict
+    from recscale.perfmodel import Calibration, default_path
 
     path = Path(args.calibration) if args.calibration else default_path()
     if not path.exists():
         if args.calibration:
             raise SystemExit(f"recscale: error: --calibration {path}: no such file")
         return None
-    return predict(cfg, Calibration.load(path), world_size=args.world_size)
+    return Calibration.load(path)
+
+
+def _laws(cal, topo: Topology, args) -> CostLaws:
+    """The planner's costs: the calibration's (what the performance model predicts
+    with), the bandwidths given on the command line replacing its measured ones."""
+    from dataclasses import replace
+
+    if cal is None:
+        return CostLaws.from_topology(topo)
+    from recscale.perfmodel.model import planner_laws
+
+    laws = planner_laws(cal)
+    dflt = CostLaws.from_topology(topo)
+    if args.all_to_all_gbps:
+        laws = replace(laws, all_to_all_per_byte=dflt.all_to_all_per_byte,
+                       all_reduce_per_byte=dflt.all_reduce_per_byte)  # fmt: skip
+    if args.gather_gbps:
+        laws = replace(laws, per_value=dflt.per_value, per_id=0.0)
+    return laws

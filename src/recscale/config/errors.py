@@ -3,4 +3,5 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str) -> None:
         self.key = key
+        self.message = message
         super().__init__(f"config key '{key}': {message}")

@@ -233,6 +233,9 @@ class DataConfig:
     # Ids per sample per feature are drawn uniformly in [min_ids, max_ids] (1, 1 = one-hot).
     min_ids_per_feature: int = 1
     max_ids_per_feature: int = 1
+    # Or exactly these ids per bag, one per table (MLPerf DLRMv2's fixed multi-hot
+    # sizes); [] = drawn from [min, max] as above.
+    bag_sizes: list[int] = field(default_factory=list)
     # Strength of the hidden model's signal; larger makes the task easier.
     signal_scale: float = 1.0
     # Click rate of the synthetic data (Criteo Kaggle: 0.256).
@@ -254,6 +257,8 @@ class DataConfig:
                 f"({self.max_ids_per_feature}) is below data.min_ids_per_feature ({self.min_ids_per_feature})",
             )
         _positive("data.max_ids_per_feature", self.max_ids_per_feature)
+        if any(k < 0 for k in self.bag_sizes):
+            raise ConfigError("data.bag_sizes", f"sizes must be >= 0, got {self.bag_sizes}")
         _positive("data.signal_scale", self.signal_scale, allow_zero=True)
         if not 0.0 < self.target_ctr < 1.0:
             raise ConfigError("data.target_ctr", f"must be in (0, 1), got {self.target_ctr}")
@@ -354,6 +359,9 @@ class DistributedConfig:
     plan: str = ""
     # Embedding memory per rank for the planner, GB (0 = the device's memory / 2).
     memory_per_rank_gb: float = 0.0
+    # The planner's costs: "auto" = this host's `recscale bench calibrate` file when
+    # saved (rank 0's, broadcast), else the default bandwidths; "none"; or a file path.
+    calibration: str = "auto"
     # Distribute the next batch's ids while this batch computes.
     pipeline: bool = True
     # Seconds a collective waits for a silent rank before the job fails.
@@ -380,4 +388,7 @@ class Config:
     def validate(self) -> Config:
         for f in fields(self):
             getattr(self, f.name).validate()
+        bags, tables = self.data.bag_sizes, self.model.table_sizes
+        if bags and len(bags) != len(tables):
+            raise ConfigError("data.bag_sizes", f"{len(bags)} sizes for {len(tables)} tables")
         return self

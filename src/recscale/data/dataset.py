@@ -75,6 +75,16 @@ class BinaryDataset:
                 "categorical columns (a damaged or hand-edited metadata.json)"
             )
         d = self.root / split
+        self.multi_hot = bool(self.meta.get("multi_hot"))
+        if self.multi_hot:  # variable-length bags (data/multihot.py)
+            from recscale.data.multihot import open_split
+
+            ids = int(self.meta["splits"][split]["ids"])
+            m = open_split(d, self.rows, self.num_dense, self.num_sparse, ids)
+            self.dense, self.labels, self.sparse = m["dense.f32"], m["labels.u8"], m["sparse.i32"]
+            self.lengths, self.row_offsets = m["bag_lengths.u16"], m["row_offsets.i64"]
+            self._check_values(d)
+            return
         # Check each column file against metadata.json before mapping it: a wrong size
         # means a truncated copy, another dataset's file or another dtype (float64 dense).
         for name, width, item in (("dense.f32", self.num_dense, 4), ("sparse.i32", self.num_sparse, 4),
@@ -91,6 +101,9 @@ class BinaryDataset:
         self.dense = np.memmap(d / "dense.f32", np.float32, "r", shape=(self.rows, self.num_dense))
         self.sparse = np.memmap(d / "sparse.i32", np.int32, "r", shape=(self.rows, self.num_sparse))
         self.labels = np.memmap(d / "labels.u8", np.uint8, "r", shape=(self.rows,))
+        self._check_values(d)
+
+    def _check_values(self, d: Path) -> None:
         _check_finite(d / "dense.f32", self.dense)
         if self.rows and int(self.labels.max()) > 1:
             bad = int(np.argmax(self.labels > 1))
@@ -152,9 +165,11 @@ class BatchLoader:
             return np.arange(self.num_blocks)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
 
-    def _read_block(self, epoch: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _read_block(self, epoch: int, k: int):
         lo = k * self.block_rows
         hi = min(self.ds.rows, lo + self.block_rows)
+        if self.ds.multi_hot:
+            return self._read_multi_hot(epoch, k, lo, hi)
         # np.array copies: one sequential read of the block into (writable) memory.
         dense, sparse, labels = (
             np.array(a[lo:hi]) for a in (self.ds.dense, self.ds.sparse, self.ds.labels)
@@ -163,6 +178,17 @@ class BatchLoader:
             perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
             dense, sparse, labels = dense[perm], sparse[perm], labels[perm]
         return dense, sparse, labels
+
+    def _read_multi_hot(self, epoch: int, k: int, lo: int, hi: int) -> _Rows:
+        ds = self.ds
+        ro = np.array(ds.row_offsets[lo : hi + 1])
+        rows = _Rows(np.array(ds.dense[lo:hi]), np.array(ds.labels[lo:hi]),
+                     np.array(ds.lengths[lo:hi]), ro[1:] - ro[0],
+                     np.array(ds.sparse[ro[0] : ro[-1]]))  # fmt: skip
+        if self.shuffle:
+            perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
+            rows = rows.permuted(perm)
+        return rows
 
     def __iter__(self) -> Iterator[Batch]:
         pos = self.position
@@ -189,7 +215,7 @@ class BatchLoader:
                 if block is None:
                     break
                 pending.append(block)
-                have += block[0].shape[0]
+                have += len(block) if isinstance(block, _Rows) else block[0].shape[0]
             if skip_rows:
                 _, pending = _take_front(pending, skip_rows)
                 have -= skip_rows
@@ -202,14 +228,97 @@ class BatchLoader:
             lo = self.rank * per_rank if take == b else 0
             hi = lo + per_rank if take == b else take
             pos.batch += 1
-            yield _to_batch(rows[0][lo:hi], rows[1][lo:hi], rows[2][lo:hi])
+            if isinstance(rows, _Rows):
+                yield rows.cut(hi)[0].cut(lo)[1].to_batch()
+            else:
+                yield _to_batch(rows[0][lo:hi], rows[1][lo:hi], rows[2][lo:hi])
 
     def _block_len(self, k: int) -> int:
         return min(self.ds.rows, (k + 1) * self.block_rows) - k * self.block_rows
 
 
+@dataclass
+class _Rows:
+    """Multi-hot rows in memory: ``values`` row-major in row order, row i's ids ending at
+    ``ends[i]`` (so any run of rows is one contiguous slice of ``values``)."""
+
+    dense: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray  # [n, F] uint16
+    ends: np.ndarray  # [n] int64
+    values: np.ndarray  # [ends[-1]] int32
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def permuted(self, perm: np.ndarray) -> _Rows:
+        lengths = self.lengths[perm]
+        row_len = np.diff(self.ends, prepend=0)[perm]
+        starts = (self.ends - np.diff(self.ends, prepend=0))[perm]
+        return _Rows(self.dense[perm], self.labels[perm], lengths, np.cumsum(row_len),
+                     self.values[_segment_gather(starts, row_len)])  # fmt: skip
+
+    def cut(self, k: int) -> tuple[_Rows, _Rows]:
+        """(the first k rows, the rest)."""
+        e = int(self.ends[k - 1]) if k else 0
+        front = _Rows(self.dense[:k], self.labels[:k], self.lengths[:k], self.ends[:k],
+                      self.values[:e])  # fmt: skip
+        rest = _Rows(self.dense[k:], self.labels[k:], self.lengths[k:], self.ends[k:] - e,
+                     self.values[e:])  # fmt: skip
+        return front, rest
+
+    @staticmethod
+    def concat(parts: list[_Rows]) -> _Rows:
+        if len(parts) == 1:
+            return parts[0]
+        shift = np.cumsum([0] + [p.values.shape[0] for p in parts[:-1]])
+        return _Rows(*(np.concatenate([getattr(p, n) for p in parts])
+                       for n in ("dense", "labels", "lengths")),
+                     np.concatenate([p.ends + s for p, s in zip(parts, shift)]),
+                     np.concatenate([p.values for p in parts]))  # fmt: skip
+
+    def to_batch(self) -> Batch:
+        """Row-major bags -> the feature-major jagged batch."""
+        b, f = self.lengths.shape
+        lens = self.lengths.astype(np.int64)
+        starts_rm = np.concatenate([[0], np.cumsum(lens.reshape(-1))[:-1]]).reshape(b, f)
+        lens_fm = np.ascontiguousarray(lens.T).reshape(-1)
+        starts_fm = np.ascontiguousarray(starts_rm.T).reshape(-1)
+        values = self.values[_segment_gather(starts_fm, lens_fm)].astype(np.int64)
+        offsets = np.zeros(f * b + 1, np.int64)
+        np.cumsum(lens_fm, out=offsets[1:])
+        return Batch(
+            dense=torch.from_numpy(np.ascontiguousarray(self.dense)),
+            values=torch.from_numpy(values),
+            offsets=torch.from_numpy(offsets),
+            labels=torch.from_numpy(self.labels.astype(np.float32)),
+        )
+
+
+def _segment_gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Indices of the segments ``[starts[i], starts[i] + lengths[i])``, concatenated."""
+    total = int(lengths.sum())
+    out_starts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
+
+
 def _take_front(pending, n):
-    """Take the first n rows off a list of (dense, sparse, labels) blocks."""
+    """Take the first n rows off a list of (dense, sparse, labels) blocks (or of
+    multi-hot ``_Rows``)."""
+    if pending and isinstance(pending[0], _Rows):
+        taken, rest, need = [], [], n
+        for blk in pending:
+            if need >= len(blk):
+                taken.append(blk)
+                need -= len(blk)
+            elif need > 0:
+                front, back = blk.cut(need)
+                taken.append(front)
+                rest.append(back)
+                need = 0
+            else:
+                rest.append(blk)
+        return _Rows.concat(taken), rest
     taken, rest, need = [], [], n
     for blk in pending:
         m = blk[0].shape[0]

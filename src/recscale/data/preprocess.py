@@ -15,6 +15,9 @@ Two passes, bounded memory (chunks of text; blocks of rows):
        OUT/<split>/sparse.i32  [rows, 26] int32 ids (one id per feature per row)
        OUT/<split>/labels.u8   [rows] uint8
 
+   (multi-hot Parquet - list columns - takes ``multihot_parquet.py``'s path and
+   writes the multi-hot layout of ``multihot.py``: bags of ids with offsets per row)
+
    plus ``OUT/metadata.json`` (rows and CTR per split, table sizes, id-frequency
    summaries, bad-line report). Everything is built under ``OUT.tmp`` and renamed
    into place at the end, so a failed run never leaves a half-written dataset.
@@ -129,6 +132,21 @@ def check_output_dir(out: Path, inputs: list[Path]) -> None:
     leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt"}
     if tmp.exists() and not {c.name for c in tmp.iterdir()} <= leftovers:
         raise ValueError(f"{tmp} exists and is not a leftover of an earlier preprocess; move it")
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Replace an old dataset without a moment where a half one could be read as whole:
+    move the old one aside, rename the new one in, then delete the old one."""
+    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, aside)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if aside.exists() and not out.exists():
+            os.replace(aside, out)  # the old dataset back where it was
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 @dataclass
@@ -258,6 +276,13 @@ def _write_parquet(split_dir: Path, out_file: Path) -> None:
 def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run both passes; returns the metadata written to ``OUT/metadata.json``."""
     opts.validate()
+    if opts.input_format == "parquet":
+        from recscale.data.multihot_parquet import is_multi_hot_parquet, preprocess_multihot_parquet
+
+        if is_multi_hot_parquet(Path(opts.inputs[0])):  # list columns: bags of ids
+            if opts.parquet_out:
+                raise ValueError("--parquet-out writes one-hot columns; the input is multi-hot")
+            return preprocess_multihot_parquet(opts, echo)
     threads = opts.threads or len(os.sched_getaffinity(0))
     out = Path(opts.out)
     tmp = out.with_name(out.name + ".tmp")
@@ -383,18 +408,7 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
         "seconds": seconds,
     }
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    # Replace an old dataset without a moment where a half one could be read as whole:
-    # move the old one aside, rename the new one in, then delete the old one.
-    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, aside)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if aside.exists() and not out.exists():
-            os.replace(aside, out)  # the old dataset back where it was
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
+    swap_into_place(tmp, out)
     echo(
         f"wrote {out}: "
         + ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits_meta.items())

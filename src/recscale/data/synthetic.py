@@ -98,12 +98,17 @@ class SyntheticCriteo:
         max_ids: int = 1,
         signal_scale: float = 1.0,
         target_ctr: float = 0.25,
+        bag_sizes: list[int] | None = None,
     ) -> None:
         self.table_sizes = list(table_sizes)
+        # fixed ids per bag, one per table (MLPerf multi-hot), instead of [min, max]
+        self.bag_sizes = np.array(bag_sizes, np.int64) if bag_sizes else None
         self.num_dense = num_dense
         self.seed = seed
         self.alpha = zipf_alpha
         self.min_ids, self.max_ids = min_ids, max_ids
+        if self.bag_sizes is not None:
+            self.max_ids = int(self.bag_sizes.max(initial=0))
         self.signal_scale = signal_scale
         rng = np.random.default_rng(seed)
         self._mult = np.array(
@@ -191,7 +196,10 @@ class SyntheticCriteo:
             z = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6) if b > 1 else dense * 0
             logit += z @ self._dense_w
 
-        lengths = rng.integers(self.min_ids, self.max_ids + 1, size=(num_sparse, b))
+        if self.bag_sizes is not None:
+            lengths = np.repeat(self.bag_sizes[:, None], b, axis=1)
+        else:
+            lengths = rng.integers(self.min_ids, self.max_ids + 1, size=(num_sparse, b))
         values_per_feature = []
         factor_sum = np.zeros((b, _FACTOR_DIM))
         factor_sq = np.zeros(b)

@@ -12,6 +12,12 @@ machine's threads), then fitted by least squares on relative error (rows weighte
     embedding update      t = a * ids D + b * ids + c        (fused backward + row-wise Adagrad)
     dense optimizer       t = a * params + c                  (fused Adam)
     element-wise          t = a * B width + c                 (concat; a cross layer's x0*y+x)
+    all-to-all            t = a * bytes + c                   (bytes a rank sends; 2 local ranks)
+    all-reduce            t = a * ring bytes + c              (2 (W-1)/W x the buffer's bytes)
+
+The collectives are measured on ``collective_ranks`` local processes joined as training
+joins them (gloo on CPU): the rates of this host's loopback. A cluster's network
+differs - ``recscale plan --all-to-all-gbps`` overrides them.
 
 The model (``model.py``) sums them over a config's layers; a step-level fit over whole
 steps of four configurations (``STEP_CONFIGS``) then gives ``step_scale`` (ops in a
@@ -53,6 +59,7 @@ class Calibration:
     laws: dict[str, Law] = field(default_factory=dict)
     step_scale: float = 1.0
     step_overhead: float = 0.0
+    world_size: int = 1  # local ranks the whole steps of the fit ran on
     format: int = FORMAT
 
     def save(self, path: Path) -> None:
@@ -208,6 +215,53 @@ def _dense_optimizer(echo) -> Law:
     return _fit(["params", "one"], rows, ts)
 
 
+COLLECTIVE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # fp32 elements a rank sends
+
+
+def _collective_worker(sizes: tuple[int, ...]) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    from recscale.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"))
+    g = ctx.dense
+    out: dict[str, list[float]] = {"all_to_all": [], "all_reduce": []}
+    for n in sizes:
+        x = torch.randn(n - n % ctx.world_size)
+        y = torch.empty_like(x)
+        t_a2a, t_ar = [], []
+        for _ in range(7):
+            dist.barrier(group=g)
+            t = time.perf_counter()
+            dist.all_to_all_single(y, x, group=g)
+            t_a2a.append(time.perf_counter() - t)
+            dist.barrier(group=g)
+            t = time.perf_counter()
+            dist.all_reduce(x, group=g)
+            t_ar.append(time.perf_counter() - t)
+        out["all_to_all"].append(statistics.median(t_a2a[2:]))
+        out["all_reduce"].append(statistics.median(t_ar[2:]))
+    dist.destroy_process_group()
+    return out
+
+
+def _collectives(echo, world_size: int) -> tuple[Law, Law]:
+    from recscale.distributed.spawn import run_ranks
+    from recscale.planner.costs import ring_bytes
+
+    res = run_ranks(_collective_worker, world_size, COLLECTIVE_SIZES, timeout=300)
+    # the slower rank's time: a collective ends for everyone when the last rank is done
+    a2a = [max(r["all_to_all"][i] for r in res) for i in range(len(COLLECTIVE_SIZES))]
+    ar = [max(r["all_reduce"][i] for r in res) for i in range(len(COLLECTIVE_SIZES))]
+    spread = (world_size - 1) / world_size
+    rows_a2a = [{"bytes": 4.0 * n * spread, "one": 1.0} for n in COLLECTIVE_SIZES]
+    rows_ar = [{"bytes": ring_bytes(4.0 * n, world_size), "one": 1.0} for n in COLLECTIVE_SIZES]
+    echo(f"  collectives: all-to-all and all-reduce on {world_size} local ranks, "
+         f"{len(COLLECTIVE_SIZES)} sizes")  # fmt: skip
+    return _fit(["bytes", "one"], rows_a2a, a2a), _fit(["bytes", "one"], rows_ar, ar)
+
+
 # Whole steps the step-level fit uses; none is among the validation configurations
 # (benchmarks/perfmodel_validation.py).
 STEP_CONFIGS = (
@@ -221,33 +275,64 @@ STEP_CONFIGS = (
 )
 
 
-def calibrate(echo=print) -> Calibration:
+def calibrate(echo=print, threads: int | None = None, collective_ranks: int = 2,
+              world_size: int = 1) -> Calibration:  # fmt: skip
     """Measure and fit every law, then the step-level fit from whole steps: a step takes
     ``step_scale`` x the sum of its ops (ops run back to back share caches and cores
-    differently than alone) plus ``step_overhead`` (dispatch, the loss)."""
+    differently than alone) plus ``step_overhead`` (dispatch, the loss).
+
+    ``threads``: the torch threads each op runs on - calibrate at the threads a rank
+    will train with (default: this process's). ``collective_ranks``: local processes
+    for the collectives (0 or 1: none measured; the model then assumes 100 Gb/s).
+    ``world_size`` > 1: the whole steps run on that many local ranks (the training
+    path's sequential step), so the fit also holds what ranks sharing this host's cores
+    and memory cost each other - a calibration for predicting W local ranks."""
+    if threads:
+        torch.set_num_threads(threads)
     threads = torch.get_num_threads()
-    cal = Calibration(machine=platform.node() or "host", threads=threads)
+    cal = Calibration(machine=platform.node() or "host", threads=threads, world_size=world_size)
     echo(f"calibrating on {threads} threads ...")
     cal.laws["mlp_forward"], cal.laws["mlp_backward"] = _mlp_layer(echo)
     cal.laws["interaction"] = _interaction(echo)
     cal.laws["lookup"], cal.laws["update"] = _embedding(echo)
     cal.laws["dense_opt"] = _dense_optimizer(echo)
     cal.laws["elementwise"] = _elementwise(echo)
-    from recscale.bench.throughput import run_throughput
+    if max(collective_ranks, world_size) > 1:
+        cal.laws["all_to_all"], cal.laws["all_reduce"] = _collectives(
+            echo, max(collective_ranks, world_size)
+        )
+    _fit_steps(cal, threads, world_size, echo)
+    return cal
+
+
+def _fit_steps(cal: Calibration, threads: int, world_size: int, echo) -> None:
     from recscale.config import load_config
     from recscale.perfmodel.model import predict
 
     sums, measured = [], []
     for name, over in STEP_CONFIGS:
-        cfg = load_config(name, ["--train.device=cpu", *over])
-        measured.append(
-            run_throughput(cfg, steps=15, warmup=5, echo=lambda _m: None)["ms_per_step"] / 1e3
-        )
-        sums.append(predict(cfg, cal).step_seconds)  # scale 1, overhead 0 so far
+        # whole steps on the threads the ops were measured on
+        cfg = load_config(name, ["--train.device=cpu", f"--train.threads={threads}", *over])
+        plan = None
+        if world_size == 1:
+            from recscale.bench.throughput import run_throughput
+
+            t = run_throughput(cfg, steps=15, warmup=5, echo=lambda _m: None)["ms_per_step"]
+        else:
+            from recscale.bench.distributed import run_pipeline_bench
+            from recscale.planner.from_config import plan_for
+
+            cfg.distributed.calibration = "none"  # the job plans as plan_for(...) below
+            t = run_pipeline_bench(cfg, world_size, 15, 5, threads)["sequential_step_ms"]
+            plan = plan_for(cfg, world_size, 1 << 40)
+        p = predict(cfg, cal, world_size, plan)  # scale 1, overhead 0 so far
+        comm = sum(p.stages_ms.get(k, 0.0) for k in ("all_to_all", "all_reduce")) / 1e3
+        sums.append(p.step_seconds - comm)
+        measured.append(max(t / 1e3 - comm, 1e-5))
     law = _fit(["sum", "one"], [{"sum": s_, "one": 1.0} for s_ in sums], measured)
     cal.step_scale, cal.step_overhead = law.coef[0] or 1.0, law.coef[1]
     echo(
-        f"  whole steps: {cal.step_scale:.3f} x the ops + {cal.step_overhead * 1e3:.2f} ms "
+        f"  whole steps{f' on {world_size} ranks' if world_size > 1 else ''}: "
+        f"{cal.step_scale:.3f} x the ops + {cal.step_overhead * 1e3:.2f} ms "
         f"(fit error {law.fit_error:.1%})"
     )
-    return cal

@@ -1,21 +1,28 @@
 """The performance model: a training step's time, stage by stage, from a config and a
 calibration (``calibrate.py``) - a pure function, no model is built or run.
 
-For one rank of ``world_size`` (batch B = global batch / W; CPU, fp32)::
+For each rank of ``world_size`` (batch B = global batch / W; CPU, fp32), the step of
+the slowest rank (the collectives make every rank wait for it)::
 
-    lookup       law(ids = B x sum_f pooling_f, D)
+    lookup       law(ids, ids x width) over the rows this rank's shards serve under
+                 the plan (the planner's, by default; ``planner/costs.py`` counts them)
     bottom MLP   sum over layers of mlp_forward(M=B, K, N)
     interaction  dot: the calibrated dot law (forward + backward, counted in forward);
                  cat: the element-wise law (the concatenation); dcnv2: two GEMMs a
                  cross layer as MLP layers + the element-wise law per layer
     top MLP      sum over layers of mlp_forward(M=B, K, N)
     backward     sum over MLP layers of mlp_backward (the first bottom layer: wgrad only)
-    sparse       update law (fused backward + optimizer)
+    sparse       update law (fused backward + optimizer), the same counts
+    all_to_all   W > 1: law(bytes) over the ids in and the pooled vectors out and back,
+                 + the per-call latency x 5 collectives
+    all_reduce   W > 1: law(ring bytes) of the dense gradients (+ replicated tables')
     dense_opt    dense optimizer law over the MLP parameters
     overhead     the calibrated per-step constant (every stage above is first scaled by
                  the calibrated ``step_scale``)
 
-``ids_per_sample`` defaults to the synthetic data's mean pooling factor per feature.
+The ids per sample of a table are the synthetic data's: ``data.bag_sizes`` when set,
+else the mean pooling factor ((min + max ids per feature) / 2). Memory per rank: the plan's table bytes + the dense
+parameters with their gradients and Adam state + the activations kept for backward.
 """
 
 from __future__ import annotations
@@ -23,7 +30,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recscale.config.schema import Config
-from recscale.perfmodel.calibrate import Calibration
+from recscale.perfmodel.calibrate import Calibration, Law
+from recscale.planner.costs import (
+    ALL_REDUCE_CALLS,
+    ALL_TO_ALL_CALLS,
+    VALUE_BYTES,
+    CostLaws,
+    rank_work,
+    ring_bytes,
+)
+from recscale.planner.types import ShardingPlan, Topology
+
+# No measured collective (a calibration of one process): 100 Gb/s, 20 us a call.
+DEFAULT_TOPOLOGY = Topology(1, 0)
+DEFAULT_LATENCY = DEFAULT_TOPOLOGY.latency
 
 
 @dataclass
@@ -31,7 +51,41 @@ class Prediction:
     step_seconds: float
     samples_per_s: float
     stages_ms: dict[str, float] = field(default_factory=dict)
-    embedding_bytes: int = 0  # tables + optimizer state on this rank
+    embedding_bytes: int = 0  # tables + optimizer state on the slowest rank
+    memory_bytes: int = 0  # the largest rank: tables + dense state + activations
+    slowest_rank: int = 0
+
+
+def _coef(law: Law, feature: str) -> float:
+    return law.coef[law.features.index(feature)] if feature in law.features else 0.0
+
+
+def planner_laws(cal: Calibration) -> CostLaws:
+    """The planner's per-unit costs from a calibration: the lookup and update laws per
+    id x column and per id, the collectives' per byte (the topology's defaults where the
+    calibration measured none) - the same numbers ``predict`` uses."""
+    lk, up, s = cal.laws["lookup"], cal.laws["update"], cal.step_scale
+    a2a, ar = cal.laws.get("all_to_all"), cal.laws.get("all_reduce")
+    dflt = CostLaws.from_topology(DEFAULT_TOPOLOGY)
+    return CostLaws(
+        per_value=s * (_coef(lk, "ids_d") + _coef(up, "ids_d")),
+        per_id=s * (_coef(lk, "ids") + _coef(up, "ids")),
+        all_to_all_per_byte=_coef(a2a, "bytes") if a2a else dflt.all_to_all_per_byte,
+        all_reduce_per_byte=_coef(ar, "bytes") if ar else dflt.all_reduce_per_byte,
+        embedding_per_call=s * (_coef(lk, "one") + _coef(up, "one")),
+        all_to_all_per_call=_coef(a2a, "one") if a2a else DEFAULT_LATENCY,
+        all_reduce_per_call=_coef(ar, "one") if ar else DEFAULT_LATENCY,
+        source=cal.machine,
+    )
+
+
+def default_plan(cfg: Config, cal: Calibration, world_size: int) -> ShardingPlan:
+    """The plan a job of ``cfg`` makes on ``world_size`` ranks of ample memory (a plan
+    file or one sharding kind when the config names them; else the planner's, costed by
+    this calibration's laws)."""
+    from recscale.planner.from_config import plan_for
+
+    return plan_for(cfg, world_size, 1 << 62, laws=planner_laws(cal))
 
 
 def _mlp(cal: Calibration, m: int, widths: list[int], k: int, first_needs_dgrad: bool):
@@ -51,20 +105,19 @@ def _mlp(cal: Calibration, m: int, widths: list[int], k: int, first_needs_dgrad:
 
 
 def predict(cfg: Config, cal: Calibration, world_size: int = 1,
-            ids_per_sample: float | None = None) -> Prediction:  # fmt: skip
-    from recscale.embedding.placement import row_bytes
+            plan: ShardingPlan | None = None) -> Prediction:  # fmt: skip
+    """The step time of ``cfg`` on ``world_size`` ranks under ``plan`` (default: the
+    planner's, costed by ``cal``)."""
     from recscale.modules.interaction import PAD_MULTIPLE
+    from recscale.planner.from_config import table_infos
 
     m = cfg.model
-    b = max(1, cfg.train.batch_size // world_size)
+    w = world_size
+    b = max(1, cfg.train.batch_size // w)
     f = len(m.table_sizes)
     dims = m.dims()
     d = dims[0]
-    pooling = ids_per_sample if ids_per_sample is not None else f * (
-        cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2  # fmt: skip
-    ids = b * pooling
     st: dict[str, float] = {}
-    st["lookup"] = cal.laws["lookup"](ids_d=ids * d, ids=ids, one=1.0)
     dense_dim = 0
     bwd = 0.0
     params = 0
@@ -100,15 +153,61 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
         inter_out = emb_out + dense_dim
         ew = cal.laws.get("elementwise")
         st["interaction"] = ew(bw=float(b * inter_out), one=1.0) if ew else 0.0
+    activations = sum(m.bottom_mlp) + sum(m.top_mlp) + inter_out
+    if m.interaction == "dcnv2":
+        activations += m.dcn_layers * (inter_out + m.dcn_rank)
     fw, bw, p, _ = _mlp(cal, b, m.top_mlp, inter_out, True)
     st["top_mlp"], bwd, params = fw, bwd + bw, params + p
     st["backward"] = bwd
-    st["sparse"] = cal.laws["update"](ids_d=ids * d, ids=ids, one=1.0)
     st["dense_opt"] = cal.laws["dense_opt"](params=float(params), one=1.0)
     st = {k: v * cal.step_scale for k, v in st.items()}
+
+    # The embedding side, rank by rank: the slowest rank sets the step.
+    tables = table_infos(cfg)
+    plan = plan if plan is not None else default_plan(cfg, cal, w)
+    laws = planner_laws(cal)
+    best: tuple[float, int, dict[str, float]] = (-1.0, 0, {})
+    for r, work in enumerate(rank_work(tables, plan, cfg.train.batch_size)):
+        lk = cal.laws["lookup"](ids_d=work.values, ids=work.ids, one=1.0) * cal.step_scale
+        up = cal.laws["update"](ids_d=work.values, ids=work.ids, one=1.0) * cal.step_scale
+        emb = {"lookup": lk, "sparse": up}
+        if w > 1:
+            emb["all_to_all"] = (work.all_to_all_bytes * laws.all_to_all_per_byte
+                                 + ALL_TO_ALL_CALLS * laws.all_to_all_per_call)  # fmt: skip
+            dense_bytes = ring_bytes(params * VALUE_BYTES, w)
+            emb["all_reduce"] = ((dense_bytes + work.all_reduce_bytes) * laws.all_reduce_per_byte
+                                 + ALL_REDUCE_CALLS * laws.all_reduce_per_call)  # fmt: skip
+        if sum(emb.values()) > best[0]:
+            best = (sum(emb.values()), r, emb)
+    _, slowest, emb = best
+    st = {"lookup": emb["lookup"], **st, "sparse": emb["sparse"],
+          **{k: v for k, v in emb.items() if k not in ("lookup", "sparse")}}  # fmt: skip
     st["overhead"] = cal.step_overhead
     total = sum(st.values())
-    rows = sum(m.table_sizes) / world_size
-    emb_bytes = int(rows * row_bytes(cfg.embedding, d))
+    # memory: tables + state (plan), dense fp32 params + grads + Adam's two moments, and
+    # the activations autograd keeps (each layer's output, B x width fp32)
+    table_mem = _table_bytes(tables, plan)
+    act = b * VALUE_BYTES * (activations + sum(dims))
+    mem = max(table_mem) + 4 * params * VALUE_BYTES + act
     return Prediction(total, cfg.train.batch_size / total,
-                      {k: v * 1e3 for k, v in st.items()}, emb_bytes)  # fmt: skip
+                      {k: v * 1e3 for k, v in st.items()}, table_mem[slowest], int(mem),
+                      slowest)  # fmt: skip
+
+
+def _table_bytes(tables, plan: ShardingPlan) -> list[int]:
+    """Bytes of tables + optimizer state on each rank under ``plan`` (a plan from the
+    planner carries them; a hand-written one is counted here)."""
+    if any(plan.memory_per_rank):
+        return list(plan.memory_per_rank)
+    out = [0] * plan.world_size
+    by_name = {t.name: t for t in tables}
+    for p in plan.placements:
+        t = by_name[p.table]
+        for i, r in enumerate(p.ranks):
+            if p.kind == "row_wise":
+                out[r] += t.bytes // len(p.ranks)
+            elif p.kind == "column_wise" and p.dims:
+                out[r] += t.bytes * p.dims[i] // t.dim
+            else:
+                out[r] += t.bytes
+    return out

@@ -13,6 +13,7 @@ import torch
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.embedding.placement import row_bytes
+from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
     Constraints,
     PlanError,
@@ -27,9 +28,10 @@ from recscale.planner.types import KINDS
 
 def table_infos(cfg: Config) -> list[TableInfo]:
     m = cfg.model
-    pooling = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
+    mean = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
+    pooling = [float(k) for k in cfg.data.bag_sizes] or [mean] * len(m.table_sizes)
     return [
-        TableInfo(f"C{i + 1}", n, d, pooling, row_bytes(cfg.embedding, d) - 4 * d)
+        TableInfo(f"C{i + 1}", n, d, pooling[i], row_bytes(cfg.embedding, d) - 4 * d)
         for i, (n, d) in enumerate(zip(m.table_sizes, m.dims()))
     ]
 
@@ -64,11 +66,38 @@ def default_memory_per_rank(device: torch.device, local_world: int) -> int:
     return total // (2 * max(local_world, 1))
 
 
+def calibrated_laws(cfg: Config) -> CostLaws | None:
+    """The planner's costs from ``distributed.calibration`` (None: the defaults)."""
+    from recscale.perfmodel import Calibration, default_path
+    from recscale.perfmodel.model import planner_laws
+
+    c = cfg.distributed.calibration
+    if c == "none":
+        return None
+    path = default_path() if c == "auto" else Path(c)
+    if not path.exists():
+        if c != "auto":
+            raise ConfigError("distributed.calibration", f"{path}: no such file")
+        return None
+    try:
+        return planner_laws(Calibration.load(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if c == "auto":  # a stale file of an older format: plan as without one
+            return None
+        raise ConfigError("distributed.calibration", f"cannot read {path}: {e}") from e
+
+
 def plan_for(
-    cfg: Config, world_size: int, memory_per_rank: int, ssd_per_rank: int = 0
+    cfg: Config,
+    world_size: int,
+    memory_per_rank: int,
+    ssd_per_rank: int = 0,
+    laws: CostLaws | None = None,
 ) -> ShardingPlan:
     """The plan a job runs: a plan file, one kind for all tables, or the planner's
-    (``ssd_per_rank`` > 0: with an ssd tier for the tables that do not fit)."""
+    (``ssd_per_rank`` > 0: with an ssd tier for the tables that do not fit; ``laws``:
+    its costs, e.g. ``calibrated_laws(cfg)``, so it picks what the performance model
+    predicts fastest)."""
     d = cfg.distributed
     tables = table_infos(cfg)
     if d.plan:
@@ -85,7 +114,7 @@ def plan_for(
     if d.sharding != "auto":
         return uniform_plan(tables, world_size, d.sharding)
     topo = Topology(world_size, memory_per_rank, ssd_per_rank=ssd_per_rank)
-    return plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size))
+    return plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size), laws)
 
 
 def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None) -> ShardingPlan:

@@ -1,16 +1,12 @@
 """Plan where each embedding table lives so the slowest rank is as fast as possible.
 
-Cost model, seconds per training step on a rank (B global batch, W ranks, p ids
-per sample of the table, D its dim, BW the topology's bandwidths)::
-
-    lookup(n ids, width d) = 3 * n * d * 4 / gather_bw       forward read + update read/write
-    data_parallel  every rank: lookup(B p / W, D) + 2 (W-1)/W * rows * D * 4 / all_reduce_bw
-    table_wise     owner:      lookup(B p, D)     + (B p 8 + 2 B D 4) (W-1)/W / all_to_all_bw
-    row_wise       each rank:  lookup(B p / W, D) + (B p 8 / W + 2 B D 4 (W-1)/W) / all_to_all_bw
-    column_wise    k ranks:    lookup(B p, D/k)   + (B p 8 + 2 B (D/k) 4) (W-1)/W / all_to_all_bw
-
-(ids travel as 8-byte ints; pooled vectors forward and their gradients backward as
-fp32). Memory: rows * (D * 4 + optimizer state per row), split by rows (row_wise)
+Cost, seconds per training step on a rank: the work a placement puts on each rank
+(ids looked up and updated, their values, all-to-all and all-reduce bytes; the table
+in ``planner/costs.py``) times ``CostLaws`` - by default the topology's bandwidths
+(``lookup(n ids, width d) = 3 n d 4 / gather_bw``: forward read + update read/write;
+bytes / all_to_all_bw; ring bytes / all_reduce_bw), or the per-op laws this machine
+measured (``recscale bench calibrate``), which the performance model predicts with.
+Memory: rows * (D * 4 + optimizer state per row), split by rows (row_wise)
 or columns (column_wise), replicated (data_parallel).
 
 Greedy, largest table first: each table takes the candidate placement - replicate
@@ -34,6 +30,7 @@ plus the misses' traffic::
 
 from __future__ import annotations
 
+from recscale.planner.costs import CostLaws, placement_work
 from recscale.planner.types import Constraints, ShardingPlan, TableInfo, TablePlacement, Topology
 
 GB = 1e9
@@ -44,40 +41,33 @@ class PlanError(ValueError):
     """No placement fits; the message says how much memory is missing."""
 
 
-def _lookup_s(ids: float, width: int, topo: Topology) -> float:
-    return 3.0 * ids * width * 4 / topo.gather_bandwidth
-
-
-def _candidates(t: TableInfo, topo: Topology, cons: Constraints, mem: list[int], cost: list[float]):
-    w, b, p, d = topo.world_size, cons.batch_size, t.pooling, t.dim
-    spread = (w - 1) / w
+def _candidates(t: TableInfo, topo: Topology, cons: Constraints, laws: CostLaws,
+                mem: list[int], cost: list[float]):  # fmt: skip
+    w, b, d = topo.world_size, cons.batch_size, t.dim
     cap = topo.memory_per_rank
+
+    def secs(kind: str, width: int | None = None) -> float:
+        return laws.seconds(placement_work(t, kind, w, b, width))
+
     order = sorted(range(w), key=lambda r: (cost[r], mem[r], r))
     fits_one = t.bytes <= cap
     if t.bytes <= cons.data_parallel_max_bytes and all(m + t.bytes <= cap for m in mem):
-        c = _lookup_s(b * p / w, d, topo)
-        if w > 1:  # gradients ride in the dense all-reduce buckets: bandwidth, no extra latency
-            c += 2 * spread * t.rows * d * 4 / topo.all_reduce_bandwidth
+        # gradients ride in the dense all-reduce buckets: bandwidth, no extra latency
+        c = secs("data_parallel")
         yield TablePlacement(t.name, "data_parallel", list(range(w)), dict.fromkeys(range(w), t.bytes),
                              dict.fromkeys(range(w), c))  # fmt: skip
     if fits_one:
         room = [r for r in order if mem[r] + t.bytes <= cap]
         if room:
             r = room[0]
-            c = (
-                _lookup_s(b * p, d, topo)
-                + (b * p * 8 + 2 * b * d * 4) * spread / topo.all_to_all_bandwidth
-            )
+            c = secs("table_wise")
             yield TablePlacement(t.name, "table_wise", [r], {r: t.bytes}, {r: c})
         k = 2
         while k <= w and d % k == 0 and d // k >= cons.column_wise_min_dim:
             shard_bytes = t.rows * (d // k * t.bytes_per_value + t.state_bytes_per_row)
             room = [r for r in order if mem[r] + shard_bytes <= cap][:k]
             if len(room) == k:
-                c = (
-                    _lookup_s(b * p, d // k, topo)
-                    + (b * p * 8 + 2 * b * (d // k) * 4) * spread / topo.all_to_all_bandwidth
-                )
+                c = secs("column_wise", d // k)
                 ranks = sorted(room)
                 yield TablePlacement(t.name, "column_wise", ranks, dict.fromkeys(ranks, shard_bytes),
                                      dict.fromkeys(ranks, c), [d // k] * k)  # fmt: skip
@@ -86,10 +76,7 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, mem: list[int],
         per_rank = [t.rows // w + (1 if r < t.rows % w else 0) for r in range(w)]
         shard = [n * (d * t.bytes_per_value + t.state_bytes_per_row) for n in per_rank]
         if all(mem[r] + shard[r] <= cap for r in range(w)):
-            c = (
-                _lookup_s(b * p / w, d, topo)
-                + (b * p * 8 / w + 2 * b * d * 4 * spread) / topo.all_to_all_bandwidth
-            )
+            c = secs("row_wise")
             yield TablePlacement(
                 t.name,
                 "row_wise",
@@ -100,7 +87,7 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, mem: list[int],
 
 
 def _place_on_slow_tiers(
-    tables, topo: Topology, cons: Constraints, mem: list[int], cost: list[float]
+    tables, topo: Topology, cons: Constraints, laws: CostLaws, mem: list[int], cost: list[float]
 ):
     """Move the largest tables to host memory (GPU runs), then SSD, until the rest plus
     their caches fit in device memory."""
@@ -119,9 +106,9 @@ def _place_on_slow_tiers(
             if not room:
                 continue
             r = min(room, key=lambda r: (used[r], mem[r], r))
-            b, p, d = cons.batch_size, t.pooling, t.dim
+            b, p = cons.batch_size, t.pooling
             row_bytes = t.bytes / max(t.rows, 1)
-            c = (_lookup_s(b * p, d, topo) + (b * p * 8 + 2 * b * d * 4) * (w - 1) / w / topo.all_to_all_bandwidth
+            c = (laws.seconds(placement_work(t, "table_wise", w, b))
                  + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / bandwidth)  # fmt: skip
             placed[t.name] = TablePlacement(t.name, "table_wise", [r], {r: cache}, {r: c},
                                             placement=tier, cache_bytes=cache, ssd_bytes=t.bytes)  # fmt: skip
@@ -134,14 +121,20 @@ def _place_on_slow_tiers(
 
 
 def plan_sharding(
-    tables: list[TableInfo], topology: Topology, constraints: Constraints
+    tables: list[TableInfo],
+    topology: Topology,
+    constraints: Constraints,
+    laws: CostLaws | None = None,
 ) -> ShardingPlan:
-    """Pure function: the plan for ``tables`` on ``topology`` (see the module docstring)."""
+    """Pure function: the plan for ``tables`` on ``topology`` (see the module docstring).
+    ``laws``: seconds per unit of work (``planner/costs.py``); by default from the
+    topology's bandwidths, from a calibration when the caller has one."""
     w, cap = topology.world_size, topology.memory_per_rank
     if w < 1:
         raise PlanError("world size must be >= 1")
+    laws = laws or CostLaws.from_topology(topology)
     mem, cost = [0] * w, [0.0] * w
-    placements = _place_on_slow_tiers(tables, topology, constraints, mem, cost)
+    placements = _place_on_slow_tiers(tables, topology, constraints, laws, mem, cost)
     total = sum(t.bytes for t in tables if t.name not in placements) + sum(mem)
     if total > w * cap:
         ssd = (
@@ -158,7 +151,7 @@ def plan_sharding(
             continue
         current_max = max(cost)
         scored = []
-        for cand in _candidates(t, topology, constraints, mem, cost):
+        for cand in _candidates(t, topology, constraints, laws, mem, cost):
             new_max = max([current_max] + [cost[r] + c for r, c in cand.cost_per_rank.items()])
             scored.append(
                 (

@@ -22,6 +22,7 @@ def make_synthetic(cfg: Config) -> SyntheticCriteo:
         max_ids=d.max_ids_per_feature,
         signal_scale=d.signal_scale,
         target_ctr=d.target_ctr,
+        bag_sizes=d.bag_sizes,
     )
 
 

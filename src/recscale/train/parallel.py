@@ -29,7 +29,12 @@ from recscale.distributed.layout import build_layout
 from recscale.embedding.placement import row_bytes, storage_factory
 from recscale.models.dlrm import DLRM, build_model
 from recscale.planner import PlanError, ShardingPlan
-from recscale.planner.from_config import auto_placements, default_memory_per_rank, plan_for
+from recscale.planner.from_config import (
+    auto_placements,
+    calibrated_laws,
+    default_memory_per_rank,
+    plan_for,
+)
 
 
 def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
@@ -56,8 +61,9 @@ def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
         if e.placement == "auto":  # several ranks: the planner places tiers per rank
             Path(e.ssd_dir).mkdir(parents=True, exist_ok=True)
             ssd = int(shutil.disk_usage(e.ssd_dir).free * 0.9) // w
+        laws = _shared_laws(cfg, ctx) if d.sharding == "auto" and not d.plan else None
         try:
-            plan = plan_for(cfg, w, memory, ssd_per_rank=ssd)
+            plan = plan_for(cfg, w, memory, ssd_per_rank=ssd, laws=laws)
         except PlanError as err:
             raise ConfigError("distributed.memory_per_rank_gb", str(err)) from err
     check_memory(cfg, plan, placements, ctx)
@@ -91,6 +97,21 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _shared_laws(cfg: Config, ctx: DistContext):
+    """Rank 0's calibrated planner costs on every rank (each rank must make the same
+    plan); rank 0's config error raised on every rank, so none waits for the others."""
+    got: tuple[str, object] = ("ok", None)
+    if ctx.is_main:
+        try:
+            got = ("ok", calibrated_laws(cfg))
+        except ConfigError as e:
+            got = ("error", (e.key, e.message))
+    kind, value = ctx.broadcast(got)
+    if kind == "error":
+        raise ConfigError(*value)
+    return value
 
 
 def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) -> None:

@@ -1,0 +1,225 @@
+"""Multi-hot binary datasets: variable-length bags per feature, and ``recscale data
+multihot`` (a one-hot dataset -> MLPerf DLRMv2-style multi-hot).
+
+A multi-hot split (``metadata.json``: ``"multi_hot": true``) is, for R rows, F sparse
+features and N ids in all::
+
+    dense.f32        [R, F_dense] float32, row-major
+    labels.u8        [R] uint8
+    bag_lengths.u16  [R, F]   ids in the bag of (row, feature); 0 = empty bag
+    row_offsets.i64  [R + 1]  row r's ids are sparse.i32[row_offsets[r]:row_offsets[r+1]]
+    sparse.i32       [N]      row-major: row r's bag of feature 0, then feature 1, ...
+
+so a block of rows is one sequential read of each file (the loader's contract), and
+``row_offsets`` lets a reader start at any row (resume, rank slices).
+
+**Expansion** (``expand``): the bag of feature f for a one-hot id x has ``k_f`` ids::
+
+    bag(x) = [(x + o_f[x mod C, j]) mod rows_f for j in 0..k_f-1],  o_f[:, 0] = 0
+
+with ``o_f`` a ``[C, k_f]`` table of offsets drawn once from ``seed`` (C = min(rows_f,
+65,536)): the first id is the original one, the same x always gets the same bag (a
+deterministic function of the data, the sizes and the seed), and popular ids keep
+popular bags - as in MLPerf's synthetic multi-hot Criteo, built here from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+
+MAX_BAG = np.iinfo(np.uint16).max
+# MLPerf Training DLRMv2 (DCNv2, Criteo 1TB multi-hot): ids per bag of C1..C26, from the
+# reference's dataset materialisation (mlcommons/training, recommendation_v2).
+MLPERF_BAG_SIZES = (
+    3,
+    2,
+    1,
+    2,
+    6,
+    1,
+    1,
+    1,
+    1,
+    7,
+    3,
+    8,
+    1,
+    6,
+    9,
+    5,
+    1,
+    1,
+    1,
+    12,
+    100,
+    27,
+    10,
+    3,
+    1,
+    1,
+)
+OFFSET_ROWS = 1 << 16
+BLOCK_ROWS = 1 << 18
+FILES = ("dense.f32", "labels.u8", "bag_lengths.u16", "row_offsets.i64", "sparse.i32")
+
+
+class MultiHotWriter:
+    """Append blocks of rows to one multi-hot split directory."""
+
+    def __init__(self, split_dir: Path) -> None:
+        split_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = split_dir
+        self.f = {n: open(split_dir / n, "wb") for n in FILES}
+        self.f["row_offsets.i64"].write(np.zeros(1, np.int64).tobytes())
+        self.rows = 0
+        self.ids = 0
+        self.clicks = 0
+
+    def append(self, dense: np.ndarray, lengths: np.ndarray, values: np.ndarray,
+               labels: np.ndarray) -> None:  # fmt: skip
+        """``lengths [n, F]``, ``values`` row-major (``lengths.sum()`` ids)."""
+        n = lengths.shape[0]
+        if int(lengths.max(initial=0)) > MAX_BAG:
+            raise ValueError(f"a bag holds {int(lengths.max())} ids; at most {MAX_BAG}")
+        ends = self.ids + np.cumsum(lengths.sum(axis=1, dtype=np.int64))
+        if (ends[-1] if n else self.ids) - self.ids != values.shape[0]:
+            raise ValueError(f"{values.shape[0]} ids for bags that hold {int(lengths.sum())}")
+        self.f["dense.f32"].write(np.ascontiguousarray(dense, np.float32).tobytes())
+        self.f["labels.u8"].write(np.ascontiguousarray(labels, np.uint8).tobytes())
+        self.f["bag_lengths.u16"].write(np.ascontiguousarray(lengths, np.uint16).tobytes())
+        self.f["row_offsets.i64"].write(ends.astype(np.int64).tobytes())
+        self.f["sparse.i32"].write(np.ascontiguousarray(values, np.int32).tobytes())
+        self.rows += n
+        self.ids += values.shape[0]
+        self.clicks += int(np.asarray(labels).sum(dtype=np.int64))
+
+    def close(self) -> dict[str, Any]:
+        for f in self.f.values():
+            f.close()
+        return {"rows": self.rows, "ids": self.ids,
+                "ctr": self.clicks / self.rows if self.rows else None}  # fmt: skip
+
+
+def open_split(d: Path, rows: int, num_dense: int, num_sparse: int, ids: int):
+    """Memory maps of a multi-hot split: (dense, labels, lengths, row_offsets, values)."""
+    shapes = {"dense.f32": (np.float32, (rows, num_dense)), "labels.u8": (np.uint8, (rows,)),
+              "bag_lengths.u16": (np.uint16, (rows, num_sparse)),
+              "row_offsets.i64": (np.int64, (rows + 1,)), "sparse.i32": (np.int32, (ids,))}  # fmt: skip
+    return {n: _map(d / n, dt, shape) for n, (dt, shape) in shapes.items()}
+
+
+def _map(path: Path, dtype, shape) -> np.ndarray:
+    want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    have = path.stat().st_size if path.exists() else None
+    if have != want:
+        from recscale.data.dataset import DatasetError
+
+        raise DatasetError(
+            f"{path}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
+            f"({'x'.join(map(str, shape))} x {np.dtype(dtype).itemsize} bytes) needs {want:,}: "
+            "rewrite the dataset"
+        )
+    if want == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype, "r", shape=shape)
+
+
+def offset_tables(table_sizes: list[int], bag_sizes: list[int], seed: int) -> list[np.ndarray]:
+    """Each feature's ``[C, k]`` offsets (column 0 zero: the bag keeps the original id)."""
+    out = []
+    for f, (rows, k) in enumerate(zip(table_sizes, bag_sizes)):
+        c = min(rows, OFFSET_ROWS)
+        g = np.random.default_rng([seed, f])
+        o = g.integers(0, rows, size=(c, k), dtype=np.int64).astype(np.int32)
+        o[:, 0] = 0
+        out.append(np.ascontiguousarray(o))
+    return out
+
+
+@numba.njit(parallel=True, cache=True)
+def _expand_kernel(ids, sizes, bag, offs, off_lo, off_rows, out):  # pragma: no cover
+    n, f_count = ids.shape
+    per_row = out.shape[0] // max(n, 1)
+    for r in numba.prange(n):
+        pos = r * per_row
+        for f in range(f_count):
+            x = ids[r, f]
+            rows = sizes[f]
+            base = off_lo[f] + (x % off_rows[f]) * bag[f]
+            for j in range(bag[f]):
+                y = x + offs[base + j]
+                if y >= rows:
+                    y -= rows
+                out[pos] = y
+                pos += 1
+
+
+def expand(ids: np.ndarray, table_sizes: list[int], bag_sizes: list[int],
+           tables: list[np.ndarray]) -> np.ndarray:  # fmt: skip
+    """One-hot ``ids [n, F]`` -> row-major multi-hot values (``sum(bag_sizes)`` a row)."""
+    flat = np.concatenate([t.reshape(-1) for t in tables]).astype(np.int32)
+    lo = np.cumsum([0] + [t.size for t in tables[:-1]]).astype(np.int64)
+    out = np.empty(ids.shape[0] * sum(bag_sizes), np.int32)
+    _expand_kernel(np.ascontiguousarray(ids, np.int32), np.array(table_sizes, np.int64),
+                   np.array(bag_sizes, np.int64), flat, lo,
+                   np.array([t.shape[0] for t in tables], np.int64), out)  # fmt: skip
+    return out
+
+
+def to_multihot(src: Path, out: Path, bag_sizes: list[int], seed: int = 0,
+                echo: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+    """``recscale data multihot``: every split of the one-hot dataset ``src`` expanded
+    (``expand``), written under ``OUT.tmp`` and renamed into place."""
+    from recscale.data.dataset import BinaryDataset, DatasetError
+    from recscale.data.preprocess import check_output_dir, swap_into_place
+
+    meta = (
+        json.loads((Path(src) / "metadata.json").read_text())
+        if (Path(src) / "metadata.json").exists()
+        else None
+    )
+    if meta is None:
+        raise DatasetError(f"{src} is not a recscale dataset (no metadata.json)")
+    if meta.get("multi_hot"):
+        raise DatasetError(f"{src} is multi-hot already; give a one-hot dataset")
+    f = int(meta["num_sparse"])
+    if len(bag_sizes) == 1:
+        bag_sizes = bag_sizes * f
+    if len(bag_sizes) != f or min(bag_sizes) < 1 or max(bag_sizes) > MAX_BAG:
+        raise ValueError(f"--bag-sizes takes 1 or {f} sizes in 1..{MAX_BAG}, got {bag_sizes}")
+    check_output_dir(Path(out), [Path(src)])
+    tmp = Path(out).with_name(Path(out).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sizes = [int(s) for s in meta["table_sizes"]]
+    tables = offset_tables(sizes, bag_sizes, seed)
+    start = time.perf_counter()
+    splits: dict[str, Any] = {}
+    total = 0
+    for name in meta["splits"]:
+        ds = BinaryDataset(src, name)
+        w = MultiHotWriter(tmp / name)
+        lengths_row = np.array(bag_sizes, np.uint16)
+        for a in range(0, ds.rows, BLOCK_ROWS):
+            b = min(ds.rows, a + BLOCK_ROWS)
+            ids = np.asarray(ds.sparse[a:b])
+            w.append(ds.dense[a:b], np.broadcast_to(lengths_row, (b - a, f)),
+                     expand(ids, sizes, bag_sizes, tables), ds.labels[a:b])  # fmt: skip
+        splits[name] = w.close()
+        total += ds.rows
+    seconds = time.perf_counter() - start
+    new = {**meta, "multi_hot": True, "bag_sizes": bag_sizes, "multi_hot_seed": seed,
+           "multi_hot_source": str(src), "splits": splits, "seconds": seconds}  # fmt: skip
+    (tmp / "metadata.json").write_text(json.dumps(new, indent=2) + "\n")
+    swap_into_place(tmp, Path(out))
+    echo(f"wrote {out}: {total:,} rows, {sum(bag_sizes)} ids a row, in {seconds:.2f} s "
+         f"({total / max(seconds, 1e-9) / 1e6:.2f}M rows/s)")  # fmt: skip
+    return new

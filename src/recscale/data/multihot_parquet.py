@@ -1,0 +1,217 @@
+"""``recscale data preprocess --format parquet`` for multi-hot Parquet: categorical
+columns ``C1..C26`` of type ``list<integer>`` (a bag of raw ids a row; null = an empty
+bag) - scalar integer columns may be mixed in (a bag of one; null = empty).
+
+Two passes, as the one-hot path (``preprocess.py``): (1) every input's rows, raw ids
+and bags appended to ``OUT.tmp/raw`` (a multi-hot split, ids as raw uint32) with bad
+rows counted by kind and ``file:row``; (2) per split, ids hashed into the tables
+(``raw mod table size``; ``--hash-size`` or auto: 4 x the feature's distinct raw ids
+in the train split, at most 40M) and written in the multi-hot layout of
+``multihot.py``. Only the hash mode: a vocabulary over bags is not built.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
+from recscale.data.multihot import MultiHotWriter, open_split
+
+BLOCK_ROWS = 1 << 18
+BAD_LABEL, BAD_ID = 2, 4  # criteo_parse.BAD_KINDS codes
+
+
+def is_multi_hot_parquet(path: Path) -> bool:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    return any(
+        pa.types.is_list(schema.field(f"C{k + 1}").type) or
+        pa.types.is_large_list(schema.field(f"C{k + 1}").type)
+        for k in range(NUM_CAT) if f"C{k + 1}" in schema.names
+    )  # fmt: skip
+
+
+def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A list or scalar integer column -> (lengths [n], raw values, bad [n])."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        if not pa.types.is_integer(col.type.value_type):
+            raise ValueError(f"list column of {col.type.value_type}; ids must be integers")
+        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
+        flat = pc.list_flatten(col)  # nulls dropped with their (empty) bags
+        v = flat.to_numpy(zero_copy_only=False)
+        if flat.null_count:  # a null id inside a bag: the row is bad
+            nulls = np.isnan(v.astype(np.float64))
+            row_of = np.repeat(np.arange(n), lengths)
+            bad = np.zeros(n, bool)
+            bad[row_of[nulls]] = True
+            v = np.where(nulls, 0, np.nan_to_num(v.astype(np.float64))).astype(np.int64)
+        else:
+            bad = np.zeros(n, bool)
+        v = v.astype(np.int64)
+    elif pa.types.is_integer(col.type):
+        valid = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False))
+        lengths = valid.astype(np.int64)
+        v = col.drop_null().to_numpy().astype(np.int64)
+        bad = np.zeros(n, bool)
+    else:
+        raise ValueError(f"categorical column of type {col.type}; want list<int> or int")
+    out_of_range = (v < 0) | (v >= 2**32)
+    if out_of_range.any():
+        row_of = np.repeat(np.arange(n), lengths)
+        bad[row_of[out_of_range]] = True
+        v = np.where(out_of_range, 0, v)
+    return lengths, v.astype(np.uint32), bad
+
+
+def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
+    """Append ``path``'s good rows to ``raw``; returns the rows appended."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, first = 0, 1
+    for rb in pq.ParquetFile(path).iter_batches(batch_size=BLOCK_ROWS):
+        n = rb.num_rows
+        status = np.zeros(n, np.int8)
+        label = rb.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
+        status[~np.isin(label, (0.0, 1.0))] = BAD_LABEL
+        dense = np.zeros((n, NUM_DENSE), np.float32)
+        for k in range(NUM_DENSE):
+            col = rb.column(f"I{k + 1}")
+            if not pa.types.is_integer(col.type):
+                raise ValueError(f"{path}: column I{k + 1} must be integer, is {col.type}")
+            x = col.to_numpy(zero_copy_only=False).astype(np.float64)
+            dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+        lengths = np.zeros((n, NUM_CAT), np.int64)
+        per_feature = []
+        for k in range(NUM_CAT):
+            try:
+                lengths[:, k], v, bad = _bags(rb.column(f"C{k + 1}"), n)
+            except ValueError as e:
+                raise ValueError(f"{path}: column C{k + 1}: {e}") from e
+            status[(status == 0) & bad] = BAD_ID
+            per_feature.append(v)
+        report.add_statuses(status, path, first, examples)
+        # row-major values: row r's bag of C1, then C2, ...
+        starts = np.zeros((n, NUM_CAT), np.int64)
+        for k in range(NUM_CAT):
+            starts[:, k] = np.cumsum(lengths[:, k]) - lengths[:, k]
+        flat = np.concatenate(per_feature)
+        base = np.cumsum([0] + [v.shape[0] for v in per_feature[:-1]])
+        good = status == 0
+        src = (starts + base)[good].reshape(-1)
+        lens = lengths[good].reshape(-1)
+        idx = np.repeat(src - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        raw.append(dense[good], lengths[good], flat[idx].view(np.int32),
+                   label[good].astype(np.uint8))  # fmt: skip
+        rows += int(good.sum())
+        first += n
+    return rows
+
+
+def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, Any]:
+    from recscale.data.preprocess import (
+        HASH_CAP,
+        BadDataError,
+        BadLineReport,
+        _split_ranges,
+        swap_into_place,
+    )
+
+    if opts.id_mode != "hash":
+        raise ValueError("multi-hot Parquet (list columns) is preprocessed in --mode hash only")
+    out = Path(opts.out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    start = time.perf_counter()
+    report = BadLineReport()
+    raw = MultiHotWriter(tmp / "raw")
+    file_rows = []
+    all_inputs = list(dict.fromkeys([*opts.inputs, *opts.val_files, *opts.test_files]))
+    for path in all_inputs:
+        lo = raw.rows
+        _read_file(Path(path), raw, report, opts.examples_per_kind)
+        file_rows.append((Path(path), lo, raw.rows))
+        echo(f"read {path}: {raw.rows - lo:,} rows")
+    info = raw.close()
+    echo(report.describe())
+    if report.lines and report.bad / report.lines > opts.max_bad_fraction:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BadDataError(f"{report.describe()}\nthat is more than --max-bad-fraction="
+                           f"{opts.max_bad_fraction:g}; nothing was written")  # fmt: skip
+    if raw.rows == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BadDataError("no valid rows in the inputs")
+    m = open_split(tmp / "raw", raw.rows, NUM_DENSE, NUM_CAT, info["ids"])
+    ranges = _split_ranges(opts, file_rows, raw.rows)
+
+    def blocks(rng):
+        for a0, b0 in rng:
+            for a in range(a0, b0, BLOCK_ROWS):
+                b = min(b0, a + BLOCK_ROWS)
+                lengths = np.asarray(m["bag_lengths.u16"][a:b])
+                ro = m["row_offsets.i64"]
+                vals = np.asarray(m["sparse.i32"][ro[a] : ro[b]]).view(np.uint32)
+                feat = np.repeat(np.tile(np.arange(NUM_CAT), b - a), lengths.reshape(-1))
+                yield a, b, lengths, vals, feat
+
+    if opts.hash_sizes:
+        sizes = list(opts.hash_sizes) * (NUM_CAT if len(opts.hash_sizes) == 1 else 1)
+    else:
+        seen = [np.zeros(0, np.uint32) for _ in range(NUM_CAT)]
+        for _, _, _, vals, feat in blocks(ranges["train"]):
+            for k in range(NUM_CAT):
+                seen[k] = np.union1d(seen[k], vals[feat == k])
+        sizes = [min(HASH_CAP, max(16, 4 * s.shape[0])) for s in seen]
+        echo(f"hash sizes from the data (4 x distinct values, at most {HASH_CAP:,}): "
+             f"{sum(sizes):,} rows in all")  # fmt: skip
+    size_arr = np.array(sizes, np.uint64)
+    splits: dict[str, Any] = {}
+    for name, rng in ranges.items():
+        w = MultiHotWriter(tmp / name)
+        for a, b, lengths, vals, feat in blocks(rng):
+            ids = (vals.astype(np.uint64) % size_arr[feat]).astype(np.int32)
+            w.append(m["dense.f32"][a:b], lengths, ids, m["labels.u8"][a:b])
+        splits[name] = w.close()
+    m.clear()  # close the maps before the files go
+    shutil.rmtree(tmp / "raw")
+    seconds = time.perf_counter() - start
+    meta = {
+        "format_version": 1,
+        "multi_hot": True,
+        "num_dense": NUM_DENSE,
+        "num_sparse": NUM_CAT,
+        "feature_names": [f"C{k + 1}" for k in range(NUM_CAT)],
+        "table_sizes": [int(s) for s in sizes],
+        "id_mode": "hash",
+        "hash_sizes": [int(s) for s in sizes],
+        "splits": splits,
+        "split_rule": opts.split,
+        "inputs": [str(p) for p in all_inputs],
+        "bad_lines": {
+            "lines": report.lines,
+            "bad": report.bad,
+            "counts": report.counts,
+            "examples": report.examples,
+        },  # fmt: skip
+        "seconds": seconds,
+    }
+    (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    swap_into_place(tmp, out)
+    echo(f"wrote {out} (multi-hot): " + ", ".join(
+        f"{k} {v['rows']:,} rows, {v['ids']:,} ids" for k, v in splits.items()) + f" in {seconds:.1f}s")  # fmt: skip
+    return meta

@@ -1,0 +1,195 @@
+"""Multi-hot datasets: Parquet list columns -> binary -> batches equal to the input;
+`recscale data multihot` against a plain-Python expansion; training on the result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_dataset
+
+from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError
+from recscale.data.multihot import MLPERF_BAG_SIZES, expand, offset_tables, to_multihot
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+F = 26
+
+
+def _bags_table(rows: int, seed: int, max_bag: int = 5, hash_size: int = 1000):
+    """A multi-hot Parquet table and the bags it holds ([row][feature] -> list of ids)."""
+    g = np.random.default_rng(seed)
+    bags = [[g.integers(0, hash_size, g.integers(0, max_bag + 1)).tolist() for _ in range(F)]
+            for _ in range(rows)]  # fmt: skip
+    cols = {"label": pa.array(g.integers(0, 2, rows), pa.int64())}
+    dense = g.integers(0, 100, (rows, 13))
+    for k in range(13):
+        cols[f"I{k + 1}"] = pa.array(dense[:, k], pa.int64())
+    for k in range(F):
+        cols[f"C{k + 1}"] = pa.array([b[k] for b in bags], pa.list_(pa.int64()))
+    return pa.table(cols), bags, dense
+
+
+def _preprocess(tmp_path, files, *extra):
+    out = tmp_path / "mh"
+    cmd = [sys.executable, "-m", "recscale", "data", "preprocess", "--format", "parquet",
+           "--input", *map(str, files), "--out", str(out), *extra]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r, out
+
+
+def _rows_of(batches) -> list[list[list[int]]]:
+    """Feature-major jagged batches -> [row][feature] bags."""
+    out = []
+    for b in batches:
+        n, offs, vals = b.batch_size, b.offsets.numpy(), b.values.numpy()
+        for i in range(n):
+            out.append([vals[offs[f * n + i] : offs[f * n + i + 1]].tolist() for f in range(F)])
+    return out
+
+
+def test_parquet_round_trip_equals_the_input(tmp_path):
+    table, bags, dense = _bags_table(700, seed=1)
+    pq.write_table(table, tmp_path / "in.parquet")
+    r, out = _preprocess(
+        tmp_path, [tmp_path / "in.parquet"], "--split", "none", "--hash-size", "1000"
+    )
+    assert r.returncode == 0, r.stderr
+    ds = BinaryDataset(out, "train")
+    assert ds.multi_hot and ds.rows == 700
+    batches = list(BatchLoader(ds, 128, shuffle=False, epochs=1, drop_last=False))
+    assert _rows_of(batches) == bags
+    got_dense = np.concatenate([b.dense.numpy() for b in batches])
+    np.testing.assert_allclose(got_dense, np.log1p(dense).astype(np.float32), rtol=1e-6)
+    labels = np.concatenate([b.labels.numpy() for b in batches])
+    np.testing.assert_array_equal(labels, table.column("label").to_numpy())
+
+
+def test_shuffled_ranks_resume_cover_every_row_once(tmp_path):
+    table, bags, _ = _bags_table(1000, seed=2)
+    pq.write_table(table, tmp_path / "in.parquet")
+    r, out = _preprocess(
+        tmp_path, [tmp_path / "in.parquet"], "--split", "none", "--hash-size", "1000"
+    )
+    assert r.returncode == 0, r.stderr
+    ds = BinaryDataset(out, "train")
+    kw = dict(shuffle=True, seed=4, block_rows=128, epochs=1)
+    one = _rows_of(BatchLoader(ds, 100, **kw))
+    assert sorted(map(str, one)) == sorted(map(str, bags))  # a permutation of every row
+    assert one != bags
+    # four ranks' slices put together are the single process's batches
+    ranks = [_rows_of(BatchLoader(ds, 100, rank=r, world_size=4, **kw)) for r in range(4)]
+    joined = [row for i in range(10) for r in range(4) for row in ranks[r][i * 25 : (i + 1) * 25]]
+    assert joined == one
+
+
+def test_parquet_bad_rows_are_counted_with_file_and_row(tmp_path):
+    table, _, _ = _bags_table(50, seed=3)
+    labels = table.column("label").to_pylist()
+    labels[7] = 3
+    c5 = table.column("C5").to_pylist()
+    c5[11] = [4, -2]
+    table = table.set_column(0, "label", pa.array(labels, pa.int64()))
+    table = table.set_column(
+        table.schema.get_field_index("C5"), "C5", pa.array(c5, pa.list_(pa.int64()))
+    )
+    pq.write_table(table, tmp_path / "bad.parquet")
+    r, out = _preprocess(
+        tmp_path, [tmp_path / "bad.parquet"], "--split", "none", "--max-bad-fraction", "0.1"
+    )
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["bad_lines"]["counts"] == {"bad label": 1, "non-hex category": 1}
+    assert meta["bad_lines"]["examples"]["bad label"] == [f"{tmp_path / 'bad.parquet'}:8"]
+    assert meta["splits"]["train"]["rows"] == 48
+    r, _ = _preprocess(tmp_path, [tmp_path / "bad.parquet"], "--mode", "vocab")
+    assert r.returncode == 1 and "--mode hash only" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def onehot(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("onehot"), 3000, seed=5, hash_size=500)
+
+
+def test_multihot_expansion_matches_plain_python(tmp_path, onehot):
+    sizes = [1 + (k % 4) for k in range(F)]
+    to_multihot(onehot, tmp_path / "mh", sizes, seed=9, echo=lambda _m: None)
+    src, ds = BinaryDataset(onehot, "train"), BinaryDataset(tmp_path / "mh", "train")
+    assert ds.multi_hot and ds.rows == src.rows
+    tables = offset_tables(src.table_sizes, sizes, 9)
+    rows = _rows_of(BatchLoader(ds, 1000, shuffle=False, epochs=1))
+    for r in (0, 1, 999, 2999):
+        for f in range(F):
+            x, n = int(src.sparse[r, f]), src.table_sizes[f]
+            o = tables[f][x % tables[f].shape[0]]
+            want = [(x + int(o[j])) % n for j in range(sizes[f])]
+            assert rows[r][f] == want and want[0] == x
+    np.testing.assert_array_equal(np.asarray(ds.dense), np.asarray(src.dense))
+    # deterministic: the same input, sizes and seed give the same bytes
+    to_multihot(onehot, tmp_path / "again", sizes, seed=9, echo=lambda _m: None)
+    for name in ("sparse.i32", "row_offsets.i64", "bag_lengths.u16"):
+        assert (tmp_path / "mh/train" / name).read_bytes() == (
+            tmp_path / "again/train" / name
+        ).read_bytes()
+
+
+def test_expand_ids_stay_in_their_tables():
+    sizes, bag = [7, 100_000, 3], [3, 100, 2]
+    tables = offset_tables(sizes, bag, 0)
+    ids = np.array([[6, 99_999, 2], [0, 5, 1]], np.int32)
+    out = expand(ids, sizes, bag, tables).reshape(2, -1)
+    assert (out[:, :3] < 7).all() and (out[:, 3:103] < 100_000).all() and (out[:, 103:] < 3).all()
+    assert out[0, 0] == 6 and out[0, 3] == 99_999 and out[0, 103] == 2
+
+
+def test_multihot_cli_refuses_bad_sizes_and_multi_hot_input(tmp_path, onehot):
+    cmd = [sys.executable, "-m", "recscale", "data", "multihot", "--input", str(onehot)]
+    r = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "x"), "--bag-sizes", "1,2"], capture_output=True, text=True
+    )
+    assert r.returncode == 1 and "1 or 26 sizes" in r.stderr
+    r = subprocess.run([*cmd, "--out", str(tmp_path / "mh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "mh/metadata.json").read_text())
+    assert meta["bag_sizes"] == list(MLPERF_BAG_SIZES)
+    with pytest.raises(DatasetError, match="multi-hot already"):
+        to_multihot(tmp_path / "mh", tmp_path / "y", [1], echo=lambda _m: None)
+
+
+def test_train_and_eval_on_multi_hot(tmp_path, onehot):
+    to_multihot(onehot, tmp_path / "mh", [2] * F, echo=lambda _m: None)
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "recscale", "train", "--config", "debug",
+                        "--data.path", str(tmp_path / "mh"), "--train.steps=15",
+                        "--train.progress=false", "--data.eval_split=train", "--run-dir", str(run)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["count"] == 3000 and m["steps"] == 15 and np.isfinite(m["logloss"])
+    r = subprocess.run([sys.executable, "-m", "recscale", "eval", "--model", str(run), "--split",
+                        "train", "--json"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
+
+
+def test_synthetic_fixed_bag_sizes_and_config_checks():
+    from recscale.config import load_config
+    from recscale.config.errors import ConfigError
+    from recscale.planner.from_config import table_infos
+    from recscale.train.data_source import make_synthetic
+
+    sizes = [1 + (k % 5) for k in range(F)]
+    cfg = load_config("default", ["--data.bag_sizes=" + ",".join(map(str, sizes))])
+    b = make_synthetic(cfg).batch(0, 64)
+    lengths = b.lengths().view(F, 64)
+    assert (lengths == torch.tensor(sizes)[:, None]).all()
+    assert [t.pooling for t in table_infos(cfg)] == sizes
+    with pytest.raises(ConfigError, match="data.bag_sizes.*3 sizes for 26 tables"):
+        load_config("default", ["--data.bag_sizes=1,2,3"])
+    mlperf = load_config("criteo_multihot_dcnv2")
+    assert mlperf.data.bag_sizes == list(MLPERF_BAG_SIZES)
