@@ -23,6 +23,7 @@ import numpy as np
 
 from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
 from recscale.data.multihot import MultiHotWriter, open_split
+from recscale.data.sources import parquet_dense
 
 BLOCK_ROWS = 1 << 18
 BAD_LABEL, BAD_ID = 2, 4  # criteo_parse.BAD_KINDS codes
@@ -79,7 +80,6 @@ def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
     """Append ``path``'s good rows to ``raw``; returns the rows appended."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows, first = 0, 1
@@ -88,13 +88,7 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
         status = np.zeros(n, np.int8)
         label = rb.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
         status[~np.isin(label, (0.0, 1.0))] = BAD_LABEL
-        dense = np.zeros((n, NUM_DENSE), np.float32)
-        for k in range(NUM_DENSE):
-            col = rb.column(f"I{k + 1}")
-            if not pa.types.is_integer(col.type):
-                raise ValueError(f"{path}: column I{k + 1} must be integer, is {col.type}")
-            x = col.to_numpy(zero_copy_only=False).astype(np.float64)
-            dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+        dense = parquet_dense(rb, path)
         lengths = np.zeros((n, NUM_CAT), np.int64)
         per_feature = []
         for k in range(NUM_CAT):

@@ -152,6 +152,20 @@ def _hex_column(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.where(missing, 0, values).astype(np.uint32), missing, bad
 
 
+def parquet_dense(rb, path: Path) -> np.ndarray:
+    """Integer columns ``I1..I13`` of a record batch -> log(1 + max(x, 0)), null = 0."""
+    import pyarrow as pa
+
+    dense = np.zeros((rb.num_rows, NUM_DENSE), np.float32)
+    for k in range(NUM_DENSE):
+        col = rb.column(f"I{k + 1}")
+        if not pa.types.is_integer(col.type):
+            raise ValueError(f"{path}: column I{k + 1} must be integer, is {col.type}")
+        x = col.to_numpy(zero_copy_only=False).astype(np.float64)
+        dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+    return dense
+
+
 def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -165,13 +179,7 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
         label = rb.column("label").to_numpy(zero_copy_only=False)
         label = np.where(np.isnan(label.astype(np.float64)), -1, label).astype(np.int64)
         status[(label != 0) & (label != 1)] = 2
-        dense = np.zeros((n, NUM_DENSE), np.float32)
-        for k in range(NUM_DENSE):
-            col = rb.column(f"I{k + 1}")
-            if not pa.types.is_integer(col.type):
-                raise ValueError(f"{path}: column I{k + 1} must be integer, is {col.type}")
-            x = col.to_numpy(zero_copy_only=False).astype(np.float64)
-            dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+        dense = parquet_dense(rb, path)
         cats = np.zeros((n, NUM_CAT), np.uint32)
         miss_bits = np.zeros(n, np.uint32)
         for k in range(NUM_CAT):
