@@ -23,6 +23,16 @@ from recscale.data.preprocess import PreprocessOptions, preprocess
 from recscale.train.run import train
 
 
+def loader_samples_per_s(ds: BinaryDataset, batch: int, batches: int) -> float:
+    """The shuffled loader's samples/s over ``batches`` batches (after a first one)."""
+    it = iter(BatchLoader(ds, batch, shuffle=True, seed=0))
+    next(it)
+    t, n = time.perf_counter(), 0
+    for _ in range(batches):
+        n += next(it).batch_size
+    return n / (time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lines", type=int, default=3_000_000)
@@ -51,12 +61,7 @@ def main() -> None:
             "parse_mb_per_s": size / 1e6 / meta["parse_seconds"],
         }
     ds = BinaryDataset(args.workdir / "ds_hash", "train")
-    it = iter(BatchLoader(ds, 2048, shuffle=True, seed=0))
-    next(it)
-    t, n = time.perf_counter(), 0
-    for _ in range(300):
-        n += next(it).batch_size
-    results["loader_samples_per_s"] = n / (time.perf_counter() - t)
+    results["loader_samples_per_s"] = loader_samples_per_s(ds, 2048, 300)
     cfg = load_config("A", [f"--data.path={args.workdir / 'ds_hash'}", f"--train.steps={args.train_steps}",
                             "--train.progress=false", "--data.eval_split=val", "--train.save_model=false"])  # fmt: skip
     run_dir = args.workdir / "run_A"

@@ -15,10 +15,12 @@ import json
 import time
 from pathlib import Path
 
+from data_pipeline import loader_samples_per_s  # this folder: python benchmarks/...
+
 import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 from recscale.config import load_config
 from recscale.data.criteo_tsv_writer import write_tsv
-from recscale.data.dataset import BatchLoader, BinaryDataset
+from recscale.data.dataset import BinaryDataset
 from recscale.data.multihot import MLPERF_BAG_SIZES, to_multihot
 from recscale.data.preprocess import PreprocessOptions, preprocess
 from recscale.train.run import train
@@ -50,13 +52,7 @@ def main() -> None:
     ids = sum(v["ids"] for v in meta["splits"].values())
     res = {"rows": rows, "ids_per_row": ids / rows, "multihot_seconds": secs,
            "multihot_rows_per_s": rows / secs, "multihot_ids_per_s": ids / secs}  # fmt: skip
-    ds = BinaryDataset(out, "train")
-    it = iter(BatchLoader(ds, 2048, shuffle=True, seed=0))
-    next(it)
-    t, n = time.perf_counter(), 0
-    for _ in range(100):
-        n += next(it).batch_size
-    res["loader_samples_per_s"] = n / (time.perf_counter() - t)
+    res["loader_samples_per_s"] = loader_samples_per_s(BinaryDataset(out, "train"), 2048, 100)
     cfg = load_config("A", [f"--data.path={out}", f"--train.steps={args.train_steps}",
                             "--train.progress=false", "--data.eval_split=val"])  # fmt: skip
     m = train(cfg, args.workdir / "run_A_multihot", echo=lambda s: None)

@@ -43,6 +43,18 @@ def _preprocess(tmp_path, files, *extra):
     return r, out
 
 
+def _multi_hot_dataset(tmp_path, rows: int, seed: int):
+    """A multi-hot Parquet file of ``rows`` rows preprocessed (no split, ids < hash size):
+    (the table, its bags, its raw dense values, the dataset)."""
+    table, bags, dense = _bags_table(rows, seed=seed)
+    pq.write_table(table, tmp_path / "in.parquet")
+    r, out = _preprocess(
+        tmp_path, [tmp_path / "in.parquet"], "--split", "none", "--hash-size", "1000"
+    )
+    assert r.returncode == 0, r.stderr
+    return table, bags, dense, BinaryDataset(out, "train")
+
+
 def _rows_of(batches) -> list[list[list[int]]]:
     """Feature-major jagged batches -> [row][feature] bags."""
     out = []
@@ -54,13 +66,7 @@ def _rows_of(batches) -> list[list[list[int]]]:
 
 
 def test_parquet_round_trip_equals_the_input(tmp_path):
-    table, bags, dense = _bags_table(700, seed=1)
-    pq.write_table(table, tmp_path / "in.parquet")
-    r, out = _preprocess(
-        tmp_path, [tmp_path / "in.parquet"], "--split", "none", "--hash-size", "1000"
-    )
-    assert r.returncode == 0, r.stderr
-    ds = BinaryDataset(out, "train")
+    table, bags, dense, ds = _multi_hot_dataset(tmp_path, 700, seed=1)
     assert ds.multi_hot and ds.rows == 700
     batches = list(BatchLoader(ds, 128, shuffle=False, epochs=1, drop_last=False))
     assert _rows_of(batches) == bags
@@ -70,14 +76,8 @@ def test_parquet_round_trip_equals_the_input(tmp_path):
     np.testing.assert_array_equal(labels, table.column("label").to_numpy())
 
 
-def test_shuffled_ranks_resume_cover_every_row_once(tmp_path):
-    table, bags, _ = _bags_table(1000, seed=2)
-    pq.write_table(table, tmp_path / "in.parquet")
-    r, out = _preprocess(
-        tmp_path, [tmp_path / "in.parquet"], "--split", "none", "--hash-size", "1000"
-    )
-    assert r.returncode == 0, r.stderr
-    ds = BinaryDataset(out, "train")
+def test_shuffled_rank_slices_cover_every_row_once(tmp_path):
+    _, bags, _, ds = _multi_hot_dataset(tmp_path, 1000, seed=2)
     kw = dict(shuffle=True, seed=4, block_rows=128, epochs=1)
     one = _rows_of(BatchLoader(ds, 100, **kw))
     assert sorted(map(str, one)) == sorted(map(str, bags))  # a permutation of every row

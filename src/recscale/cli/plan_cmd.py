@@ -114,16 +114,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _calibration(args):
     """This machine's calibration (``--calibration`` or the saved default), or None."""
-    from pathlib import Path
+    from recscale.perfmodel import find_calibration
 
-    from recscale.perfmodel import Calibration, default_path
-
-    path = Path(args.calibration) if args.calibration else default_path()
-    if not path.exists():
-        if args.calibration:
-            raise SystemExit(f"recscale: error: --calibration {path}: no such file")
-        return None
-    return Calibration.load(path)
+    try:
+        return find_calibration(args.calibration or "auto")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"recscale: error: --calibration {e}") from e
 
 
 def _laws(cal, topo: Topology, args) -> CostLaws:

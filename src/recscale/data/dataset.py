@@ -52,15 +52,39 @@ def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> N
     _FINITE_CHECKED.add(key)
 
 
+def read_metadata(root: str | Path) -> dict[str, Any]:
+    """A dataset's ``metadata.json``; a directory without one is not a dataset."""
+    path = Path(root) / "metadata.json"
+    if not path.exists():
+        raise DatasetError(f"{root} is not a recscale dataset (no metadata.json)")
+    return json.loads(path.read_text())
+
+
+def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only memory map of a column file, checked against the shape metadata.json
+    gives it first: a wrong size means a truncated copy, another dataset's file or
+    another dtype (float64 dense)."""
+    item = np.dtype(dtype).itemsize
+    want = int(np.prod(shape)) * item
+    have = path.stat().st_size if path.exists() else None
+    if have != want:
+        raise DatasetError(
+            f"{path}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
+            f"({' x '.join(f'{n:,}' for n in shape)} x {item} bytes) needs {want:,}: rewrite "
+            "the dataset (`recscale data preprocess`)"
+        )
+    if want == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype, "r", shape=shape)
+
+
 class BinaryDataset:
     """One split of a dataset written by ``recscale data preprocess``."""
 
     def __init__(self, root: str | Path, split: str) -> None:
         self.root = Path(root)
         meta_path = self.root / "metadata.json"
-        if not meta_path.exists():
-            raise DatasetError(f"{self.root} is not a recscale dataset (no metadata.json)")
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+        self.meta: dict[str, Any] = read_metadata(self.root)
         if split not in self.meta["splits"]:
             raise DatasetError(
                 f"{self.root} has no split '{split}' (it has {', '.join(self.meta['splits'])})"
@@ -83,27 +107,11 @@ class BinaryDataset:
             m = open_split(d, self.rows, self.num_dense, self.num_sparse, ids)
             self.dense, self.labels, self.sparse = m["dense.f32"], m["labels.u8"], m["sparse.i32"]
             self.lengths, self.row_offsets = m["bag_lengths.u16"], m["row_offsets.i64"]
-            self._check_values(d)
-            return
-        # Check each column file against metadata.json before mapping it: a wrong size
-        # means a truncated copy, another dataset's file or another dtype (float64 dense).
-        for name, width, item in (("dense.f32", self.num_dense, 4), ("sparse.i32", self.num_sparse, 4),
-                                  ("labels.u8", 1, 1)):  # fmt: skip
-            f = d / name
-            want = self.rows * width * item
-            have = f.stat().st_size if f.exists() else None
-            if have != want:
-                raise DatasetError(
-                    f"{f}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
-                    f"({self.rows:,} rows x {width} x {item} bytes) needs {want:,}: rewrite the "
-                    "dataset with `recscale data preprocess`"
-                )
-        self.dense = np.memmap(d / "dense.f32", np.float32, "r", shape=(self.rows, self.num_dense))
-        self.sparse = np.memmap(d / "sparse.i32", np.int32, "r", shape=(self.rows, self.num_sparse))
-        self.labels = np.memmap(d / "labels.u8", np.uint8, "r", shape=(self.rows,))
-        self._check_values(d)
-
-    def _check_values(self, d: Path) -> None:
+        else:
+            rows, fd, fs = self.rows, self.num_dense, self.num_sparse
+            self.dense = map_column(d / "dense.f32", np.float32, (rows, fd))
+            self.sparse = map_column(d / "sparse.i32", np.int32, (rows, fs))
+            self.labels = map_column(d / "labels.u8", np.uint8, (rows,))
         _check_finite(d / "dense.f32", self.dense)
         if self.rows and int(self.labels.max()) > 1:
             bad = int(np.argmax(self.labels > 1))
@@ -215,7 +223,7 @@ class BatchLoader:
                 if block is None:
                     break
                 pending.append(block)
-                have += len(block) if isinstance(block, _Rows) else block[0].shape[0]
+                have += _rows_in(block)
             if skip_rows:
                 _, pending = _take_front(pending, skip_rows)
                 have -= skip_rows
@@ -252,11 +260,11 @@ class _Rows:
         return self.labels.shape[0]
 
     def permuted(self, perm: np.ndarray) -> _Rows:
-        lengths = self.lengths[perm]
-        row_len = np.diff(self.ends, prepend=0)[perm]
-        starts = (self.ends - np.diff(self.ends, prepend=0))[perm]
-        return _Rows(self.dense[perm], self.labels[perm], lengths, np.cumsum(row_len),
-                     self.values[_segment_gather(starts, row_len)])  # fmt: skip
+        row_len = np.diff(self.ends, prepend=0)
+        starts = (self.ends - row_len)[perm]
+        row_len = row_len[perm]
+        return _Rows(self.dense[perm], self.labels[perm], self.lengths[perm], np.cumsum(row_len),
+                     self.values[segment_gather(starts, row_len)])  # fmt: skip
 
     def cut(self, k: int) -> tuple[_Rows, _Rows]:
         """(the first k rows, the rest)."""
@@ -284,7 +292,7 @@ class _Rows:
         starts_rm = np.concatenate([[0], np.cumsum(lens.reshape(-1))[:-1]]).reshape(b, f)
         lens_fm = np.ascontiguousarray(lens.T).reshape(-1)
         starts_fm = np.ascontiguousarray(starts_rm.T).reshape(-1)
-        values = self.values[_segment_gather(starts_fm, lens_fm)].astype(np.int64)
+        values = self.values[segment_gather(starts_fm, lens_fm)].astype(np.int64)
         offsets = np.zeros(f * b + 1, np.int64)
         np.cumsum(lens_fm, out=offsets[1:])
         return Batch(
@@ -295,42 +303,42 @@ class _Rows:
         )
 
 
-def _segment_gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def segment_gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Indices of the segments ``[starts[i], starts[i] + lengths[i])``, concatenated."""
     total = int(lengths.sum())
     out_starts = np.cumsum(lengths) - lengths
     return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
 
 
+def _rows_in(blk) -> int:
+    return len(blk) if isinstance(blk, _Rows) else blk[0].shape[0]
+
+
+def _cut(blk, k: int):
+    """(the first k rows of a block, the rest): a (dense, sparse, labels) tuple or
+    multi-hot ``_Rows``."""
+    if isinstance(blk, _Rows):
+        return blk.cut(k)
+    return tuple(a[:k] for a in blk), tuple(a[k:] for a in blk)
+
+
 def _take_front(pending, n):
-    """Take the first n rows off a list of (dense, sparse, labels) blocks (or of
-    multi-hot ``_Rows``)."""
-    if pending and isinstance(pending[0], _Rows):
-        taken, rest, need = [], [], n
-        for blk in pending:
-            if need >= len(blk):
-                taken.append(blk)
-                need -= len(blk)
-            elif need > 0:
-                front, back = blk.cut(need)
-                taken.append(front)
-                rest.append(back)
-                need = 0
-            else:
-                rest.append(blk)
-        return _Rows.concat(taken), rest
+    """Take the first n rows off a list of blocks; returns (the rows, the rest)."""
     taken, rest, need = [], [], n
     for blk in pending:
-        m = blk[0].shape[0]
+        m = _rows_in(blk)
         if need >= m:
             taken.append(blk)
             need -= m
         elif need > 0:
-            taken.append(tuple(a[:need] for a in blk))
-            rest.append(tuple(a[need:] for a in blk))
+            front, back = _cut(blk, need)
+            taken.append(front)
+            rest.append(back)
             need = 0
         else:
             rest.append(blk)
+    if isinstance(taken[0], _Rows):
+        return _Rows.concat(taken), rest
     cols = tuple(
         np.concatenate([t[i] for t in taken]) if len(taken) > 1 else taken[0][i] for i in range(3)
     )

@@ -26,14 +26,14 @@ popular bags - as in MLPerf's synthetic multi-hot Criteo, built here from scratc
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
+
+from recscale.kernels import numba as nb
 
 MAX_BAG = np.iinfo(np.uint16).max
 # MLPerf Training DLRMv2 (DCNv2, Criteo 1TB multi-hot): ids per bag of C1..C26, from the
@@ -113,23 +113,9 @@ def open_split(d: Path, rows: int, num_dense: int, num_sparse: int, ids: int):
     shapes = {"dense.f32": (np.float32, (rows, num_dense)), "labels.u8": (np.uint8, (rows,)),
               "bag_lengths.u16": (np.uint16, (rows, num_sparse)),
               "row_offsets.i64": (np.int64, (rows + 1,)), "sparse.i32": (np.int32, (ids,))}  # fmt: skip
-    return {n: _map(d / n, dt, shape) for n, (dt, shape) in shapes.items()}
+    from recscale.data.dataset import map_column
 
-
-def _map(path: Path, dtype, shape) -> np.ndarray:
-    want = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    have = path.stat().st_size if path.exists() else None
-    if have != want:
-        from recscale.data.dataset import DatasetError
-
-        raise DatasetError(
-            f"{path}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
-            f"({'x'.join(map(str, shape))} x {np.dtype(dtype).itemsize} bytes) needs {want:,}: "
-            "rewrite the dataset"
-        )
-    if want == 0:
-        return np.zeros(shape, dtype)
-    return np.memmap(path, dtype, "r", shape=shape)
+    return {n: map_column(d / n, dt, shape) for n, (dt, shape) in shapes.items()}
 
 
 def offset_tables(table_sizes: list[int], bag_sizes: list[int], seed: int) -> list[np.ndarray]:
@@ -144,11 +130,11 @@ def offset_tables(table_sizes: list[int], bag_sizes: list[int], seed: int) -> li
     return out
 
 
-@numba.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True)
 def _expand_kernel(ids, sizes, bag, offs, off_lo, off_rows, out):  # pragma: no cover
     n, f_count = ids.shape
     per_row = out.shape[0] // max(n, 1)
-    for r in numba.prange(n):
+    for r in nb.prange(n):
         pos = r * per_row
         for f in range(f_count):
             x = ids[r, f]
@@ -178,16 +164,10 @@ def to_multihot(src: Path, out: Path, bag_sizes: list[int], seed: int = 0,
                 echo: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """``recscale data multihot``: every split of the one-hot dataset ``src`` expanded
     (``expand``), written under ``OUT.tmp`` and renamed into place."""
-    from recscale.data.dataset import BinaryDataset, DatasetError
-    from recscale.data.preprocess import check_output_dir, swap_into_place
+    from recscale.data.dataset import BinaryDataset, DatasetError, read_metadata
+    from recscale.data.preprocess import check_output_dir, fresh_tmp_dir, swap_into_place
 
-    meta = (
-        json.loads((Path(src) / "metadata.json").read_text())
-        if (Path(src) / "metadata.json").exists()
-        else None
-    )
-    if meta is None:
-        raise DatasetError(f"{src} is not a recscale dataset (no metadata.json)")
+    meta = read_metadata(src)
     if meta.get("multi_hot"):
         raise DatasetError(f"{src} is multi-hot already; give a one-hot dataset")
     f = int(meta["num_sparse"])
@@ -196,9 +176,7 @@ def to_multihot(src: Path, out: Path, bag_sizes: list[int], seed: int = 0,
     if len(bag_sizes) != f or min(bag_sizes) < 1 or max(bag_sizes) > MAX_BAG:
         raise ValueError(f"--bag-sizes takes 1 or {f} sizes in 1..{MAX_BAG}, got {bag_sizes}")
     check_output_dir(Path(out), [Path(src)])
-    tmp = Path(out).with_name(Path(out).name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_tmp_dir(Path(out))
     sizes = [int(s) for s in meta["table_sizes"]]
     tables = offset_tables(sizes, bag_sizes, seed)
     start = time.perf_counter()

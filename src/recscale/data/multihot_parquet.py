@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
+from recscale.data.dataset import segment_gather
 from recscale.data.multihot import MultiHotWriter, open_split
 from recscale.data.sources import parquet_dense
 
@@ -99,16 +100,13 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
             status[(status == 0) & bad] = BAD_ID
             per_feature.append(v)
         report.add_statuses(status, path, first, examples)
-        # row-major values: row r's bag of C1, then C2, ...
-        starts = np.zeros((n, NUM_CAT), np.int64)
-        for k in range(NUM_CAT):
-            starts[:, k] = np.cumsum(lengths[:, k]) - lengths[:, k]
+        # row-major values: row r's bag of C1, then C2, ... (feature k's bags start at
+        # base[k] in ``flat``, row r's at its running sum of lengths)
         flat = np.concatenate(per_feature)
         base = np.cumsum([0] + [v.shape[0] for v in per_feature[:-1]])
+        starts = np.cumsum(lengths, axis=0) - lengths + base
         good = status == 0
-        src = (starts + base)[good].reshape(-1)
-        lens = lengths[good].reshape(-1)
-        idx = np.repeat(src - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        idx = segment_gather(starts[good].reshape(-1), lengths[good].reshape(-1))
         raw.append(dense[good], lengths[good], flat[idx].view(np.int32),
                    label[good].astype(np.uint8))  # fmt: skip
         rows += int(good.sum())
@@ -119,37 +117,29 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
 def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, Any]:
     from recscale.data.preprocess import (
         HASH_CAP,
-        BadDataError,
         BadLineReport,
         _split_ranges,
+        check_bad_lines,
+        fresh_tmp_dir,
         swap_into_place,
     )
 
     if opts.id_mode != "hash":
         raise ValueError("multi-hot Parquet (list columns) is preprocessed in --mode hash only")
     out = Path(opts.out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_tmp_dir(out)
     start = time.perf_counter()
     report = BadLineReport()
     raw = MultiHotWriter(tmp / "raw")
     file_rows = []
-    all_inputs = list(dict.fromkeys([*opts.inputs, *opts.val_files, *opts.test_files]))
+    all_inputs = opts.all_inputs()
     for path in all_inputs:
         lo = raw.rows
         _read_file(Path(path), raw, report, opts.examples_per_kind)
         file_rows.append((Path(path), lo, raw.rows))
         echo(f"read {path}: {raw.rows - lo:,} rows")
     info = raw.close()
-    echo(report.describe())
-    if report.lines and report.bad / report.lines > opts.max_bad_fraction:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BadDataError(f"{report.describe()}\nthat is more than --max-bad-fraction="
-                           f"{opts.max_bad_fraction:g}; nothing was written")  # fmt: skip
-    if raw.rows == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BadDataError("no valid rows in the inputs")
+    check_bad_lines(report, raw.rows, opts, tmp, echo)
     m = open_split(tmp / "raw", raw.rows, NUM_DENSE, NUM_CAT, info["ids"])
     ranges = _split_ranges(opts, file_rows, raw.rows)
 

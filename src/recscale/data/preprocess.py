@@ -70,6 +70,10 @@ class PreprocessOptions:
     parquet_out: bool = False
     examples_per_kind: int = 5
 
+    def all_inputs(self) -> list[Path]:
+        """Every input once, in order: the train inputs, then validation, then test files."""
+        return list(dict.fromkeys([*self.inputs, *self.val_files, *self.test_files]))
+
     def validate(self) -> None:
         if not self.inputs:
             raise ValueError("no input files")
@@ -132,6 +136,30 @@ def check_output_dir(out: Path, inputs: list[Path]) -> None:
     leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt"}
     if tmp.exists() and not {c.name for c in tmp.iterdir()} <= leftovers:
         raise ValueError(f"{tmp} exists and is not a leftover of an earlier preprocess; move it")
+
+
+def fresh_tmp_dir(out: Path) -> Path:
+    """``OUT.tmp``, emptied: everything is built there and renamed into place at the end."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def check_bad_lines(report: BadLineReport, rows: int, opts: PreprocessOptions, tmp: Path,
+                    echo: Callable[[str], None]) -> None:  # fmt: skip
+    """Print the bad-line report; stop (removing ``tmp``, nothing written) when bad lines
+    exceed ``--max-bad-fraction`` or no row is valid."""
+    echo(report.describe())
+    if report.lines and report.bad / report.lines > opts.max_bad_fraction:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BadDataError(
+            f"{report.describe()}\nthat is more than --max-bad-fraction={opts.max_bad_fraction:g}; "
+            "nothing was written (fix the inputs or raise the limit)"
+        )
+    if rows == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BadDataError("no valid rows in the inputs")
 
 
 def swap_into_place(tmp: Path, out: Path) -> None:
@@ -285,15 +313,13 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
             return preprocess_multihot_parquet(opts, echo)
     threads = opts.threads or len(os.sched_getaffinity(0))
     out = Path(opts.out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_tmp_dir(out)
     start = time.perf_counter()
     report = BadLineReport()
     raw = _RawColumns(tmp / "raw")
     file_rows: list[tuple[Path, int, int]] = []
     text_bytes = 0
-    all_inputs = list(dict.fromkeys([*opts.inputs, *opts.val_files, *opts.test_files]))
+    all_inputs = opts.all_inputs()
     with ThreadPoolExecutor(threads) as pool:
         for path in all_inputs:
             path = Path(path)
@@ -321,16 +347,7 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
             )
     cols = raw.close()
     parse_seconds = time.perf_counter() - start
-    echo(report.describe())
-    if report.lines and report.bad / report.lines > opts.max_bad_fraction:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BadDataError(
-            f"{report.describe()}\nthat is more than --max-bad-fraction={opts.max_bad_fraction:g}; "
-            "nothing was written (fix the inputs or raise the limit)"
-        )
-    if raw.rows == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BadDataError("no valid rows in the inputs")
+    check_bad_lines(report, raw.rows, opts, tmp, echo)
 
     ranges = _split_ranges(opts, file_rows, raw.rows)
     counts = IdCounts(NUM_CAT)

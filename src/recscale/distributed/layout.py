@@ -16,6 +16,7 @@ telling each other. The layout is a pure function of (tables, plan), identical o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from recscale.planner.types import KINDS, ShardingPlan, TablePlacement
@@ -125,3 +126,16 @@ def build_layout(
                 c += w
     per_rank = [RankShards([s for s in shards if s.owner == r]) for r in range(world)]
     return ShardLayout(list(num_rows), list(dims), shards, dp, per_rank)
+
+
+def table_bytes_per_rank(
+    layout: ShardLayout,
+    row_bytes_of: Callable[[int], int],
+    keep: Callable[[int], bool] = lambda _f: True,
+) -> list[int]:
+    """Bytes of table rows on each rank: its shards plus every replicated table, a row
+    of width w costing ``row_bytes_of(w)``; ``keep(feature)`` selects the tables."""
+    dp = sum(layout.num_rows[f] * row_bytes_of(layout.dims[f])
+             for f in layout.dp_features if keep(f))  # fmt: skip
+    return [dp + sum(s.num_rows * row_bytes_of(s.width) for s in rs.shards if keep(s.feature))
+            for rs in layout.per_rank]  # fmt: skip

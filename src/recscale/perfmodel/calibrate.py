@@ -82,6 +82,24 @@ def default_path() -> Path:
     return base / "recscale" / f"calibration-{platform.node() or 'host'}.json"
 
 
+def find_calibration(spec: str = "auto") -> Calibration | None:
+    """``auto``: this host's saved calibration, None when there is none or it is of an
+    older format; ``none``: None; else a file path (missing or unreadable: an error)."""
+    if spec == "none":
+        return None
+    path = default_path() if spec == "auto" else Path(spec)
+    if not path.exists():
+        if spec == "auto":
+            return None
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return Calibration.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        if spec == "auto":  # a stale file: as without one
+            return None
+        raise
+
+
 def _time(fn, repeats: int = 7, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()

@@ -186,7 +186,7 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
     total = sum(st.values())
     # memory: tables + state (plan), dense fp32 params + grads + Adam's two moments, and
     # the activations autograd keeps (each layer's output, B x width fp32)
-    table_mem = _table_bytes(tables, plan)
+    table_mem = _table_bytes(cfg, plan)
     act = b * VALUE_BYTES * (activations + sum(dims))
     mem = max(table_mem) + 4 * params * VALUE_BYTES + act
     return Prediction(total, cfg.train.batch_size / total,
@@ -194,20 +194,15 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
                       slowest)  # fmt: skip
 
 
-def _table_bytes(tables, plan: ShardingPlan) -> list[int]:
-    """Bytes of tables + optimizer state on each rank under ``plan`` (a plan from the
-    planner carries them; a hand-written one is counted here)."""
+def _table_bytes(cfg: Config, plan: ShardingPlan) -> list[int]:
+    """Bytes of tables + optimizer state on each rank under ``plan``: the planner's
+    count when it made the plan (tiers included), else the plan's shards counted."""
     if any(plan.memory_per_rank):
         return list(plan.memory_per_rank)
-    out = [0] * plan.world_size
-    by_name = {t.name: t for t in tables}
-    for p in plan.placements:
-        t = by_name[p.table]
-        for i, r in enumerate(p.ranks):
-            if p.kind == "row_wise":
-                out[r] += t.bytes // len(p.ranks)
-            elif p.kind == "column_wise" and p.dims:
-                out[r] += t.bytes * p.dims[i] // t.dim
-            else:
-                out[r] += t.bytes
-    return out
+    from recscale.distributed.layout import build_layout, table_bytes_per_rank
+    from recscale.embedding.placement import row_bytes
+
+    m = cfg.model
+    names = [f"C{i + 1}" for i in range(len(m.table_sizes))]
+    layout = build_layout(names, list(m.table_sizes), m.dims(), plan)
+    return table_bytes_per_rank(layout, lambda w: row_bytes(cfg.embedding, w))

@@ -68,23 +68,14 @@ def default_memory_per_rank(device: torch.device, local_world: int) -> int:
 
 def calibrated_laws(cfg: Config) -> CostLaws | None:
     """The planner's costs from ``distributed.calibration`` (None: the defaults)."""
-    from recscale.perfmodel import Calibration, default_path
+    from recscale.perfmodel import find_calibration
     from recscale.perfmodel.model import planner_laws
 
-    c = cfg.distributed.calibration
-    if c == "none":
-        return None
-    path = default_path() if c == "auto" else Path(c)
-    if not path.exists():
-        if c != "auto":
-            raise ConfigError("distributed.calibration", f"{path}: no such file")
-        return None
     try:
-        return planner_laws(Calibration.load(path))
+        cal = find_calibration(cfg.distributed.calibration)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        if c == "auto":  # a stale file of an older format: plan as without one
-            return None
-        raise ConfigError("distributed.calibration", f"cannot read {path}: {e}") from e
+        raise ConfigError("distributed.calibration", str(e)) from e
+    return planner_laws(cal) if cal is not None else None
 
 
 def plan_for(

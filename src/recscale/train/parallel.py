@@ -25,7 +25,7 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.distributed import DistContext, one_rank_plan, shard
-from recscale.distributed.layout import build_layout
+from recscale.distributed.layout import build_layout, table_bytes_per_rank
 from recscale.embedding.placement import row_bytes, storage_factory
 from recscale.models.dlrm import DLRM, build_model
 from recscale.planner import PlanError, ShardingPlan
@@ -127,12 +127,9 @@ def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) 
         if tier.get(n, "device") == "device":
             own = placements[i][0] if placements is not None else e.placement
             tier[n] = own if own in ("host", "ssd") else "device"
-    need = 0
-    for s in layout.per_rank[ctx.rank].shards:
-        if tier[names[s.feature]] == "device":
-            need += s.num_rows * row_bytes(e, s.width)
-    for f in layout.dp_features:
-        need += cfg.model.table_sizes[f] * row_bytes(e, dims[f])
+    dp = set(layout.dp_features)  # replicated tables always stay in memory
+    need = table_bytes_per_rank(layout, lambda w: row_bytes(e, w),
+                                lambda f: f in dp or tier[names[f]] == "device")[ctx.rank]  # fmt: skip
     have = available_memory(ctx.device)
     if need > 0.9 * have:
         where = "GPU" if ctx.device.type == "cuda" else "host"
