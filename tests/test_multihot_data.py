@@ -193,3 +193,20 @@ def test_synthetic_fixed_bag_sizes_and_config_checks():
         load_config("default", ["--data.bag_sizes=1,2,3"])
     mlperf = load_config("criteo_multihot_dcnv2")
     assert mlperf.data.bag_sizes == list(MLPERF_BAG_SIZES)
+
+
+def test_multi_hot_loader_resumes_exactly(tmp_path):
+    from recscale.data.dataset import LoaderPosition
+
+    _, _, _, ds = _multi_hot_dataset(tmp_path, 900, seed=6)
+    kw = dict(shuffle=True, seed=5, block_rows=200)
+    full = [b for _, b in zip(range(20), BatchLoader(ds, 128, **kw))]
+    pos = LoaderPosition()
+    it = iter(BatchLoader(ds, 128, position=pos, **kw))
+    for _ in range(9):  # crosses the epoch boundary (7 batches an epoch)
+        next(it)
+    saved = LoaderPosition(**pos.state_dict())
+    resumed = [b for _, b in zip(range(11), BatchLoader(ds, 128, position=saved, **kw))]
+    for a, b in zip(full[9:], resumed):
+        assert np.array_equal(a.values.numpy(), b.values.numpy())
+        assert np.array_equal(a.offsets.numpy(), b.offsets.numpy())
