@@ -217,3 +217,46 @@ def checkpoint_memory(root: str, big_rows: int) -> dict:
     torch.distributed.barrier(group=ctx.dense)
     torch.distributed.destroy_process_group()
     return {"growth": peak - rss_before, "rank": ctx.rank}
+
+
+COMPRESSED = ["--embedding.compression=qr", "--embedding.qr_buckets=8",
+              "--embedding.table_compression=C2=tt,C3=mixed_dim,C4=none"]  # fmt: skip
+
+
+def compressed_config():
+    cfg = load_config("debug", ["--data.max_ids_per_feature=3", "--optimizer.name=adam",
+                                "--embedding.tt_rank=2", *COMPRESSED])  # fmt: skip
+    return cfg
+
+
+def compressed_reference(steps: int, batch_size: int):
+    """World size 1 with compressed tables: eval predictions after ``steps``."""
+    torch.manual_seed(0)
+    cfg = compressed_config()
+    batches, eval_batch = global_batches(cfg, steps, batch_size)
+    model = build_model(cfg.model, cfg.embedding, seed=0)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    return train_and_report(model, model, opt, batches, eval_batch)[0]
+
+
+def compressed_run(steps: int, batch_size: int):
+    """The same on this rank's slices, compressed tables placed whole by the planner."""
+    from recscale.embedding.placement import storage_factory
+    from recscale.planner.from_config import plan_for
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"), timeout_s=60)
+    w, r = ctx.world_size, ctx.rank
+    lo, hi = r * batch_size // w, (r + 1) * batch_size // w
+    cfg = compressed_config()
+    batches, eval_batch = global_batches(cfg, steps, batch_size)
+    torch.manual_seed(0)
+    plan = plan_for(cfg, w, 1 << 40)
+    model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+    module = shard(model, plan, ctx, storage_factory(cfg.embedding, torch.device("cpu"), "auto"))
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    local = [b.slice(lo, hi) for b in batches]
+    preds, _ = train_and_report(module, model, opt, local, eval_batch.slice(lo, hi))
+    kinds = {p.table: p.kind for p in plan.placements}
+    torch.distributed.destroy_process_group()
+    return preds, kinds

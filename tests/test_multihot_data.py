@@ -13,7 +13,7 @@ import torch
 from helpers import make_dataset
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError
-from recscale.data.multihot import MLPERF_BAG_SIZES, expand, offset_tables, to_multihot
+from recscale.data.multihot import MLPERF_BAG_SIZES, bag_of, expand, feature_salts, to_multihot
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -121,14 +121,13 @@ def test_multihot_expansion_matches_plain_python(tmp_path, onehot):
     to_multihot(onehot, tmp_path / "mh", sizes, seed=9, echo=lambda _m: None)
     src, ds = BinaryDataset(onehot, "train"), BinaryDataset(tmp_path / "mh", "train")
     assert ds.multi_hot and ds.rows == src.rows
-    tables = offset_tables(src.table_sizes, sizes, 9)
+    salts = feature_salts(F, 9)
     rows = _rows_of(BatchLoader(ds, 1000, shuffle=False, epochs=1))
     for r in (0, 1, 999, 2999):
         for f in range(F):
             x, n = int(src.sparse[r, f]), src.table_sizes[f]
-            o = tables[f][x % tables[f].shape[0]]
-            want = [(x + int(o[j])) % n for j in range(sizes[f])]
-            assert rows[r][f] == want and want[0] == x
+            want = bag_of(x, f, sizes[f], n, salts)
+            assert rows[r][f] == want and want[0] == x and all(0 <= y < n for y in want)
     np.testing.assert_array_equal(np.asarray(ds.dense), np.asarray(src.dense))
     # deterministic: the same input, sizes and seed give the same bytes
     to_multihot(onehot, tmp_path / "again", sizes, seed=9, echo=lambda _m: None)
@@ -140,11 +139,13 @@ def test_multihot_expansion_matches_plain_python(tmp_path, onehot):
 
 def test_expand_ids_stay_in_their_tables():
     sizes, bag = [7, 100_000, 3], [3, 100, 2]
-    tables = offset_tables(sizes, bag, 0)
     ids = np.array([[6, 99_999, 2], [0, 5, 1]], np.int32)
-    out = expand(ids, sizes, bag, tables).reshape(2, -1)
+    out = expand(ids, sizes, bag, 0).reshape(2, -1)
     assert (out[:, :3] < 7).all() and (out[:, 3:103] < 100_000).all() and (out[:, 103:] < 3).all()
     assert out[0, 0] == 6 and out[0, 3] == 99_999 and out[0, 103] == 2
+    # a bag spreads over its table: 99 draws of a 100k-row table are nearly all distinct
+    assert len(set(out[0, 4:103].tolist())) >= 95
+    assert expand(ids, sizes, bag, 1).tolist() != out.reshape(-1).tolist()  # the seed matters
 
 
 def test_multihot_cli_refuses_bad_sizes_and_multi_hot_input(tmp_path, onehot):

@@ -160,7 +160,7 @@ class CheckpointManager:
         if self._last_name is None or self._since_full + 1 >= self.cfg.full_every:
             return "full"
         storages = self.model.embeddings.storages()
-        dirty = self._global_sum(sum(int(s.dirty.sum()) for s in storages))
+        dirty = self._global_sum(sum(int(s.dirty.sum()) for s in storages if s.dirty is not None))
         return "full" if dirty > self.cfg.full_if_fraction * self._total_rows else "incremental"
 
     def save(self, step: int, trainer: dict[str, Any]) -> None:
@@ -173,7 +173,8 @@ class CheckpointManager:
         snap = capture(self.model, self.dense_opt, trainer, kind, self.cfg.precision,
                        self._last_name if kind == "incremental" else None, step, self.ctx.rank)  # fmt: skip
         for storage in storages:
-            storage.dirty.zero_()
+            if storage.dirty is not None:  # a compressed table keeps none (written whole)
+                storage.dirty.zero_()
         name = f"step_{step:08d}" + (".inc" if kind == "incremental" else "")
         self._last_name, self._last_time = name, time.monotonic()
         self._since_full = 0 if kind == "full" else self._since_full + 1

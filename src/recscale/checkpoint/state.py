@@ -73,6 +73,7 @@ class Checkpointable(Protocol):
 
 
 _CHUNK_ROWS = 1 << 16
+ROW_GRID_STATE = {"qscale", "qbias"}
 
 
 @dataclass
@@ -104,6 +105,9 @@ class Snapshot:
     dense: bytes | None  # rank 0 only
     trainer: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
+    # compressed tables (embedding/compressed.py): name -> the factors' state, whole in
+    # every checkpoint (they are small) - parts/rankNNNNN/factors.pt
+    factors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -140,11 +144,15 @@ def capture(
     only rows marked dirty. Replicated parts are written by rank 0 alone."""
     ebc = model.embeddings
     parts = []
+    factors = {}
     for p, storage, first in ebc.local_parts():
         if p.kind == "data_parallel" and rank != 0:
             continue
         spec = ebc.tables[p.feature]  # the model's table (p.feature indexes the model's)
         name, table_rows, dim = spec.name, spec.num_rows, spec.dim
+        if storage.derived_rows:  # a compressed table: its factors, not its rows
+            factors[name] = storage.factor_state()
+            continue
         if kind == "incremental":
             local = torch.nonzero(storage.dirty[first : first + p.num_rows]).squeeze(1).cpu()
             idx = (local + first).to(storage.device)
@@ -162,7 +170,7 @@ def capture(
     rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
     order = [t.name for t in ebc.tables]
     return Snapshot(step, kind, precision, parent, rank, parts, order, dense,
-                    {**trainer, "torch_rng": rng})  # fmt: skip
+                    {**trainer, "torch_rng": rng}, factors=factors)  # fmt: skip
 
 
 def _quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -235,6 +243,10 @@ def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
                      "col_lo": p.col_lo, "col_hi": p.col_hi, "stored_rows": stored,
                      "state": state_tails},
         })  # fmt: skip
+    if snap.factors:
+        buf = io.BytesIO()
+        torch.save(snap.factors, buf)
+        w.write_bytes(f"parts/rank{snap.rank:05d}/factors.pt", buf.getvalue())
     if snap.dense is not None:
         w.write_bytes("dense.pt", snap.dense)
         w.write_bytes("trainer.json", json.dumps(snap.trainer, indent=1).encode())
@@ -324,11 +336,40 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                         cur[:, c0 - p.col_lo : c1 - p.col_lo] = arr
                         arr = cur
                 elif not first_col_here:  # row-wise state: from the part of our first column
-                    arr = current[sname].cpu() if current is not None else None
+                    arr = current.get(sname) if current is not None else None
+                    arr = arr.cpu() if arr is not None else None
                 if arr is not None:
                     state[sname] = arr
             if state:
                 storage.write_state(idx, state)
+
+
+def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -> set[str]:
+    """Load the factors of this process's compressed tables from every rank's
+    ``factors.pt`` of checkpoint ``path`` (a table may have lived on any rank); returns
+    the names found. A table stored as factors that the model keeps as rows is an error."""
+    found = set()
+    for f in sorted(path.glob("parts/rank*/factors.pt")):
+        try:
+            saved = torch.load(io.BytesIO(f.read_bytes()), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
+            raise CheckpointError(f"{f}: not a plain tensor file, refused to load it") from e
+        for name, state in saved.items():
+            found.add(name)
+            if name in plain:
+                raise CheckpointError(
+                    f"{path}: table {name} is stored compressed (as factors), the model keeps "
+                    "its rows: resume with the embedding.compression it was written with"
+                )
+            if name in derived:
+                try:
+                    derived[name].load_factor_state(state)
+                except RuntimeError as e:
+                    raise CheckpointError(
+                        f"{f}: the factors of {name} do not fit the model's (embedding.compression, "
+                        f"qr_buckets, tt_rank and md_alpha must match the run's): {str(e)[:200]}"
+                    ) from e
+    return found
 
 
 @torch.no_grad()
@@ -342,14 +383,21 @@ def restore(
     for p, storage, first in ebc.local_parts():
         mine_by_name.setdefault(ebc.tables[p.feature].name, []).append((p, storage, first))
     specs = {t.name: t for t in ebc.tables}
+    derived = {n: m[0][1] for n, m in mine_by_name.items() if m[0][1].derived_rows}
     trainer: dict[str, Any] = {}
     for path in chain:
         manifest = verify(path)
         incremental = manifest["kind"] == "incremental"
+        found = _load_factors(path, derived, set(mine_by_name) - set(derived))
         for tm in manifest["tables"]:
             spec = specs.get(tm["name"])
             if spec is None:
                 raise CheckpointError(f"{path}: table {tm['name']} is not in the model")
+            if tm["name"] in derived:
+                raise CheckpointError(
+                    f"{path}: table {tm['name']} is stored as rows, the model compresses it "
+                    "(embedding.compression): resume with the compression it was written with"
+                )
             if (tm["num_rows"], tm["dim"]) != (spec.num_rows, spec.dim):
                 raise CheckpointError(
                     f"{path}: table {tm['name']} is {tm['num_rows']} x {tm['dim']}, the model's is "
@@ -358,7 +406,9 @@ def restore(
             mine = mine_by_name.get(tm["name"], [])
             for _p, storage, _first in mine[:1]:
                 want = set(storage.optimizer.state_shapes(1))
-                if set(tm["state"]) != want:
+                # int8 rows' grid (embedding/low_precision.py): restored where a storage
+                # keeps one, else ignored - the rows themselves are in the weight file
+                if set(tm["state"]) - ROW_GRID_STATE != want:
                     raise CheckpointError(
                         f"{path}: table {tm['name']} has optimizer state {sorted(tm['state'])}, "
                         f"the model's embedding optimizer keeps {sorted(want)}: resume with "
@@ -366,6 +416,12 @@ def restore(
                     )
             for sp in _stored_parts(tm):
                 _apply_stored_part(path, manifest["precision"], incremental, sp, mine)
+        missing = sorted(set(derived) - found)
+        if missing and not incremental:
+            raise CheckpointError(
+                f"{path}: table {missing[0]} is compressed in the model but the checkpoint has "
+                "no factors for it: resume with the embedding.compression it was written with"
+            )
         dense = load_dense(path)
         unexpected = model.load_state_dict(dense["model"], strict=False).unexpected_keys
         if unexpected:

@@ -80,6 +80,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     print(f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
           f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}")  # fmt: skip
+    from recscale.embedding.compressed import compression_summary
+
+    for line in compression_summary(cfg):
+        print(line)
     print(f"{'table':>6} {'rows':>12} {'dim':>4} {'GB':>8}  {'placement':<14} ranks")
     for t, p in zip(tables, plan.placements):
         ranks = p.ranks if len(p.ranks) <= 8 else f"{p.ranks[:3]}..{p.ranks[-1]} ({len(p.ranks)})"

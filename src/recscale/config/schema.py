@@ -29,6 +29,9 @@ DATA_SOURCES = ("auto", "synthetic", "binary")
 KERNELS = ("auto", "native", "triton", "numba", "torch")
 PLACEMENTS = ("device", "host", "ssd")  # where a table's rows live (a storage tier)
 CACHE_POLICIES = ("lfu", "lru")
+ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")  # stored embedding rows in training
+COMPRESSIONS = ("none", "qr", "mixed_dim", "tt")  # embedding/compressed.py
+QR_OPS = ("mult", "add", "concat")
 CHECKPOINT_PRECISIONS = ("fp32", "fp16", "int8")
 SHARDING_KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -157,12 +160,53 @@ class EmbeddingConfig:
     cache_policy: str = "lfu"
     # placement=auto: memory for tables + optimizer state + caches, GB (0 = half the RAM).
     memory_budget_gb: float = 0.0
+    # Stored precision of the rows in training: fp16 / bf16 (half the bytes) or int8
+    # (a quarter, plus a row-wise scale and bias); stochastic rounding in the update,
+    # optimizer state fp32 (embedding/low_precision.py). Tables in device memory.
+    row_precision: str = "fp32"
+    # Compressed tables (embedding/compressed.py): rows computed from smaller factors.
+    # qr: quotient x remainder tables (qr_buckets remainder rows; combined by qr_op);
+    # mixed_dim: table t gets dim * (n_min / n_t) ** md_alpha dims (a power of two) and a
+    # projection to the common dim; tt: tensor-train cores of rank tt_rank. A table the
+    # method would not shrink stays plain.
+    compression: str = "none"
+    # Per-table overrides, "NAME=METHOD" (e.g. ["C1=none", "C20=tt"]).
+    table_compression: list[str] = field(default_factory=list)
+    # Tables with fewer rows stay plain (the reference DLRM's qr/md threshold): a small
+    # table saves little memory and its every id is frequent enough to matter.
+    compress_min_rows: int = 10000
+    qr_buckets: int = 4
+    qr_op: str = "mult"
+    md_alpha: float = 0.3
+    tt_rank: int = 8
 
     def validate(self) -> None:
         _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
         _choice("embedding.placement", self.placement, (*PLACEMENTS, "auto"))
         _positive("embedding.memory_budget_gb", self.memory_budget_gb, allow_zero=True)
         _choice("embedding.cache_policy", self.cache_policy, CACHE_POLICIES)
+        _choice("embedding.row_precision", self.row_precision, ROW_PRECISIONS)
+        _choice("embedding.compression", self.compression, COMPRESSIONS)
+        _choice("embedding.qr_op", self.qr_op, QR_OPS)
+        _positive("embedding.compress_min_rows", self.compress_min_rows, allow_zero=True)
+        for key in ("qr_buckets", "tt_rank"):
+            if int(getattr(self, key)) < 1:
+                raise ConfigError(f"embedding.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if not 0.0 <= self.md_alpha <= 2.0:
+            raise ConfigError("embedding.md_alpha", f"must be in [0, 2], got {self.md_alpha}")
+        for item in self.table_compression:
+            name, _, method = str(item).partition("=")
+            if not name or method not in COMPRESSIONS:
+                raise ConfigError(
+                    "embedding.table_compression",
+                    f"{item!r}: expected NAME=METHOD with METHOD one of {COMPRESSIONS}",
+                )
+        if self.row_precision != "fp32" and self.placement != "device":
+            raise ConfigError(
+                "embedding.row_precision",
+                f"{self.row_precision} rows live in device memory; placement "
+                f"{self.placement!r} keeps fp32 rows (use embedding.placement=device)",
+            )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _positive("embedding.lr", self.lr)
         _positive("embedding.eps", self.eps)
@@ -391,4 +435,31 @@ class Config:
         bags, tables = self.data.bag_sizes, self.model.table_sizes
         if bags and len(bags) != len(tables):
             raise ConfigError("data.bag_sizes", f"{len(bags)} sizes for {len(tables)} tables")
+        self._check_compression()
         return self
+
+    def _check_compression(self) -> None:
+        """Each table's compression fits its dim, its tier and the sharding."""
+        e, names = self.embedding, [f"C{i + 1}" for i in range(len(self.model.table_sizes))]
+        methods = dict(str(x).split("=", 1) for x in e.table_compression)
+        unknown = sorted(set(methods) - set(names))
+        if unknown:
+            raise ConfigError("embedding.table_compression", f"no table named {unknown[0]}")
+        used = {methods.get(n, e.compression) for n in names} - {"none"}
+        if not used:
+            return
+        if e.row_precision != "fp32":
+            raise ConfigError("embedding.compression",
+                              "compressed tables keep fp32 factors; use embedding.row_precision=fp32")  # fmt: skip
+        if self.distributed.sharding not in ("auto", "table_wise"):
+            raise ConfigError("embedding.compression",
+                              f"a compressed table is placed whole; distributed.sharding="
+                              f"{self.distributed.sharding} would split it (use auto or table_wise)")  # fmt: skip
+        for n, d in zip(names, self.model.dims()):
+            m = methods.get(n, e.compression)
+            if m == "qr" and e.qr_op == "concat" and d % 2:
+                raise ConfigError("embedding.qr_op", f"concat halves the dim; {n} has odd dim {d}")
+            if m == "tt" and not any(d % (a * b) == 0 and d // (a * b) >= 2
+                                     for a in range(2, d + 1) for b in range(2, d // a + 1)):  # fmt: skip
+                raise ConfigError("embedding.compression",
+                                  f"tt factors the dim into three; {n}'s dim {d} has no such factors")  # fmt: skip

@@ -53,8 +53,11 @@ def shard(
         if p is not None and p.placement != "device":
             t = replace(t, placement=p.placement, cache_bytes=p.cache_bytes)
         tables.append(t)
-    if make_storage is None and any(t.placement != "device" for t in tables):
-        raise ValueError("host/ssd tables need make_storage (embedding.placement.storage_factory)")
+    if make_storage is None and any(
+        t.placement != "device" or t.compression != "none" for t in tables
+    ):
+        raise ValueError("host/ssd and compressed tables need make_storage "
+                         "(embedding.placement.storage_factory)")  # fmt: skip
     layout = build_layout([t.name for t in tables], [t.num_rows for t in tables],
                           [t.dim for t in tables], plan)  # fmt: skip
     model.embeddings = ShardedEmbeddingBagCollection(

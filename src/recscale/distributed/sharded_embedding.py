@@ -125,7 +125,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             t = tables[s.feature]
             name = t.name if self.identity else f"{t.name}.{s.kind}{s.index}"
             cache = t.cache_bytes * s.num_rows // max(t.num_rows, 1)
-            specs.append(TableSpec(name, s.num_rows, s.width, t.placement, cache))
+            if t.compression != "none" and (s.kind != "table_wise" or s.width != t.dim):
+                raise ValueError(
+                    f"table {t.name} is compressed ({t.compression}): it is placed whole "
+                    f"(table_wise), not {s.kind}"
+                )
+            specs.append(TableSpec(name, s.num_rows, s.width, t.placement, cache,
+                                   t.compression, t.small_dim))  # fmt: skip
             parts.append(TablePart(s.feature, s.kind, s.row_lo, s.row_hi, s.col_lo, s.col_hi,
                                    t.num_rows, t.dim))  # fmt: skip
         # The compute stage. Identity: it pools as the model (mean pooling, id checks);

@@ -20,14 +20,22 @@ import torch
 
 from recscale.config.schema import EmbeddingConfig
 from recscale.embedding.cached_storage import CachedStorage
+from recscale.embedding.compressed import build_compressed
+from recscale.embedding.low_precision import LowPrecisionStorage, bytes_per_value, row_overhead
 from recscale.embedding.optimizers import build_sparse_optimizer
 from recscale.embedding.storage import DeviceStorage
 
 
-def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
-    """Bytes of one row with its optimizer state (fp32)."""
+def state_bytes(cfg: EmbeddingConfig, dim: int) -> int:
+    """Bytes of one row's optimizer state (fp32)."""
     shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
-    return 4 * (dim + sum(max(1, math.prod(s)) for s in shapes))
+    return 4 * sum(max(1, math.prod(s)) for s in shapes)
+
+
+def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
+    """Bytes of one row with its optimizer state, at ``cfg.row_precision``."""
+    p = cfg.row_precision
+    return int(dim * bytes_per_value(p)) + row_overhead(p) + state_bytes(cfg, dim)
 
 
 def storage_factory(
@@ -41,7 +49,14 @@ def storage_factory(
 
     def make(num_rows: int, dim: int, optimizer, tables: list):
         nonlocal root
+        if tables[0].compression != "none":  # a group of one compressed table
+            t = tables[0]
+            return build_compressed(
+                t.compression, num_rows, dim, t.small_dim, cfg, optimizer, device
+            )
         if tables[0].placement == "device":
+            if cfg.row_precision != "fp32":
+                return LowPrecisionStorage(num_rows, dim, optimizer, cfg.row_precision, device)
             return DeviceStorage(num_rows, dim, optimizer, device, kernel)
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)

@@ -62,6 +62,7 @@ class RowStorage(nn.Module, ABC):
     dim: int
     tier: str = "device"  # where the rows live: device | host | ssd (config.schema.PLACEMENTS)
     always_apply: bool = False  # a replica whose update joins a collective every step
+    derived_rows: bool = False  # rows computed from factors (compressed): no write_rows
     dirty: torch.Tensor | None = None  # [num_rows] bool while tracking (see track_dirty)
 
     def track_dirty(self, enabled: bool) -> None:
@@ -152,12 +153,15 @@ class DeviceStorage(RowStorage):
         optimizer: SparseOptimizer,
         device: torch.device | None = None,
         kernel: str = "auto",
+        weight_dtype: torch.dtype = torch.float32,  # LowPrecisionStorage stores fewer bits
     ):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.num_rows, self.dim, self.optimizer, self.kernel = num_rows, dim, optimizer, kernel
-        self.register_buffer("weight", torch.empty(num_rows, dim, device=device))
+        self.register_buffer(
+            "weight", torch.empty(num_rows, dim, dtype=weight_dtype, device=device)
+        )
         # The step count stays on the CPU: read every step (Adam), never a device sync.
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.state_names = []

@@ -12,6 +12,7 @@ from torch import nn
 
 from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
+from recscale.embedding.compressed import table_compressions
 from recscale.embedding.optimizers import build_sparse_optimizer
 from recscale.embedding.placement import row_bytes, storage_factory
 from recscale.modules.dcn import DCNv2Interaction
@@ -36,8 +37,11 @@ def table_specs(
         ]
     if placements is None:
         placements = [("device", 0)] * len(dims)
-    return [TableSpec(name, n, d, where, cache)
-            for name, n, d, (where, cache) in zip(names, model_cfg.table_sizes, dims, placements)]  # fmt: skip
+    comp = table_compressions(model_cfg.table_sizes, dims, embedding_cfg)
+    # a compressed table is small by construction: its factors live in device memory
+    return [TableSpec(name, n, d, "device" if m != "none" else where, 0 if m != "none" else cache, m, sd)
+            for name, n, d, (where, cache), (m, sd)
+            in zip(names, model_cfg.table_sizes, dims, placements, comp)]  # fmt: skip
 
 
 class DLRM(nn.Module):
@@ -68,7 +72,7 @@ class DLRM(nn.Module):
             kernel=model_cfg.kernels,
             make_storage=(
                 storage_factory(embedding_cfg, device, model_cfg.kernels)
-                if materialize_embeddings and any(t.placement != "device" for t in tables)
+                if materialize_embeddings
                 else None
             ),
         )

@@ -37,6 +37,8 @@ class TableSpec:
     dim: int
     placement: str = "device"  # device memory, or "ssd" (a file behind a hot-row cache)
     cache_bytes: int = 0  # ssd: the table's share of the hot-row cache
+    compression: str = "none"  # qr | mixed_dim | tt: rows from factors (embedding/compressed.py)
+    small_dim: int = 0  # mixed_dim: the table's own dim before its projection
 
 
 @dataclass(frozen=True)
@@ -193,13 +195,15 @@ class EmbeddingBagCollection(nn.Module):
             torch.tensor([t.num_rows for t in tables], dtype=torch.int64, device=idx_dev),
             persistent=False,
         )
-        by_dim: dict[tuple[int, str], list[int]] = {}
+        # a compressed table is a group of its own (its storage is its factors)
+        by_dim: dict[tuple[int, str, str, int], list[int]] = {}
         for f, t in enumerate(tables):
-            by_dim.setdefault((t.dim, t.placement), []).append(f)
+            own = f if t.compression != "none" else -1
+            by_dim.setdefault((t.dim, t.placement, t.compression, own), []).append(f)
         self.groups = nn.ModuleList()
         group_of_feature = [0] * len(tables)
         local_index = [0] * len(tables)
-        for g, ((dim, _placement), features) in enumerate(sorted(by_dim.items())):
+        for g, ((dim, *_kind), features) in enumerate(sorted(by_dim.items())):
             rows = sum(tables[f].num_rows for f in features)
             storage = (
                 make_storage(rows, dim, make_optimizer(), [tables[f] for f in features])
@@ -229,11 +233,15 @@ class EmbeddingBagCollection(nn.Module):
         storage = group.storage
         if storage.device.type == "meta":  # a placeholder that distributed/ replaces with shards
             return
+        if getattr(storage, "derived_rows", False):  # compressed: one table, drawn as factors
+            storage.init_factors(seed, self.parts[group.features[0]].feature)
+            return
         start = 0
         for f in group.features:
             n, p = self.tables[f].num_rows, self.parts[f]
             rect = (p.row_lo, p.row_hi, p.col_lo, p.col_hi)
-            if isinstance(storage, DeviceStorage) and storage.device.type == "cpu":
+            fp32 = isinstance(storage, DeviceStorage) and storage.weight.dtype == torch.float32
+            if fp32 and storage.device.type == "cpu":
                 init_table_rows(storage.weight[start : start + n], seed, p.feature, p.table_rows,
                                 p.table_dim, *rect)  # fmt: skip
             else:  # a GPU or another tier: drawn on the CPU, written a chunk at a time

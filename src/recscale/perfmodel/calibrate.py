@@ -323,34 +323,56 @@ def calibrate(echo=print, threads: int | None = None, collective_ranks: int = 2,
     return cal
 
 
-def _fit_steps(cal: Calibration, threads: int, world_size: int, echo) -> None:
+def step_configs(threads: int) -> list:
+    """The configs of ``STEP_CONFIGS`` on ``threads`` torch threads (the ops' threads)."""
     from recscale.config import load_config
+
+    return [load_config(name, ["--train.device=cpu", f"--train.threads={threads}", *over])
+            for name, over in STEP_CONFIGS]  # fmt: skip
+
+
+def measure_step(cfg, threads: int, world_size: int) -> float:
+    """Milliseconds of one whole step of ``cfg`` (the median of 15 after 5 warm-up): in
+    this process, or on ``world_size`` local ranks (the training path's sequential step,
+    the plan ``plan_for`` makes)."""
+    if world_size == 1:
+        from recscale.bench.throughput import run_throughput
+
+        return run_throughput(cfg, steps=15, warmup=5, echo=lambda _m: None)["ms_per_step"]
+    from recscale.bench.distributed import run_pipeline_bench
+
+    cfg.distributed.calibration = "none"  # the job plans as plan_for(...) in fit_step_constants
+    return run_pipeline_bench(cfg, world_size, 15, 5, threads)["sequential_step_ms"]
+
+
+def fit_step_constants(cal: Calibration, measured_ms: list[float], echo=print) -> None:
+    """Set ``step_scale`` and ``step_overhead`` from whole steps of the ``STEP_CONFIGS``
+    (``measured_ms[i]`` for config i, measured on ``cal.world_size`` ranks)."""
+    from dataclasses import replace
+
     from recscale.perfmodel.model import predict
+    from recscale.planner.from_config import plan_for
 
+    w = cal.world_size
+    bare = replace(cal, step_scale=1.0, step_overhead=0.0)  # the sum of the ops alone
     sums, measured = [], []
-    for name, over in STEP_CONFIGS:
-        # whole steps on the threads the ops were measured on
-        cfg = load_config(name, ["--train.device=cpu", f"--train.threads={threads}", *over])
-        plan = None
-        if world_size == 1:
-            from recscale.bench.throughput import run_throughput
-
-            t = run_throughput(cfg, steps=15, warmup=5, echo=lambda _m: None)["ms_per_step"]
-        else:
-            from recscale.bench.distributed import run_pipeline_bench
-            from recscale.planner.from_config import plan_for
-
-            cfg.distributed.calibration = "none"  # the job plans as plan_for(...) below
-            t = run_pipeline_bench(cfg, world_size, 15, 5, threads)["sequential_step_ms"]
-            plan = plan_for(cfg, world_size, 1 << 40)
-        p = predict(cfg, cal, world_size, plan)  # scale 1, overhead 0 so far
+    for cfg, t in zip(step_configs(cal.threads), measured_ms):
+        p = predict(cfg, bare, w, plan_for(cfg, w, 1 << 40) if w > 1 else None)
         comm = sum(p.stages_ms.get(k, 0.0) for k in ("all_to_all", "all_reduce")) / 1e3
         sums.append(p.step_seconds - comm)
         measured.append(max(t / 1e3 - comm, 1e-5))
     law = _fit(["sum", "one"], [{"sum": s_, "one": 1.0} for s_ in sums], measured)
     cal.step_scale, cal.step_overhead = law.coef[0] or 1.0, law.coef[1]
     echo(
-        f"  whole steps{f' on {world_size} ranks' if world_size > 1 else ''}: "
+        f"  whole steps{f' on {w} ranks' if w > 1 else ''}: "
         f"{cal.step_scale:.3f} x the ops + {cal.step_overhead * 1e3:.2f} ms "
         f"(fit error {law.fit_error:.1%})"
     )
+
+
+def _fit_steps(cal: Calibration, threads: int, world_size: int, echo) -> None:
+    # the median of three runs: one run of a few-ms step can be 30% off on a shared VM,
+    # and four whole-step points carry the two constants
+    ms = [statistics.median(measure_step(cfg, threads, world_size) for _ in range(3))
+          for cfg in step_configs(threads)]  # fmt: skip
+    fit_step_constants(cal, ms, echo)

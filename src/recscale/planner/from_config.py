@@ -12,7 +12,13 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.embedding.placement import row_bytes
+from recscale.embedding.compressed import (
+    compressed_factor_rows,
+    compressed_rows,
+    table_compressions,
+)
+from recscale.embedding.low_precision import bytes_per_value, row_overhead
+from recscale.embedding.placement import state_bytes
 from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
     Constraints,
@@ -30,10 +36,32 @@ def table_infos(cfg: Config) -> list[TableInfo]:
     m = cfg.model
     mean = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
     pooling = [float(k) for k in cfg.data.bag_sizes] or [mean] * len(m.table_sizes)
+    e = cfg.embedding
+    comp = table_compressions(m.table_sizes, m.dims(), e)
     return [
-        TableInfo(f"C{i + 1}", n, d, pooling[i], row_bytes(cfg.embedding, d) - 4 * d)
-        for i, (n, d) in enumerate(zip(m.table_sizes, m.dims()))
+        TableInfo(
+            f"C{i + 1}",
+            n,
+            d,
+            pooling[i],
+            state_bytes(e, d) + row_overhead(e.row_precision),
+            bytes_per_value(e.row_precision),
+            compressed_table_bytes(c, n, d, sd, e),
+        )  # fmt: skip
+        for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp))
     ]
+
+
+def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) -> int:
+    """A compressed table's factors in fp32 with their optimizer state (row-wise: one
+    value per factor row; Adam: two per factor value); 0 for a plain table."""
+    if method == "none":
+        return 0
+    values = compressed_rows(method, rows, dim, e.qr_buckets, e.qr_op, e.tt_rank, small_dim)
+    if e.optimizer == "adam":
+        return 3 * 4 * values
+    state = 4 if e.optimizer == "rowwise_adagrad" else 0
+    return 4 * values + state * compressed_factor_rows(method, rows, dim, e, small_dim)
 
 
 def uniform_plan(tables: list[TableInfo], world_size: int, kind: str) -> ShardingPlan:

@@ -51,6 +51,12 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, laws: CostLaws,
 
     order = sorted(range(w), key=lambda r: (cost[r], mem[r], r))
     fits_one = t.bytes <= cap
+    if t.compressed_bytes:  # factors are not split: the whole table on one rank
+        room = [r for r in order if mem[r] + t.bytes <= cap]
+        if room:
+            r = room[0]
+            yield TablePlacement(t.name, "table_wise", [r], {r: t.bytes}, {r: secs("table_wise")})
+        return
     if t.bytes <= cons.data_parallel_max_bytes and all(m + t.bytes <= cap for m in mem):
         # gradients ride in the dense all-reduce buckets: bandwidth, no extra latency
         c = secs("data_parallel")
@@ -100,6 +106,8 @@ def _place_on_slow_tiers(
     for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
         if not tiers or in_memory + sum(mem) <= w * cap:
             break
+        if t.compressed_bytes:  # compressed tables stay in device memory
+            continue
         cache = int(t.bytes * cons.ssd_cache_fraction)
         for tier, per_rank, bandwidth, used in tiers:  # the faster tier first
             room = [r for r in range(w) if used[r] + t.bytes <= per_rank and mem[r] + cache <= cap]

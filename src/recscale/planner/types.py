@@ -18,9 +18,14 @@ class TableInfo:
     pooling: float = 1.0  # mean ids per sample (access statistics)
     state_bytes_per_row: int = 4  # optimizer state (row-wise Adagrad: 4; Adam: 8 * dim; SGD: 0)
     bytes_per_value: int = 4  # fp32
+    # a compressed table (embedding/compressed.py): its factors' bytes with their state,
+    # and it is placed whole (table_wise) - 0 for a plain table
+    compressed_bytes: int = 0
 
     @property
     def bytes(self) -> int:
+        if self.compressed_bytes:
+            return self.compressed_bytes
         return self.rows * (self.dim * self.bytes_per_value + self.state_bytes_per_row)
 
 

@@ -40,6 +40,7 @@ from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.pipeline import EmbeddingPipeline
+from recscale.embedding.compressed import compression_summary
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
@@ -229,6 +230,8 @@ def _announce(job: Job) -> None:
         f"{t.steps} steps x batch {t.batch_size} on {ctx.device} ({job.threads} threads"
         + (f" per rank, {ctx.world_size} ranks)" if ctx.distributed else ")")
     )
+    for line in compression_summary(cfg):
+        job.echo(f"recscale: {line}")
     if (ctx.device.type == "cpu" and cfg.model.kernels in ("auto", "native")
             and native.library() is None):  # fmt: skip
         job.echo(

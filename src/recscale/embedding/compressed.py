@@ -1,0 +1,359 @@
+"""Compressed tables: rows computed from smaller factor tables, fused into the lookup
+and the sparse optimizers (``embedding.compression = qr | mixed_dim | tt``).
+
+A :class:`FactoredStorage` serves one table of ``num_rows x dim`` *virtual* rows. It
+holds factor tables, each a :class:`DeviceStorage` with its own sparse optimizer (so a
+factor row is updated exactly as a plain row would be: no dense gradient of any table),
+and a ``combine`` that builds virtual rows from gathered factor rows::
+
+    qr         Q [ceil(n/m), D'], R [m, D']           row i = Q[i // m] (*|+|++) R[i % m]
+               (Shi et al., "Compositional Embeddings Using Complementary Partitions")
+    mixed_dim  W [n, d_t], P [d_t, D]                 row i = W[i] @ P
+               (Ginart et al., "Mixed Dimension Embeddings"; d_t by the power rule)
+    tt         G1 [n1, d1 R], G2 [n2, R d2 R], G3 [n3, R d3], n1 n2 n3 >= n, d1 d2 d3 = D
+               row i = G1[i1] G2[i2] G3[i3]  (i = (i1 n2 + i2) n3 + i3; Yin et al., TT-Rec)
+
+Forward: gather the factor rows of the batch's ids, combine, sum-pool into bags.
+Backward (``apply_gradients``, after the base class merged duplicate ids): gather the
+factor rows again as leaves, combine under autograd, and hand each factor's row
+gradients - duplicates merged - to that factor's optimizer step. Nothing of size
+``num_rows`` is ever materialized (``read_rows`` builds only the rows asked for).
+
+Checkpoints hold the factors (``factor_state``/``load_factor_state``), not rows;
+``write_rows`` is refused: a virtual row cannot be set on its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recscale.embedding.optimizers import SparseOptimizer
+from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows
+
+COMPRESSIONS = ("none", "qr", "mixed_dim", "tt")
+QR_OPS = ("mult", "add", "concat")
+
+
+def tt_shape(num_rows: int, dim: int) -> tuple[list[int], list[int]]:
+    """``(n1, n2, n3)`` with ``n1 n2 n3 >= num_rows`` (near-equal), ``(d1, d2, d3)`` with
+    ``d1 d2 d3 == dim`` (the most balanced factorization); ValueError if ``dim`` has no
+    factorization into three factors > 1 (the TT cores would degenerate)."""
+    c = math.ceil(num_rows ** (1 / 3))
+    n = [c, c, max(1, math.ceil(num_rows / (c * c)))]
+    best = None
+    for d1 in range(2, dim + 1):
+        for d2 in range(2, dim // d1 + 1):
+            if dim % (d1 * d2) == 0 and dim // (d1 * d2) >= 2:
+                ds = sorted([d1, d2, dim // (d1 * d2)])
+                if best is None or ds[-1] - ds[0] < best[-1] - best[0]:
+                    best = ds
+    if best is None:
+        raise ValueError(f"dim {dim} is not a product of three factors > 1")
+    return n, best
+
+
+def mixed_dims(table_rows: list[int], dim: int, alpha: float) -> list[int]:
+    """The power rule: ``d_t = dim * (n_min / n_t) ** alpha``, rounded down to a power of
+    two and at least 1 - the smallest table (whose rows are the most popular when ids
+    spread over a table's rows) keeps ``dim``, larger tables get fewer dimensions."""
+    n_min = min(table_rows)
+    out = []
+    for n in table_rows:
+        d = dim * (n_min / n) ** alpha
+        out.append(dim if d >= dim else max(1, 2 ** int(math.floor(math.log2(max(d, 1.0))))))
+    return out
+
+
+class FactoredStorage(RowStorage):
+    """One table's virtual rows from ``factors`` (see the module doc for the layouts)."""
+
+    derived_rows = True  # rows are computed: init and checkpoints go through the factors
+
+    def __init__(self, num_rows: int, dim: int, factor_shapes: dict[str, tuple[int, int]],
+                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.num_rows, self.dim = num_rows, dim
+        # one optimizer object for every factor: the LR schedule sets ``storage.optimizer.lr``
+        self.optimizer = optimizer
+        self.factors = nn.ModuleDict({
+            name: DeviceStorage(rows, width, optimizer, device, kernel="torch")
+            for name, (rows, width) in factor_shapes.items()
+        })  # fmt: skip
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+    # -- what a method defines ------------------------------------------------------
+    def _index(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Factor name -> the factor row each virtual row uses (``[N]``)."""
+        raise NotImplementedError
+
+    def _combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Gathered factor rows (``[N, width]`` each; a whole factor for projections) ->
+        virtual rows ``[N, dim]``."""
+        raise NotImplementedError
+
+    def init_factors(self, seed: int, feature: int) -> None:
+        """Draw the factors so a virtual row has the spread of a plain row's init."""
+        raise NotImplementedError
+
+    # -- the storage interface ----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.factors.values())).device
+
+    def stored_bytes(self) -> int:
+        return sum(f.weight.numel() * f.weight.element_size() for f in self.factors.values())
+
+    def _gather(self, rows: torch.Tensor, leaves: bool = False):
+        idx = self._index(rows)
+        parts = {}
+        for name, f in self.factors.items():
+            w = f.weight if name not in idx else f.weight.index_select(0, idx[name])
+            parts[name] = w.detach().requires_grad_(True) if leaves else w
+        return idx, parts
+
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._combine(self._gather(rows.to(self.device))[1])
+
+    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        dense = self.read_rows(rows)
+        ids = torch.arange(rows.shape[0], device=rows.device)
+        return F.embedding_bag(ids, dense, offsets, mode="sum",
+                               per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+
+    @torch.no_grad()
+    def apply_gradients(self, rows, grad):
+        """``rows`` unique, ``grad [U, dim]`` their merged gradients: the chain rule to
+        each factor's rows, then each factor's own optimizer step."""
+        self.step += 1
+        idx, parts = self._gather(rows, leaves=True)
+        with torch.enable_grad():
+            out = self._combine(parts)
+            grads = torch.autograd.grad(out, list(parts.values()), grad)
+        for (name, f), g in zip(self.factors.items(), grads):
+            if name in idx:
+                unique, summed = merge_duplicate_rows(idx[name], g)
+                f.apply_gradients(unique, summed)
+            else:  # a whole factor (a projection): every row, every step
+                f.apply_gradients(torch.arange(f.num_rows, device=g.device), g)
+
+    def track_dirty(self, enabled: bool) -> None:
+        self.dirty = None  # checkpoints write the (small) factors whole every time
+
+    def write_rows(self, rows, values):
+        raise NotImplementedError(
+            "a compressed table's rows are computed from its factors; write the factors "
+            "(load_factor_state) instead"
+        )
+
+    def read_state(self, rows):
+        return {}
+
+    def write_state(self, rows, state):
+        raise NotImplementedError("a compressed table's optimizer state lives in its factors")
+
+    def factor_state(self) -> dict[str, torch.Tensor]:
+        """Every factor's rows and optimizer state (and the step), on the CPU."""
+        return {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+
+    @torch.no_grad()
+    def load_factor_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(state)
+
+
+def _uniform(t: torch.Tensor, lo: float, hi: float, gen: torch.Generator) -> None:
+    t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))
+
+
+def _generator(seed: int, feature: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + feature * 7919 + 17) % (1 << 63))
+
+
+class QRStorage(FactoredStorage):
+    def __init__(self, num_rows: int, dim: int, buckets: int, op: str,
+                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+        if op not in QR_OPS:
+            raise ValueError(f"qr op must be one of {QR_OPS}, got {op!r}")
+        width = dim // 2 if op == "concat" else dim
+        m = min(buckets, num_rows)
+        shapes = {"q": (math.ceil(num_rows / m), width), "r": (m, width)}
+        super().__init__(num_rows, dim, shapes, optimizer, device)
+        self.buckets, self.op = m, op
+
+    def _index(self, rows):
+        return {"q": torch.div(rows, self.buckets, rounding_mode="floor"),
+                "r": torch.remainder(rows, self.buckets)}  # fmt: skip
+
+    def _combine(self, parts):
+        q, r = parts["q"], parts["r"]
+        if self.op == "mult":
+            return q * r
+        return q + r if self.op == "add" else torch.cat([q, r], dim=1)
+
+    @torch.no_grad()
+    def init_factors(self, seed: int, feature: int) -> None:
+        gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
+        q, r = self.factors["q"].weight, self.factors["r"].weight
+        if self.op == "mult":  # Q carries the spread, R starts near one
+            _uniform(q, -b, b, gen)
+            _uniform(r, 0.5, 1.5, gen)
+        elif self.op == "add":
+            _uniform(q, -b / 2, b / 2, gen)
+            _uniform(r, -b / 2, b / 2, gen)
+        else:
+            _uniform(q, -b, b, gen)
+            _uniform(r, -b, b, gen)
+
+
+class MixedDimStorage(FactoredStorage):
+    def __init__(self, num_rows: int, dim: int, small_dim: int,
+                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+        shapes = {"w": (num_rows, small_dim), "proj": (small_dim, dim)}
+        super().__init__(num_rows, dim, shapes, optimizer, device)
+        self.small_dim = small_dim
+
+    def _index(self, rows):
+        return {"w": rows}  # the projection is used whole
+
+    def _combine(self, parts):
+        return parts["w"] @ parts["proj"]
+
+    @torch.no_grad()
+    def init_factors(self, seed: int, feature: int) -> None:
+        gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
+        _uniform(self.factors["w"].weight, -b, b, gen)
+        # N(0, 1/d): a projected row keeps the spread of W's rows
+        p = torch.randn(self.small_dim, self.dim, generator=gen) / math.sqrt(self.small_dim)
+        self.factors["proj"].weight.copy_(p)
+
+
+class TTStorage(FactoredStorage):
+    def __init__(self, num_rows: int, dim: int, rank: int,
+                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+        (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
+        shapes = {"g1": (n1, d1 * rank), "g2": (n2, rank * d2 * rank), "g3": (n3, rank * d3)}
+        super().__init__(num_rows, dim, shapes, optimizer, device)
+        self.n, self.d, self.rank = (n1, n2, n3), (d1, d2, d3), rank
+
+    def _index(self, rows):
+        _, n2, n3 = self.n
+        return {"g1": torch.div(rows, n2 * n3, rounding_mode="floor"),
+                "g2": torch.remainder(torch.div(rows, n3, rounding_mode="floor"), n2),
+                "g3": torch.remainder(rows, n3)}  # fmt: skip
+
+    def _combine(self, parts):
+        (d1, d2, d3), r = self.d, self.rank
+        n = parts["g1"].shape[0]
+        a = parts["g1"].view(n, d1, r)
+        ab = torch.bmm(a, parts["g2"].view(n, r, d2 * r)).view(n, d1 * d2, r)
+        return torch.bmm(ab, parts["g3"].view(n, r, d3)).view(n, self.dim)
+
+    @torch.no_grad()
+    def init_factors(self, seed: int, feature: int) -> None:
+        """Gaussian cores whose product has the variance of U(-b, b) (b^2 / 3): an entry
+        sums R^2 products of three core entries, so each core gets
+        sigma = (b^2 / 3 / R^2) ** (1/6) (TT-Rec's sampled-Gaussian init)."""
+        gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
+        sigma = (b * b / 3 / self.rank**2) ** (1 / 6)
+        for f in self.factors.values():
+            f.weight.copy_(torch.randn(f.weight.shape, generator=gen) * sigma)
+
+
+def compressed_rows(method: str, num_rows: int, dim: int, qr_buckets: int = 0,
+                    qr_op: str = "mult", tt_rank: int = 0, small_dim: int = 0) -> int:  # fmt: skip
+    """fp32 values a compressed table stores (its factors), without building it."""
+    if method == "qr":
+        m = min(qr_buckets, num_rows)
+        width = dim // 2 if qr_op == "concat" else dim
+        return (math.ceil(num_rows / m) + m) * width
+    if method == "mixed_dim":
+        return num_rows * small_dim + small_dim * dim
+    if method == "tt":
+        (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
+        return n1 * d1 * tt_rank + n2 * tt_rank * d2 * tt_rank + n3 * tt_rank * d3
+    return num_rows * dim
+
+
+def table_compressions(table_sizes: list[int], dims: list[int], cfg) -> list[tuple[str, int]]:
+    """Per table ``(method, small_dim)`` from ``embedding.compression`` and its per-table
+    overrides (``cfg`` an ``EmbeddingConfig``); ``small_dim`` is mixed_dim's d_t (else 0).
+    Tables under ``compress_min_rows`` stay ``"none"`` unless named in an override, and
+    so does a table its method would not shrink."""
+    names = [f"C{i + 1}" for i in range(len(table_sizes))]
+    methods = dict(str(x).split("=", 1) for x in cfg.table_compression)
+    # the global method skips tables under compress_min_rows; a named override does not
+    chosen = [methods.get(n, cfg.compression if rows >= cfg.compress_min_rows else "none")
+              for n, rows in zip(names, table_sizes)]  # fmt: skip
+    md = [i for i, m in enumerate(chosen) if m == "mixed_dim"]
+    small = (
+        dict(zip(md, mixed_dims([table_sizes[i] for i in md], max(dims), cfg.md_alpha)))
+        if md
+        else {}
+    )
+    out = []
+    for i, (n, d, m) in enumerate(zip(table_sizes, dims, chosen)):
+        sd = min(small.get(i, 0), d)
+        if (
+            m != "none"
+            and compressed_rows(m, n, d, cfg.qr_buckets, cfg.qr_op, cfg.tt_rank, sd) >= n * d
+        ):
+            m, sd = "none", 0
+        if m == "mixed_dim" and sd >= d:
+            m, sd = "none", 0
+        out.append((m, sd if m == "mixed_dim" else 0))
+    return out
+
+
+def compressed_factor_rows(method: str, num_rows: int, dim: int, cfg, small_dim: int = 0) -> int:
+    """Rows of all the factors (each carries its optimizer's per-row state)."""
+    if method == "qr":
+        m = min(cfg.qr_buckets, num_rows)
+        return math.ceil(num_rows / m) + m
+    if method == "mixed_dim":
+        return num_rows + small_dim
+    if method == "tt":
+        (n1, n2, n3), _ = tt_shape(num_rows, dim)
+        return n1 + n2 + n3
+    return num_rows
+
+
+def build_compressed(method: str, num_rows: int, dim: int, small_dim: int, cfg,
+                     optimizer: SparseOptimizer, device: torch.device | None) -> FactoredStorage:  # fmt: skip
+    """The storage of one compressed table (``cfg``: the ``EmbeddingConfig``)."""
+    if method == "qr":
+        return QRStorage(num_rows, dim, cfg.qr_buckets, cfg.qr_op, optimizer, device)
+    if method == "mixed_dim":
+        return MixedDimStorage(num_rows, dim, small_dim, optimizer, device)
+    if method == "tt":
+        return TTStorage(num_rows, dim, cfg.tt_rank, optimizer, device)
+    raise ValueError(f"unknown compression {method!r}")
+
+
+def compression_summary(cfg) -> list[str]:
+    """What ``embedding.compression`` / ``row_precision`` make of the tables (``cfg``: the
+    root ``Config``), a line each - printed at the start of training and by ``plan``."""
+    from recscale.planner.from_config import table_infos
+
+    e, m = cfg.embedding, cfg.model
+    lines = []
+    if e.row_precision != "fp32":
+        lines.append(f"embedding rows stored as {e.row_precision} (optimizer state fp32)")
+    comp = table_compressions(m.table_sizes, m.dims(), e)
+    if all(c == "none" for c, _ in comp):
+        return lines
+    infos = table_infos(cfg)
+    plain = sum(t.rows * (t.dim * 4 + 4) for t in infos)
+    parts = []
+    for t, (c, sd) in zip(infos, comp):
+        if c != "none":
+            what = {"qr": f"qr/{e.qr_buckets}", "tt": f"tt r{e.tt_rank}",
+                    "mixed_dim": f"dim {sd}"}[c]  # fmt: skip
+            parts.append(f"{t.name} {what}")
+    total = sum(t.bytes for t in infos)
+    lines.append(f"compressed tables ({len(parts)} of {len(infos)}): {', '.join(parts)}; "
+                 f"tables {total / 1e6:.1f} MB, {plain / max(total, 1):.1f}x smaller than plain")  # fmt: skip
+    return lines
