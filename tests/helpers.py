@@ -58,3 +58,32 @@ def make_dataset(root, lines: int, seed: int, hash_size: int):
     opts = PreprocessOptions(inputs=[src], out=root / "ds", hash_sizes=[hash_size], split="none")
     preprocess(opts, echo=lambda s: None)
     return root / "ds"
+
+
+RESUME_BASE = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=2048",
+               "--checkpoint.every_steps=20", "--checkpoint.full_every=2",
+               "--checkpoint.full_if_fraction=1.0"]  # fmt: skip
+
+
+def assert_resume_identical(tmp_path, extra: list[str]) -> None:
+    """60 debug steps straight (run a) vs 40 steps, then resumed from their full +
+    incremental chain to 60 (run b): the logged losses after the resume are equal."""
+    import json
+
+    from recscale.config import load_config
+    from recscale.train.run import train
+
+    base, quiet = [*RESUME_BASE, *extra], dict(echo=lambda *_: None)
+    train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "a", **quiet)
+    train(load_config("debug", [*base, "--train.steps=40"]), tmp_path / "b", **quiet)
+    kinds = [json.loads(p.read_text())["kind"]
+             for p in sorted((tmp_path / "b/checkpoints").glob("*/manifest.json"))]  # fmt: skip
+    assert kinds == ["full", "incremental"]
+    m = train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "b",
+              resume=tmp_path / "b", **quiet)  # fmt: skip
+    assert m["resumed_from_step"] == 40
+    la, lb = (
+        {r["step"]: r["loss"] for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines())}
+        for d in (tmp_path / "a", tmp_path / "b")
+    )  # fmt: skip
+    assert all(la[s] == lb[s] for s in range(45, 61, 5))

@@ -2,11 +2,10 @@
 gradients against dense references built from the same factors, the optimizers against
 their dense formulas, sizes, training quality, checkpoints, sharding, config errors."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import RESUME_BASE, assert_resume_identical
 
 from recscale.config import ConfigError, load_config
 from recscale.embedding.compressed import (
@@ -183,29 +182,12 @@ def test_debug_run_trains_within_001_auc_of_plain(over, plain_auc):
 
 
 def test_resume_is_bitwise_identical_and_refuses_another_compression(tmp_path):
-    base = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=2048",
-            "--checkpoint.every_steps=20", "--checkpoint.full_every=2",
-            "--checkpoint.full_if_fraction=1.0", "--embedding.compression=qr",
-            "--embedding.table_compression=C1=none,C5=tt"]  # fmt: skip
-    train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "a", **QUIET)
-    train(load_config("debug", [*base, "--train.steps=40"]), tmp_path / "b", **QUIET)
-    kinds = [
-        json.loads(p.read_text())["kind"]
-        for p in sorted((tmp_path / "b/checkpoints").glob("*/manifest.json"))
-    ]
-    assert kinds == ["full", "incremental"]
-    m = train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "b",
-              resume=tmp_path / "b", **QUIET)  # fmt: skip
-    assert m["resumed_from_step"] == 40
-    la, lb = (
-        {r["step"]: r["loss"] for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines())}
-        for d in (tmp_path / "a", tmp_path / "b")
-    )  # fmt: skip
-    assert all(la[s] == lb[s] for s in range(45, 61, 5))
+    extra = ["--embedding.compression=qr", "--embedding.table_compression=C1=none,C5=tt"]
+    assert_resume_identical(tmp_path, extra)
     from recscale.checkpoint.format import CheckpointError
 
     with pytest.raises(CheckpointError, match="compress"):
-        train(load_config("debug", [*base[:-2], "--train.steps=80"]), tmp_path / "b",
+        train(load_config("debug", [*RESUME_BASE, "--train.steps=80"]), tmp_path / "b",
               resume=tmp_path / "b", **QUIET)  # fmt: skip
 
 

@@ -1,10 +1,9 @@
 """Low-precision rows (embedding.row_precision): rounding, lookups and updates against
 fp32 references, training quality, checkpoints, planner bytes, config errors."""
 
-import json
-
 import pytest
 import torch
+from helpers import assert_resume_identical
 
 from recscale.config import ConfigError, load_config
 from recscale.embedding.low_precision import (
@@ -148,16 +147,4 @@ def test_debug_run_trains_within_001_auc_of_fp32(precision, fp32_auc):
 def test_resume_is_bitwise_identical_with_low_precision_rows(tmp_path, precision):
     """Incremental checkpoints (fp32 on disk) restore the stored rows exactly, and the
     rounding noise is a function of the step: resumed == uninterrupted."""
-    base = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=2048",
-            "--checkpoint.every_steps=20", "--checkpoint.full_every=2",
-            "--checkpoint.full_if_fraction=1.0", f"--embedding.row_precision={precision}"]  # fmt: skip
-    train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "a", **QUIET)
-    train(load_config("debug", [*base, "--train.steps=40"]), tmp_path / "b", **QUIET)
-    m = train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "b",
-              resume=tmp_path / "b", **QUIET)  # fmt: skip
-    assert m["resumed_from_step"] == 40
-    la, lb = (
-        {r["step"]: r["loss"] for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines())}
-        for d in (tmp_path / "a", tmp_path / "b")
-    )  # fmt: skip
-    assert all(la[s] == lb[s] for s in range(45, 61, 5))
+    assert_resume_identical(tmp_path, [f"--embedding.row_precision={precision}"])

@@ -28,11 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows
+from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows, pool_rows
 
 COMPRESSIONS = ("none", "qr", "mixed_dim", "tt")
 QR_OPS = ("mult", "add", "concat")
@@ -120,10 +119,7 @@ class FactoredStorage(RowStorage):
             return self._combine(self._gather(rows.to(self.device))[1])
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        dense = self.read_rows(rows)
-        ids = torch.arange(rows.shape[0], device=rows.device)
-        return F.embedding_bag(ids, dense, offsets, mode="sum",
-                               per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+        return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):

@@ -21,10 +21,9 @@ nearest. Lookups gather the rows, dequantize them to fp32 and pool in fp32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import DeviceStorage
+from recscale.embedding.storage import DeviceStorage, pool_rows
 
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
@@ -112,10 +111,7 @@ class LowPrecisionStorage(DeviceStorage):
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         # gathered once (an id repeated in a batch is decoded twice: cheaper than unique)
-        dense = self._decode(rows)
-        idx = torch.arange(rows.shape[0], device=rows.device)
-        return F.embedding_bag(idx, dense, offsets, mode="sum",
-                               per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+        return pool_rows(self._decode(rows), offsets, per_sample_weights)
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):

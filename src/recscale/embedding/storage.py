@@ -47,6 +47,16 @@ def merge_duplicate_rows(
     return unique, summed
 
 
+def pool_rows(
+    dense: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """Sum-pool already-gathered rows ``dense [N, D]`` (id n's row) into bags by
+    ``offsets`` (``num_bags + 1``): storages that build their rows (decoded, composed)."""
+    ids = torch.arange(dense.shape[0], device=dense.device)
+    return F.embedding_bag(ids, dense, offsets, mode="sum",
+                           per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+
+
 def per_id_gradients(
     grad_pooled: torch.Tensor, bag_of_id: torch.Tensor, per_sample_weights: torch.Tensor | None
 ) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Compressed and low-precision tables: table memory vs held-out AUC / logloss vs
+samples/s, one epoch each (docs/compression.md).
+
+    python benchmarks/compression.py [--data synthetic|tsv] [--ratios 4,16,64] [--out DIR]
+
+``synthetic``: the ``default`` config on its embedded synthetic data (``--steps``
+steps; one pass over fresh samples). ``tsv``: Criteo-format lines from
+``recscale data synth-tsv`` (``--lines``), preprocessed in vocab mode, one epoch of
+``default``'s model on it. For each method the knob (qr_buckets, tt_rank, md_alpha) is
+picked from a grid so that the tables (rows + optimizer state, as the planner counts
+them) are closest to each target ratio smaller than the plain model's;
+``compress_min_rows=0`` lets every table take part. Writes DIR/results.csv and prints
+a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+from pathlib import Path
+
+import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
+from recscale.config import load_config
+from recscale.planner.from_config import table_infos
+from recscale.train.run import train
+
+KNOBS = {
+    "qr": ("qr_buckets", [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]),
+    "tt": ("tt_rank", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]),
+    "mixed_dim": ("md_alpha", [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0]),
+}
+
+
+def _bytes(base: str, over: list[str]) -> int:
+    return sum(t.bytes for t in table_infos(load_config(base, over)))
+
+
+def pick(base: str, common: list[str], method: str, ratio: float, plain: int):
+    """The knob value whose table bytes come closest (in log) to plain / ratio."""
+    import math
+
+    key, grid = KNOBS[method]
+    best = None
+    for v in grid:
+        over = [*common, f"--embedding.compression={method}", f"--embedding.{key}={v}"]
+        got = plain / _bytes(base, over)
+        score = abs(math.log(got / ratio))
+        if best is None or score < best[0]:
+            best = (score, over, got, f"{key}={v}")
+    return best[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", choices=["synthetic", "tsv"], default="synthetic")
+    ap.add_argument("--ratios", default="4,16,64")
+    ap.add_argument("--steps", type=int, default=600, help="synthetic: steps of batch 1024")
+    ap.add_argument("--lines", type=int, default=600_000, help="tsv: lines to generate")
+    ap.add_argument("--methods", default="qr,mixed_dim,tt")
+    ap.add_argument("--out", type=Path, default=Path("compression_results"))
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/recscale-bench"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    common = ["--train.progress=false", "--embedding.compress_min_rows=0"]
+    if args.data == "synthetic":
+        common += [f"--train.steps={args.steps}"]
+    else:
+        from recscale.data.criteo_tsv_writer import write_tsv
+        from recscale.data.preprocess import PreprocessOptions, preprocess
+
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        tsv = args.workdir / f"criteo_synth_{args.lines}.tsv"
+        if not tsv.exists():
+            write_tsv(tsv, args.lines)
+        ds = args.workdir / f"ds_vocab_{args.lines}"
+        if not (ds / "metadata.json").exists():
+            preprocess(
+                PreprocessOptions(inputs=[tsv], out=ds, id_mode="vocab"), echo=lambda s: None
+            )
+        sizes = ",".join(str(n) for n in _table_sizes(ds))
+        common += [f"--data.path={ds}", "--data.eval_split=val", "--train.epochs=1",
+                   f"--model.table_sizes={sizes}"]  # fmt: skip
+    plain = _bytes("default", common)
+    runs = [("plain", "fp32", [], 1.0, "")]
+    for p in ("fp16", "bf16", "int8"):
+        over = [f"--embedding.row_precision={p}"]
+        runs.append((f"rows {p}", p, over, plain / _bytes("default", [*common, *over]), ""))
+    for method in args.methods.split(","):
+        for r in (float(x) for x in args.ratios.split(",")):
+            over, got, knob = pick("default", common, method, r, plain)
+            runs.append((method, f"{r:g}x", over[len(common) :], got, knob))
+    rows = []
+    for name, target, over, ratio, knob in runs:
+        run_dir = args.out / "runs" / f"{name}_{target}".replace(" ", "_")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        m = train(load_config("default", [*common, *over]), run_dir, echo=lambda s: None)
+        rows.append({"method": name, "target": target, "knob": knob,
+                     "table_mb": round(plain / ratio / 1e6, 2), "smaller": round(ratio, 1),
+                     "auc": round(m["auc"], 4), "logloss": round(m["logloss"], 4),
+                     "samples_per_s": round(m["samples_per_s"])})  # fmt: skip
+        print(rows[-1], flush=True)
+    with open(args.out / f"results_{args.data}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    base = rows[0]
+    print("| method | target | knob | tables MB | smaller | AUC | dAUC | logloss | samples/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['target']} | {r['knob']} | {r['table_mb']} | {r['smaller']}x | "
+              f"{r['auc']:.4f} | {r['auc'] - base['auc']:+.4f} | {r['logloss']:.4f} | "
+              f"{r['samples_per_s']:,} |")  # fmt: skip
+
+
+def _table_sizes(ds: Path) -> list[int]:
+    import json
+
+    return [int(n) for n in json.loads((ds / "metadata.json").read_text())["table_sizes"]]
+
+
+if __name__ == "__main__":
+    main()
