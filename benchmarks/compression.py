@@ -66,18 +66,9 @@ def main() -> None:
     if args.data == "synthetic":
         common += [f"--train.steps={args.steps}"]
     else:
-        from recscale.data.criteo_tsv_writer import write_tsv
-        from recscale.data.preprocess import PreprocessOptions, preprocess
+        from data_pipeline import cached_dataset  # this folder: python benchmarks/...
 
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        tsv = args.workdir / f"criteo_synth_{args.lines}.tsv"
-        if not tsv.exists():
-            write_tsv(tsv, args.lines)
-        ds = args.workdir / f"ds_vocab_{args.lines}"
-        if not (ds / "metadata.json").exists():
-            preprocess(
-                PreprocessOptions(inputs=[tsv], out=ds, id_mode="vocab"), echo=lambda s: None
-            )
+        ds = cached_dataset(args.workdir, args.lines, id_mode="vocab")
         sizes = ",".join(str(n) for n in _table_sizes(ds))
         common += [f"--data.path={ds}", "--data.eval_split=val", "--train.epochs=1",
                    f"--model.table_sizes={sizes}"]  # fmt: skip

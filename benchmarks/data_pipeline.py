@@ -23,6 +23,19 @@ from recscale.data.preprocess import PreprocessOptions, preprocess
 from recscale.train.run import train
 
 
+def cached_dataset(workdir: Path, lines: int, **opts) -> Path:
+    """A synthetic Criteo-format TSV of ``lines`` lines and its preprocessed dataset
+    (``PreprocessOptions`` fields in ``opts``), both kept in ``workdir`` for reuse."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tsv = workdir / f"criteo_synth_{lines}.tsv"
+    if not tsv.exists():
+        write_tsv(tsv, lines)
+    ds = workdir / f"ds_{opts.get('id_mode', 'hash')}_{lines}"
+    if not (ds / "metadata.json").exists():
+        preprocess(PreprocessOptions(inputs=[tsv], out=ds, **opts), echo=lambda s: None)
+    return ds
+
+
 def loader_samples_per_s(ds: BinaryDataset, batch: int, batches: int) -> float:
     """The shuffled loader's samples/s over ``batches`` batches (after a first one)."""
     it = iter(BatchLoader(ds, batch, shuffle=True, seed=0))

@@ -17,14 +17,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from data_pipeline import loader_samples_per_s  # this folder: python benchmarks/...
+from data_pipeline import cached_dataset, loader_samples_per_s  # this folder: python benchmarks/...
 
 import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 from recscale.config import load_config
-from recscale.data.criteo_tsv_writer import write_tsv
 from recscale.data.dataset import BinaryDataset
 from recscale.data.multihot import BLOCK_ROWS, MLPERF_BAG_SIZES, expand, to_multihot
-from recscale.data.preprocess import PreprocessOptions, preprocess
 from recscale.train.run import train
 
 
@@ -51,14 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
              else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    src = args.workdir / f"criteo_synth_{args.lines}.tsv"
-    if not src.exists():
-        write_tsv(src, args.lines)
-    onehot = args.workdir / f"ds_hash_{args.lines}"
-    if not (onehot / "metadata.json").exists():
-        preprocess(PreprocessOptions(inputs=[src], out=onehot, hash_sizes=[1_000_000]),
-                   echo=lambda s: None)  # fmt: skip
+    onehot = cached_dataset(args.workdir, args.lines, hash_sizes=[1_000_000])
     out = args.workdir / f"ds_multihot_{args.lines}"
     to_multihot(onehot, out, sizes, echo=lambda s: None)  # warm: numba compiles once
     t = time.perf_counter()

@@ -30,11 +30,9 @@ import math
 import torch
 from torch import nn
 
+from recscale.config.schema import QR_OPS
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows, pool_rows
-
-COMPRESSIONS = ("none", "qr", "mixed_dim", "tt")
-QR_OPS = ("mult", "add", "concat")
 
 
 def tt_shape(num_rows: int, dim: int) -> tuple[list[int], list[int]]:

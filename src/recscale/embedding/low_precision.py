@@ -25,7 +25,6 @@ import torch
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, pool_rows
 
-ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
 # (mantissa bits, smallest normal exponent) of the float formats: the rounding grid
 _GRID = {"fp16": (10, -14), "bf16": (7, -126)}
@@ -165,7 +164,6 @@ def table_bytes(num_rows: int, dim: int, precision: str) -> int:
 
 
 __all__ = [
-    "ROW_PRECISIONS",
     "LowPrecisionStorage",
     "bytes_per_value",
     "quantize_rows",
