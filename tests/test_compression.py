@@ -202,3 +202,11 @@ def test_sharded_compressed_tables_match_single_process():
     torch.testing.assert_close(preds, ref, atol=1e-5, rtol=1e-4)
     kinds = results[0][1]
     assert kinds["C1"] == "table_wise" and kinds["C2"] == "table_wise"
+
+
+def test_rows_of_a_compressed_table_cannot_be_written_one_by_one():
+    s = QRStorage(N, D, 16, "mult", SparseSGD(0.1))
+    with pytest.raises(TypeError, match="computed from its factors"):
+        s.write_rows(torch.arange(2), torch.zeros(2, D))
+    with pytest.raises(TypeError, match="lives in its factors"):
+        s.write_state(torch.arange(2), {})

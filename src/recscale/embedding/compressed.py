@@ -26,6 +26,7 @@ Checkpoints hold the factors (``factor_state``/``load_factor_state``), not rows;
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 
 import torch
 from torch import nn
@@ -82,19 +83,19 @@ class FactoredStorage(RowStorage):
         })  # fmt: skip
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
-    # -- what a method defines ------------------------------------------------------
+    # -- what a method defines (QRStorage, MixedDimStorage, TTStorage) ---------------
+    @abstractmethod
     def _index(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Factor name -> the factor row each virtual row uses (``[N]``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """Gathered factor rows (``[N, width]`` each; a whole factor for projections) ->
         virtual rows ``[N, dim]``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def init_factors(self, seed: int, feature: int) -> None:
         """Draw the factors so a virtual row has the spread of a plain row's init."""
-        raise NotImplementedError
 
     # -- the storage interface ----------------------------------------------------------
     @property
@@ -139,7 +140,8 @@ class FactoredStorage(RowStorage):
         self.dirty = None  # checkpoints write the (small) factors whole every time
 
     def write_rows(self, rows, values):
-        raise NotImplementedError(
+        # refused, not missing: a virtual row is a product of shared factor rows
+        raise TypeError(
             "a compressed table's rows are computed from its factors; write the factors "
             "(load_factor_state) instead"
         )
@@ -148,7 +150,7 @@ class FactoredStorage(RowStorage):
         return {}
 
     def write_state(self, rows, state):
-        raise NotImplementedError("a compressed table's optimizer state lives in its factors")
+        raise TypeError("a compressed table's optimizer state lives in its factors")
 
     def factor_state(self) -> dict[str, torch.Tensor]:
         """Every factor's rows and optimizer state (and the step), on the CPU."""
@@ -172,11 +174,9 @@ class QRStorage(FactoredStorage):
                  optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
         if op not in QR_OPS:
             raise ValueError(f"qr op must be one of {QR_OPS}, got {op!r}")
-        width = dim // 2 if op == "concat" else dim
-        m = min(buckets, num_rows)
-        shapes = {"q": (math.ceil(num_rows / m), width), "r": (m, width)}
+        shapes = factor_shapes("qr", num_rows, dim, qr_buckets=buckets, qr_op=op)
         super().__init__(num_rows, dim, shapes, optimizer, device)
-        self.buckets, self.op = m, op
+        self.buckets, self.op = shapes["r"][0], op
 
     def _index(self, rows):
         return {"q": torch.div(rows, self.buckets, rounding_mode="floor"),
@@ -206,7 +206,7 @@ class QRStorage(FactoredStorage):
 class MixedDimStorage(FactoredStorage):
     def __init__(self, num_rows: int, dim: int, small_dim: int,
                  optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
-        shapes = {"w": (num_rows, small_dim), "proj": (small_dim, dim)}
+        shapes = factor_shapes("mixed_dim", num_rows, dim, small_dim=small_dim)
         super().__init__(num_rows, dim, shapes, optimizer, device)
         self.small_dim = small_dim
 
@@ -229,7 +229,7 @@ class TTStorage(FactoredStorage):
     def __init__(self, num_rows: int, dim: int, rank: int,
                  optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
         (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
-        shapes = {"g1": (n1, d1 * rank), "g2": (n2, rank * d2 * rank), "g3": (n3, rank * d3)}
+        shapes = factor_shapes("tt", num_rows, dim, tt_rank=rank)
         super().__init__(num_rows, dim, shapes, optimizer, device)
         self.n, self.d, self.rank = (n1, n2, n3), (d1, d2, d3), rank
 
@@ -257,19 +257,27 @@ class TTStorage(FactoredStorage):
             f.weight.copy_(torch.randn(f.weight.shape, generator=gen) * sigma)
 
 
-def compressed_rows(method: str, num_rows: int, dim: int, qr_buckets: int = 0,
-                    qr_op: str = "mult", tt_rank: int = 0, small_dim: int = 0) -> int:  # fmt: skip
-    """fp32 values a compressed table stores (its factors), without building it."""
+def factor_shapes(method: str, num_rows: int, dim: int, qr_buckets: int = 1,
+                  qr_op: str = "mult", tt_rank: int = 1, small_dim: int = 1) -> dict[str, tuple[int, int]]:  # fmt: skip
+    """Factor name -> (rows, width) of a compressed table: what the storages allocate
+    and what the planner counts."""
     if method == "qr":
-        m = min(qr_buckets, num_rows)
-        width = dim // 2 if qr_op == "concat" else dim
-        return (math.ceil(num_rows / m) + m) * width
+        m, width = min(qr_buckets, num_rows), dim // 2 if qr_op == "concat" else dim
+        return {"q": (math.ceil(num_rows / m), width), "r": (m, width)}
     if method == "mixed_dim":
-        return num_rows * small_dim + small_dim * dim
+        return {"w": (num_rows, small_dim), "proj": (small_dim, dim)}
     if method == "tt":
         (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
-        return n1 * d1 * tt_rank + n2 * tt_rank * d2 * tt_rank + n3 * tt_rank * d3
-    return num_rows * dim
+        r = tt_rank
+        return {"g1": (n1, d1 * r), "g2": (n2, r * d2 * r), "g3": (n3, r * d3)}
+    raise ValueError(f"unknown compression {method!r}")
+
+
+def compressed_rows(method: str, num_rows: int, dim: int, qr_buckets: int = 1,
+                    qr_op: str = "mult", tt_rank: int = 1, small_dim: int = 1) -> int:  # fmt: skip
+    """fp32 values a compressed table stores (its factors), without building it."""
+    shapes = factor_shapes(method, num_rows, dim, qr_buckets, qr_op, tt_rank, small_dim)
+    return sum(rows * width for rows, width in shapes.values())
 
 
 def table_compressions(table_sizes: list[int], dims: list[int], cfg) -> list[tuple[str, int]]:
@@ -304,15 +312,8 @@ def table_compressions(table_sizes: list[int], dims: list[int], cfg) -> list[tup
 
 def compressed_factor_rows(method: str, num_rows: int, dim: int, cfg, small_dim: int = 0) -> int:
     """Rows of all the factors (each carries its optimizer's per-row state)."""
-    if method == "qr":
-        m = min(cfg.qr_buckets, num_rows)
-        return math.ceil(num_rows / m) + m
-    if method == "mixed_dim":
-        return num_rows + small_dim
-    if method == "tt":
-        (n1, n2, n3), _ = tt_shape(num_rows, dim)
-        return n1 + n2 + n3
-    return num_rows
+    shapes = factor_shapes(method, num_rows, dim, cfg.qr_buckets, cfg.qr_op, cfg.tt_rank, small_dim)
+    return sum(rows for rows, _ in shapes.values())
 
 
 def build_compressed(method: str, num_rows: int, dim: int, small_dim: int, cfg,
