@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 import time
@@ -77,3 +78,45 @@ def test_other_load_sees_other_processes_but_not_this_one():
     own = load.cores_busy()
     assert child > base + 0.5, (base, child)
     assert own < base + 0.5, (base, own)
+
+
+def test_bound_uses_the_best_reading_this_host_gave(tmp_path):
+    """A probe taken in a slow period must not lower the bound below what the hardware
+    has shown; a faster probe raises it; no record (``off``) keeps the run's own."""
+    from recscale.bench.hardware import best_on_record
+
+    path = tmp_path / "sub" / "hardware.json"
+    assert best_on_record("gemm/cpu2/fp32/batch2048", 180.0, path) == 180.0
+    assert best_on_record("gemm/cpu2/fp32/batch2048", 120.0, path) == 180.0  # slow period
+    assert best_on_record("gemm/cpu2/fp32/batch2048", 200.0, path) == 200.0
+    assert best_on_record("gemm/cpu2/fp32/batch512", 90.0, path) == 90.0  # keys apart
+    assert json.loads(path.read_text()) == {
+        "gemm/cpu2/fp32/batch2048": 200.0,
+        "gemm/cpu2/fp32/batch512": 90.0,
+    }
+    path.write_text("{half a file")  # unreadable: the run's own reading, file rewritten
+    assert best_on_record("gemm/cpu2/fp32/batch2048", 150.0, path) == 150.0
+    assert json.loads(path.read_text()) == {"gemm/cpu2/fp32/batch2048": 150.0}
+
+
+def test_gemm_probe_is_at_least_as_fast_as_either_library():
+    """The probe takes the faster of MKL and oneDNN: a step running its MLP through
+    oneDNN must not beat the bound for that reason."""
+    from recscale.bench import hardware
+    from recscale.modules import mlp
+
+    if mlp._ONEDNN_LINEAR is None:
+        pytest.skip("torch built without oneDNN")
+    calls = []
+    real = mlp._ONEDNN_LINEAR
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    mlp._ONEDNN_LINEAR = counting
+    try:
+        assert hardware.measure_gemm_gflops(64, repeats=1) > 0
+    finally:
+        mlp._ONEDNN_LINEAR = real
+    assert calls  # oneDNN was timed beside torch.mm
