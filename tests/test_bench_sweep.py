@@ -103,20 +103,20 @@ def test_gemm_probe_is_at_least_as_fast_as_either_library():
     """The probe takes the faster of MKL and oneDNN: a step running its MLP through
     oneDNN must not beat the bound for that reason."""
     from recscale.bench import hardware
-    from recscale.modules import mlp
+    from recscale.modules import gemm
 
-    if mlp._ONEDNN_LINEAR is None:
+    if gemm.ONEDNN_LINEAR is None:
         pytest.skip("torch built without oneDNN")
     calls = []
-    real = mlp._ONEDNN_LINEAR
+    real = gemm.ONEDNN_LINEAR
 
     def counting(*args):
         calls.append(1)
         return real(*args)
 
-    mlp._ONEDNN_LINEAR = counting
+    gemm.ONEDNN_LINEAR = counting
     try:
         assert hardware.measure_gemm_gflops(64, repeats=1) > 0
     finally:
-        mlp._ONEDNN_LINEAR = real
+        gemm.ONEDNN_LINEAR = real
     assert calls  # oneDNN was timed beside torch.mm

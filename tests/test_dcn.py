@@ -20,12 +20,19 @@ def _reference(x0: torch.Tensor, layers) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("has_dense", [True, False])
-def test_forward_and_gradients_match_the_full_rank_formula(has_dense):
+@pytest.mark.parametrize("path", ["fused-onednn", "fused-mkl", "plain"])
+def test_forward_and_gradients_match_the_full_rank_formula(has_dense, path, monkeypatch):
+    from recscale.modules import gemm
+
+    if path == "fused-onednn" and gemm.ONEDNN_LINEAR is None:
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(gemm, "USE_ONEDNN", path != "fused-mkl")
     torch.manual_seed(0)
     b, f, dim = 6, 3, 4
     dense_dim = 5 if has_dense else 0
     m = DCNv2Interaction(f * dim, dense_dim, num_layers=3, rank=2,
-                         generator=torch.Generator().manual_seed(1))  # fmt: skip
+                         generator=torch.Generator().manual_seed(1),
+                         fused=path != "plain")  # fmt: skip
     with torch.no_grad():
         for bias in m.b:  # nonzero biases, so their gradients are exercised too
             bias.normal_()

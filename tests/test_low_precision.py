@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import assert_resume_identical
 
+from recscale import native
 from recscale.config import ConfigError, load_config
 from recscale.embedding.low_precision import (
     LowPrecisionStorage,
@@ -148,3 +149,101 @@ def test_resume_is_bitwise_identical_with_low_precision_rows(tmp_path, precision
     """Incremental checkpoints (fp32 on disk) restore the stored rows exactly, and the
     rounding noise is a function of the step: resumed == uninterrupted."""
     assert_resume_identical(tmp_path, [f"--embedding.row_precision={precision}"])
+
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason=f"native kernels: {native.status()}"
+)
+
+
+def _rows_with_every_magnitude(n: int, dim: int, seed: int) -> torch.Tensor:
+    """Values from fp16's subnormals (< 6e-5) to past its largest finite (65504)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-30, 18, (n, dim), generator=g).float())
+    return torch.randn(n, dim, generator=g) * scale
+
+
+@needs_native
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_native_update_rounds_as_the_reference_bit_for_bit(precision):
+    """SGD with lr = 0.5 and one id per row: both paths compute the same fp32 row, so the
+    stored 16-bit patterns must be identical - the native rounding rule and noise are
+    the reference's. And the rounding is stochastic: some values end up away from the
+    nearest neighbour."""
+    n, dim = 64, 16
+    paths = [LowPrecisionStorage(n, dim, SparseSGD(0.5), precision, kernel=k)
+             for k in ("native", "torch")]  # fmt: skip
+    assert paths[0].backward_kernel() == "native" and paths[1].backward_kernel() == "torch"
+    init = _rows_with_every_magnitude(n, dim, 0)
+    for s in paths:
+        s.write_rows(torch.arange(n), init)
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:48]
+    segments = torch.tensor([0, 20, 48])  # two features' ids
+    bag_of_id = torch.arange(48)
+    off_nearest = 0
+    for step in range(3):
+        grad = _rows_with_every_magnitude(48, dim, 10 + step)
+        expected = paths[1].read_rows(rows) - 0.5 * grad
+        for s in paths:
+            s.apply_pooled_gradients(rows, segments, bag_of_id, None, grad)
+        assert torch.equal(paths[0].weight.view(torch.int16), paths[1].weight.view(torch.int16))
+        nearest = round_to_grid(expected, precision, None).float()
+        off_nearest += int((paths[0].read_rows(rows) != nearest).sum())
+    assert off_nearest > 0
+
+
+@needs_native
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: SparseRowwiseAdagrad(0.1), lambda: SparseAdam(0.01)],
+    ids=["rowwise_adagrad", "adam"],
+)
+def test_native_update_with_duplicates_matches_the_reference(precision, make_opt):
+    """Repeated ids, weighted: merged sums and optimizer arithmetic may differ in the last
+    fp32 bit between the paths, so the stored rows agree within one grid step, the
+    fp32 optimizer state to float rounding."""
+    n, dim = 30, 16
+    paths = [LowPrecisionStorage(n, dim, make_opt(), precision, kernel=k)
+             for k in ("native", "torch")]  # fmt: skip
+    init = torch.randn(n, dim, generator=torch.Generator().manual_seed(3)) * 0.1
+    for s in paths:
+        s.write_rows(torch.arange(n), init)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        rows = torch.cat([torch.randint(0, 15, (40,), generator=g),
+                          torch.randint(15, 30, (40,), generator=g)])  # fmt: skip
+        segments = torch.tensor([0, 40, 80])
+        bag_of_id = torch.randint(0, 10, (80,), generator=g)
+        psw = torch.rand(80, generator=g)
+        grad = torch.randn(10, dim, generator=g)
+        for s in paths:
+            s.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad)
+    got, want = (s.read_rows(torch.arange(n)) for s in paths)
+    step = want.abs() * 2.0 ** -(10 if precision == "fp16" else 7)
+    assert ((got - want).abs() <= 2 * step + 1e-6).all()
+    for name, t in paths[1].read_state(torch.arange(n)).items():
+        torch.testing.assert_close(paths[0].read_state(torch.arange(n))[name], t)
+
+
+@needs_native
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_native_lookup_of_16_bit_rows_equals_embedding_bag(precision):
+    from recscale.embedding.lookup import native_pooled_lookup
+
+    s = LowPrecisionStorage(50, 16, SparseSGD(0.1), precision)
+    s.write_rows(torch.arange(50), torch.randn(50, 16))
+    table = s.native_lookup_table()
+    assert table is not None and table.dtype == s.weight.dtype
+    ref = torch.nn.EmbeddingBag(50, 16, mode="sum")
+    ref.weight.data = s.read_rows(torch.arange(50))
+    # 2 features (tables of 20 and 30 rows) x 3 samples, feature-major jagged
+    values = torch.tensor([3, 7, 7, 19, 0, 12, 29, 1, 5])
+    offsets = torch.tensor([0, 2, 2, 4, 5, 8, 9])
+    psw = torch.rand(9)
+    got = native_pooled_lookup(table, values, offsets, 3, torch.tensor([0, 20]),
+                               torch.tensor([20, 30]), psw)  # fmt: skip
+    pooled, rows, _ = got
+    assert torch.equal(rows, values + torch.tensor([0] * 4 + [20] * 5))
+    want = ref(rows, offsets[:-1], per_sample_weights=psw)  # bag f*B + b, feature-major
+    torch.testing.assert_close(pooled.view(3, 2, 16), want.view(2, 3, 16).transpose(0, 1))

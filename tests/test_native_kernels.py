@@ -155,11 +155,11 @@ def test_training_step_takes_every_native_path(monkeypatch):
 )
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 def test_fused_mlp_matches_sequential(in_dim, widths, final_relu, input_grad, onednn, monkeypatch):
-    from recscale.modules import mlp
+    from recscale.modules import gemm
 
-    if onednn and mlp._ONEDNN_LINEAR is None:
+    if onednn and gemm.ONEDNN_LINEAR is None:
         pytest.skip("torch built without oneDNN")
-    monkeypatch.setattr(mlp, "USE_ONEDNN", onednn)
+    monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
     ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
     fused = MLP(in_dim, widths, final_relu, fused=True)
     fused.load_state_dict(ref.state_dict())

@@ -134,15 +134,24 @@ def fused_update_cpu(
     allow_native: bool = True,
 ) -> None:
     """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module
-    doc); ``allow_native=False`` forces the numba kernel."""
+    doc); ``allow_native=False`` forces the numba kernel. fp16/bf16 ``weight`` (stored
+    rows of ``embedding.row_precision``; stochastic rounding keyed by ``step``): native
+    only."""
     fp = fused_params(optimizer, step)
     kind, lr, eps, b1, b2, step_size = fp.kind, fp.lr, fp.eps, fp.beta1, fp.beta2, fp.step_size
+    if (
+        allow_native
+        and weight.is_contiguous()
+        and native.applies(weight, weight.shape[1], rows=True)
+    ):
+        _native_update(kind, weight, state, rows, segments, bag_of_id, per_sample_weights,
+                       grad_pooled, lr, eps, b1, b2, step_size, dirty, step)  # fmt: skip
+        return
+    if weight.dtype != torch.float32:
+        raise ValueError(f"the fused CPU update of {weight.dtype} rows needs the native kernels "
+                         f"({native.status()})")  # fmt: skip
     empty = np.zeros((1, 1), np.float32)
     s1, s2 = ([state[n].numpy() for n in fp.state_names] + [empty, empty])[:2]
-    if allow_native and weight.is_contiguous() and native.applies(weight, weight.shape[1]):
-        _native_update(kind, weight, state, rows, segments, bag_of_id, per_sample_weights,
-                       grad_pooled, lr, eps, b1, b2, step_size, dirty)  # fmt: skip
-        return
     # The kernel is typed once for 2-D state: row-wise Adagrad's [R] accumulator goes in as [R, 1].
     s1_arg = s1.reshape(-1, 1) if s1.ndim == 1 else s1
     psw = per_sample_weights.numpy() if per_sample_weights is not None else np.zeros(1, np.float32)
@@ -155,7 +164,21 @@ def fused_update_cpu(
 
 
 def _native_update(
-    kind, weight, state, rows, segments, bag_of_id, psw, grad, lr, eps, b1, b2, step_size, dirty
+    kind,
+    weight,
+    state,
+    rows,
+    segments,
+    bag_of_id,
+    psw,
+    grad,
+    lr,
+    eps,
+    b1,
+    b2,
+    step_size,
+    dirty,
+    step,
 ) -> None:
     lib = native.library()
     names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[
@@ -180,6 +203,7 @@ def _native_update(
         bag_of_id.data_ptr(), psw.data_ptr() if psw is not None else None, grad.data_ptr(),
         grad.stride(0), lr, eps, b1, b2, step_size,
         dirty.view(torch.uint8).data_ptr() if dirty is not None else None,
+        native.ROW_FORMATS[weight.dtype], step,
     )  # fmt: skip
     # Split the segments over threads by id count (multi-hot features differ in length).
     starts = seg.numpy()

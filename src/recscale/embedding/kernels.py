@@ -3,7 +3,8 @@
 ``model.kernels`` asks for one (``config.schema.KERNELS``); ``auto`` takes the first
 that applies, in this order::
 
-    native   C + AVX2 (recscale.native): fp32 CPU tensors, dim a multiple of 8
+    native   C + AVX2 (recscale.native): fp32 CPU tensors (embedding rows: fp16 and bf16
+             too), dim a multiple of 8
     triton   Triton (embedding/triton_kernels.py): fp32 CUDA tensors (or CPU tensors
              under TRITON_INTERPRET=1, which is how CI tests them), triton installed
     numba    numba JIT (CPU): fp32 CPU tensors
@@ -69,7 +70,7 @@ def _applies(kernel: str, op: str, t: torch.Tensor, dim: int, max_dim: int | Non
     # The interaction kernels read any [B, F, D] strides; the embedding ones want rows.
     contiguous = op == "interaction" or t.is_contiguous()
     if kernel == "native":
-        if native.applies(t, dim, max_dim) and contiguous:
+        if native.applies(t, dim, max_dim, rows=op != "interaction") and contiguous:
             return None
         return (f"the native kernels need recscale.native ({native.status()}), contiguous "
                 "fp32 CPU tensors and a dim that is a multiple of 8")  # fmt: skip

@@ -95,14 +95,14 @@ def native_pooled_lookup(
     psw = per_sample_weights
     psw = psw.to(torch.float32).contiguous() if psw is not None else None
     n, dim = values.shape[0], table.shape[1]
-    pooled = torch.empty(num_f * batch_size, dim)
+    pooled = torch.empty(num_f * batch_size, dim)  # fp32 whatever the stored rows are
     rows = torch.empty(n, dtype=torch.int64)
     bag_of_id = torch.empty(n, dtype=torch.int64)
     bad: list[int] = []
     head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size, num_f)
     tail = (
         row_offset.data_ptr(), table_sizes.data_ptr(), psw.data_ptr() if psw is not None else None,
-        pooled.data_ptr(), rows.data_ptr(), bag_of_id.data_ptr(),
+        pooled.data_ptr(), rows.data_ptr(), bag_of_id.data_ptr(), native.ROW_FORMATS[table.dtype],
     )  # fmt: skip
 
     def run(f0: int, f1: int) -> None:

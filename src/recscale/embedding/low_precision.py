@@ -14,6 +14,12 @@ expectation (round-to-nearest would drop it: the DQRM and "low-precision SGD" po
 The rounding noise is a hash of (step, row, column), not a generator's draw, so a run
 resumed from a checkpoint rounds exactly as the uninterrupted run does.
 
+On a CPU with the native kernels, fp16/bf16 tables run the same fused lookup and
+update as fp32 ones (``native/row_format.h``: rows decoded to fp32 in registers, the
+update rounded back there); this file's torch code is their reference, bit for bit
+(same noise, same rounding rule), and the path for int8, other devices and
+``model.kernels`` other than auto/native.
+
 ``read_rows``/``write_rows`` speak fp32 (checkpoints, init, tests): a write rounds to
 nearest. Lookups gather the rows, dequantize them to fp32 and pool in fp32.
 """
@@ -40,30 +46,69 @@ def row_overhead(precision: str) -> int:
     return 8 if precision == "int8" else 0
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _signed64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def noise_bits(rows: torch.Tensor, dim: int, step: int) -> torch.Tensor:
+    """``[len(rows), dim]`` int64 in [0, 2^16): a fixed function of (step, row, column),
+    the one ``native/row_format.h`` computes - splitmix64's finalizer over (row, step) to
+    32 bits a row, then murmur3's fmix32 of that + k * 0x9E3779B9 with one k per two
+    columns: column j takes the low half of k = 8 * (j // 16) + j % 8 when j % 16 < 8,
+    else its high half. int64 products wrap as the C's uint64 ones do; masks keep the
+    32-bit part exact."""
+    z = rows.to(torch.int64) * _signed64(0x9E3779B97F4A7C15) + _signed64(step * 0xBF58476D1CE4E5B9)
+    z = (z ^ _lsr(z, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    z = (z ^ _lsr(z, 27)) * _signed64(0x94D049BB133111EB)
+    h = (z ^ _lsr(z, 31)) & _M32
+    j = torch.arange(dim, device=rows.device, dtype=torch.int64)
+    k = 8 * (j // 16) + j % 8
+    v = (h.unsqueeze(1) + k * 0x9E3779B9) & _M32
+    v = v ^ (v >> 16)
+    v = (v * 0x85EBCA6B) & _M32
+    v = v ^ (v >> 13)
+    v = (v * 0xC2B2AE35) & _M32
+    v = v ^ (v >> 16)
+    return (v >> (16 * ((j // 8) % 2))) & 0xFFFF
+
+
 def uniform_noise(rows: torch.Tensor, dim: int, step: int) -> torch.Tensor:
-    """``[len(rows), dim]`` values in [0, 1), a fixed function of (step, row, column):
-    a 64-bit multiply-xorshift mix (splitmix64's constants), wrapping as int64 does."""
-    x = rows.to(torch.int64).unsqueeze(1) * dim + torch.arange(dim, device=rows.device)
-    salt = (step * 0xBF58476D1CE4E5B9 + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap
-    x = x * -7046029254386353131 + salt  # 0x9E3779B97F4A7C15 as int64
-    x = x ^ (x >> 31)
-    x = x * -7723592293110705685  # 0x94D049BB133111EB
-    x = x ^ (x >> 29)
-    return (x & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+    """``noise_bits / 2^16``: values in [0, 1), exact in fp32."""
+    return noise_bits(rows, dim, step).to(torch.float32) * (1.0 / (1 << 16))
 
 
 def round_to_grid(x: torch.Tensor, precision: str, noise: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``x`` -> the fp16/bf16 tensor of the neighbour chosen by ``noise`` (stochastic:
-    up with probability equal to the distance from the lower neighbour in grid steps);
-    ``noise=None`` rounds to nearest."""
+    """fp32 ``x`` -> fp16/bf16; ``noise=None`` rounds to nearest, else stochastically:
+    of ``lo`` (toward zero) and ``hi`` (one step away from zero) take ``hi`` when
+    ``noise < (|x| - |lo|) / (|hi| - |lo|)`` - unbiased (to the noise's 2^-16), and the
+    rule ``native/row_format.h`` applies bit for bit. For bf16 (the top 16 bits of the
+    float) that is ``noise * 2^16 < the 16 bits truncation drops``; for fp16 every term
+    is exact in fp32 (|x| - |lo| by Sterbenz, the grid step a power of two)."""
     dtype = _DTYPES[precision]
     if noise is None:
         return x.to(dtype)
-    mant, min_exp = _GRID[precision]
-    exp = torch.floor(torch.log2(x.abs().clamp(min=2.0**min_exp)))
-    ulp = torch.exp2(exp - mant)  # the grid step at x (subnormals: the smallest normal's)
-    lo = torch.floor(x / ulp) * ulp  # exact: x / ulp < 2^(mant+1) fits fp32's mantissa
-    return torch.where(noise < (x - lo) / ulp, lo + ulp, lo).to(dtype)
+    x = x.contiguous()
+    if precision == "bf16":
+        bits = x.view(torch.int32)
+        up = torch.floor(noise * 65536.0) < (bits & 0xFFFF)
+        lo_bits = bits >> 16  # arithmetic: the low 16 bits are the pattern, sign included
+    else:
+        h = x.to(torch.float16)  # nearest; one step back toward zero where it went past x
+        lo_bits = h.view(torch.int16).to(torch.int32)
+        lo_bits = torch.where(h.to(torch.float32).abs() > x.abs(), lo_bits - 1, lo_bits)
+        lo = lo_bits.to(torch.int16).view(torch.float16).to(torch.float32).abs()
+        hi = (lo_bits + 1).to(torch.int16).view(torch.float16).to(torch.float32).abs()
+        up = noise < (x.abs() - lo) / (hi - lo)
+    return torch.where(up, lo_bits + 1, lo_bits).to(torch.int16).view(dtype)
 
 
 def quantize_rows(x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,19 +124,17 @@ class LowPrecisionStorage(DeviceStorage):
     """A :class:`DeviceStorage` whose rows are stored at ``precision`` (module doc)."""
 
     def __init__(self, num_rows: int, dim: int, optimizer: SparseOptimizer, precision: str,
-                 device: torch.device | None = None) -> None:  # fmt: skip
+                 device: torch.device | None = None, kernel: str = "auto") -> None:  # fmt: skip
+        """``kernel``: ``auto``/``native`` let fp16/bf16 rows take the native fused lookup
+        and update where they apply; anything else (and int8) runs this file's torch path."""
         if precision not in _DTYPES:
             raise ValueError(f"row precision must be one of {tuple(_DTYPES)}, got {precision!r}")
-        super().__init__(num_rows, dim, optimizer, device, "torch", _DTYPES[precision])
+        if precision == "int8" or kernel not in ("auto", "native"):
+            kernel = "torch"
+        super().__init__(num_rows, dim, optimizer, device, kernel, _DTYPES[precision])
         self.precision = precision
         if precision == "int8":
             self.register_buffer("qparams", torch.zeros(num_rows, 2, device=device))
-
-    def native_lookup_table(self) -> torch.Tensor | None:
-        return None  # the native kernels read fp32 rows
-
-    def backward_kernel(self) -> str:
-        return "torch"  # the reference path: merged gradients into apply_gradients
 
     def _decode(self, rows: torch.Tensor) -> torch.Tensor:
         w = self.weight.index_select(0, rows).to(torch.float32)
@@ -170,5 +213,6 @@ __all__ = [
     "round_to_grid",
     "row_overhead",
     "table_bytes",
+    "noise_bits",
     "uniform_noise",
 ]

@@ -56,7 +56,9 @@ def storage_factory(
             )
         if tables[0].placement == "device":
             if cfg.row_precision != "fp32":
-                return LowPrecisionStorage(num_rows, dim, optimizer, cfg.row_precision, device)
+                return LowPrecisionStorage(
+                    num_rows, dim, optimizer, cfg.row_precision, device, kernel
+                )
             return DeviceStorage(num_rows, dim, optimizer, device, kernel)
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)

@@ -100,7 +100,8 @@ class DLRM(nn.Module):
         elif model_cfg.interaction == "dcnv2":
             self.interaction = DCNv2Interaction(self.embeddings.output_dim, dense_dim,
                                                 model_cfg.dcn_layers, model_cfg.dcn_rank,
-                                                device=device, generator=gen)  # fmt: skip
+                                                device=device, generator=gen,
+                                                fused=model_cfg.kernels != "torch")  # fmt: skip
         else:
             self.interaction = CatInteraction(self.embeddings.output_dim, dense_dim)
         self.top = MLP(

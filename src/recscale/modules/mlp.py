@@ -12,12 +12,9 @@ Two paths with the same parameters (``layers``, so checkpoints don't care which 
   * computes the weight gradient of a narrow-input layer as ``(x^T g)^T`` (13 -> 512:
     0.83 -> 0.45 ms; MKL is slow at ``g^T x`` with N = 13);
   * skips the input gradient when the input needs none (the dense features);
-  * on a CPU with oneDNN (every torch CPU wheel), runs the forward GEMMs with bias and
-    ReLU fused in (``mkldnn._linear_pointwise``: no separate pass over the activation)
-    and the input-gradient GEMMs there too. On this project's AMD EPYC, at batch 2048,
-    oneDNN's fp32 GEMMs reach 190-215 GFLOP/s where MKL's ``addmm``/``mm`` reach
-    150-190 (MKL picks a slower path on AMD); for the weight gradient (``g^T x``, K =
-    the batch) MKL stays faster, so it keeps that one.
+  * on a CPU, runs the forward GEMMs with bias and ReLU fused in and the
+    input-gradient GEMMs through oneDNN (:mod:`recscale.modules.gemm`: 190-215 GFLOP/s
+    against MKL's 150-190 at config A's shapes), the weight gradients through MKL.
 """
 
 from __future__ import annotations
@@ -27,29 +24,7 @@ import math
 import torch
 from torch import nn
 
-
-def _onednn_linear():
-    """oneDNN's fused linear (+ pointwise) op, or None where torch was built without it."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._linear_pointwise.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ONEDNN_LINEAR = _onednn_linear()
-# Tests switch this off to hold the MKL path to the reference too.
-USE_ONEDNN = True
-
-
-def _use_onednn(x: torch.Tensor) -> bool:
-    return (
-        USE_ONEDNN
-        and _ONEDNN_LINEAR is not None
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-    )
+from recscale.modules import gemm
 
 
 class _FusedMLP(torch.autograd.Function):
@@ -66,18 +41,10 @@ class _FusedMLP(torch.autograd.Function):
         weights, biases = params[0::2], params[1::2]
         acts = [x]
         h = x
-        onednn = _use_onednn(x)
         for li, (w, b) in enumerate(zip(weights, biases)):
-            relu = li < len(weights) - 1 or final_relu
-            if onednn and w.shape[0] > 1:  # N = 1 (the logit): addmm is as fast
-                h = _ONEDNN_LINEAR(h, w, b, "relu" if relu else "none", [], "")
-            else:
-                h = torch.addmm(b, h, w.t())
-                if relu:
-                    h.relu_()
+            h = gemm.linear(h, w, b, relu=li < len(weights) - 1 or final_relu)
             acts.append(h)
         ctx.final_relu = final_relu
-        ctx.onednn = onednn
         ctx.save_for_backward(*acts, *weights)
         return h
 
@@ -90,11 +57,6 @@ class _FusedMLP(torch.autograd.Function):
         if ctx.final_relu:  # grad_out is not ours to modify: out of place once
             g = torch.ops.aten.threshold_backward(g, acts[n], 0.0)
         grads: list[torch.Tensor | None] = [None] * (2 * n)
-
-        def dgrad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # g @ w, [B, i]
-            if ctx.onednn:
-                return _ONEDNN_LINEAR(g, w.t(), None, "none", [], "")
-            return torch.mm(g, w)
 
         grad_x = None
         for li in range(n - 1, -1, -1):
@@ -109,11 +71,11 @@ class _FusedMLP(torch.autograd.Function):
                 grads[2 * li + 1] = g.sum(0)
             if li > 0:
                 # K = 1 (the logit layer): an outer product, twice as fast as a GEMM call
-                g_in = g * w if w.shape[0] == 1 else dgrad(g, w)
+                g_in = g * w if w.shape[0] == 1 else gemm.linear(g, w.t())
                 # x = relu(previous layer): mask in place (g_in is our own fresh tensor).
                 g = torch.ops.aten.threshold_backward.grad_input(g_in, x, 0.0, grad_input=g_in)
             elif ctx.needs_input_grad[0]:
-                grad_x = dgrad(g, w)
+                grad_x = gemm.linear(g, w.t())
         return (grad_x, None, *grads)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-_ABI = 2
+_ABI = 3
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -51,10 +51,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     f32 = ctypes.c_float
     lib.recscale_sparse_update.restype = ctypes.c_int
     lib.recscale_sparse_update.argtypes = (
-        [i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64] + [f32] * 5 + [ptr]
+        [i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64]
+        + [f32] * 5
+        + [ptr, i64, i64]
     )
     lib.recscale_pooled_lookup.restype = i64
-    lib.recscale_pooled_lookup.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6
+    lib.recscale_pooled_lookup.argtypes = (
+        [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64]
+    )
 
 
 def library() -> ctypes.CDLL | None:
@@ -83,16 +87,23 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if lib.recscale_native_abi() != _ABI:
         return None, f"{path.name} is from another version (reinstall: pip install -e .)"
     if not lib.recscale_cpu_supported():
-        return None, "this CPU lacks AVX2/FMA"
-    return lib, f"loaded ({path.name}, AVX2 + FMA)"
+        return None, "this CPU lacks AVX2/FMA/F16C"
+    return lib, f"loaded ({path.name}, AVX2 + FMA + F16C)"
 
 
-def applies(t: torch.Tensor, dim: int, max_dim: int | None = None) -> bool:
-    """Whether the kernels can run on ``t``: an fp32 CPU tensor, a row width ``dim`` that
-    is a multiple of 8 (one AVX2 vector), at most ``max_dim``, and the library loaded."""
+# Row formats the embedding kernels read and write (native/row_format.h).
+ROW_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def applies(t: torch.Tensor, dim: int, max_dim: int | None = None, rows: bool = False) -> bool:
+    """Whether the kernels can run on ``t``: an fp32 CPU tensor (``rows``: or fp16/bf16
+    embedding rows, at most 128 wide), a row width ``dim`` that is a multiple of 8 (one
+    AVX2 vector), at most ``max_dim``, and the library loaded."""
+    if rows and t.dtype != torch.float32:
+        max_dim = min(max_dim or 128, 128)
     return (
         t.device.type == "cpu"
-        and t.dtype == torch.float32
+        and (t.dtype == torch.float32 or (rows and t.dtype in ROW_FORMATS))
         and dim > 0
         and dim % 8 == 0
         and (max_dim is None or dim <= max_dim)

@@ -33,7 +33,7 @@
 
 #define RS_AHEAD 4 /* samples */
 
-int recscale_native_abi(void) { return 2; } /* bump with any signature change */
+int recscale_native_abi(void) { return 3; } /* bump with any signature change */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -43,7 +43,8 @@ int recscale_native_abi(void) { return 2; } /* bump with any signature change */
 /* 1 when this CPU can run the kernels below. */
 int recscale_cpu_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c"); /* fp16 rows (row_format.h) */
 }
 
 /* Lane u of the result = horizontal sum of v[u]. */

@@ -3,7 +3,8 @@
  *
  * The batch is feature-major jagged: bag j = f * B + b holds the ids
  * values[offsets[j] .. offsets[j + 1]) of feature f, sample b. Feature f's table is
- * the row block starting at row_offset[f] of weight [R, d] (fp32, row-major). For each
+ * the row block starting at row_offset[f] of weight [R, d] (row-major; fp32, fp16 or bf16
+ * as `wt` says: row_format.h - pooling is in fp32 either way). For each
  * feature f in [f0, f1):
  *
  *     check 0 <= values[n] < table_size[f] for all its ids (else return n, the first bad
@@ -23,43 +24,48 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "row_format.h"
+
 /* ids in flight: a row miss costs ~300 cycles and an id's own work ~15, so ~16 ahead
  * keeps the line fill buffers busy without evicting rows before their turn */
 #define RS_PREFETCH_AHEAD 16
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define RS_AVX2 __attribute__((target("avx2,fma")))
+#define RS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define RS_INLINE RS_AVX2 static inline __attribute__((always_inline))
 
-RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
+RS_INLINE int64_t feature(const void *restrict weight, const int wt, const int64_t d,
                           const int64_t *restrict values, const int64_t *restrict offsets,
                           int64_t b, int64_t f, int64_t nf, int64_t row_offset, int64_t table_size,
                           const float *restrict psw, float *restrict out, int64_t *restrict rows,
                           int64_t *restrict bag_of_id) {
     const int64_t lo = offsets[f * b], hi = offsets[(f + 1) * b];
+    const char *rows_at = (const char *)weight;
+    const int64_t row_bytes = d * rs_value_bytes(wt);
     for (int64_t n = lo; n < hi; ++n)
         if (values[n] < 0 || values[n] >= table_size) return n;
     for (int64_t n = lo; n < hi && n < lo + RS_PREFETCH_AHEAD; ++n)
-        __builtin_prefetch(weight + (values[n] + row_offset) * d, 0, 1);
+        __builtin_prefetch(rows_at + (values[n] + row_offset) * row_bytes, 0, 1);
     for (int64_t j = f * b; j < (f + 1) * b; ++j) {
         const int64_t o = (j - f * b) * nf + f; /* sample j - f*b, feature f */
         __m256 acc[16]; /* d <= 128 */
         for (int64_t c = 0; c < d; c += 8) acc[c / 8] = _mm256_setzero_ps();
         for (int64_t n = offsets[j]; n < offsets[j + 1]; ++n) {
             if (n + RS_PREFETCH_AHEAD < hi)
-                __builtin_prefetch(weight + (values[n + RS_PREFETCH_AHEAD] + row_offset) * d, 0, 1);
+                __builtin_prefetch(rows_at + (values[n + RS_PREFETCH_AHEAD] + row_offset) * row_bytes,
+                                   0, 1);
             const int64_t r = values[n] + row_offset;
             rows[n] = r;
             bag_of_id[n] = o;
-            const float *w = weight + r * d;
+            const void *w = rows_at + r * row_bytes;
             if (psw) {
                 const __m256 s = _mm256_set1_ps(psw[n]);
                 for (int64_t c = 0; c < d; c += 8)
-                    acc[c / 8] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c), s, acc[c / 8]);
+                    acc[c / 8] = _mm256_fmadd_ps(rs_load8(w, c, wt), s, acc[c / 8]);
             } else {
                 for (int64_t c = 0; c < d; c += 8)
-                    acc[c / 8] = _mm256_add_ps(_mm256_loadu_ps(w + c), acc[c / 8]);
+                    acc[c / 8] = _mm256_add_ps(rs_load8(w, c, wt), acc[c / 8]);
             }
         }
         for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(out + o * d + c, acc[c / 8]);
@@ -67,15 +73,16 @@ RS_INLINE int64_t feature(const float *restrict weight, const int64_t d,
     return -1;
 }
 
-/* Features [f0, f1); the switch makes d a constant so the vector loops unroll and the
- * accumulators stay in registers. */
-RS_AVX2 static int64_t features(const float *weight, int64_t d, const int64_t *values,
+/* Features [f0, f1); the switches make d and the row format constants so the vector
+ * loops unroll and the accumulators stay in registers. */
+RS_INLINE int64_t features_of(const void *weight, const int wt, int64_t d,
+                                   const int64_t *values,
                                 const int64_t *offsets, int64_t b, int64_t nf, int64_t f0,
                                 int64_t f1, const int64_t *row_offset, const int64_t *table_size,
                                 const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
 #define RS_FEATURE(D) \
-    feature(weight, D, values, offsets, b, f, nf, row_offset[f], table_size[f], psw, out, rows, \
-            bag_of_id)
+    feature(weight, wt, D, values, offsets, b, f, nf, row_offset[f], table_size[f], psw, out, \
+            rows, bag_of_id)
     for (int64_t f = f0; f < f1; ++f) {
         int64_t bad;
         switch (d) {
@@ -91,23 +98,40 @@ RS_AVX2 static int64_t features(const float *weight, int64_t d, const int64_t *v
 #undef RS_FEATURE
     return -1;
 }
+
+RS_AVX2 static int64_t features(const void *weight, int64_t wt, int64_t d, const int64_t *values,
+                                const int64_t *offsets, int64_t b, int64_t nf, int64_t f0,
+                                int64_t f1, const int64_t *row_offset, const int64_t *table_size,
+                                const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
+#define RS_FORMAT(WT) \
+    features_of(weight, WT, d, values, offsets, b, nf, f0, f1, row_offset, table_size, psw, out, \
+                rows, bag_of_id)
+    switch (wt) {
+    case RS_F16: return RS_FORMAT(RS_F16);
+    case RS_BF16: return RS_FORMAT(RS_BF16);
+    default: return RS_FORMAT(RS_F32);
+    }
+#undef RS_FORMAT
+}
 #endif
 
 /* -1 on success; n >= 0: values[n] is outside its table (features before it are done);
- * -2: unsupported here (no AVX2 build, or d not a multiple of 8 in 8 .. 128). */
-int64_t recscale_pooled_lookup(const float *weight, int64_t dim, const int64_t *values,
+ * -2: unsupported here (no AVX2 build, d not a multiple of 8 in 8 .. 128, unknown wt). */
+int64_t recscale_pooled_lookup(const void *weight, int64_t dim, const int64_t *values,
                                const int64_t *offsets, int64_t batch_size, int64_t num_features,
                                int64_t f0, int64_t f1,
                                const int64_t *row_offset, const int64_t *table_size,
-                               const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
+                               const float *psw, float *out, int64_t *rows, int64_t *bag_of_id,
+                               int64_t wt) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (dim <= 0 || dim % 8 != 0 || dim > 128) return -2;
-    return features(weight, dim, values, offsets, batch_size, num_features, f0, f1, row_offset,
+    if (dim <= 0 || dim % 8 != 0 || dim > 128 || wt < RS_F32 || wt > RS_BF16) return -2;
+    return features(weight, wt, dim, values, offsets, batch_size, num_features, f0, f1, row_offset,
                     table_size, psw, out, rows, bag_of_id);
 #else
     (void)weight, (void)dim, (void)values, (void)offsets, (void)batch_size, (void)num_features;
     (void)f0, (void)f1;
     (void)row_offset, (void)table_size, (void)psw, (void)out, (void)rows, (void)bag_of_id;
+    (void)wt;
     return -2;
 #endif
 }
