@@ -345,3 +345,53 @@ def test_a_failing_final_evaluation_keeps_the_trained_model(tmp_path):
     assert r.returncode == 1 and "outside its table" in _one_line_error(r.stderr)
     chain = resolve_chain(run, echo=lambda _m: None)
     assert chain[-1].name == "step_00000020"
+
+
+def test_a_signal_mid_update_ends_the_run_at_that_step_boundary(tmp_path, monkeypatch):
+    """SIGINT arriving inside the sparse update of step 3 (the worst place: tables half
+    updated, a thread pool waiting) lets step 3 finish and stops before step 4; the
+    rows then equal a run of exactly 3 steps. A second signal stops at once."""
+    import torch
+
+    from recscale.embedding.storage import DeviceStorage
+    from recscale.train.stop import StopRequest
+
+    calls = []
+    original = DeviceStorage.apply_pooled_gradients
+
+    def signalling(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *args)
+
+    base = [*BASE, "--train.steps=50", "--checkpoint.every_steps=1000"]
+    monkeypatch.setattr(DeviceStorage, "apply_pooled_gradients", signalling)
+    metrics = train(load_config("debug", base), tmp_path / "a", **QUIET)
+    monkeypatch.setattr(DeviceStorage, "apply_pooled_gradients", original)
+    assert metrics["interrupted"] is True and metrics["stop_signal"] == "SIGINT"
+    assert metrics["steps"] == 3 and len(calls) == 3  # one group of tables in debug
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    ref = train(
+        load_config("debug", [*BASE, "--train.steps=3", "--checkpoint.every_steps=1000"]),
+        tmp_path / "b",
+        **QUIET,
+    )
+    assert ref["steps"] == 3
+    from recscale.checkpoint.state import load_dense
+
+    (got,), (want,) = ((tmp_path / r / "checkpoints").iterdir() for r in ("a", "b"))
+    assert got.name == want.name == "step_00000003"
+    parts = sorted(p.relative_to(want) for p in (want / "parts").rglob("*") if p.is_file())
+    assert parts and parts == sorted(p.relative_to(got) for p in (got / "parts").rglob("*")
+                                     if p.is_file())  # fmt: skip
+    for part in parts:  # every table row and optimizer state, byte for byte
+        assert (got / part).read_bytes() == (want / part).read_bytes(), part
+    dense_got, dense_want = load_dense(got), load_dense(want)
+    for k, v in dense_want["model"].items():
+        assert torch.equal(dense_got["model"][k], v), k
+
+    request = StopRequest()
+    request.handler(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        request.handler(signal.SIGINT, None)

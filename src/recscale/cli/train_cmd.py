@@ -75,16 +75,18 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except (TrainingDiverged, IdOutOfRangeError, CheckpointError, RunDirInUse) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    if terminated.is_set():
+    if terminated.is_set() or metrics.get("stop_signal") == "SIGTERM":
         print("recscale: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         return 143
     return 130 if metrics["interrupted"] else 0
 
 
 def _on_sigterm_interrupt() -> threading.Event:
-    """SIGTERM (what schedulers and torchrun send) stops training like Ctrl-C: the loop
-    ends at the step boundary, the final checkpoint and metrics.json are written, and
-    the exit code is 143 (128 + SIGTERM). Returns the event a SIGTERM sets."""
+    """SIGTERM (what schedulers and torchrun send) stops training like Ctrl-C: the final
+    checkpoint and metrics.json are written, and the exit code is 143 (128 + SIGTERM).
+    While the training loop runs its own handlers take over (train/stop.py: the loop
+    ends at a step boundary); this one covers the rest of the run. Returns the event a
+    SIGTERM sets here."""
     seen = threading.Event()
 
     def handler(signum, frame):

@@ -143,15 +143,18 @@ def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) 
         )
 
 
-def reduce_step(loss_value: float, stop: bool, ctx: DistContext) -> tuple[float, bool]:
-    """Global mean loss and whether any rank wants to stop."""
+def reduce_step(
+    loss_value: float, out_of_time: bool, signalled: bool, ctx: DistContext
+) -> tuple[float, bool, bool]:
+    """Global mean loss, whether any rank wants to stop, and whether any rank was asked
+    to by a signal (train/stop.py) - one all-reduce, the same answers on every rank."""
     if not ctx.distributed:
-        return loss_value, stop
+        return loss_value, out_of_time or signalled, signalled
     t = torch.tensor(
-        [loss_value, float(stop)], dtype=torch.float64, device=ctx.device
+        [loss_value, float(out_of_time), float(signalled)], dtype=torch.float64, device=ctx.device
     )  # NCCL: on the GPU
     dist.all_reduce(t, group=ctx.dense)
-    return float(t[0]) / ctx.world_size, bool(t[1] > 0)
+    return float(t[0]) / ctx.world_size, bool(t[1] > 0 or t[2] > 0), bool(t[2] > 0)
 
 
 @torch.no_grad()

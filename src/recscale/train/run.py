@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -50,6 +51,7 @@ from recscale.train.parallel import build, predict, reduce_step
 from recscale.train.precision import autocast, set_matmul_precision
 from recscale.train.progress import Progress
 from recscale.train.schedule import LRSchedule, scheduled
+from recscale.train.stop import stop_at_step_boundary
 
 
 class TrainingDiverged(RuntimeError):
@@ -144,6 +146,7 @@ class LoopResult:
     prefetch_s: float
     evals: list[dict[str, Any]]  # train.eval_every: the validation scores along the way
     reached: dict[str, Any] | None  # train.target_auc: the evaluation that reached it
+    stop_signal: str | None = None  # SIGINT / SIGTERM that stopped it on this rank
 
 
 def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
@@ -267,65 +270,69 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     evals: list[dict[str, Any]] = []
     reached_at = None
     job.module.train()
+    signals = None
     try:
-        while True:
-            t_wait = time.perf_counter()
-            batch = next(batches, None)
-            wait_s += time.perf_counter() - t_wait
-            if batch is None or step >= t.steps:
-                break
-            out_of_time = bool(t.max_seconds) and time.perf_counter() - start >= t.max_seconds
-            step += 1
-            if schedule is not None:
-                schedule.step(step)
-            batch = batch.to(ctx.device, non_blocking=True)
-            with autocast(t.precision, ctx.device):
-                logits = job.module(batch)
-            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-            # the global mean loss; every rank stops together (see parallel.py)
-            loss_value, stop = reduce_step(float(loss.detach()), out_of_time, ctx)
-            if stop and math.isfinite(loss_value):
-                step -= 1
-                break
-            if not math.isfinite(loss_value):
-                # Checked before backward: the fused sparse update must not apply a NaN step.
-                raise TrainingDiverged(
-                    f"loss became {loss_value} at step {step}; stopping (no update applied)"
-                )
-            job.dense_opt.zero_grad(set_to_none=True)
-            loss.backward()  # also applies the embedding optimizer to the touched rows
-            job.dense_opt.step()
-            window_loss += loss_value
-            window_steps += 1
-            if job.ckpt is not None and job.ckpt.enabled and job.ckpt.due(step):
-                job.ckpt.save(step, {"step": step})
-                saved_step = step
-            if t.eval_every and step % t.eval_every == 0:
-                ev = evaluate_during(job, step, time.perf_counter() - start, log_file)
-                evals.append(ev)
-                if t.target_auc and ev["auc"] >= t.target_auc:  # the same on every rank
-                    reached_at = ev
-                    job.echo(f"recscale: target AUC {t.target_auc} reached at step {step} "
-                             f"({ev['elapsed_s']:.1f}s)")  # fmt: skip
+        with stop_at_step_boundary() as signals:
+            while True:
+                t_wait = time.perf_counter()
+                batch = next(batches, None)
+                wait_s += time.perf_counter() - t_wait
+                if batch is None or step >= t.steps:
                     break
-            if step % t.log_every == 0 or step == t.steps:
-                now = time.perf_counter()
-                sps = window_steps * t.batch_size / max(now - window_start, 1e-9)
-                last_loss = window_loss / window_steps
-                extra = ""
-                if cached:
-                    hit, cache_seen = hit_rate_since(ebc, cache_seen)
-                    stall_ms = 1e3 * (wait_s - window_wait) / window_steps
-                    extra = f", cache hit {hit:.1%}, stall {stall_ms:.1f} ms/step"
-                window_wait = wait_s
-                progress.update(window_steps, last_loss, sps, extra)
-                if log_file is not None:
-                    rec = {"step": step, "loss": last_loss, "samples_per_s": sps,
-                           "elapsed_s": now - start}  # fmt: skip
-                    log_file.write(json.dumps(rec) + "\n")
-                    log_file.flush()
-                window_loss, window_steps, window_start = 0.0, 0, now
-    except KeyboardInterrupt:
+                out_of_time = bool(t.max_seconds) and time.perf_counter() - start >= t.max_seconds
+                step += 1
+                if schedule is not None:
+                    schedule.step(step)
+                batch = batch.to(ctx.device, non_blocking=True)
+                with autocast(t.precision, ctx.device):
+                    logits = job.module(batch)
+                loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+                # the global mean loss; every rank stops together (see parallel.py)
+                loss_value, stop, interrupted = reduce_step(
+                    float(loss.detach()), out_of_time, signals.requested, ctx
+                )
+                if stop and math.isfinite(loss_value):
+                    step -= 1  # this forward is dropped: the step boundary is the one before
+                    break
+                if not math.isfinite(loss_value):
+                    # Checked before backward: the fused sparse update must not apply a NaN step.
+                    raise TrainingDiverged(
+                        f"loss became {loss_value} at step {step}; stopping (no update applied)"
+                    )
+                job.dense_opt.zero_grad(set_to_none=True)
+                loss.backward()  # also applies the embedding optimizer to the touched rows
+                job.dense_opt.step()
+                window_loss += loss_value
+                window_steps += 1
+                if job.ckpt is not None and job.ckpt.enabled and job.ckpt.due(step):
+                    job.ckpt.save(step, {"step": step})
+                    saved_step = step
+                if t.eval_every and step % t.eval_every == 0:
+                    ev = evaluate_during(job, step, time.perf_counter() - start, log_file)
+                    evals.append(ev)
+                    if t.target_auc and ev["auc"] >= t.target_auc:  # the same on every rank
+                        reached_at = ev
+                        job.echo(f"recscale: target AUC {t.target_auc} reached at step {step} "
+                                 f"({ev['elapsed_s']:.1f}s)")  # fmt: skip
+                        break
+                if step % t.log_every == 0 or step == t.steps:
+                    now = time.perf_counter()
+                    sps = window_steps * t.batch_size / max(now - window_start, 1e-9)
+                    last_loss = window_loss / window_steps
+                    extra = ""
+                    if cached:
+                        hit, cache_seen = hit_rate_since(ebc, cache_seen)
+                        stall_ms = 1e3 * (wait_s - window_wait) / window_steps
+                        extra = f", cache hit {hit:.1%}, stall {stall_ms:.1f} ms/step"
+                    window_wait = wait_s
+                    progress.update(window_steps, last_loss, sps, extra)
+                    if log_file is not None:
+                        rec = {"step": step, "loss": last_loss, "samples_per_s": sps,
+                               "elapsed_s": now - start}  # fmt: skip
+                        log_file.write(json.dumps(rec) + "\n")
+                        log_file.flush()
+                    window_loss, window_steps, window_start = 0.0, 0, now
+    except KeyboardInterrupt:  # a second signal: stopped mid-step
         interrupted = True
     finally:
         if pipeline is not None:
@@ -335,9 +342,12 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
             log_file.close()
     if window_steps:
         last_loss = window_loss / window_steps
+    stop_signal = None
+    if signals is not None and signals.signum is not None:
+        stop_signal = signal.Signals(signals.signum).name
     return LoopResult(step, saved_step, interrupted, last_loss, time.perf_counter() - start,
                       wait_s, pipeline.prefetch_seconds if pipeline is not None else 0.0,
-                      evals, reached_at)  # fmt: skip
+                      evals, reached_at, stop_signal)  # fmt: skip
 
 
 def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, Any]:
@@ -419,6 +429,7 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
         "samples_per_s": trained * t.batch_size / max(loop.seconds, 1e-9),
         "train_loss": loop.last_loss,
         "interrupted": loop.interrupted,
+        "stop_signal": loop.stop_signal,
         "device": str(ctx.device),
         "threads": job.threads,
         "world_size": ctx.world_size,
