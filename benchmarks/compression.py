@@ -77,7 +77,7 @@ def main() -> None:
     for p in ("fp16", "bf16", "int8"):
         over = [f"--embedding.row_precision={p}"]
         runs.append((f"rows {p}", p, over, plain / _bytes("default", [*common, *over]), ""))
-    for method in args.methods.split(","):
+    for method in filter(None, args.methods.split(",")):  # "" = the precisions only
         for r in (float(x) for x in args.ratios.split(",")):
             over, got, knob = pick("default", common, method, r, plain)
             runs.append((method, f"{r:g}x", over[len(common) :], got, knob))
