@@ -163,23 +163,8 @@ def fused_update_cpu(
     )  # fmt: skip
 
 
-def _native_update(
-    kind,
-    weight,
-    state,
-    rows,
-    segments,
-    bag_of_id,
-    psw,
-    grad,
-    lr,
-    eps,
-    b1,
-    b2,
-    step_size,
-    dirty,
-    step,
-) -> None:
+def _native_update(kind, weight, state, rows, segments, bag_of_id, psw, grad, lr, eps, b1, b2,
+                   step_size, dirty, step) -> None:  # fmt: skip
     lib = native.library()
     names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[
         kind
