@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from recscale.config.schema import Config
+from recscale.embedding.low_precision import bytes_per_value, row_overhead
+from recscale.modules import gemm
 
 
 def _sync(device: torch.device) -> None:
@@ -52,8 +54,6 @@ def measure_gemm_gflops(
     On a CPU both GEMM libraries torch carries are timed - MKL (``torch.mm``) and oneDNN
     (the fused linear the MLPs run) - and the faster stands: the bound is what the
     hardware allows, so a step must never run its GEMMs faster than the probe did."""
-    from recscale.modules.gemm import ONEDNN_LINEAR
-
     device = device or torch.device("cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     best = 0.0
@@ -61,9 +61,9 @@ def measure_gemm_gflops(
         a = torch.randn(batch_size, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         runs = [lambda a=a, b=b: torch.mm(a, b)]
-        if device.type == "cpu" and dtype == torch.float32 and ONEDNN_LINEAR is not None:
+        if device.type == "cpu" and dtype == torch.float32 and gemm.ONEDNN_LINEAR is not None:
             w = b.t().contiguous()
-            runs.append(lambda a=a, w=w: ONEDNN_LINEAR(a, w, None, "none", [], ""))
+            runs.append(lambda a=a, w=w: gemm.ONEDNN_LINEAR(a, w, None, "none", [], ""))
         for fn in runs:
             secs = _best_seconds(fn, repeats, device=device)
             best = max(best, 2 * batch_size * k * n / secs / 1e9)
@@ -186,8 +186,6 @@ def step_cost(cfg: Config, interaction_out_dim: int, ids_per_sample: float) -> S
     for w in m.top_mlp:
         macs += d * w
         d = w
-    from recscale.embedding.low_precision import bytes_per_value, row_overhead
-
     dim = m.embedding_dim
     state_bytes = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[cfg.embedding.optimizer]
     # forward read + update read + update write of the row (as stored: fp32, fp16, ...),

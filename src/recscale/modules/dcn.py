@@ -114,7 +114,7 @@ class DCNv2Interaction(nn.Module):
             self.fused
             and x0.device.type == "cpu"
             and x0.dtype == torch.float32
-            and not (torch.is_autocast_enabled(x0.device.type))
+            and not torch.is_autocast_enabled(x0.device.type)
         ):
             params = [p for layer in zip(self.V, self.U, self.b) for p in layer]
             return _CrossStack.apply(x0, *params)

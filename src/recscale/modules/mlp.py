@@ -57,7 +57,6 @@ class _FusedMLP(torch.autograd.Function):
         if ctx.final_relu:  # grad_out is not ours to modify: out of place once
             g = torch.ops.aten.threshold_backward(g, acts[n], 0.0)
         grads: list[torch.Tensor | None] = [None] * (2 * n)
-
         grad_x = None
         for li in range(n - 1, -1, -1):
             x, w = acts[li], weights[li]

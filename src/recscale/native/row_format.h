@@ -35,10 +35,6 @@
 /* Bytes of one stored value. */
 static inline int64_t rs_value_bytes(int wt) { return wt == RS_F32 ? 4 : 2; }
 
-/* Store the fp32 row x[0 .. d) at base (16-bit formats: the noise of row hash rh). */
-RS_ROW_INLINE void rs_store_row(void *base, const float *x, const int64_t d, uint32_t rh,
-                                const int wt);
-
 /* Values [i, i + 8) of a row block at base, as fp32. */
 RS_ROW_INLINE __m256 rs_load8(const void *base, int64_t i, const int wt) {
     if (wt == RS_F32) return _mm256_loadu_ps((const float *)base + i);
@@ -72,13 +68,9 @@ RS_ROW_INLINE __m256i rs_hash8(uint32_t rh, int64_t block) {
     return _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
 }
 
-/* Store fp32 x as values [i, i + 8) of a row block at base (16-bit formats: rounded
- * stochastically with noise n16, 8 lanes of 16 bits in 32). */
+/* Store fp32 x as values [i, i + 8) of a 16-bit row block at base, rounded
+ * stochastically with noise n16 (8 lanes of 16 bits in 32). */
 RS_ROW_INLINE void rs_store8(void *base, int64_t i, __m256 x, __m256i n16, const int wt) {
-    if (wt == RS_F32) {
-        _mm256_storeu_ps((float *)base + i, x);
-        return;
-    }
     __m256i up; /* all ones where the magnitude goes one step up */
     __m256i lo; /* the 16-bit patterns toward zero, one per 32-bit lane */
     if (wt == RS_F16) {
@@ -101,6 +93,8 @@ RS_ROW_INLINE void rs_store8(void *base, int64_t i, __m256 x, __m256i n16, const
     const __m128i out = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     _mm_storeu_si128((__m128i *)((uint16_t *)base + i), out);
 }
+
+/* Store the fp32 row x[0 .. d) at base in a 16-bit format, with the noise of row hash rh. */
 RS_ROW_INLINE void rs_store_row(void *base, const float *x, const int64_t d, uint32_t rh,
                                 const int wt) {
     const __m256i low = _mm256_set1_epi32(0xFFFF);

@@ -16,8 +16,8 @@
  * Rows stored as fp16 / bf16 (`wt`, row_format.h) are read into fp32, updated there and
  * stored back with stochastic rounding whose noise hashes (step, row, column).
  *
- * Layouts (row-major): weight [R, d] (fp32, fp16 or bf16); fp32 Adagrad state1 [R]; Adam state1/state2
- * [R, d]; grad_pooled [num_bags, d] with row stride `grad_stride`; rows, seg_starts,
+ * Layouts (row-major): weight [R, d] (fp32, fp16 or bf16); fp32 Adagrad state1 [R];
+ * Adam state1/state2 [R, d]; grad_pooled [num_bags, d] with row stride `grad_stride`; rows, seg_starts,
  * bag_of_id int64; dirty uint8 [R] or NULL.
  *
  * Why C: the numba kernel's loops over d = 16 stay scalar (too short for the loop
