@@ -4,14 +4,16 @@ and the training step beside it (the loader's margin over training).
     python benchmarks/multihot_data.py --lines 2000000 [--bag-sizes mlperf] [--workdir DIR]
 
 Writes a synthetic Criteo-format TSV (cached), preprocesses it (hash mode, tables of
-1M rows), expands it to multi-hot bags (MLPerf's 26 sizes by default: 214 ids a row),
-times the loader at batch 2048, and trains config A from the multi-hot dataset.
+1M rows), makes it multi-hot (MLPerf's 26 sizes by default: 214 ids a row) in each
+layout (``rule``: one-hot ids + the expansion, bags made by the loader; ``ids``: every
+id written), and for each times the loader at batch 2048 and trains config A from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -46,39 +48,42 @@ def main() -> None:
     ap.add_argument("--bag-sizes", default="mlperf")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/recscale-bench"))
     ap.add_argument("--train-steps", type=int, default=100)
+    ap.add_argument("--layouts", default="rule,ids", help="rule, ids or both (rule,ids)")
     args = ap.parse_args()
     sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
              else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
     onehot = cached_dataset(args.workdir, args.lines, hash_sizes=[1_000_000])
-    out = args.workdir / f"ds_multihot_{args.lines}"
-    to_multihot(onehot, out, sizes, echo=lambda s: None)  # warm: numba compiles once
-    t = time.perf_counter()
-    meta = to_multihot(onehot, out, sizes, echo=lambda s: None)
-    secs = time.perf_counter() - t
-    rows = sum(v["rows"] for v in meta["splits"].values())
-    ids = sum(v["ids"] for v in meta["splits"].values())
-    res = {"rows": rows, "ids_per_row": ids / rows, "multihot_seconds": secs,
-           "multihot_rows_per_s": rows / secs, "multihot_ids_per_s": ids / secs}  # fmt: skip
-    # the two bounds: the expansion kernel alone (in memory), and writing the same bytes
-    # to the same disk (the output is ~4 bytes an id: at MLPerf's sizes, 0.87 GB a 1M rows)
+    res: dict = {}
+    # the two bounds of the ids layout: the expansion kernel alone (in memory), and
+    # writing the same bytes to the same disk
     ds = BinaryDataset(onehot, "train")
     sparse = np.asarray(ds.sparse)
+    expand(sparse[:BLOCK_ROWS], ds.table_sizes, sizes, 0)  # numba compiles / loads once
     t = time.perf_counter()
     for a in range(0, ds.rows, BLOCK_ROWS):
         expand(sparse[a : a + BLOCK_ROWS], ds.table_sizes, sizes, 0)
     res["kernel_rows_per_s"] = ds.rows / (time.perf_counter() - t)
-    out_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    res["output_bytes"] = out_bytes
-    res["write_bound_rows_per_s"] = rows / write_seconds(args.workdir, out_bytes)
-    res["of_write_bound"] = res["multihot_rows_per_s"] / res["write_bound_rows_per_s"]
-    res["loader_samples_per_s"] = loader_samples_per_s(BinaryDataset(out, "train"), 2048, 100)
-    cfg = load_config("A", [f"--data.path={out}", f"--train.steps={args.train_steps}",
-                            "--train.progress=false", "--data.eval_split=val"])  # fmt: skip
-    run_dir = args.workdir / "run_A_multihot"
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time
-    m = train(cfg, run_dir, echo=lambda s: None)
-    res["train_A_samples_per_s"] = m["samples_per_s"]
-    res["loader_over_training"] = res["loader_samples_per_s"] / m["samples_per_s"]
+    for layout in args.layouts.split(","):
+        out = args.workdir / f"ds_multihot_{layout}_{args.lines}"
+        shutil.rmtree(out, ignore_errors=True)  # no old output to delete inside the timing
+        os.sync()  # nor earlier runs' dirty pages to flush (each run starts from a clean cache)
+        t = time.perf_counter()
+        meta = to_multihot(onehot, out, sizes, layout=layout, echo=lambda s: None)
+        secs = time.perf_counter() - t
+        rows = sum(v["rows"] for v in meta["splits"].values())
+        ids = sum(v["ids"] for v in meta["splits"].values())
+        r = {"rows": rows, "ids_per_row": ids / rows, "seconds": secs, "rows_per_s": rows / secs,
+             "output_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}  # fmt: skip
+        r["write_bound_rows_per_s"] = rows / write_seconds(args.workdir, r["output_bytes"])
+        r["loader_samples_per_s"] = loader_samples_per_s(BinaryDataset(out, "train"), 2048, 100)
+        cfg = load_config("A", [f"--data.path={out}", f"--train.steps={args.train_steps}",
+                                "--train.progress=false", "--data.eval_split=val"])  # fmt: skip
+        run_dir = args.workdir / "run_A_multihot"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time
+        m = train(cfg, run_dir, echo=lambda s: None)
+        r["train_A_samples_per_s"] = m["samples_per_s"]
+        r["loader_over_training"] = r["loader_samples_per_s"] / m["samples_per_s"]
+        res[layout] = r
     print(json.dumps(res, indent=2))
 
 

@@ -116,11 +116,12 @@ def onehot(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("onehot"), 3000, seed=5, hash_size=500)
 
 
-def test_multihot_expansion_matches_plain_python(tmp_path, onehot):
+@pytest.mark.parametrize("layout", ["rule", "ids"])
+def test_multihot_expansion_matches_plain_python(tmp_path, onehot, layout):
     sizes = [1 + (k % 4) for k in range(F)]
-    to_multihot(onehot, tmp_path / "mh", sizes, seed=9, echo=lambda _m: None)
+    to_multihot(onehot, tmp_path / "mh", sizes, seed=9, layout=layout, echo=lambda _m: None)
     src, ds = BinaryDataset(onehot, "train"), BinaryDataset(tmp_path / "mh", "train")
-    assert ds.multi_hot and ds.rows == src.rows
+    assert ds.multi_hot and ds.rows == src.rows and (ds.bag_rule is not None) == (layout == "rule")
     salts = feature_salts(F, 9)
     rows = _rows_of(BatchLoader(ds, 1000, shuffle=False, epochs=1))
     for r in (0, 1, 999, 2999):
@@ -130,11 +131,51 @@ def test_multihot_expansion_matches_plain_python(tmp_path, onehot):
             assert rows[r][f] == want and want[0] == x and all(0 <= y < n for y in want)
     np.testing.assert_array_equal(np.asarray(ds.dense), np.asarray(src.dense))
     # deterministic: the same input, sizes and seed give the same bytes
-    to_multihot(onehot, tmp_path / "again", sizes, seed=9, echo=lambda _m: None)
-    for name in ("sparse.i32", "row_offsets.i64", "bag_lengths.u16"):
+    to_multihot(onehot, tmp_path / "again", sizes, seed=9, layout=layout, echo=lambda _m: None)
+    names = ("sparse.i32", "dense.f32", "labels.u8") + (
+        ("row_offsets.i64", "bag_lengths.u16") if layout == "ids" else ()
+    )
+    for name in names:
         assert (tmp_path / "mh/train" / name).read_bytes() == (
             tmp_path / "again/train" / name
         ).read_bytes()
+
+
+def test_rule_layout_gives_the_batches_of_the_ids_layout(tmp_path, onehot):
+    """The loader's on-read expansion vs the written ids: shuffled blocks, two ranks'
+    slices, an epoch boundary and a resume mid-epoch - every batch equal."""
+    from recscale.data.dataset import LoaderPosition
+
+    sizes = [1 + (k % 7) for k in range(F)]
+    for layout in ("rule", "ids"):
+        to_multihot(onehot, tmp_path / layout, sizes, seed=3, layout=layout, echo=lambda _m: None)
+    rule, ids = (BinaryDataset(tmp_path / n, "train") for n in ("rule", "ids"))
+    assert rule.meta["splits"]["train"]["ids"] == ids.meta["splits"]["train"]["ids"]
+    on_disk = {n: sum(p.stat().st_size for p in (tmp_path / n).rglob("*.*") if p.is_file())
+               for n in ("rule", "ids")}  # fmt: skip
+    assert on_disk["rule"] < on_disk["ids"] / 2
+    for rank in (0, 1):
+        kw = dict(shuffle=True, seed=4, block_rows=700, rank=rank, world_size=2)
+        pos = {"rule": LoaderPosition(epoch=1, batch=3), "ids": LoaderPosition(epoch=1, batch=3)}
+        for a, b in zip(*(list(zip(range(12), BatchLoader(ds, 256, **kw))) for ds in (rule, ids))):
+            for name in ("dense", "values", "offsets", "labels"):
+                assert torch.equal(getattr(a[1], name), getattr(b[1], name)), name
+        resumed = [list(zip(range(8), BatchLoader(ds, 256, position=pos[n], **kw)))
+                   for n, ds in (("rule", rule), ("ids", ids))]  # fmt: skip
+        for (_, a), (_, b) in zip(*resumed):
+            assert torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
+
+
+def test_rule_layout_refuses_broken_metadata(tmp_path, onehot):
+    to_multihot(onehot, tmp_path / "mh", [2], seed=0, echo=lambda _m: None)
+    meta = json.loads((tmp_path / "mh/metadata.json").read_text())
+    for bad, match in (({"bag_sizes": [2, 2]}, "without valid bag_sizes"),
+                       ({"multi_hot_layout": "packed"}, "unknown multi_hot_layout")):  # fmt: skip
+        (tmp_path / "mh/metadata.json").write_text(json.dumps({**meta, **bad}))
+        with pytest.raises(DatasetError, match=match):
+            BinaryDataset(tmp_path / "mh", "train")
+    with pytest.raises(ValueError, match="--layout takes one of rule, ids"):
+        to_multihot(onehot, tmp_path / "x", [2], layout="packed", echo=lambda _m: None)
 
 
 def test_expand_ids_stay_in_their_tables():

@@ -61,6 +61,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(MLPerf DLRMv2's 26 sizes: 3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1)",
     )  # fmt: skip
     mp.add_argument("--seed", type=int, default=0, help="draws the bags' offsets")
+    mp.add_argument(
+        "--layout", choices=("rule", "ids"), default="rule",
+        help="rule (default): keep the one-hot ids and the expansion's sizes + seed; the "
+        "loader makes the bags as it reads (6x fewer bytes at MLPerf's sizes). ids: write "
+        "every id of every bag",
+    )  # fmt: skip
 
     ip = dsub.add_parser("info", help="print a dataset's metadata")
     ip.add_argument("path", type=Path)
@@ -110,7 +116,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
                      else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
-            to_multihot(args.input, args.out, sizes, args.seed)
+            to_multihot(args.input, args.out, sizes, args.seed, layout=args.layout)
         except (DatasetError, ValueError) as e:
             print(f"recscale: error: {e}", file=sys.stderr)
             return 1

@@ -100,7 +100,20 @@ class BinaryDataset:
             )
         d = self.root / split
         self.multi_hot = bool(self.meta.get("multi_hot"))
-        if self.multi_hot:  # variable-length bags (data/multihot.py)
+        self.bag_rule = None  # multi-hot "rule" layout: bags made from one-hot ids on read
+        layout = self.meta.get("multi_hot_layout", "ids") if self.multi_hot else None
+        if layout == "rule":
+            from recscale.data.multihot import BagRule
+
+            try:
+                self.bag_rule = BagRule(self.table_sizes, list(self.meta["bag_sizes"]),
+                                        int(self.meta.get("multi_hot_seed", 0)))  # fmt: skip
+            except (KeyError, TypeError, ValueError) as e:
+                raise DatasetError(f"{meta_path}: a rule-layout multi-hot dataset "
+                                   f"without valid bag_sizes ({e})") from None  # fmt: skip
+        if layout not in (None, "rule", "ids"):
+            raise DatasetError(f"{meta_path}: unknown multi_hot_layout {layout!r}")
+        if layout == "ids":  # variable-length bags (data/multihot.py)
             from recscale.data.multihot import open_split
 
             ids = int(self.meta["splits"][split]["ids"])
@@ -189,6 +202,12 @@ class BatchLoader:
 
     def _read_multi_hot(self, epoch: int, k: int, lo: int, hi: int) -> _Rows:
         ds = self.ds
+        if ds.bag_rule is not None:  # shuffle the one-hot rows, then make their bags
+            dense, sparse, labels = (np.array(a[lo:hi]) for a in (ds.dense, ds.sparse, ds.labels))
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
+                dense, sparse, labels = dense[perm], sparse[perm], labels[perm]
+            return _Rows(dense, labels, *ds.bag_rule.bags(sparse))
         ro = np.array(ds.row_offsets[lo : hi + 1])
         rows = _Rows(np.array(ds.dense[lo:hi]), np.array(ds.labels[lo:hi]),
                      np.array(ds.lengths[lo:hi]), ro[1:] - ro[0],
