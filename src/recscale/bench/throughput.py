@@ -40,6 +40,7 @@ from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.storage import DeviceStorage
 from recscale.train.cache_prefetch import cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
+from recscale.train.host_memory import set_host_memory
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
 from recscale.train.precision import autocast, set_matmul_precision
@@ -114,6 +115,7 @@ def run_throughput(
     device = resolve_device(cfg.train.device)
     precision = cfg.train.precision
     set_matmul_precision(precision)
+    retain = set_host_memory(cfg.train.host_memory)  # as training does, before the build
     clock = Clock(device)
     b = cfg.train.batch_size
     echo(
@@ -261,6 +263,7 @@ def run_throughput(
         # forward split further; data: making one batch (overlapped with the step in training)
         "stage_detail_ms": {"data": data_ms, **{k: 1e3 * v / steps for k, v in detail.items()}},
         "peak_rss_bytes": peak_rss_bytes(),
+        "host_memory_retained": retain,
         "model_state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
         "gemm_gflops": gemm,
         "probe_gemm_gflops": probe["gemm_gflops"],
@@ -297,7 +300,8 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"({r['precision']}); "
             f"stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
-            f"{r['model_state_bytes'] / gib:.2f} GiB)",
+            f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "
+            f"{'kept for the next step' if r.get('host_memory_retained') else 'returned to the system'})",
             *(
                 [
                     f"  ssd tier: cache hit rate {r['embedding_cache']['hit_rate']:.1%} "

@@ -35,6 +35,7 @@ QR_OPS = ("mult", "add", "concat")
 CHECKPOINT_PRECISIONS = ("fp32", "fp16", "int8")
 SHARDING_KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
 PRECISIONS = ("fp32", "tf32", "bf16")
+HOST_MEMORY = ("retain", "system")  # train/host_memory.py
 SCHEDULE_DECAYS = ("polynomial", "linear")  # train.precision: the MLPs and interaction
 
 
@@ -338,6 +339,9 @@ class TrainConfig:
     # Arithmetic of the MLPs and the interaction: fp32, tf32 (CUDA: TF32 tensor-core
     # GEMMs), or bf16 (autocast; fp32 master weights, tables and optimizer state).
     precision: str = "fp32"
+    # Freed host memory between steps: retain (keep it in the process; no re-faulting of
+    # the large activations every step) or system (malloc's default: unmap large blocks).
+    host_memory: str = "retain"
 
     def validate(self) -> None:
         _positive("train.batch_size", self.batch_size)
@@ -351,6 +355,7 @@ class TrainConfig:
         _positive("train.eval_batch_size", self.eval_batch_size)
         _choice("train.device", self.device, DEVICES)
         _choice("train.precision", self.precision, PRECISIONS)
+        _choice("train.host_memory", self.host_memory, HOST_MEMORY)
         _positive("train.eval_every", self.eval_every, allow_zero=True)
         if not 0.0 <= self.target_auc < 1.0:
             raise ConfigError("train.target_auc", f"must be in [0, 1), got {self.target_auc}")

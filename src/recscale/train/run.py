@@ -45,6 +45,7 @@ from recscale.embedding.compressed import compression_summary
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
+from recscale.train.host_memory import set_host_memory
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
@@ -177,6 +178,7 @@ def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
     t = cfg.train
     torch.manual_seed(t.seed)
     set_matmul_precision(t.precision)
+    set_host_memory(t.host_memory)  # before the model and its tables are allocated
     threads = t.threads or available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
     torch.set_num_threads(threads)
     if ctx is None:
