@@ -1,7 +1,7 @@
 """recscale and TorchRec side by side, in the same run, on the same machine and batches.
 
     python benchmarks/peers.py --torchrec-python /path/to/peer-venv/bin/python \\
-        [--configs A B] [--rounds 3] [--steps 50] [--out peers.jsonl]
+        [--configs A B] [--rounds 3] [--steps 50] [--out peers.jsonl] [--peer-same-malloc]
 
 Each round runs ``recscale bench throughput --config C --json`` and TorchRec's DLRM on
 the same shapes, optimizers and ids (``benchmarks/torchrec_peer.py``, run by the peer
@@ -79,8 +79,9 @@ def write_inputs(cfg: Config, folder: Path, steps: int, warmup: int) -> tuple[Pa
     return spec_path, batch_path
 
 
-def run_json(cmd: list[str]) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, **env} if env else None)  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"peers: {' '.join(cmd[:3])} ... failed ({proc.returncode}):\n"
                          + proc.stderr[-3000:])  # fmt: skip
@@ -97,7 +98,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", default=None, help="also append each run as a JSON line here")
+    p.add_argument("--peer-same-malloc", action="store_true",
+                   help="give TorchRec's process the malloc settings recscale's "
+                   "train.host_memory=retain makes (GLIBC_TUNABLES: no mmap for large blocks, "
+                   "2 GiB kept at the heap top), so the comparison is of the rest")  # fmt: skip
     args = p.parse_args()
+    peer_env = ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"}
+                if args.peer_same_malloc else None)  # fmt: skip
     recscale = [sys.executable, "-m", "recscale", "bench", "throughput"]
     summary = {}
     with tempfile.TemporaryDirectory(prefix="recscale-peers-") as tmp:
@@ -113,7 +120,7 @@ def main() -> None:
                 order = [("recscale", ours), ("torchrec", peer)]
                 results = {}
                 for system, cmd in order if r % 2 == 0 else order[::-1]:
-                    results[system] = run_json(cmd)
+                    results[system] = run_json(cmd, peer_env if system == "torchrec" else None)
                 rs, tr = results["recscale"], results["torchrec"]
                 ratio = rs["samples_per_s"] / tr["samples_per_s"]
                 ratios.append(ratio)
