@@ -12,19 +12,24 @@ from recscale.config import load_config
 from recscale.config.errors import ConfigError
 from recscale.train.host_memory import _glibc
 
-# A child process per mode: 6 rounds of a 96 MiB tensor made, written and dropped (what a
-# step does with its activations); prints the page faults of the last 5 rounds.
+# A child process per mode: rounds of a 96 MiB tensor made, written and dropped (what a
+# step does with its activations); prints the median page faults of a round after two
+# warm-up rounds (the median: now and then the kernel takes a retained block's pages back).
 CHILD = """
 import resource, sys, torch
 from recscale.train.host_memory import set_host_memory
+torch.set_num_threads(1)  # no worker threads (their stacks and arenas) appearing mid-count
 print(set_host_memory(sys.argv[1]))
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-t = torch.empty(24 << 20).fill_(1.0); del t
-before = faults()
-for _ in range(5):
+for _ in range(2):
     t = torch.empty(24 << 20).fill_(1.0); del t
-print(faults() - before)
+rounds = []
+for _ in range(7):
+    before = faults()
+    t = torch.empty(24 << 20).fill_(1.0); del t
+    rounds.append(faults() - before)
+print(sorted(rounds)[3])
 """
 
 
@@ -39,7 +44,7 @@ def test_retain_reuses_freed_pages_and_system_faults_them_again():
     assert out["retain"][0] and not out["system"][0]
     # system: every round maps the block afresh (>= 48 faults of 2 MiB huge pages, or
     # ~24k of 4 KiB); retain: the same pages every round, next to no faults
-    assert out["system"][1] >= 5 * 48 // 2
+    assert out["system"][1] >= 48 // 2
     assert out["retain"][1] < out["system"][1] / 10
 
 

@@ -102,6 +102,8 @@ class BinaryDataset:
         self.multi_hot = bool(self.meta.get("multi_hot"))
         self.bag_rule = None  # multi-hot "rule" layout: bags made from one-hot ids on read
         layout = self.meta.get("multi_hot_layout", "ids") if self.multi_hot else None
+        if layout not in (None, "rule", "ids"):
+            raise DatasetError(f"{meta_path}: unknown multi_hot_layout {layout!r}")
         if layout == "rule":
             from recscale.data.multihot import BagRule
 
@@ -111,8 +113,6 @@ class BinaryDataset:
             except (KeyError, TypeError, ValueError) as e:
                 raise DatasetError(f"{meta_path}: a rule-layout multi-hot dataset "
                                    f"without valid bag_sizes ({e})") from None  # fmt: skip
-        if layout not in (None, "rule", "ids"):
-            raise DatasetError(f"{meta_path}: unknown multi_hot_layout {layout!r}")
         if layout == "ids":  # variable-length bags (data/multihot.py)
             from recscale.data.multihot import open_split
 

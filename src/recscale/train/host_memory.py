@@ -5,13 +5,14 @@ fresh ``mmap`` and gives it back with ``munmap`` on free. A training step makes 
 drops the same large activations every time, so with the default each step maps them
 again and the kernel faults in and zeroes every page once more - at MLPerf DLRMv2's
 shapes (batch 16,384, [B, 3,456] fp32 activations of 226 MB) ~3.5 GB a step, 3-4 s
-of kernel time on this 2-core VM and a step of 11.8 s instead of 8.5 s.
+of kernel time a step on this 2-core VM (``recscale bench throughput``: 9.8 s a step
+instead of 8.0 s; docs/performance.md).
 
 ``retain`` (the default) switches the mmap path off (``M_MMAP_MAX = 0``: large blocks
 come from the heap like small ones) and lets the heap keep up to 2 GiB of free space
 at its top (``M_TRIM_THRESHOLD``), so the next step reuses the pages it already has.
 The price is the heap's fragmentation: the process's peak RSS can exceed what was
-ever live at once (DCNv2 preset: 7.6 -> 10.3 GB; config A: +2%; config B: none).
+ever live at once (DCNv2 preset: 7.5 -> 10.2-11.1 GiB; config A: +2%; config B: none).
 ``system`` leaves malloc as it was. Only glibc has these knobs; elsewhere (musl,
 macOS) both settings are the system's behaviour.
 """
@@ -49,7 +50,8 @@ def set_host_memory(mode: str) -> bool:
         return False
     retain = mode == "retain"
     if retain != _state["retain"]:
-        # back to glibc's defaults for "system" (mmap on, 128 KiB trim threshold)
+        # "system" after "retain": glibc's default values back (mmap on, 128 KiB trim
+        # threshold), though its dynamic threshold stays off once a value was set
         ok = libc.mallopt(_M_MMAP_MAX, 0 if retain else 65536) == 1
         ok &= libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_AT_TOP if retain else 128 * 1024) == 1
         _state["retain"] = retain and ok
