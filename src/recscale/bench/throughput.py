@@ -301,7 +301,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "
-            f"{'kept for the next step' if r.get('host_memory_retained') else 'returned to the system'})",
+            f"{'kept for the next step' if r['host_memory_retained'] else 'returned to the system'})",
             *(
                 [
                     f"  ssd tier: cache hit rate {r['embedding_cache']['hit_rate']:.1%} "

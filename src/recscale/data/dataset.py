@@ -189,7 +189,7 @@ class BatchLoader:
     def _read_block(self, epoch: int, k: int):
         lo = k * self.block_rows
         hi = min(self.ds.rows, lo + self.block_rows)
-        if self.ds.multi_hot:
+        if self.ds.multi_hot and self.ds.bag_rule is None:
             return self._read_multi_hot(epoch, k, lo, hi)
         # np.array copies: one sequential read of the block into (writable) memory.
         dense, sparse, labels = (
@@ -198,16 +198,12 @@ class BatchLoader:
         if self.shuffle:
             perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
             dense, sparse, labels = dense[perm], sparse[perm], labels[perm]
+        if self.ds.bag_rule is not None:  # multi-hot "rule" layout: the shuffled rows' bags
+            return _Rows(dense, labels, *self.ds.bag_rule.bags(sparse))
         return dense, sparse, labels
 
     def _read_multi_hot(self, epoch: int, k: int, lo: int, hi: int) -> _Rows:
         ds = self.ds
-        if ds.bag_rule is not None:  # shuffle the one-hot rows, then make their bags
-            dense, sparse, labels = (np.array(a[lo:hi]) for a in (ds.dense, ds.sparse, ds.labels))
-            if self.shuffle:
-                perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
-                dense, sparse, labels = dense[perm], sparse[perm], labels[perm]
-            return _Rows(dense, labels, *ds.bag_rule.bags(sparse))
         ro = np.array(ds.row_offsets[lo : hi + 1])
         rows = _Rows(np.array(ds.dense[lo:hi]), np.array(ds.labels[lo:hi]),
                      np.array(ds.lengths[lo:hi]), ro[1:] - ro[0],

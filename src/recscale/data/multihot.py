@@ -265,9 +265,11 @@ def to_multihot(src: Path, out: Path, bag_sizes: list[int], seed: int = 0, layou
     tmp = fresh_tmp_dir(Path(out))
     sizes = [int(s) for s in meta["table_sizes"]]
     start = time.perf_counter()
-    write = _write_rule if layout == "rule" else _write_ids
-    splits = {name: write(BinaryDataset(src, name), tmp / name, sizes, bag_sizes, seed)
-              for name in meta["splits"]}  # fmt: skip
+    splits = {}
+    for name in meta["splits"]:
+        ds = BinaryDataset(src, name)
+        splits[name] = (_write_rule(ds, tmp / name, sum(bag_sizes)) if layout == "rule"
+                        else _write_ids(ds, tmp / name, sizes, bag_sizes, seed))  # fmt: skip
     total = sum(s["rows"] for s in splits.values())
     seconds = time.perf_counter() - start
     new = {**meta, "multi_hot": True, "multi_hot_layout": layout, "bag_sizes": bag_sizes,
@@ -280,14 +282,14 @@ def to_multihot(src: Path, out: Path, bag_sizes: list[int], seed: int = 0, layou
     return new
 
 
-def _write_rule(ds, split_dir: Path, sizes: list[int], bag_sizes: list[int], seed: int) -> dict:
-    """The one-hot columns, copied (the kernel's copy_file_range: no trip through Python)."""
+def _write_rule(ds, split_dir: Path, ids_per_row: int) -> dict:
+    """The one-hot columns, copied (the kernel's copy_file_range: no trip through Python);
+    the split's rows and CTR are the source's."""
     split_dir.mkdir(parents=True)
     src_dir = ds.root / ds.split
     for name in ("dense.f32", "labels.u8", "sparse.i32"):
         shutil.copyfile(src_dir / name, split_dir / name)
-    return {"rows": ds.rows, "ids": ds.rows * sum(bag_sizes),
-            "ctr": float(np.asarray(ds.labels).mean(dtype=np.float64)) if ds.rows else None}  # fmt: skip
+    return {**ds.meta["splits"][ds.split], "ids": ds.rows * ids_per_row}
 
 
 def _write_ids(ds, split_dir: Path, sizes: list[int], bag_sizes: list[int], seed: int) -> dict:

@@ -56,8 +56,3 @@ def set_host_memory(mode: str) -> bool:
         ok &= libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_AT_TOP if retain else 128 * 1024) == 1
         _state["retain"] = retain and ok
     return _state["retain"]
-
-
-def retaining() -> bool:
-    """Whether this process currently keeps freed memory (``set_host_memory``)."""
-    return _state["retain"]
