@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from data_pipeline import cached_dataset, loader_samples_per_s  # this folder: python benchmarks/...
+
+# this folder: python benchmarks/...
+from data_pipeline import SPEED_CYCLE_BLOCKS, cached_dataset, loader_samples_per_s
 
 import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 from recscale.config import load_config
@@ -52,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
              else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
-    onehot = cached_dataset(args.workdir, args.lines, hash_sizes=[1_000_000])
+    onehot = cached_dataset(args.workdir, args.lines, SPEED_CYCLE_BLOCKS, hash_sizes=[1_000_000])
     res: dict = {}
     # the two bounds of the ids layout: the expansion kernel alone (in memory), and
     # writing the same bytes to the same disk

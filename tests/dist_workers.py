@@ -10,6 +10,7 @@ from recscale.data.synthetic import SyntheticCriteo
 from recscale.distributed import init_distributed, shard, table_infos, uniform_plan
 from recscale.models.dlrm import build_model
 from recscale.planner import ShardingPlan
+from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
 
 
@@ -220,7 +221,8 @@ def checkpoint_memory(root: str, big_rows: int) -> dict:
 
 
 COMPRESSED = ["--embedding.compression=qr", "--embedding.qr_buckets=8",
-              "--embedding.table_compression=C2=tt,C3=mixed_dim,C4=none"]  # fmt: skip
+              "--embedding.table_compression=C2=tt,C3=mixed_dim,C4=none",
+              "--embedding.hot_fraction=0.05"]  # fmt: skip
 
 
 def compressed_config():
@@ -235,6 +237,7 @@ def compressed_reference(steps: int, batch_size: int):
     cfg = compressed_config()
     batches, eval_batch = global_batches(cfg, steps, batch_size)
     model = build_model(cfg.model, cfg.embedding, seed=0)
+    assign_hot_rows(model, cfg, lambda _msg: None)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     return train_and_report(model, model, opt, batches, eval_batch)[0]
 
@@ -254,6 +257,7 @@ def compressed_run(steps: int, batch_size: int):
     plan = plan_for(cfg, w, 1 << 40)
     model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
     module = shard(model, plan, ctx, storage_factory(cfg.embedding, torch.device("cpu"), "auto"))
+    assign_hot_rows(model, cfg, lambda _msg: None)  # each rank: its own compressed tables
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     local = [b.slice(lo, hi) for b in batches]
     preds, _ = train_and_report(module, model, opt, local, eval_batch.slice(lo, hi))

@@ -157,7 +157,6 @@ def test_bad_values_are_refused_naming_the_key():
             ["--embedding.compression=qr", "--distributed.sharding=row_wise"],
             "embedding.compression",
         ),
-        (["--embedding.compression=qr", "--embedding.row_precision=int8"], "embedding.compression"),
     ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config("debug", over)

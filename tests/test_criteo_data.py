@@ -300,3 +300,29 @@ def test_synth_tsv_writes_the_click_models_own_metrics(tmp_path):
     brute = auc(torch.from_numpy(all_logits), torch.from_numpy(labels).double())
     assert opt["all"]["auc"] == pytest.approx(brute)
     assert 0.6 < opt["kaggle_test"]["auc"] < 1.0
+
+
+def test_synth_tsv_lines_are_distinct_unless_cycling_is_asked_for(tmp_path):
+    """By default no line repeats (a repeated line in the test split would let a model
+    memorise its label and score above the click model's ceiling); --cycle-blocks
+    repeats blocks on request."""
+    from recscale.data.criteo_tsv_writer import write_tsv
+
+    write_tsv(tmp_path / "d.tsv", 2500, seed=1, block=1000)
+    lines = (tmp_path / "d.tsv").read_text().splitlines()
+    assert len(lines) == 2500 and len(set(lines)) == 2500
+    write_tsv(tmp_path / "c.tsv", 2500, seed=1, block=1000, distinct_blocks=2)
+    cycled = (tmp_path / "c.tsv").read_text().splitlines()
+    assert cycled[:2000] == lines[:2000] and cycled[2000:] == lines[:500]
+
+
+def test_synth_tsv_cli_writes_distinct_lines_and_refuses_a_negative_cycle(tmp_path):
+    out = tmp_path / "s.tsv"
+    cmd = [sys.executable, "-m", "recscale", "data", "synth-tsv", "--lines", "2000"]
+    r = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ceiling" in r.stdout, r.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(set(lines)) == 2000
+    r = subprocess.run([*cmd, "--out", str(out), "--cycle-blocks", "-1"], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "--cycle-blocks" in r.stderr and "Traceback" not in r.stderr

@@ -367,7 +367,7 @@ def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -
                 except RuntimeError as e:
                     raise CheckpointError(
                         f"{f}: the factors of {name} do not fit the model's (embedding.compression, "
-                        f"qr_buckets, tt_rank and md_alpha must match the run's): {str(e)[:200]}"
+                        f"qr_buckets, tt_rank, md_alpha and hot_fraction must match the run's): {str(e)[:200]}"
                     ) from e
     return found
 

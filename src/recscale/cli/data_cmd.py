@@ -49,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--lines", type=int, required=True)
     sp.add_argument("--out", type=Path, required=True)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument(
+        "--cycle-blocks", type=int, default=0, metavar="N",
+        help="draw only N blocks of 100k lines and repeat them (fast, for ingestion-speed "
+        "tests; the test split then repeats training lines, so held-out metrics are not "
+        "meaningful). Default 0: every line drawn afresh",
+    )  # fmt: skip
 
     mp = dsub.add_parser(
         "multihot", help="a one-hot dataset -> multi-hot bags (MLPerf DLRMv2 style)"
@@ -103,7 +109,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.data_command == "synth-tsv":
         from recscale.data.criteo_tsv_writer import write_tsv
 
-        n = write_tsv(args.out, args.lines, seed=args.seed)
+        if args.cycle_blocks < 0:
+            print("recscale: error: --cycle-blocks must be >= 0", file=sys.stderr)
+            return 1
+        n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
         print(f"the click model itself scores AUC {opt['auc']:.4f}, logloss {opt['logloss']:.4f} "

@@ -180,6 +180,11 @@ class EmbeddingConfig:
     qr_op: str = "mult"
     md_alpha: float = 0.3
     tt_rank: int = 8
+    # Share of each compressed table's rows kept exact (plain rows at row_precision):
+    # the ids most frequent in the first hot_sample_rows training samples (TT-Rec's
+    # cache of hot rows, FAE's hot embeddings). 0 = none.
+    hot_fraction: float = 0.0
+    hot_sample_rows: int = 131072
 
     def validate(self) -> None:
         _choice("embedding.optimizer", self.optimizer, SPARSE_OPTIMIZERS)
@@ -193,6 +198,14 @@ class EmbeddingConfig:
         for key in ("qr_buckets", "tt_rank"):
             if int(getattr(self, key)) < 1:
                 raise ConfigError(f"embedding.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if not 0.0 <= self.hot_fraction < 1.0:
+            raise ConfigError(
+                "embedding.hot_fraction", f"must be in [0, 1), got {self.hot_fraction}"
+            )
+        if int(self.hot_sample_rows) < 1:
+            raise ConfigError(
+                "embedding.hot_sample_rows", f"must be >= 1, got {self.hot_sample_rows}"
+            )
         if not 0.0 <= self.md_alpha <= 2.0:
             raise ConfigError("embedding.md_alpha", f"must be in [0, 2], got {self.md_alpha}")
         for item in self.table_compression:
@@ -452,10 +465,11 @@ class Config:
             raise ConfigError("embedding.table_compression", f"no table named {unknown[0]}")
         used = {methods.get(n, e.compression) for n in names} - {"none"}
         if not used:
+            if e.hot_fraction:
+                raise ConfigError("embedding.hot_fraction",
+                                  "keeps rows of compressed tables exact; no table is "
+                                  "compressed (set embedding.compression)")  # fmt: skip
             return
-        if e.row_precision != "fp32":
-            raise ConfigError("embedding.compression",
-                              "compressed tables keep fp32 factors; use embedding.row_precision=fp32")  # fmt: skip
         if self.distributed.sharding not in ("auto", "table_wise"):
             raise ConfigError("embedding.compression",
                               f"a compressed table is placed whole; distributed.sharding="

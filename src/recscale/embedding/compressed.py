@@ -19,8 +19,25 @@ factor rows again as leaves, combine under autograd, and hand each factor's row
 gradients - duplicates merged - to that factor's optimizer step. Nothing of size
 ``num_rows`` is ever materialized (``read_rows`` builds only the rows asked for).
 
-Checkpoints hold the factors (``factor_state``/``load_factor_state``), not rows;
-``write_rows`` is refused: a virtual row cannot be set on its own.
+The factors a lookup gathers rows of are stored at ``embedding.row_precision``
+(a :class:`LowPrecisionStorage`: decoded to fp32 for the combine, updated in fp32 and
+rounded back stochastically); factors used whole (``WHOLE_FACTORS``: mixed_dim's
+projection) stay fp32.
+
+Hot rows (``embedding.hot_fraction``, TT-Rec's cache of frequent rows): ``hot_rows``
+virtual rows are also kept exact, as plain rows in ``hot`` (a row storage of its own,
+at the row precision), for the ids in ``hot_ids`` (sorted; slots past the ids chosen
+hold ids >= ``num_rows``, which no lookup matches)::
+
+    hot_ids [k] int32 sorted (int64 past 2^31 rows)   hot [k, D]
+    row i = hot[j] if hot_ids[j] == i else combine(factor rows of i)
+
+``set_hot_ids`` chooses them once, before training, starting each from its current
+virtual row; a lookup and an update split the batch's rows between the two.
+
+Checkpoints hold the factors, the hot ids and rows (``factor_state``/
+``load_factor_state``), not virtual rows; ``write_rows`` is refused: a virtual row
+cannot be set on its own.
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ import torch
 from torch import nn
 
 from recscale.config.schema import QR_OPS
+from recscale.embedding.low_precision import LowPrecisionStorage
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows, pool_rows
 
@@ -72,15 +90,27 @@ class FactoredStorage(RowStorage):
     derived_rows = True  # rows are computed: init and checkpoints go through the factors
 
     def __init__(self, num_rows: int, dim: int, factor_shapes: dict[str, tuple[int, int]],
-                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+                 optimizer: SparseOptimizer, device: torch.device | None = None,
+                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
         super().__init__()
-        self.num_rows, self.dim = num_rows, dim
+        self.num_rows, self.dim, self.precision = num_rows, dim, precision
         # one optimizer object for every factor: the LR schedule sets ``storage.optimizer.lr``
         self.optimizer = optimizer
-        self.factors = nn.ModuleDict({
-            name: DeviceStorage(rows, width, optimizer, device, kernel="torch")
-            for name, (rows, width) in factor_shapes.items()
-        })  # fmt: skip
+
+        def factor(name: str, rows: int, width: int) -> DeviceStorage:
+            if precision == "fp32" or name in WHOLE_FACTORS:
+                return DeviceStorage(rows, width, optimizer, device, kernel="torch")
+            return LowPrecisionStorage(rows, width, optimizer, precision, device, kernel="torch")
+
+        self.factors = nn.ModuleDict(
+            {name: factor(name, rows, width) for name, (rows, width) in factor_shapes.items()}
+        )
+        self.hot_rows = hot_rows
+        if hot_rows:
+            self.hot = factor("hot", hot_rows, dim)
+            self.register_buffer("hot_ids", torch.arange(
+                num_rows, num_rows + hot_rows, dtype=hot_id_dtype(num_rows, hot_rows), device=device
+            ))  # fmt: skip
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
     # -- what a method defines (QRStorage, MixedDimStorage, TTStorage) ---------------
@@ -103,19 +133,57 @@ class FactoredStorage(RowStorage):
         return next(iter(self.factors.values())).device
 
     def stored_bytes(self) -> int:
-        return sum(f.weight.numel() * f.weight.element_size() for f in self.factors.values())
+        # the rows and, for int8 factors, their scale and bias (not optimizer state)
+        stores = [*self.factors.values(), *([self.hot] if self.hot_rows else [])]
+        ids = self.hot_ids.numel() * self.hot_ids.element_size() if self.hot_rows else 0
+        return ids + sum(
+            t.numel() * t.element_size()
+            for f in stores
+            for name, t in f.named_buffers()
+            if name in ("weight", "qparams")
+        )
 
     def _gather(self, rows: torch.Tensor, leaves: bool = False):
         idx = self._index(rows)
         parts = {}
         for name, f in self.factors.items():
-            w = f.weight if name not in idx else f.weight.index_select(0, idx[name])
+            w = f.weight if name not in idx else f.read_rows(idx[name])  # decoded: fp32
             parts[name] = w.detach().requires_grad_(True) if leaves else w
         return idx, parts
 
+    def _computed(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._combine(self._gather(rows)[1])
+
+    def _hot_slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of ``rows`` are hot, and their slots in ``hot`` (meaningful where hot)."""
+        pos = torch.searchsorted(self.hot_ids, rows.to(self.hot_ids.dtype))
+        pos = pos.clamp_(max=self.hot_rows - 1)
+        return self.hot_ids[pos] == rows, pos
+
     def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(self.device)
         with torch.no_grad():
-            return self._combine(self._gather(rows.to(self.device))[1])
+            if not self.hot_rows:
+                return self._computed(rows)
+            hot, pos = self._hot_slots(rows)
+            out = torch.empty(rows.shape[0], self.dim, device=rows.device)
+            out[~hot] = self._computed(rows[~hot])
+            out[hot] = self.hot.read_rows(pos[hot])
+            return out
+
+    @torch.no_grad()
+    def set_hot_ids(self, ids: torch.Tensor) -> None:
+        """Keep the rows of ``ids`` (distinct, at most ``hot_rows``) exact from now on,
+        each starting from its current virtual row."""
+        ids = torch.unique(ids.to(self.device, torch.int64))
+        if ids.numel() > self.hot_rows or (
+            ids.numel() and (ids[0] < 0 or ids[-1] >= self.num_rows)
+        ):
+            raise ValueError(f"hot ids must be at most {self.hot_rows} ids in [0, {self.num_rows})")
+        free = torch.arange(self.num_rows, self.num_rows + self.hot_rows - ids.numel(),
+                            device=ids.device)  # fmt: skip
+        self.hot.write_rows(torch.arange(ids.numel(), device=ids.device), self._computed(ids))
+        self.hot_ids.copy_(torch.cat([ids, free]).to(self.hot_ids.dtype))
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
@@ -125,6 +193,13 @@ class FactoredStorage(RowStorage):
         """``rows`` unique, ``grad [U, dim]`` their merged gradients: the chain rule to
         each factor's rows, then each factor's own optimizer step."""
         self.step += 1
+        if self.hot_rows:
+            hot, pos = self._hot_slots(rows)
+            if hot.any():
+                self.hot.apply_gradients(pos[hot], grad[hot])
+            rows, grad = rows[~hot], grad[~hot]
+            if rows.numel() == 0:
+                return
         idx, parts = self._gather(rows, leaves=True)
         with torch.enable_grad():
             out = self._combine(parts)
@@ -161,8 +236,13 @@ class FactoredStorage(RowStorage):
         self.load_state_dict(state)
 
 
-def _uniform(t: torch.Tensor, lo: float, hi: float, gen: torch.Generator) -> None:
-    t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))
+def _uniform(f: DeviceStorage, lo: float, hi: float, gen: torch.Generator) -> None:
+    _set(f, torch.empty(f.weight.shape).uniform_(lo, hi, generator=gen))
+
+
+def _set(f: DeviceStorage, values: torch.Tensor) -> None:
+    """Every row of factor ``f`` from fp32 ``values`` (encoded at the factor's precision)."""
+    f.write_rows(torch.arange(f.num_rows, device=f.weight.device), values)
 
 
 def _generator(seed: int, feature: int) -> torch.Generator:
@@ -171,11 +251,12 @@ def _generator(seed: int, feature: int) -> torch.Generator:
 
 class QRStorage(FactoredStorage):
     def __init__(self, num_rows: int, dim: int, buckets: int, op: str,
-                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+                 optimizer: SparseOptimizer, device: torch.device | None = None,
+                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
         if op not in QR_OPS:
             raise ValueError(f"qr op must be one of {QR_OPS}, got {op!r}")
         shapes = factor_shapes("qr", num_rows, dim, qr_buckets=buckets, qr_op=op)
-        super().__init__(num_rows, dim, shapes, optimizer, device)
+        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
         self.buckets, self.op = shapes["r"][0], op
 
     def _index(self, rows):
@@ -191,7 +272,7 @@ class QRStorage(FactoredStorage):
     @torch.no_grad()
     def init_factors(self, seed: int, feature: int) -> None:
         gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
-        q, r = self.factors["q"].weight, self.factors["r"].weight
+        q, r = self.factors["q"], self.factors["r"]
         if self.op == "mult":  # Q carries the spread, R starts near one
             _uniform(q, -b, b, gen)
             _uniform(r, 0.5, 1.5, gen)
@@ -205,9 +286,10 @@ class QRStorage(FactoredStorage):
 
 class MixedDimStorage(FactoredStorage):
     def __init__(self, num_rows: int, dim: int, small_dim: int,
-                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+                 optimizer: SparseOptimizer, device: torch.device | None = None,
+                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
         shapes = factor_shapes("mixed_dim", num_rows, dim, small_dim=small_dim)
-        super().__init__(num_rows, dim, shapes, optimizer, device)
+        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
         self.small_dim = small_dim
 
     def _index(self, rows):
@@ -219,18 +301,19 @@ class MixedDimStorage(FactoredStorage):
     @torch.no_grad()
     def init_factors(self, seed: int, feature: int) -> None:
         gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
-        _uniform(self.factors["w"].weight, -b, b, gen)
+        _uniform(self.factors["w"], -b, b, gen)
         # N(0, 1/d): a projected row keeps the spread of W's rows
         p = torch.randn(self.small_dim, self.dim, generator=gen) / math.sqrt(self.small_dim)
-        self.factors["proj"].weight.copy_(p)
+        _set(self.factors["proj"], p)
 
 
 class TTStorage(FactoredStorage):
     def __init__(self, num_rows: int, dim: int, rank: int,
-                 optimizer: SparseOptimizer, device: torch.device | None = None) -> None:  # fmt: skip
+                 optimizer: SparseOptimizer, device: torch.device | None = None,
+                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
         (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
         shapes = factor_shapes("tt", num_rows, dim, tt_rank=rank)
-        super().__init__(num_rows, dim, shapes, optimizer, device)
+        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
         self.n, self.d, self.rank = (n1, n2, n3), (d1, d2, d3), rank
 
     def _index(self, rows):
@@ -254,7 +337,11 @@ class TTStorage(FactoredStorage):
         gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
         sigma = (b * b / 3 / self.rank**2) ** (1 / 6)
         for f in self.factors.values():
-            f.weight.copy_(torch.randn(f.weight.shape, generator=gen) * sigma)
+            _set(f, torch.randn(f.weight.shape, generator=gen) * sigma)
+
+
+# factors used whole in every lookup (not gathered by row): kept fp32 at any row_precision
+WHOLE_FACTORS = frozenset({"proj"})
 
 
 def factor_shapes(method: str, num_rows: int, dim: int, qr_buckets: int = 1,
@@ -310,45 +397,59 @@ def table_compressions(table_sizes: list[int], dims: list[int], cfg) -> list[tup
     return out
 
 
-def compressed_factor_rows(method: str, num_rows: int, dim: int, cfg, small_dim: int = 0) -> int:
-    """Rows of all the factors (each carries its optimizer's per-row state)."""
-    shapes = factor_shapes(method, num_rows, dim, cfg.qr_buckets, cfg.qr_op, cfg.tt_rank, small_dim)
-    return sum(rows for rows, _ in shapes.values())
+def hot_id_dtype(num_rows: int, hot_rows: int) -> torch.dtype:
+    """int32 ids (4 bytes a hot row) where the table's ids and the free slots' fit."""
+    return torch.int32 if num_rows + hot_rows < 2**31 else torch.int64
+
+
+def hot_count(num_rows: int, fraction: float) -> int:
+    """Rows of a compressed table kept exact at ``embedding.hot_fraction``."""
+    return min(num_rows, math.ceil(fraction * num_rows)) if fraction > 0 else 0
 
 
 def build_compressed(method: str, num_rows: int, dim: int, small_dim: int, cfg,
                      optimizer: SparseOptimizer, device: torch.device | None) -> FactoredStorage:  # fmt: skip
     """The storage of one compressed table (``cfg``: the ``EmbeddingConfig``)."""
+    p, k = cfg.row_precision, hot_count(num_rows, cfg.hot_fraction)
     if method == "qr":
-        return QRStorage(num_rows, dim, cfg.qr_buckets, cfg.qr_op, optimizer, device)
+        return QRStorage(num_rows, dim, cfg.qr_buckets, cfg.qr_op, optimizer, device, p, k)
     if method == "mixed_dim":
-        return MixedDimStorage(num_rows, dim, small_dim, optimizer, device)
+        return MixedDimStorage(num_rows, dim, small_dim, optimizer, device, p, k)
     if method == "tt":
-        return TTStorage(num_rows, dim, cfg.tt_rank, optimizer, device)
+        return TTStorage(num_rows, dim, cfg.tt_rank, optimizer, device, p, k)
     raise ValueError(f"unknown compression {method!r}")
 
 
 def compression_summary(cfg) -> list[str]:
     """What ``embedding.compression`` / ``row_precision`` make of the tables (``cfg``: the
     root ``Config``), a line each - printed at the start of training and by ``plan``."""
-    from recscale.planner.from_config import table_infos
-
     e, m = cfg.embedding, cfg.model
     lines = []
-    if e.row_precision != "fp32":
-        lines.append(f"embedding rows stored as {e.row_precision} (optimizer state fp32)")
     comp = table_compressions(m.table_sizes, m.dims(), e)
+    if e.row_precision != "fp32":
+        what = (
+            "embedding rows" if all(c == "none" for c, _ in comp) else "rows and gathered factors"
+        )
+        lines.append(f"{what} stored as {e.row_precision} (optimizer state fp32)")
     if all(c == "none" for c, _ in comp):
-        return lines
-    infos = table_infos(cfg)
-    plain = sum(t.rows * (t.dim * 4 + 4) for t in infos)
+        return [*lines, memory_line(cfg)] if lines else lines
     parts = []
-    for t, (c, sd) in zip(infos, comp):
+    for i, (c, sd) in enumerate(comp):
         if c != "none":
             what = {"qr": f"qr/{e.qr_buckets}", "tt": f"tt r{e.tt_rank}",
                     "mixed_dim": f"dim {sd}"}[c]  # fmt: skip
-            parts.append(f"{t.name} {what}")
-    total = sum(t.bytes for t in infos)
-    lines.append(f"compressed tables ({len(parts)} of {len(infos)}): {', '.join(parts)}; "
-                 f"tables {total / 1e6:.1f} MB, {plain / max(total, 1):.1f}x smaller than plain")  # fmt: skip
+            parts.append(f"C{i + 1} {what}")
+    lines.append(f"compressed tables ({len(parts)} of {len(comp)}): {', '.join(parts)}")
+    lines.append(memory_line(cfg))
     return lines
+
+
+def memory_line(cfg) -> str:
+    """The tables' bytes against plain fp32 tables, weights alone and in training."""
+    from recscale.planner.from_config import table_memory
+
+    mem = table_memory(cfg)
+    return (f"tables: weights {mem['weights'] / 1e6:.2f} MB, "
+            f"{mem['plain_weights'] / max(mem['weights'], 1):.1f}x smaller than plain fp32; "
+            f"with optimizer state {mem['total'] / 1e6:.2f} MB, "
+            f"{mem['plain_total'] / max(mem['total'], 1):.1f}x")  # fmt: skip

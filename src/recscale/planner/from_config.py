@@ -13,8 +13,10 @@ import torch
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.embedding.compressed import (
-    compressed_factor_rows,
-    compressed_rows,
+    WHOLE_FACTORS,
+    factor_shapes,
+    hot_count,
+    hot_id_dtype,
     table_compressions,
 )
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
@@ -38,30 +40,61 @@ def table_infos(cfg: Config) -> list[TableInfo]:
     pooling = [float(k) for k in cfg.data.bag_sizes] or [mean] * len(m.table_sizes)
     e = cfg.embedding
     comp = table_compressions(m.table_sizes, m.dims(), e)
-    return [
-        TableInfo(
-            f"C{i + 1}",
-            n,
-            d,
-            pooling[i],
+    infos = []
+    for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp)):
+        total, weights = compressed_table_bytes(c, n, d, sd, e)
+        infos.append(TableInfo(
+            f"C{i + 1}", n, d, pooling[i],
             state_bytes(e, d) + row_overhead(e.row_precision),
             bytes_per_value(e.row_precision),
-            compressed_table_bytes(c, n, d, sd, e),
-        )  # fmt: skip
-        for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp))
-    ]
+            total,
+            row_overhead(e.row_precision),
+            weights,
+        ))  # fmt: skip
+    return infos
 
 
-def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) -> int:
-    """A compressed table's factors in fp32 with their optimizer state (row-wise: one
-    value per factor row; Adam: two per factor value); 0 for a plain table."""
+def table_memory(cfg: Config) -> dict[str, int]:
+    """Bytes of the embedding tables as configured and as plain fp32 tables with the same
+    optimizer: ``weights`` / ``plain_weights`` (the rows alone) and ``total`` /
+    ``plain_total`` (with optimizer state, what training holds)."""
+    infos = table_infos(cfg)
+    e = cfg.embedding
+    return {
+        "weights": sum(t.weight_bytes for t in infos),
+        "total": sum(t.bytes for t in infos),
+        "plain_weights": sum(t.rows * t.dim * 4 for t in infos),
+        "plain_total": sum(t.rows * (t.dim * 4 + state_bytes(e, t.dim)) for t in infos),
+    }
+
+
+def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) -> tuple[int, int]:
+    """A compressed table's bytes in training and of its weights alone: the factors a
+    lookup gathers rows of at ``row_precision`` (int8: + scale and bias a row), whole
+    factors (mixed_dim's projection) in fp32, plus the optimizer state (row-wise: one
+    fp32 value per factor row; Adam: two per factor value) and the hot rows kept exact
+    (``embedding.hot_fraction``: rows, ids, state). ``(0, 0)`` for a plain table."""
     if method == "none":
-        return 0
-    values = compressed_rows(method, rows, dim, e.qr_buckets, e.qr_op, e.tt_rank, small_dim)
+        return 0, 0
+    shapes = factor_shapes(method, rows, dim, e.qr_buckets, e.qr_op, e.tt_rank, small_dim)
+    weights = 0
+    for name, (r, w) in shapes.items():
+        if name in WHOLE_FACTORS:
+            weights += 4 * r * w
+        else:
+            weights += r * (w * bytes_per_value(e.row_precision) + row_overhead(e.row_precision))
+    k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + id
+    if k:
+        shapes = {**shapes, "hot": (k, dim)}
+        id_bytes = hot_id_dtype(rows, k).itemsize
+        weights += k * (
+            dim * bytes_per_value(e.row_precision) + row_overhead(e.row_precision) + id_bytes
+        )
+    values = sum(r * w for r, w in shapes.values())
     if e.optimizer == "adam":
-        return 3 * 4 * values
+        return weights + 2 * 4 * values, weights
     state = 4 if e.optimizer == "rowwise_adagrad" else 0
-    return 4 * values + state * compressed_factor_rows(method, rows, dim, e, small_dim)
+    return weights + state * sum(r for r, _ in shapes.values()), weights
 
 
 def uniform_plan(tables: list[TableInfo], world_size: int, kind: str) -> ShardingPlan:

@@ -21,12 +21,26 @@ class TableInfo:
     # a compressed table (embedding/compressed.py): its factors' bytes with their state,
     # and it is placed whole (table_wise) - 0 for a plain table
     compressed_bytes: int = 0
+    # what of the above are the weights themselves, without optimizer state: int8's
+    # per-row scale and bias (counted in state_bytes_per_row too), a compressed table's
+    # factors
+    row_overhead_bytes: int = 0
+    compressed_weight_bytes: int = 0
 
     @property
     def bytes(self) -> int:
+        """Bytes in training: the weights and their optimizer state."""
         if self.compressed_bytes:
             return self.compressed_bytes
         return self.rows * (self.dim * self.bytes_per_value + self.state_bytes_per_row)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights alone (what a model is served from and "a table of N GB
+        before optimizer state" means)."""
+        if self.compressed_bytes:
+            return self.compressed_weight_bytes
+        return self.rows * (self.dim * self.bytes_per_value + self.row_overhead_bytes)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.host_memory import set_host_memory
+from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
@@ -202,6 +203,8 @@ def build_job(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(cfg))
     model, module, plan = build(cfg, ctx, echo)
+    if resume is None:  # a resumed run restores its hot ids with the factors
+        assign_hot_rows(model, cfg, echo)
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     plan_meta = plan.to_dict()
     ckpt = None
