@@ -11,6 +11,7 @@ from pathlib import Path
 
 from recscale.checkpoint.format import CheckpointError
 from recscale.config.loader import load_config, preset_names
+from recscale.embedding.cached_storage import CacheTooSmallError
 from recscale.modules.embedding_bag_collection import IdOutOfRangeError
 from recscale.train.run import RunDirInUse, TrainingDiverged, train
 
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     terminated = _on_sigterm_interrupt()
     try:
         metrics = train(cfg, run_dir, resume=args.resume)
-    except (TrainingDiverged, IdOutOfRangeError, CheckpointError, RunDirInUse) as e:
+    except (TrainingDiverged, IdOutOfRangeError, CheckpointError, RunDirInUse,
+            CacheTooSmallError) as e:  # fmt: skip
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     if terminated.is_set() or metrics.get("stop_signal") == "SIGTERM":
