@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import assert_resume_identical
 
 from recscale.config import load_config
-from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage
+from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage, tt_shape
 from recscale.embedding.low_precision import LowPrecisionStorage
 from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
 from recscale.planner.from_config import compressed_table_bytes, table_memory
@@ -43,8 +43,7 @@ def _rows(method, f, rows):
         return f["q"][rows // 16] * f["r"][rows % 16]
     if method == "mixed_dim":
         return f["w"][rows] @ f["proj"]
-    s = TTStorage(N, D, 3, SparseSGD(0.0))  # only for its shape bookkeeping
-    (_, n2, n3), (d1, d2, d3) = s.n, s.d
+    (_, n2, n3), (d1, d2, d3) = tt_shape(N, D)
     out = []
     for x in rows.tolist():
         a = f["g1"][x // (n2 * n3)].view(d1, 3)

@@ -133,15 +133,16 @@ class FactoredStorage(RowStorage):
         return next(iter(self.factors.values())).device
 
     def stored_bytes(self) -> int:
-        # the rows and, for int8 factors, their scale and bias (not optimizer state)
+        """Bytes of the weights: factor and hot rows (int8: + their scale and bias) and
+        the hot ids - no optimizer state (what the planner's ``weight_bytes`` counts)."""
+
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
         stores = [*self.factors.values(), *([self.hot] if self.hot_rows else [])]
-        ids = self.hot_ids.numel() * self.hot_ids.element_size() if self.hot_rows else 0
-        return ids + sum(
-            t.numel() * t.element_size()
-            for f in stores
-            for name, t in f.named_buffers()
-            if name in ("weight", "qparams")
-        )
+        ids = size(self.hot_ids) if self.hot_rows else 0
+        return ids + sum(size(f.weight) + (size(f.qparams) if hasattr(f, "qparams") else 0)
+                         for f in stores)  # fmt: skip
 
     def _gather(self, rows: torch.Tensor, leaves: bool = False):
         idx = self._index(rows)

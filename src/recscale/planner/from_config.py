@@ -77,19 +77,13 @@ def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) 
     if method == "none":
         return 0, 0
     shapes = factor_shapes(method, rows, dim, e.qr_buckets, e.qr_op, e.tt_rank, small_dim)
-    weights = 0
-    for name, (r, w) in shapes.items():
-        if name in WHOLE_FACTORS:
-            weights += 4 * r * w
-        else:
-            weights += r * (w * bytes_per_value(e.row_precision) + row_overhead(e.row_precision))
-    k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + id
+    k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + an id
     if k:
         shapes = {**shapes, "hot": (k, dim)}
-        id_bytes = hot_id_dtype(rows, k).itemsize
-        weights += k * (
-            dim * bytes_per_value(e.row_precision) + row_overhead(e.row_precision) + id_bytes
-        )
+    p = e.row_precision
+    weights = sum(4 * r * w if name in WHOLE_FACTORS else r * (w * bytes_per_value(p) + row_overhead(p))
+                  for name, (r, w) in shapes.items())  # fmt: skip
+    weights += k * hot_id_dtype(rows, k).itemsize
     values = sum(r * w for r, w in shapes.values())
     if e.optimizer == "adam":
         return weights + 2 * 4 * values, weights
