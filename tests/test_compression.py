@@ -209,3 +209,23 @@ def test_rows_of_a_compressed_table_cannot_be_written_one_by_one():
         s.write_rows(torch.arange(2), torch.zeros(2, D))
     with pytest.raises(TypeError, match="lives in its factors"):
         s.write_state(torch.arange(2), {})
+
+
+def test_small_batches_run_serially_with_the_same_rows_and_threads_restored():
+    """Lookups under the serial threshold (one thread) and over it (all threads) give
+    the same rows, and the thread count is restored, also when the body raises."""
+    from recscale.embedding import compressed
+
+    s = TTStorage(100_000, D, 4, SparseSGD(0.1))
+    s.init_factors(seed=1, feature=2)
+    big = torch.randint(0, 100_000, (compressed._SERIAL_BELOW // D + 7,))
+    offsets = torch.arange(big.numel() + 1)
+    threads = torch.get_num_threads()
+    whole = s.lookup(big, offsets, None)
+    parts = [s.lookup(c, torch.arange(c.numel() + 1), None) for c in big.split(1000)]
+    torch.testing.assert_close(whole, torch.cat(parts), rtol=1e-6, atol=1e-7)
+    assert torch.get_num_threads() == threads
+    with pytest.raises(RuntimeError, match="boom"):
+        with compressed._serial_if_small(10):
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == threads
