@@ -188,11 +188,11 @@ class FactoredStorage(RowStorage):
         self.hot_ids.copy_(torch.cat([ids, free]).to(self.hot_ids.dtype))
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        with _serial_if_small(rows.numel() * self.dim):
+        with _serial_if_small(rows.numel() * self.dim, self.device):
             return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
 
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        with _serial_if_small(rows.numel() * self.dim):
+        with _serial_if_small(rows.numel() * self.dim, self.device):
             super().apply_pooled_gradients(
                 rows, segments, bag_of_id, per_sample_weights, grad_pooled
             )
@@ -254,9 +254,10 @@ _SERIAL_BELOW = 1 << 18
 
 
 @contextmanager
-def _serial_if_small(values: int):
+def _serial_if_small(values: int, device: torch.device | None = None):
     threads = torch.get_num_threads()
-    if values >= _SERIAL_BELOW or threads == 1:
+    on_gpu = device is not None and device.type != "cpu"  # the ops run there, not here
+    if on_gpu or values >= _SERIAL_BELOW or threads == 1:
         yield
         return
     torch.set_num_threads(1)  # this thread's parallel regions only (OpenMP's ICV)
