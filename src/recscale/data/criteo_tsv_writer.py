@@ -81,7 +81,7 @@ def write_tsv(
     """
     needed = -(-lines // block)
     made = [synthetic_lines_and_logits(min(block, lines - i * block), seed + i)
-            for i in range(min(distinct_blocks, needed) if distinct_blocks else needed)]  # fmt: skip
+            for i in range(min(distinct_blocks or needed, needed))]  # fmt: skip
     blocks = [("\n".join(ls) + "\n").encode() for ls, _ in made]
     order = [(i % len(made), min(block, lines - w)) for i, w in enumerate(range(0, lines, block))]
     all_logits = np.concatenate([made[b][1][:n] for b, n in order])

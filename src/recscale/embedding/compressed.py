@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from recscale.config.schema import QR_OPS
-from recscale.embedding.low_precision import LowPrecisionStorage
+from recscale.embedding.low_precision import device_rows
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows, pool_rows
 
@@ -99,9 +99,8 @@ class FactoredStorage(RowStorage):
         self.optimizer = optimizer
 
         def factor(name: str, rows: int, width: int) -> DeviceStorage:
-            if precision == "fp32" or name in WHOLE_FACTORS:
-                return DeviceStorage(rows, width, optimizer, device, kernel="torch")
-            return LowPrecisionStorage(rows, width, optimizer, precision, device, kernel="torch")
+            p = "fp32" if name in WHOLE_FACTORS else precision
+            return device_rows(rows, width, optimizer, p, device, kernel="torch")
 
         self.factors = nn.ModuleDict(
             {name: factor(name, rows, width) for name, (rows, width) in factor_shapes.items()}

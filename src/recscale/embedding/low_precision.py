@@ -201,6 +201,15 @@ class LowPrecisionStorage(DeviceStorage):
         self._encode(rows, values.to(self.weight.device, torch.float32), None)
 
 
+def device_rows(num_rows: int, dim: int, optimizer: SparseOptimizer, precision: str,
+                device: torch.device | None = None, kernel: str = "auto") -> DeviceStorage:  # fmt: skip
+    """Rows in device memory at ``precision``: a plain :class:`DeviceStorage` for fp32,
+    else a :class:`LowPrecisionStorage` (plain tables and compressed factors alike)."""
+    if precision == "fp32":
+        return DeviceStorage(num_rows, dim, optimizer, device, kernel)
+    return LowPrecisionStorage(num_rows, dim, optimizer, precision, device, kernel)
+
+
 def table_bytes(num_rows: int, dim: int, precision: str) -> int:
     """Stored bytes of a table's rows (no optimizer state)."""
     return int(num_rows * (dim * bytes_per_value(precision) + row_overhead(precision)))

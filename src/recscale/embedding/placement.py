@@ -21,9 +21,8 @@ import torch
 from recscale.config.schema import EmbeddingConfig
 from recscale.embedding.cached_storage import CachedStorage
 from recscale.embedding.compressed import build_compressed
-from recscale.embedding.low_precision import LowPrecisionStorage, bytes_per_value, row_overhead
+from recscale.embedding.low_precision import bytes_per_value, device_rows, row_overhead
 from recscale.embedding.optimizers import build_sparse_optimizer
-from recscale.embedding.storage import DeviceStorage
 
 
 def state_bytes(cfg: EmbeddingConfig, dim: int) -> int:
@@ -55,11 +54,7 @@ def storage_factory(
                 t.compression, num_rows, dim, t.small_dim, cfg, optimizer, device
             )
         if tables[0].placement == "device":
-            if cfg.row_precision != "fp32":
-                return LowPrecisionStorage(
-                    num_rows, dim, optimizer, cfg.row_precision, device, kernel
-                )
-            return DeviceStorage(num_rows, dim, optimizer, device, kernel)
+            return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kernel)
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
             return CachedStorage(num_rows, dim, optimizer, None, rows, policy=cfg.cache_policy,

@@ -19,7 +19,7 @@ from recscale.embedding.compressed import (
     hot_id_dtype,
     table_compressions,
 )
-from recscale.embedding.low_precision import bytes_per_value, row_overhead
+from recscale.embedding.low_precision import bytes_per_value, row_overhead, table_bytes
 from recscale.embedding.placement import state_bytes
 from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
@@ -80,8 +80,7 @@ def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) 
     k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + an id
     if k:
         shapes = {**shapes, "hot": (k, dim)}
-    p = e.row_precision
-    weights = sum(4 * r * w if name in WHOLE_FACTORS else r * (w * bytes_per_value(p) + row_overhead(p))
+    weights = sum(table_bytes(r, w, "fp32" if name in WHOLE_FACTORS else e.row_precision)
                   for name, (r, w) in shapes.items())  # fmt: skip
     weights += k * hot_id_dtype(rows, k).itemsize
     values = sum(r * w for r, w in shapes.values())
