@@ -8,9 +8,10 @@ first bottom layer: the dense features need none) and weight gradient ``g^T x`` 
 timed with MKL (``torch.mm``, with either operand transposed) and oneDNN (the fused
 linear the MLPs run), operands pre-transposed for free and hot in the caches; the best
 of ``--repeats`` in each of ``--rounds`` passes over all layers stands (a shared VM has
-slow periods that last seconds; the best over separate passes sees past them). Their sum is the time a step's GEMMs could take on this
-machine if nothing else got in the way; docs/performance.md compares it with the
-GEMM part of the bound (``recscale bench throughput``) and with the step.
+slow periods that last seconds; the best over separate passes sees past them). Their
+sum is the time a step's GEMMs could take on this machine if nothing else got in the
+way; docs/performance.md compares it with the GEMM part of the bound (``recscale bench
+throughput``) and with the step.
 
     python benchmarks/gemm_ceiling.py --config A      # 2-core EPYC: 26.4 ms, 0.99 of 223 GFLOP/s
 """
@@ -18,10 +19,10 @@ GEMM part of the bound (``recscale bench throughput``) and with the step.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from recscale.bench import hardware
 from recscale.config import load_config
 from recscale.modules import gemm
 from recscale.modules.interaction import DotInteraction
@@ -29,15 +30,8 @@ from recscale.train.host_memory import set_host_memory
 
 
 def best_seconds(fns, repeats: int) -> float:
-    best = float("inf")
-    for fn in fns:
-        for _ in range(3):
-            fn()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-    return best
+    """The fastest of ``fns`` (different ways to compute one product), best of repeats."""
+    return min(hardware._best_seconds(fn, repeats, warmup=3) for fn in fns)
 
 
 def layer_times(batch: int, i: int, o: int, input_grad: bool, repeats: int):

@@ -87,17 +87,11 @@ def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: in
         lookups = max(lookups, 1 << 22)  # enough work to fill the GPU
     out = torch.empty(lookups, dim, dtype=table.dtype, device=table.device)
     warmup = 2
-    ids = [torch.randint(0, rows, (lookups,), device=table.device) for _ in range(warmup + repeats)]
-    for idx in ids[:warmup]:
-        torch.index_select(table, 0, idx, out=out)
-    best = float("inf")
-    for idx in ids[warmup:]:
-        _sync(table.device)
-        t = time.perf_counter()
-        torch.index_select(table, 0, idx, out=out)
-        _sync(table.device)
-        best = min(best, time.perf_counter() - t)
-    return lookups * dim * table.element_size() / best / 1e9
+    ids = iter([torch.randint(0, rows, (lookups,), device=table.device)
+                for _ in range(warmup + repeats)])  # fmt: skip
+    secs = _best_seconds(lambda: torch.index_select(table, 0, next(ids), out=out), repeats,
+                         warmup, device=table.device)  # fmt: skip
+    return lookups * dim * table.element_size() / secs / 1e9
 
 
 class OtherLoad:
