@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -27,3 +28,15 @@ def _small_threads():
     # Tests run on 2-core CI machines; keep intra-op threads fixed for determinism.
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture
+def sigint_handled():
+    """SIGINT handled as in an interactive process (Python's KeyboardInterrupt handler)
+    for the tests that send it to themselves, even when the run started with SIGINT
+    ignored (a background job of a non-interactive shell: recscale then rightly leaves
+    it ignored, and the signal would never arrive)."""
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

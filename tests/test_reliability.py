@@ -347,7 +347,9 @@ def test_a_failing_final_evaluation_keeps_the_trained_model(tmp_path):
     assert chain[-1].name == "step_00000020"
 
 
-def test_a_signal_mid_update_ends_the_run_at_that_step_boundary(tmp_path, monkeypatch):
+def test_a_signal_mid_update_ends_the_run_at_that_step_boundary(
+    tmp_path, monkeypatch, sigint_handled
+):
     """SIGINT arriving inside the sparse update of step 3 (the worst place: tables half
     updated, a thread pool waiting) lets step 3 finish and stops before step 4; the
     rows then equal a run of exactly 3 steps. A second signal stops at once."""
