@@ -50,16 +50,14 @@ def pick(base: str, common: list[str], method: str, ratio: float):
     key, grid = KNOBS[name]
     extra = [f"--embedding.hot_fraction={m[3:]}" if m.startswith("hot") else
              f"--embedding.row_precision={m}" for m in mods]  # fmt: skip
-    cands = []
+    cands = []  # (overrides, (weights ratio, with-state ratio), knob)
     for v in grid:
         over = [*common, f"--embedding.compression={name}", f"--embedding.{key}={v}", *extra]
-        got = _memory(base, over)
-        cands.append(
-            (got[0] < ratio * 0.999, abs(math.log(got[0] / ratio)), over, got, f"{key}={v}")
-        )
-    reached = [c for c in cands if not c[0]]
-    best = min(reached, key=lambda c: c[1]) if reached else max(cands, key=lambda c: c[3][0])
-    return best[2:]
+        cands.append((over, _memory(base, over), f"{key}={v}"))
+    reached = [c for c in cands if c[1][0] >= ratio * 0.999]
+    if not reached:
+        return max(cands, key=lambda c: c[1][0])
+    return min(reached, key=lambda c: abs(math.log(c[1][0] / ratio)))
 
 
 def main() -> None:

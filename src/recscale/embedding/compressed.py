@@ -99,7 +99,7 @@ class FactoredStorage(RowStorage):
         self.optimizer = optimizer
 
         def factor(name: str, rows: int, width: int) -> DeviceStorage:
-            p = "fp32" if name in WHOLE_FACTORS else precision
+            p = factor_precision(name, precision)
             return device_rows(rows, width, optimizer, p, device, kernel="torch")
 
         self.factors = nn.ModuleDict(
@@ -372,6 +372,12 @@ class TTStorage(FactoredStorage):
 
 # factors used whole in every lookup (not gathered by row): kept fp32 at any row_precision
 WHOLE_FACTORS = frozenset({"proj"})
+
+
+def factor_precision(name: str, row_precision: str) -> str:
+    """How factor (or ``"hot"`` rows) ``name`` is stored at ``embedding.row_precision``:
+    the storage and the planner's byte count both ask here."""
+    return "fp32" if name in WHOLE_FACTORS else row_precision
 
 
 def factor_shapes(method: str, num_rows: int, dim: int, qr_buckets: int = 1,

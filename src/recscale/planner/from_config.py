@@ -13,7 +13,7 @@ import torch
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.embedding.compressed import (
-    WHOLE_FACTORS,
+    factor_precision,
     factor_shapes,
     hot_count,
     hot_id_dtype,
@@ -80,7 +80,7 @@ def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) 
     k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + an id
     if k:
         shapes = {**shapes, "hot": (k, dim)}
-    weights = sum(table_bytes(r, w, "fp32" if name in WHOLE_FACTORS else e.row_precision)
+    weights = sum(table_bytes(r, w, factor_precision(name, e.row_precision))
                   for name, (r, w) in shapes.items())  # fmt: skip
     weights += k * hot_id_dtype(rows, k).itemsize
     values = sum(r * w for r, w in shapes.values())
