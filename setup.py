@@ -14,6 +14,7 @@ setup(
                 "src/recscale/native/dot_interaction.c",
                 "src/recscale/native/embedding_lookup.c",
                 "src/recscale/native/sparse_update.c",
+                "src/recscale/native/weight_grad.c",
             ],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,

@@ -5,8 +5,9 @@ GEMM rate.
 For every layer ``in -> out`` of the bottom and top MLPs (dot interaction) the three
 products of a training step - forward ``x W^T``, input gradient ``g W`` (not for the
 first bottom layer: the dense features need none) and weight gradient ``g^T x`` - are
-timed with MKL (``torch.mm``, with either operand transposed) and oneDNN (the fused
-linear the MLPs run), operands pre-transposed for free and hot in the caches; the best
+timed with MKL (``torch.mm``, with either operand transposed), oneDNN (the fused
+linear the MLPs run) and, for weight gradients, our AVX-512 kernel
+(``gemm.weight_grad``), operands pre-transposed for free and hot in the caches; the best
 of ``--repeats`` in each of ``--rounds`` passes over all layers stands (a shared VM has
 slow periods that last seconds; the best over separate passes sees past them). Their
 sum is the time a step's GEMMs could take on this machine if nothing else got in the
@@ -46,6 +47,8 @@ def layer_times(batch: int, i: int, o: int, input_grad: bool, repeats: int):
     fwd = [lambda: torch.mm(x, w.t()), lambda: torch.mm(x, wt)]
     dgrad = [lambda: torch.mm(g, w), lambda: torch.mm(g, wt.t())]
     wgrad = [lambda: torch.mm(g.t(), x), lambda: torch.mm(gt, x), lambda: torch.mm(xt, g)]
+    if gemm._native_wgrad_applies(g, x):  # our AVX-512 kernel, as the step runs it
+        wgrad.append(lambda: gemm.weight_grad(g, x))
     if dnn is not None:
         if o > 1:
             fwd.append(onednn(x, w))

@@ -143,6 +143,57 @@ def test_training_step_takes_every_native_path(monkeypatch):
     assert calls == {"lookup": 1, "interaction": 1, "update": 1}
 
 
+needs_avx512 = pytest.mark.skipif(
+    not native.has_avx512(), reason=f"AVX-512 weight-gradient kernel: {native.status()}"
+)
+
+
+@needs_avx512
+@pytest.mark.parametrize("bias_grad", [True, False])
+@pytest.mark.parametrize(
+    "batch,out,inp,strided",
+    [
+        (0, 7, 9, False),  # no samples: zero gradients
+        (1, 1, 1, False),  # one sample, one edge tile of one row and one column
+        (127, 6, 16, False),  # one full tile; the batch one short of a packed block (128)
+        (129, 13, 17, True),  # a block and one sample; edge tile rows 1, columns 1
+        (300, 70, 130, True),  # split over two threads; 3 column blocks, the last 2 wide
+        (257, 64, 50, False),  # 4-row edge tile, 4 vectors with the last 2 lanes
+        (256, 512, 13, False),  # config A's first layer (13 inputs)
+        (512, 16, 64, True),  # one full column block
+    ],
+)
+def test_native_weight_grad_matches_fp64_reference(
+    batch, out, inp, strided, bias_grad, monkeypatch
+):
+    """dW = g^T x and db = g.sum(0) from the AVX-512 kernel (every edge: partial tiles,
+    partial column vectors, batch ranges across packed blocks and threads, rows with a
+    stride wider than the row) against float64 torch."""
+    from recscale.modules import gemm
+
+    monkeypatch.setattr(gemm, "_WGRAD_MIN_OUT", 1)  # the kernel even where MKL is faster
+    gen = torch.Generator().manual_seed(batch + out + inp)
+    pad = 3 if strided else 0  # views into wider rows: row stride > width
+    g = torch.randn(batch, out + pad, generator=gen)[:, pad:]
+    x = torch.randn(batch, inp + 2 * pad, generator=gen)[:, :inp]
+    assert gemm._native_wgrad_applies(g, x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dw, db = gemm.weight_grad(g, x, bias_grad=bias_grad)
+    finally:
+        torch.set_num_threads(threads)
+    want = g.double().t() @ x.double()
+    assert dw.shape == (out, inp) and dw.is_contiguous()
+    torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * (batch + 1))
+    if bias_grad:
+        torch.testing.assert_close(
+            db.double(), g.double().sum(0), rtol=1e-5, atol=1e-5 * (batch + 1)
+        )
+    else:
+        assert db is None
+
+
 @pytest.mark.parametrize(
     "in_dim,widths,final_relu,input_grad",
     [
@@ -153,13 +204,21 @@ def test_training_step_takes_every_native_path(monkeypatch):
         (20, [30, 3], True, True),
     ],
 )
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
-def test_fused_mlp_matches_sequential(in_dim, widths, final_relu, input_grad, onednn, monkeypatch):
+@pytest.mark.parametrize(
+    "onednn,native_wgrad", [(True, True), (True, False), (False, False)],
+    ids=["onednn-native", "onednn", "mkl"],
+)  # fmt: skip
+def test_fused_mlp_matches_sequential(
+    in_dim, widths, final_relu, input_grad, onednn, native_wgrad, monkeypatch
+):
     from recscale.modules import gemm
 
     if onednn and gemm.ONEDNN_LINEAR is None:
         pytest.skip("torch built without oneDNN")
+    if native_wgrad and not native.has_avx512():
+        pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
+    monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
     ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
     fused = MLP(in_dim, widths, final_relu, fused=True)
     fused.load_state_dict(ref.state_dict())

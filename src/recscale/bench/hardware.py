@@ -51,9 +51,10 @@ def measure_gemm_gflops(
     """Best GEMM rate over MLP-like shapes at this batch size (GFLOP/s), on ``device`` in
     ``precision`` (fp32, tf32 or bf16: the GEMMs a step of that precision runs).
 
-    On a CPU both GEMM libraries torch carries are timed - MKL (``torch.mm``) and oneDNN
-    (the fused linear the MLPs run) - and the faster stands: the bound is what the
-    hardware allows, so a step must never run its GEMMs faster than the probe did."""
+    On a CPU every GEMM a step can run is timed - MKL (``torch.mm``), oneDNN (the fused
+    linear the MLPs run) and our AVX-512 weight-gradient kernel (the same FLOPs as
+    ``g^T x``) - and the fastest stands: the bound is what the hardware allows, so a step
+    must never run its GEMMs faster than the probe did."""
     device = device or torch.device("cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     best = 0.0
@@ -64,6 +65,9 @@ def measure_gemm_gflops(
         if device.type == "cpu" and dtype == torch.float32 and gemm.ONEDNN_LINEAR is not None:
             w = b.t().contiguous()
             runs.append(lambda a=a, w=w: gemm.ONEDNN_LINEAR(a, w, None, "none", [], ""))
+            g = torch.randn(batch_size, n)
+            if gemm._native_wgrad_applies(g, a):
+                runs.append(lambda a=a, g=g: gemm.weight_grad(g, a))
         for fn in runs:
             secs = _best_seconds(fn, repeats, device=device)
             best = max(best, 2 * batch_size * k * n / secs / 1e9)

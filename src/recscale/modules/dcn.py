@@ -67,10 +67,10 @@ class _CrossStack(torch.autograd.Function):
             else:
                 gx0.addcmul_(g, y)
             gy = torch.mul(g, x0, out=y)  # y is spent: its memory takes d y
-            grads[3 * li + 2] = gy.sum(0)
-            grads[3 * li + 1] = torch.mm(gy.t(), low)  # dU [d, r]
+            # dU [d, r] and db [d] in one pass; dV [r, d]
+            grads[3 * li + 1], grads[3 * li + 2] = gemm.weight_grad(gy, low, bias_grad=True)
             dlow = gemm.linear(gy, u.t())  # [B, r]
-            grads[3 * li] = torch.mm(dlow.t(), x)  # dV [r, d]
+            grads[3 * li] = gemm.weight_grad(dlow, x)[0]
             g = gemm.linear(dlow, v.t(), add=g)  # d x_l = g + dlow V
         gx0.add_(g)  # x_0 is x0 itself
         return (gx0, *grads)

@@ -1,4 +1,4 @@
-"""Native C kernels (AVX2 + FMA), called through ctypes.
+"""Native C kernels (AVX2 + FMA; the dense weight gradient AVX-512), called through ctypes.
 
 ``pip install`` compiles the ``*.c`` files here into the optional extension
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
@@ -9,7 +9,8 @@ functions over raw fp32 pointers, and ctypes releases the GIL during each call, 
 Everything degrades: without the library (no compiler at install, another
 architecture), on a CPU without AVX2/FMA, or with ``RECSCALE_NATIVE=0`` in the
 environment, :func:`library` returns None and callers use their numba or torch path;
-:func:`status` says which case applies.
+:func:`status` says which case applies. The AVX-512 kernel also needs :func:`has_avx512`
+(else torch's GEMM runs).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_ABI = 3
+_ABI = 4
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -55,6 +56,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         + [f32] * 5
         + [ptr, i64, i64]
     )
+    lib.recscale_avx512_supported.restype = ctypes.c_int
+    lib.recscale_weight_grad.restype = ctypes.c_int
+    lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
     lib.recscale_pooled_lookup.restype = i64
     lib.recscale_pooled_lookup.argtypes = (
         [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64]
@@ -88,7 +92,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"{path.name} is from another version (reinstall: pip install -e .)"
     if not lib.recscale_cpu_supported():
         return None, "this CPU lacks AVX2/FMA/F16C"
-    return lib, f"loaded ({path.name}, AVX2 + FMA + F16C)"
+    isa = "AVX2 + FMA + F16C" + (", AVX-512" if lib.recscale_avx512_supported() else "")
+    return lib, f"loaded ({path.name}, {isa})"
 
 
 # Row formats the embedding kernels read and write (native/row_format.h).
@@ -109,6 +114,13 @@ def applies(t: torch.Tensor, dim: int, max_dim: int | None = None, rows: bool = 
         and (max_dim is None or dim <= max_dim)
         and library() is not None
     )
+
+
+def has_avx512() -> bool:
+    """Whether the library is loaded and this CPU runs its AVX-512 kernels (the dense
+    layers' weight gradient, native/weight_grad.c)."""
+    lib = library()
+    return lib is not None and bool(lib.recscale_avx512_supported())
 
 
 def status() -> str:
