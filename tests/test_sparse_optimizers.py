@@ -101,3 +101,42 @@ def test_state_shapes_are_per_row(make_opt):
     ebc = EmbeddingBagCollection([TableSpec("C1", ROWS, DIM)], "sum", make_opt)
     for t in ebc.groups[0].storage.optimizer_state().values():
         assert t.shape[0] == ROWS
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_dense_optimizer_steps_match_the_update_rule(name):
+    """build_dense_optimizer (whichever torch implementation it picks: fused, foreach)
+    against the update written out, three steps, weight decay on."""
+    from recscale.config.schema import DenseOptimizerConfig
+    from recscale.train.optimizers import build_dense_optimizer
+
+    lr, wd, eps, (b1, b2) = 0.1, 0.01, 1e-8, (0.9, 0.999)
+    g = torch.Generator().manual_seed(0)
+    params = [
+        nn.Parameter(torch.randn(7, 5, generator=g)),
+        nn.Parameter(torch.randn(5, generator=g)),
+    ]
+    want = [p.detach().clone() for p in params]
+    state = [[torch.zeros_like(w), torch.zeros_like(w)] for w in want]
+    opt = build_dense_optimizer(
+        DenseOptimizerConfig(name=name, lr=lr, weight_decay=wd, eps=eps), params
+    )
+    for step in range(1, 4):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        opt.step()
+        for w, (m, v), grad in zip(want, state, grads):
+            d = grad + wd * w
+            if name == "sgd":
+                w -= lr * d
+            elif name == "adagrad":
+                m += d * d
+                w -= lr * d / (m.sqrt() + eps)
+            else:
+                m.mul_(b1).add_((1 - b1) * d)
+                v.mul_(b2).add_((1 - b2) * d * d)
+                m_hat, v_hat = m / (1 - b1**step), v / (1 - b2**step)
+                w -= lr * m_hat / (v_hat.sqrt() + eps)
+        for p, w in zip(params, want):
+            torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
