@@ -159,7 +159,8 @@ needs_avx512 = pytest.mark.skipif(
         (129, 13, 17, True),  # a block and one sample; edge tile rows 1, columns 1
         (300, 70, 130, True),  # split over two threads; 3 column blocks, the last 2 wide
         (257, 64, 50, False),  # 4-row edge tile, 4 vectors with the last 2 lanes
-        (256, 512, 13, False),  # config A's first layer (13 inputs)
+        (256, 512, 13, False),  # config A's first layer: a narrow input, operands swapped
+        (129, 100, 7, True),  # narrow and strided, threads split its 7 rows
         (512, 16, 64, True),  # one full column block
     ],
 )
@@ -172,6 +173,7 @@ def test_native_weight_grad_matches_fp64_reference(
     from recscale.modules import gemm
 
     monkeypatch.setattr(gemm, "_WGRAD_MIN_OUT", 1)  # the kernel even where MKL is faster
+    monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # and threads on however little work
     gen = torch.Generator().manual_seed(batch + out + inp)
     pad = 3 if strided else 0  # views into wider rows: row stride > width
     g = torch.randn(batch, out + pad, generator=gen)[:, pad:]

@@ -37,8 +37,10 @@ USE_NATIVE_WGRAD = True
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
 _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
-# Less work than this (multiply-adds, ~10 us) is not worth waking a second thread.
-_WGRAD_MIN_MACS = 1 << 20
+# Less work than this (multiply-adds; ~0.15 ms on one core) runs on one thread: handing
+# half to a pool thread costs ~0.1 ms on a 2-core VM (64 -> 16: 0.18 ms on two threads,
+# 0.09 on one).
+_WGRAD_MIN_MACS = 1 << 24
 
 
 def use_onednn(x: torch.Tensor) -> bool:
@@ -94,36 +96,48 @@ def weight_grad(
 
     The native kernel reads ``g`` and ``x`` in place (rows of samples, any row stride);
     the intra-op threads split the outputs."""
+    # a narrow input (13 -> 512): its 13 columns would fill 13 of the kernel's 16 lanes
+    # and leave it load-bound, so both paths compute x^T g [in, out] and transpose it
+    # (MKL: 0.83 -> 0.45 ms; the kernel on one thread: 0.66-0.70 -> 0.49-0.51 ms)
+    narrow = x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]
     if not _native_wgrad_applies(g, x):
-        # a narrow input (13 -> 512: 0.83 -> 0.45 ms): MKL is much faster at x^T g
-        if x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]:
-            dw = torch.mm(x.t(), g).t().contiguous()
-        else:
-            dw = torch.mm(g.t(), x)
+        dw = torch.mm(x.t(), g).t().contiguous() if narrow else torch.mm(g.t(), x)
         return dw, (g.sum(0) if bias_grad else None)
+    if narrow:
+        dwt, db = _native_at_b(x, g, sum_b=bias_grad)
+        return dwt.t().contiguous(), db
+    return _native_at_b(g, x, sum_a=bias_grad)
+
+
+def _native_at_b(
+    a: torch.Tensor, b: torch.Tensor, sum_a: bool = False, sum_b: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``a^T b`` ``[m, n]`` for ``a [B, m]``, ``b [B, n]`` through native/weight_grad.c, and
+    the column sums of ``a`` (``sum_a``) or of ``b`` (``sum_b``)."""
     lib = native.library()
-    batch, out, inp = g.shape[0], g.shape[1], x.shape[1]
-    dw = torch.empty(out, inp)
-    db = torch.empty(out) if bias_grad else None
-    # threads take whole 6-row tiles of dw (no partial sums to add up: at 1024 -> 1024 a
-    # batch split costs 7% more), if the work is worth a thread
-    tiles = -(-out // _WGRAD_TILE)
-    parts = min(torch.get_num_threads(), tiles) if batch * out * inp >= _WGRAD_MIN_MACS else 1
-    bounds = [min(out, _WGRAD_TILE * (tiles * p // parts)) for p in range(parts + 1)]
+    batch, m, n = a.shape[0], a.shape[1], b.shape[1]
+    out = torch.empty(m, n)
+    sums = torch.empty(m if sum_a else n) if (sum_a or sum_b) else None
+    # threads take whole 6-row tiles of the result (no partial sums to add up: at
+    # 1024 -> 1024 a batch split costs 7% more), if the work is worth a thread
+    tiles = -(-m // _WGRAD_TILE)
+    parts = min(torch.get_num_threads(), tiles) if batch * m * n >= _WGRAD_MIN_MACS else 1
+    bounds = [min(m, _WGRAD_TILE * (tiles * p // parts)) for p in range(parts + 1)]
     failed: list[int] = []
 
     def run(lo: int, hi: int) -> None:
         for p in range(lo, hi):
-            o0, o1 = bounds[p], bounds[p + 1]
+            r0, r1 = bounds[p], bounds[p + 1]
+            a_sums = sums.data_ptr() + 4 * r0 if sum_a else None
+            b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
             rc = lib.recscale_weight_grad(
-                g.data_ptr() + 4 * o0, g.stride(0), x.data_ptr(), x.stride(0),
-                dw.data_ptr() + 4 * o0 * inp, inp,
-                db.data_ptr() + 4 * o0 if db is not None else None, o1 - o0, inp, 0, batch,
+                a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
+                out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, 0, batch,
             )  # fmt: skip
             if rc:
                 failed.append(p)
 
     native.parallel_for(parts, run, parts)
     if failed:  # no memory for the packed blocks: torch's GEMM instead
-        return torch.mm(g.t(), x), (g.sum(0) if bias_grad else None)
-    return dw, db
+        return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
+    return out, sums

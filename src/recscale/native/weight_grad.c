@@ -3,6 +3,11 @@
  *
  *     dw[o, i] = sum_{b0 <= b < b1} g[b, o] * x[b, i]        dw  [out, in], row stride lddw
  *     db[o]    = sum_{b0 <= b < b1} g[b, o]                  db  [out] (skipped when NULL)
+ *     xs[i]    = sum_{b0 <= b < b1} x[b, i]                  xs  [in]  (skipped when NULL)
+ *
+ * xs is for a narrow input (13 -> 512): the caller swaps the operands, dw^T = x^T g, so
+ * the kernel's tiles run over the 512 side (13 columns would fill 13 of 16 lanes and
+ * make the kernel load-bound), and the bias gradient is then the swapped x's sum.
  *
  * g [batch, out] (row stride ldg) is the gradient of the layer's output, x [batch, in]
  * (row stride ldx) its input; both are read as the step made them, samples in rows.
@@ -80,10 +85,10 @@ micro(const int nq, int64_t kc, const float *restrict gp, const float *restrict 
  * power-of-two stride apart):
  *     g[k, t*MR + r]  -> gp[t][k][r]      (zero past `out`)
  *     x[k, j*NB + c]  -> xp[j][k][c]      (zero past `in`)
- * and db[o] += g[k, o]. */
+ * and db[o] += g[k, o], xs[i] += x[k, i]. */
 RS_AVX512 static void pack(const float *g, int64_t ldg, const float *x, int64_t ldx, int64_t out,
                            int64_t in, int64_t kc, float *restrict gp, float *restrict xp,
-                           float *restrict db) {
+                           float *restrict db, float *restrict xs) {
     const int64_t full = out / MR, ntiles = (out + MR - 1) / MR, nblocks = (in + NB - 1) / NB;
     for (int64_t k = 0; k < kc; ++k) {
         const float *gk = g + k * ldg, *xk = x + k * ldx;
@@ -93,6 +98,8 @@ RS_AVX512 static void pack(const float *g, int64_t ldg, const float *x, int64_t 
                 gp[(full * kc + k) * MR + r] = full * MR + r < out ? gk[full * MR + r] : 0.0f;
         if (db)
             for (int64_t o = 0; o < out; ++o) db[o] += gk[o];
+        if (xs)
+            for (int64_t i = 0; i < in; ++i) xs[i] += xk[i];
         for (int64_t j = 0; j < nblocks; ++j) {
             const int64_t cols = in - j * NB < NB ? in - j * NB : NB;
             float *dst = xp + (j * kc + k) * NB;
@@ -104,8 +111,8 @@ RS_AVX512 static void pack(const float *g, int64_t ldg, const float *x, int64_t 
 
 /* Returns 0, or -1 without AVX-512 or memory for the packed blocks (nothing written). */
 RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx,
-                                   float *dw, int64_t lddw, float *db, int64_t out, int64_t in,
-                                   int64_t b0, int64_t b1) {
+                                   float *dw, int64_t lddw, float *db, float *xs, int64_t out,
+                                   int64_t in, int64_t b0, int64_t b1) {
     if (!recscale_avx512_supported()) return -1;
     const int64_t ntiles = (out + MR - 1) / MR, nblocks = (in + NB - 1) / NB;
     float *gp = aligned_alloc(64, (size_t)(ntiles * MR * KC) * sizeof(float));
@@ -116,12 +123,13 @@ RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, 
         return -1;
     }
     if (db) memset(db, 0, (size_t)out * sizeof(float));
+    if (xs) memset(xs, 0, (size_t)in * sizeof(float));
     if (b1 <= b0) /* no samples: zero gradients */
         for (int64_t o = 0; o < out; ++o) memset(dw + o * lddw, 0, (size_t)in * sizeof(float));
     for (int64_t k0 = b0; k0 < b1; k0 += KC) {
         const int64_t kc = b1 - k0 < KC ? b1 - k0 : KC;
         const int acc = k0 > b0;
-        pack(g + k0 * ldg, ldg, x + k0 * ldx, ldx, out, in, kc, gp, xp, db);
+        pack(g + k0 * ldg, ldg, x + k0 * ldx, ldx, out, in, kc, gp, xp, db, xs);
         for (int64_t j = 0; j < nblocks; ++j) {
             const int64_t i0 = j * NB, cols = in - i0 < NB ? in - i0 : NB, nq = (cols + 15) / 16;
             const float *xb = xp + j * kc * NB;
@@ -146,8 +154,9 @@ RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, 
 #else /* not x86-64: callers keep torch's GEMM */
 int recscale_avx512_supported(void) { return 0; }
 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
-                         int64_t lddw, float *db, int64_t out, int64_t in, int64_t b0, int64_t b1) {
-    (void)g, (void)ldg, (void)x, (void)ldx, (void)dw, (void)lddw, (void)db;
+                         int64_t lddw, float *db, float *xs, int64_t out, int64_t in, int64_t b0,
+                         int64_t b1) {
+    (void)g, (void)ldg, (void)x, (void)ldx, (void)dw, (void)lddw, (void)db, (void)xs;
     (void)out, (void)in, (void)b0, (void)b1;
     return -1;
 }
