@@ -204,6 +204,8 @@ def test_native_weight_grad_matches_fp64_reference(
         (7, [5], True, True),
         (7, [5], False, True),
         (20, [30, 3], True, True),
+        (9, [1], False, True),  # a lone logit layer: its input gradient is not masked
+        (20, [11, 1], False, False),  # a logit layer over 11 features (a 3-lane tail)
     ],
 )
 @pytest.mark.parametrize(
@@ -221,6 +223,7 @@ def test_fused_mlp_matches_sequential(
         pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
+    monkeypatch.setattr(gemm, "USE_NATIVE_LOGIT", onednn)  # native/logit.c (AVX2) or torch
     ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
     fused = MLP(in_dim, widths, final_relu, fused=True)
     fused.load_state_dict(ref.state_dict())

@@ -34,6 +34,7 @@ ONEDNN_LINEAR, ONEDNN_LINEAR_ADD = _onednn_ops()
 # Tests switch these off to hold the MKL paths to the references too.
 USE_ONEDNN = True
 USE_NATIVE_WGRAD = True
+USE_NATIVE_LOGIT = True
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
 _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
@@ -141,3 +142,46 @@ def _native_at_b(
     if failed:  # no memory for the packed blocks: torch's GEMM instead
         return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
     return out, sums
+
+
+def native_logit_applies(h: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`logit_forward` / :func:`logit_backward` run natively for a logit
+    layer ``h [B, n] -> [B, 1]`` with weight ``w [1, n]``."""
+    return (
+        USE_NATIVE_LOGIT
+        and h.device.type == "cpu"
+        and h.dtype == torch.float32
+        and w.dtype == torch.float32
+        and h.dim() == 2
+        and h.stride(1) == 1
+        and w.shape[0] == 1
+        and w.is_contiguous()
+        and native.library() is not None
+    )
+
+
+def logit_forward(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``h @ w^T + b`` ``[B, 1]`` in one pass (``native/logit.c``; see
+    :func:`native_logit_applies`)."""
+    z = torch.empty(h.shape[0], 1)
+    native.library().recscale_logit_forward(
+        h.data_ptr(), h.stride(0), w.data_ptr(), float(b), z.data_ptr(), h.shape[0], h.shape[1]
+    )
+    return z
+
+
+def logit_backward(
+    h: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, mask: bool, input_grad: bool
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(dh, dw [1, n], db [1])`` of :func:`logit_forward` from ``dz [B, 1]`` in one pass
+    over ``h``; ``dh`` (with ``input_grad``) is zeroed where ``h <= 0`` when ``mask`` (``h``
+    a ReLU output: the mask of its own gradient comes free)."""
+    batch, n = h.shape
+    dz = dz.contiguous()
+    dw, db = torch.empty(1, n), torch.empty(1)
+    dh = torch.empty(batch, n) if input_grad else None
+    native.library().recscale_logit_backward(
+        h.data_ptr(), h.stride(0), w.data_ptr(), dz.data_ptr(), dw.data_ptr(), db.data_ptr(),
+        dh.data_ptr() if dh is not None else None, n, batch, n, int(mask),
+    )  # fmt: skip
+    return dh, dw, db

@@ -15,6 +15,10 @@ Two paths with the same parameters (``layers``, so checkpoints don't care which 
     narrow-input layer as ``(x^T g)^T`` (13 -> 512: 0.83 -> 0.45 ms; MKL is slow at
     ``g^T x`` with N = 13);
   * skips the input gradient when the input needs none (the dense features);
+  * runs a logit layer (``n -> 1``) forward in one native pass and its backward - the
+    weight, bias and input gradients with the previous ReLU's mask - in another
+    (:func:`recscale.modules.gemm.logit_backward`; five torch ops took ~0.9 ms of
+    config A's step);
   * on a CPU, runs the forward GEMMs with bias and ReLU fused in and the
     input-gradient GEMMs through oneDNN (:mod:`recscale.modules.gemm`: 190-215 GFLOP/s
     against MKL's 150-190 at config A's shapes).
@@ -45,7 +49,11 @@ class _FusedMLP(torch.autograd.Function):
         acts = [x]
         h = x
         for li, (w, b) in enumerate(zip(weights, biases)):
-            h = gemm.linear(h, w, b, relu=li < len(weights) - 1 or final_relu)
+            relu = li < len(weights) - 1 or final_relu
+            if not relu and gemm.native_logit_applies(h, w):  # the logit layer: one pass
+                h = gemm.logit_forward(h, w, b)
+            else:
+                h = gemm.linear(h, w, b, relu=relu)
             acts.append(h)
         ctx.final_relu = final_relu
         ctx.save_for_backward(*acts, *weights)
@@ -64,12 +72,24 @@ class _FusedMLP(torch.autograd.Function):
         for li in range(n - 1, -1, -1):
             x, w = acts[li], weights[li]
             need_w, need_b = ctx.needs_input_grad[2 + 2 * li], ctx.needs_input_grad[3 + 2 * li]
+            if gemm.native_logit_applies(x, w):
+                # the logit layer in one pass: dw, db and the input gradient, masked by
+                # the previous ReLU (x is its output) when there is one
+                need_x = li > 0 or ctx.needs_input_grad[0]
+                g_in, dw, db = gemm.logit_backward(x, w, g, mask=li > 0, input_grad=need_x)
+                grads[2 * li] = dw if need_w else None
+                grads[2 * li + 1] = db if need_b else None
+                if li > 0:
+                    g = g_in
+                else:
+                    grad_x = g_in
+                continue
             if need_w:  # [o, i] = g^T x, and the bias gradient in the same pass
                 grads[2 * li], grads[2 * li + 1] = gemm.weight_grad(g, x, bias_grad=need_b)
             elif need_b:
                 grads[2 * li + 1] = g.sum(0)
             if li > 0:
-                # K = 1 (the logit layer): an outer product, twice as fast as a GEMM call
+                # K = 1 (a logit layer, not native): an outer product, twice as fast as a GEMM
                 g_in = g * w if w.shape[0] == 1 else gemm.linear(g, w.t())
                 # x = relu(previous layer): mask in place (g_in is our own fresh tensor).
                 g = torch.ops.aten.threshold_backward.grad_input(g_in, x, 0.0, grad_input=g_in)
