@@ -1,15 +1,17 @@
-"""Which GEMM library runs a dense layer's products on a CPU: oneDNN or MKL.
+"""Which GEMM runs a dense layer's products on a CPU: oneDNN, MKL or our own kernels.
 
-torch's CPU wheels carry both. On this project's AMD EPYC (2 threads, fp32) oneDNN's
-fused linear (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a ReLU, or an
-added tensor, applied while the output block is in registers) is 10-25% faster than
-MKL for the forward and input-gradient products of the MLPs and the DCNv2 cross layers
-(``x [M, K] @ w^T`` with M = the batch), while MKL stays faster for the weight
-gradient (``g^T x``, K = the batch). So the hand-written backward nodes call
-:func:`linear` for the first kind and :func:`weight_grad` for the second: on a CPU with
-AVX-512 our own kernel (``native/weight_grad.c``: 8-11% faster than MKL at config A's
-large layers, 1.3-2x at its narrow ones, the bias gradient summed on the way), else
-``torch.mm``. Anything other than fp32 CPU tensors (CUDA, bf16) goes to torch's own ops.
+torch's CPU wheels carry oneDNN and MKL. On this project's AMD EPYC (2 threads, fp32)
+oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a
+ReLU, or an added tensor, applied while the output block is in registers) is 10-25%
+faster than MKL for the forward and input-gradient products of the MLPs and the DCNv2
+cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`. The weight
+gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast only
+from a transposed copy of ``g``; :func:`weight_grad` runs it through our AVX-512
+kernel (``native/weight_grad.c``: 6-11% faster than MKL at configs A and B's layers,
+1.1-1.4x at the narrow ones, level at DCNv2's widest; the bias gradient summed on the
+way), or MKL on CPUs without AVX-512. A logit layer (``n -> 1``) has its own one-pass
+kernels (:func:`logit_forward`, :func:`logit_backward`). Anything other than fp32 CPU
+tensors (CUDA, bf16) goes to torch's own ops.
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def weight_grad(
 
     The native kernel reads ``g`` and ``x`` in place (rows of samples, any row stride);
     the intra-op threads split the outputs."""
-    # a narrow input (13 -> 512): its 13 columns would fill 13 of the kernel's 16 lanes
-    # and leave it load-bound, so both paths compute x^T g [in, out] and transpose it
-    # (MKL: 0.83 -> 0.45 ms; the kernel on one thread: 0.66-0.70 -> 0.49-0.51 ms)
-    narrow = x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]
+    # a narrow input (13 -> 512) on a CPU: its 13 columns would fill 13 of the kernel's 16
+    # lanes and leave it load-bound, so both CPU paths compute x^T g [in, out] and
+    # transpose it (MKL: 0.83 -> 0.45 ms; the kernel on one thread: 0.66-0.70 -> 0.49-0.51)
+    narrow = x.device.type == "cpu" and x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]
     if not _native_wgrad_applies(g, x):
         dw = torch.mm(x.t(), g).t().contiguous() if narrow else torch.mm(g.t(), x)
         return dw, (g.sum(0) if bias_grad else None)
