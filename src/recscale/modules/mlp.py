@@ -10,8 +10,8 @@ Two paths with the same parameters (``layers``, so checkpoints don't care which 
     fresh ``[B, width]`` tensor (threshold_backward 0.6 -> 0.1 ms for a 512-wide layer:
     the write-allocate of 4 MB was most of it);
   * computes the weight gradient and the bias gradient in one pass of our AVX-512
-    kernel (:func:`recscale.modules.gemm.weight_grad`: 8-11% faster than MKL at the
-    512-wide layers, 1.3-2x at the narrow ones), or without AVX-512 through MKL, a
+    kernel (:func:`recscale.modules.gemm.weight_grad`: 6-11% faster than MKL at the
+    512-wide layers, 1.1-1.4x at the narrow ones), or without AVX-512 through MKL, a
     narrow-input layer as ``(x^T g)^T`` (13 -> 512: 0.83 -> 0.45 ms; MKL is slow at
     ``g^T x`` with N = 13);
   * skips the input gradient when the input needs none (the dense features);

@@ -1,4 +1,4 @@
-"""Native C kernels (AVX2 + FMA; the dense weight gradient AVX-512), called through ctypes.
+"""Native C kernels (AVX2 + FMA; the dense weight gradient AVX-512), called via ctypes.
 
 ``pip install`` compiles the ``*.c`` files here into the optional extension
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
@@ -62,19 +62,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_logit_forward.restype = None
     lib.recscale_logit_forward.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
     lib.recscale_logit_backward.restype = None
-    lib.recscale_logit_backward.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        ctypes.c_int,
-    ]
+    lib.recscale_logit_backward.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 3 + [ctypes.c_int]
     lib.recscale_pooled_lookup.restype = i64
     lib.recscale_pooled_lookup.argtypes = (
         [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64]
@@ -132,11 +120,17 @@ def applies(t: torch.Tensor, dim: int, max_dim: int | None = None, rows: bool = 
     )
 
 
+_avx512: bool | None = None
+
+
 def has_avx512() -> bool:
     """Whether the library is loaded and this CPU runs its AVX-512 kernels (the dense
-    layers' weight gradient, native/weight_grad.c)."""
-    lib = library()
-    return lib is not None and bool(lib.recscale_avx512_supported())
+    layers' weight gradient, native/weight_grad.c). Asked once per process."""
+    global _avx512
+    if _avx512 is None:
+        lib = library()
+        _avx512 = lib is not None and bool(lib.recscale_avx512_supported())
+    return _avx512
 
 
 def status() -> str:
