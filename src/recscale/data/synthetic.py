@@ -110,10 +110,9 @@ def _accumulate_features(
             continue
         w[:] = 0.0
         v[:] = 0.0
-        n = s0
+        n, c = s0, cache_start[f]
         for row in range(b):
             for _ in range(lengths[f, row]):
-                c = cache_start[f]
                 if c >= 0:
                     r = c + ids[n]
                     w[row] += np.float64(cache_w[r])

@@ -74,18 +74,20 @@ def linear(
     return out.relu_() if relu else out
 
 
+def _fp32_cpu_rows(*ts: torch.Tensor) -> bool:
+    """What the native kernels read: 2-D fp32 CPU tensors with contiguous rows."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+        for t in ts
+    )
+
+
 def _native_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
     return (
         USE_NATIVE_WGRAD
-        and g.device.type == "cpu"
-        and g.dtype == torch.float32
-        and x.dtype == torch.float32
-        and g.dim() == 2
-        and x.dim() == 2
+        and _fp32_cpu_rows(g, x)
         and g.shape[0] == x.shape[0]
         and g.shape[1] >= _WGRAD_MIN_OUT
-        and g.stride(1) == 1
-        and x.stride(1) == 1
         and native.has_avx512()
     )
 
@@ -151,13 +153,8 @@ def native_logit_applies(h: torch.Tensor, w: torch.Tensor) -> bool:
     layer ``h [B, n] -> [B, 1]`` with weight ``w [1, n]``."""
     return (
         USE_NATIVE_LOGIT
-        and h.device.type == "cpu"
-        and h.dtype == torch.float32
-        and w.dtype == torch.float32
-        and h.dim() == 2
-        and h.stride(1) == 1
+        and _fp32_cpu_rows(h, w)
         and w.shape[0] == 1
-        and w.is_contiguous()
         and native.library() is not None
     )
 
