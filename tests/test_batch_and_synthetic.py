@@ -127,3 +127,18 @@ def test_synthetic_logits_match_the_hidden_model_written_in_numpy(kw):
     logit += 0.5 * ((factor_sum * factor_sum).sum(axis=1) - factor_sq) / np.sqrt(num_f)
     assert start == len(ids)
     np.testing.assert_array_equal(raw, d.signal_scale * logit)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 1.1])
+def test_batched_zipf_ranks_equal_zipf_ranks_feature_by_feature(alpha):
+    """The generator draws every feature's ranks in one pass; each must be the rank
+    zipf_ranks gives that feature's uniforms alone (to the bit: same data either way)."""
+    sizes = [1, 7, 1000, 3_000_000]
+    d = SyntheticCriteo(sizes, zipf_alpha=alpha)
+    counts = np.array([5, 300, 0, 1000])
+    u = np.random.default_rng(0).random(int(counts.sum()))
+    got = d._zipf_ranks(u, counts)
+    want = np.concatenate(
+        [zipf_ranks(part, n, alpha) for part, n in zip(np.split(u, np.cumsum(counts)[:-1]), sizes)]
+    )
+    np.testing.assert_array_equal(got, want)

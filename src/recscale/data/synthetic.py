@@ -171,6 +171,7 @@ class SyntheticCriteo:
             [_coprime_multiplier(n, rng) for n in self.table_sizes], dtype=np.int64
         )
         self._shift = np.array([int(rng.integers(0, n)) for n in self.table_sizes], dtype=np.int64)
+        self._sizes = np.array(self.table_sizes, dtype=np.int64)
         num_sparse = len(self.table_sizes)
         # Feature importances vary, as in real data (some fields barely matter).
         self._feature_scale = 0.25 + 0.5 * rng.random(num_sparse)
@@ -250,6 +251,22 @@ class SyntheticCriteo:
             labels=torch.from_numpy(labels),
         )
 
+    def _zipf_ranks(self, u: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """:func:`zipf_ranks` of ``u``, whose first ``counts[0]`` values are feature 0's,
+        then feature 1's, ...: one numpy pass. Each feature's constants are computed as
+        zipf_ranks computes them (Python floats), so every rank is the same."""
+        n = np.repeat(self._sizes, counts)
+        if self.alpha == 0.0:
+            r = np.floor(u * n)
+        elif abs(self.alpha - 1.0) < 1e-9:
+            log_n1 = [math.log(size + 1) for size in self.table_sizes]
+            r = np.floor(np.exp(u * np.repeat(log_n1, counts))) - 1
+        else:
+            e = 1.0 - self.alpha
+            span = [((size + 1) ** e) - 1.0 for size in self.table_sizes]
+            r = np.floor((np.repeat(span, counts) * u + 1.0) ** (1.0 / e)) - 1
+        return np.clip(r, 0, n - 1).astype(np.int64)  # (a 1-row table: 0 by any formula)
+
     def _sample(self, index: int, batch_size: int, split: str):
         """Features of a batch (``ids``: every feature's, feature-major) and the signal
         part of its logits (``signal_scale`` applied)."""
@@ -267,20 +284,22 @@ class SyntheticCriteo:
             lengths = np.repeat(self.bag_sizes[:, None], b, axis=1)
         else:
             lengths = rng.integers(self.min_ids, self.max_ids + 1, size=(num_sparse, b))
-        values_per_feature = []
-        for f, n in enumerate(self.table_sizes):
-            ranks = zipf_ranks(rng.random(int(lengths[f].sum())), n, self.alpha)
-            values_per_feature.append((ranks * self._mult[f] + self._shift[f]) % n)
-        ids = np.concatenate(values_per_feature).astype(np.int64)
+        # every feature's ids in one pass: the uniforms of feature after feature are one
+        # draw, and each feature's Zipf constants are repeated over its ids (the values
+        # per feature of zipf_ranks, bit for bit)
+        counts = lengths.sum(axis=1)
         feat_start = np.zeros(num_sparse + 1, dtype=np.int64)
-        np.cumsum([len(v) for v in values_per_feature], out=feat_start[1:])
+        np.cumsum(counts, out=feat_start[1:])
+        ranks = self._zipf_ranks(rng.random(int(feat_start[-1])), counts)
+        n = np.repeat(self._sizes, counts)
+        ids = (ranks * np.repeat(self._mult, counts) + np.repeat(self._shift, counts)) % n
         # effects of the tables too large to cache, hashed here at their ids' positions
         given_w, given_fac = np.zeros(0), np.zeros((0, _FACTOR_DIM))
         if (self._cache_start < 0).any():
             given_w, given_fac = np.zeros(len(ids)), np.zeros((len(ids), _FACTOR_DIM))
             for f in np.flatnonzero(self._cache_start < 0):
                 at = slice(feat_start[f], feat_start[f + 1])
-                given_w[at], given_fac[at] = self._effects(f, values_per_feature[f])
+                given_w[at], given_fac[at] = self._effects(f, ids[at])
         factor_sum = np.zeros((b, _FACTOR_DIM))
         factor_sq = np.zeros(b)
         _accumulate_features(
