@@ -140,3 +140,23 @@ def test_dense_optimizer_steps_match_the_update_rule(name):
                 w -= lr * m_hat / (v_hat.sqrt() + eps)
         for p, w in zip(params, want):
             torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_small_dense_optimizer_steps_on_one_thread_and_restores_the_count():
+    """Below 4M parameters a CPU step takes one intra-op thread (waking the others per
+    tensor costs more than they save); the caller's thread count is back afterwards."""
+    from recscale.config.schema import DenseOptimizerConfig
+    from recscale.train.optimizers import build_dense_optimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        param = nn.Parameter(torch.randn(8, 4))
+        opt = build_dense_optimizer(DenseOptimizerConfig(name="adam"), [param])
+        during: list[int] = []
+        opt.register_step_pre_hook(lambda *_: during.append(torch.get_num_threads()))
+        param.grad = torch.randn(8, 4)
+        opt.step()
+        assert during == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -24,11 +24,38 @@ def build_dense_optimizer(
     )
     kw = {"fused": True} if fused else {}
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw)
-    if cfg.name == "adagrad":
-        return torch.optim.Adagrad(
+        opt = torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw)
+    elif cfg.name == "adagrad":
+        opt = torch.optim.Adagrad(
             params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw
         )
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
-    raise ValueError(f"unknown dense optimizer {cfg.name!r}")
+    elif cfg.name == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
+    else:
+        raise ValueError(f"unknown dense optimizer {cfg.name!r}")
+    if params and all(p.device.type == "cpu" for p in params):
+        if sum(p.numel() for p in params) < _ONE_THREAD_BELOW:
+            _step_on_one_thread(opt)
+    return opt
+
+
+# Below this many parameters a CPU step runs on one thread: torch opens a parallel
+# region per tensor, and waking the other threads costs more than they save (2 cores;
+# Adam on config A's 476k parameters 0.95 -> 0.35 ms, SGD 0.30 -> 0.12; default's Adam
+# 0.64 -> 0.14; at 5M parameters in four tensors two threads win by 7-15%).
+_ONE_THREAD_BELOW = 1 << 22
+
+
+def _step_on_one_thread(opt: torch.optim.Optimizer) -> None:
+    """Run ``opt.step`` with one intra-op thread, restoring the count after."""
+    saved: list[int] = []
+
+    def pre(*_):
+        saved.append(torch.get_num_threads())
+        torch.set_num_threads(1)
+
+    def post(*_):
+        torch.set_num_threads(saved.pop())
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
