@@ -67,14 +67,27 @@ def _normal(keys: np.ndarray) -> np.ndarray:
 
 def zipf_ranks(u: np.ndarray, n: int, alpha: float) -> np.ndarray:
     """Map uniforms to popularity ranks in [0, n) with P(rank r) ~ (r+1)^-alpha."""
-    if alpha == 0.0 or n == 1:
+    return _zipf_ranks_by_feature(u, [n], np.array([len(u)]), alpha)
+
+
+def _zipf_ranks_by_feature(
+    u: np.ndarray, sizes: list[int], counts: np.ndarray, alpha: float
+) -> np.ndarray:
+    """:func:`zipf_ranks` for several features in one numpy pass: ``u``'s first
+    ``counts[0]`` values are feature 0's (table of ``sizes[0]`` rows), then feature 1's,
+    ... Each feature's constants are Python floats repeated over its values, so a rank
+    does not depend on which features were drawn with it."""
+    n = np.repeat(np.asarray(sizes, dtype=np.int64), counts)
+    if alpha == 0.0:
         r = np.floor(u * n)
     elif abs(alpha - 1.0) < 1e-9:
-        r = np.floor(np.exp(u * math.log(n + 1))) - 1
+        log_n1 = [math.log(size + 1) for size in sizes]
+        r = np.floor(np.exp(u * np.repeat(log_n1, counts))) - 1
     else:
         e = 1.0 - alpha
-        r = np.floor(((((n + 1) ** e) - 1.0) * u + 1.0) ** (1.0 / e)) - 1
-    return np.clip(r, 0, n - 1).astype(np.int64)
+        span = [((size + 1) ** e) - 1.0 for size in sizes]
+        r = np.floor((np.repeat(span, counts) * u + 1.0) ** (1.0 / e)) - 1
+    return np.clip(r, 0, n - 1).astype(np.int64)  # (a 1-row table: 0 by any formula)
 
 
 def _coprime_multiplier(n: int, rng: np.random.Generator) -> int:
@@ -251,22 +264,6 @@ class SyntheticCriteo:
             labels=torch.from_numpy(labels),
         )
 
-    def _zipf_ranks(self, u: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """:func:`zipf_ranks` of ``u``, whose first ``counts[0]`` values are feature 0's,
-        then feature 1's, ...: one numpy pass. Each feature's constants are computed as
-        zipf_ranks computes them (Python floats), so every rank is the same."""
-        n = np.repeat(self._sizes, counts)
-        if self.alpha == 0.0:
-            r = np.floor(u * n)
-        elif abs(self.alpha - 1.0) < 1e-9:
-            log_n1 = [math.log(size + 1) for size in self.table_sizes]
-            r = np.floor(np.exp(u * np.repeat(log_n1, counts))) - 1
-        else:
-            e = 1.0 - self.alpha
-            span = [((size + 1) ** e) - 1.0 for size in self.table_sizes]
-            r = np.floor((np.repeat(span, counts) * u + 1.0) ** (1.0 / e)) - 1
-        return np.clip(r, 0, n - 1).astype(np.int64)  # (a 1-row table: 0 by any formula)
-
     def _sample(self, index: int, batch_size: int, split: str):
         """Features of a batch (``ids``: every feature's, feature-major) and the signal
         part of its logits (``signal_scale`` applied)."""
@@ -285,12 +282,12 @@ class SyntheticCriteo:
         else:
             lengths = rng.integers(self.min_ids, self.max_ids + 1, size=(num_sparse, b))
         # every feature's ids in one pass: the uniforms of feature after feature are one
-        # draw, and each feature's Zipf constants are repeated over its ids (the values
-        # per feature of zipf_ranks, bit for bit)
+        # draw, the ranks one call (each feature's as zipf_ranks gives them alone)
         counts = lengths.sum(axis=1)
         feat_start = np.zeros(num_sparse + 1, dtype=np.int64)
         np.cumsum(counts, out=feat_start[1:])
-        ranks = self._zipf_ranks(rng.random(int(feat_start[-1])), counts)
+        u = rng.random(int(feat_start[-1]))
+        ranks = _zipf_ranks_by_feature(u, self.table_sizes, counts, self.alpha)
         n = np.repeat(self._sizes, counts)
         ids = (ranks * np.repeat(self._mult, counts) + np.repeat(self._shift, counts)) % n
         # effects of the tables too large to cache, hashed here at their ids' positions

@@ -137,7 +137,7 @@ def _native_at_b(
             b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
             rc = lib.recscale_weight_grad(
                 a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
-                out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, 0, batch,
+                out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch,
             )  # fmt: skip
             if rc:
                 failed.append(p)

@@ -1,9 +1,9 @@
 /*
  * Weight and bias gradients of a dense layer from sample-major operands (AVX-512):
  *
- *     dw[o, i] = sum_{b0 <= b < b1} g[b, o] * x[b, i]        dw  [out, in], row stride lddw
- *     db[o]    = sum_{b0 <= b < b1} g[b, o]                  db  [out] (skipped when NULL)
- *     xs[i]    = sum_{b0 <= b < b1} x[b, i]                  xs  [in]  (skipped when NULL)
+ *     dw[o, i] = sum_{b < batch} g[b, o] * x[b, i]           dw  [out, in], row stride lddw
+ *     db[o]    = sum_{b < batch} g[b, o]                     db  [out] (skipped when NULL)
+ *     xs[i]    = sum_{b < batch} x[b, i]                     xs  [in]  (skipped when NULL)
  *
  * xs is for a narrow input (13 -> 512): the caller swaps the operands, dw^T = x^T g, so
  * the kernel's tiles run over the 512 side (13 columns would fill 13 of 16 lanes and
@@ -113,7 +113,7 @@ RS_AVX512 static void pack(const float *g, int64_t ldg, const float *x, int64_t 
 /* Returns 0, or -1 without AVX-512 or memory for the packed blocks (nothing written). */
 RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx,
                                    float *dw, int64_t lddw, float *db, float *xs, int64_t out,
-                                   int64_t in, int64_t b0, int64_t b1) {
+                                   int64_t in, int64_t batch) {
     if (!recscale_avx512_supported()) return -1;
     const int64_t ntiles = (out + MR - 1) / MR, nblocks = (in + NB - 1) / NB;
     float *gp = aligned_alloc(64, (size_t)(ntiles * MR * KC) * sizeof(float));
@@ -125,11 +125,11 @@ RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, 
     }
     if (db) memset(db, 0, (size_t)out * sizeof(float));
     if (xs) memset(xs, 0, (size_t)in * sizeof(float));
-    if (b1 <= b0) /* no samples: zero gradients */
+    if (batch <= 0) /* no samples: zero gradients */
         for (int64_t o = 0; o < out; ++o) memset(dw + o * lddw, 0, (size_t)in * sizeof(float));
-    for (int64_t k0 = b0; k0 < b1; k0 += KC) {
-        const int64_t kc = b1 - k0 < KC ? b1 - k0 : KC;
-        const int acc = k0 > b0;
+    for (int64_t k0 = 0; k0 < batch; k0 += KC) {
+        const int64_t kc = batch - k0 < KC ? batch - k0 : KC;
+        const int acc = k0 > 0;
         pack(g + k0 * ldg, ldg, x + k0 * ldx, ldx, out, in, kc, gp, xp, db, xs);
         for (int64_t j = 0; j < nblocks; ++j) {
             const int64_t i0 = j * NB, cols = in - i0 < NB ? in - i0 : NB, nq = (cols + 15) / 16;
@@ -155,10 +155,10 @@ RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, 
 #else /* not x86-64: callers keep torch's GEMM */
 int recscale_avx512_supported(void) { return 0; }
 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
-                         int64_t lddw, float *db, float *xs, int64_t out, int64_t in, int64_t b0,
-                         int64_t b1) {
+                         int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
+                         int64_t batch) {
     (void)g, (void)ldg, (void)x, (void)ldx, (void)dw, (void)lddw, (void)db, (void)xs;
-    (void)out, (void)in, (void)b0, (void)b1;
+    (void)out, (void)in, (void)batch;
     return -1;
 }
 #endif
