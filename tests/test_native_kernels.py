@@ -162,18 +162,27 @@ needs_avx512 = pytest.mark.skipif(
         (256, 512, 13, False),  # config A's first layer: a narrow input, operands swapped
         (129, 100, 7, True),  # narrow and strided, threads split its 7 rows
         (512, 16, 64, True),  # one full column block
+        (600, 8, 20, False),  # samples split 256 + 344 (whole blocks, the rest to the last)
     ],
 )
+@pytest.mark.parametrize("split", ["outputs", "samples"])
 def test_native_weight_grad_matches_fp64_reference(
-    batch, out, inp, strided, bias_grad, monkeypatch
+    batch, out, inp, strided, bias_grad, split, monkeypatch
 ):
     """dW = g^T x and db = g.sum(0) from the AVX-512 kernel (every edge: partial tiles,
     partial column vectors, batch ranges across packed blocks and threads, rows with a
-    stride wider than the row) against float64 torch."""
+    stride wider than the row; threads splitting the outputs, or the samples with the
+    partial results added) against float64 torch."""
     from recscale.modules import gemm
 
     monkeypatch.setattr(gemm, "_WGRAD_MIN_OUT", 1)  # the kernel even where MKL is faster
     monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # and threads on however little work
+    monkeypatch.setattr(gemm, "_WGRAD_BATCH_SPLIT_BYTES", 0 if split == "outputs" else 1 << 40)
+    parts = []
+    real = gemm._native_at_b_batch_split
+    monkeypatch.setattr(
+        gemm, "_native_at_b_batch_split", lambda *a: parts.append(1) or real(*a)
+    )
     gen = torch.Generator().manual_seed(batch + out + inp)
     pad = 3 if strided else 0  # views into wider rows: row stride > width
     g = torch.randn(batch, out + pad, generator=gen)[:, pad:]
@@ -194,6 +203,8 @@ def test_native_weight_grad_matches_fp64_reference(
         )
     else:
         assert db is None
+    # the sample split runs where there are two whole blocks of samples to share
+    assert bool(parts) == (split == "samples" and batch >= 2 * gemm._WGRAD_KC)
 
 
 @pytest.mark.parametrize(
