@@ -180,9 +180,7 @@ def test_native_weight_grad_matches_fp64_reference(
     monkeypatch.setattr(gemm, "_WGRAD_BATCH_SPLIT_BYTES", 0 if split == "outputs" else 1 << 40)
     parts = []
     real = gemm._native_at_b_batch_split
-    monkeypatch.setattr(
-        gemm, "_native_at_b_batch_split", lambda *a: parts.append(1) or real(*a)
-    )
+    monkeypatch.setattr(gemm, "_native_at_b_batch_split", lambda *a: parts.append(1) or real(*a))
     gen = torch.Generator().manual_seed(batch + out + inp)
     pad = 3 if strided else 0  # views into wider rows: row stride > width
     g = torch.randn(batch, out + pad, generator=gen)[:, pad:]

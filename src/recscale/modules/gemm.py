@@ -177,7 +177,9 @@ def _native_at_b_batch_split(
     parts = min(threads, blocks)
     rows = [batch if p == parts else _WGRAD_KC * (blocks * p // parts) for p in range(parts + 1)]
     outs = [out] + [torch.empty(m, n) for _ in range(parts - 1)]
-    part_sums = [sums] + [torch.empty_like(sums) for _ in range(parts - 1)] if sums is not None else None
+    part_sums = (
+        [sums] + [torch.empty_like(sums) for _ in range(parts - 1)] if sums is not None else None
+    )
     failed: list[int] = []
 
     def run(lo: int, hi: int) -> None:
