@@ -15,6 +15,7 @@ setup(
                 "src/recscale/native/embedding_lookup.c",
                 "src/recscale/native/sparse_update.c",
                 "src/recscale/native/weight_grad.c",
+                "src/recscale/native/narrow_weight_grad.c",
                 "src/recscale/native/logit.c",
             ],
             extra_compile_args=["-O3", "-std=c11"],

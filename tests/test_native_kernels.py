@@ -205,6 +205,54 @@ def test_native_weight_grad_matches_fp64_reference(
     assert bool(parts) == (split == "samples" and batch >= 2 * gemm._WGRAD_KC)
 
 
+@needs_avx512
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize(
+    "batch,out,inp,strided,threads",
+    [
+        (0, 7, 13, False, 1),  # no samples: zero gradients
+        (1, 1, 1, False, 1),  # one sample, one lane of one output block
+        (17, 37, 13, True, 1),  # a block of 16 samples and one; a 5-lane tail block
+        (300, 512, 13, False, 2),  # config A's first layer, samples split over 2 threads
+        (129, 48, 5, True, 2),  # a 16-lane tail; strided rows, split samples
+        (64, 32, 9, False, 2),  # one whole output block
+    ],
+)
+def test_native_narrow_weight_grad_matches_fp64_reference(
+    batch, out, inp, strided, threads, masked, monkeypatch
+):
+    """The first layer's dW and db with its ReLU mask applied on the way
+    (native/narrow_weight_grad.c: output blocks of 32 with tails, sample blocks of 16 with
+    a remainder, strided rows, threads adding partial results) against float64 torch:
+    g masked where the ReLU output is not > 0 - exactly threshold_backward's rule, the
+    output's zeros included."""
+    from recscale.modules import gemm
+
+    monkeypatch.setattr(gemm, "_NARROW_MIN_MACS", 0)
+    gen = torch.Generator().manual_seed(batch + out + inp)
+    pad = 3 if strided else 0
+    g = torch.randn(batch, out + pad, generator=gen)[:, pad:]
+    h = torch.randn(batch, out + 2 * pad, generator=gen).relu_()[:, :out]  # half zeros
+    x = torch.randn(batch, inp + pad, generator=gen)[:, pad:]
+    mask = h if masked else None
+    assert gemm.native_narrow_wgrad_applies(g, x)
+    before = g.clone()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dw, db = gemm.narrow_weight_grad(g, x, mask, bias_grad=True)
+        dw2, db2 = gemm.narrow_weight_grad(g, x, mask, bias_grad=False)
+    finally:
+        torch.set_num_threads(saved)
+    gm = torch.ops.aten.threshold_backward(g, h, 0.0) if masked else g
+    want = gm.double().t() @ x.double()
+    assert dw.shape == (out, inp) and dw.is_contiguous() and db2 is None
+    torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * (batch + 1))
+    torch.testing.assert_close(db.double(), gm.double().sum(0), rtol=1e-5, atol=1e-5 * (batch + 1))
+    torch.testing.assert_close(dw2, dw)
+    assert torch.equal(g, before)  # the mask applies to this product only
+
+
 @pytest.mark.parametrize(
     "in_dim,widths,final_relu,input_grad",
     [
@@ -215,6 +263,8 @@ def test_native_weight_grad_matches_fp64_reference(
         (20, [30, 3], True, True),
         (9, [1], False, True),  # a lone logit layer: its input gradient is not masked
         (20, [11, 1], False, False),  # a logit layer over 11 features (a 3-lane tail)
+        (13, [40, 8], True, False),  # narrow first layer, its mask left to its kernel
+        (13, [40, 8], True, True),  # ... not when the input needs a gradient
     ],
 )
 @pytest.mark.parametrize(
@@ -232,6 +282,7 @@ def test_fused_mlp_matches_sequential(
         pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
+    monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_LOGIT", onednn)  # native/logit.c (AVX2) or torch
     ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
     fused = MLP(in_dim, widths, final_relu, fused=True)

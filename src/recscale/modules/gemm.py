@@ -10,7 +10,9 @@ from a transposed copy of ``g``; :func:`weight_grad` runs it through our AVX-512
 kernel (``native/weight_grad.c``: 6-11% faster than MKL at configs A and B's layers,
 1.1-1.4x at the narrow ones, level at DCNv2's widest; the bias gradient summed on the
 way), or MKL on CPUs without AVX-512. A logit layer (``n -> 1``) has its own one-pass
-kernels (:func:`logit_forward`, :func:`logit_backward`). Anything other than fp32 CPU
+kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first layer (13 ->
+512) a weight gradient that applies the layer's ReLU mask as it reads the gradient
+(:func:`narrow_weight_grad`). Anything other than fp32 CPU
 tensors (CUDA, bf16) goes to torch's own ops.
 """
 
@@ -37,6 +39,9 @@ ONEDNN_LINEAR, ONEDNN_LINEAR_ADD = _onednn_ops()
 USE_ONEDNN = True
 USE_NATIVE_WGRAD = True
 USE_NATIVE_LOGIT = True
+USE_NATIVE_NARROW_WGRAD = True
+_NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_weight_grad.c
+_NARROW_MIN_MACS = 0
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
 _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
@@ -202,6 +207,64 @@ def _native_at_b_batch_split(
         if sums is not None:
             sums.add_(part_sums[p])
     return out, sums
+
+
+def native_narrow_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether :func:`narrow_weight_grad` runs natively for a layer ``x [B, in] -> g [B, out]``:
+    an input of at most 13 features (DLRM's dense features) on a CPU with AVX-512."""
+    return (
+        USE_NATIVE_NARROW_WGRAD
+        and _fp32_cpu_rows(g, x)
+        and g.shape[0] == x.shape[0]
+        and 1 <= x.shape[1] <= _NARROW_MAX_IN
+        and native.has_avx512()
+    )
+
+
+def narrow_weight_grad(
+    g: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, bias_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`weight_grad` of a narrow-input layer (see :func:`native_narrow_wgrad_applies`)
+    with the layer's ReLU mask applied on the way: ``g`` is zeroed where ``mask <= 0``
+    (``mask`` is the layer's ReLU output, or None) for this product only - ``g`` itself is
+    not modified. One streaming pass over ``g`` and ``mask`` (``native/narrow_weight_grad.c``):
+    the separate mask pass and the packing of ``g`` go."""
+    batch, out, inp = g.shape[0], g.shape[1], x.shape[1]
+    if mask is not None:
+        assert mask.shape == g.shape and _fp32_cpu_rows(mask)
+    lib = native.library()
+    # threads split the samples (each reads the rows the GEMM before it wrote on its own
+    # core); the partial results, [out, in] and [out], are added
+    parts = min(torch.get_num_threads(), max(1, batch // 64))
+    if batch * out * inp < _NARROW_MIN_MACS:
+        parts = 1
+    rows = [batch * p // parts for p in range(parts + 1)]
+    dws = [torch.empty(out, inp) for _ in range(parts)]
+    dbs = [torch.empty(out) if bias_grad else None for _ in range(parts)]
+    failed: list[int] = []
+
+    def run(lo: int, hi: int) -> None:
+        for p in range(lo, hi):
+            r0, r1 = rows[p], rows[p + 1]
+            rc = lib.recscale_narrow_weight_grad(
+                g.data_ptr() + 4 * r0 * g.stride(0), g.stride(0),
+                mask.data_ptr() + 4 * r0 * mask.stride(0) if mask is not None else None,
+                mask.stride(0) if mask is not None else 0,
+                x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), dws[p].data_ptr(), inp,
+                dbs[p].data_ptr() if bias_grad else None, out, inp, r1 - r0,
+            )  # fmt: skip
+            if rc:
+                failed.append(p)
+
+    native.parallel_for(parts, run, parts)
+    if failed:  # no memory for the kernel's buffers: torch's ops instead
+        gm = g if mask is None else torch.where(mask > 0, g, 0.0)
+        return torch.mm(x.t(), gm).t().contiguous(), (gm.sum(0) if bias_grad else None)
+    for p in range(1, parts):
+        dws[0].add_(dws[p])
+        if bias_grad:
+            dbs[0].add_(dbs[p])
+    return dws[0], dbs[0]
 
 
 def native_logit_applies(h: torch.Tensor, w: torch.Tensor) -> bool:

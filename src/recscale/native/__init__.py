@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_ABI = 7
+_ABI = 8
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -59,6 +59,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_avx512_supported.restype = ctypes.c_int
     lib.recscale_weight_grad.restype = ctypes.c_int
     lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.recscale_narrow_weight_grad.restype = ctypes.c_int
+    lib.recscale_narrow_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr] + [
+        i64
+    ] * 3
     lib.recscale_logit_forward.restype = None
     lib.recscale_logit_forward.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
     lib.recscale_logit_backward.restype = None

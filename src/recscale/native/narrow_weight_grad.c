@@ -1,0 +1,138 @@
+/*
+ * The first layer's weight and bias gradients when its input is narrow (DLRM's 13 dense
+ * features -> 512), with the layer's ReLU mask applied on the way (AVX-512):
+ *
+ *     gm[b, o] = g[b, o] if mask == NULL or mask[b, o] > 0, else 0
+ *     dw[o, i] = sum_{b < batch} gm[b, o] * x[b, i]         dw [out, in], row stride lddw
+ *     db[o]    = sum_{b < batch} gm[b, o]                    db [out] (skipped when NULL)
+ *
+ * for in <= NARROW_MAX_IN. g [batch, out] is the raw input gradient of the layer above
+ * (its dgrad GEMM's output, not yet masked), mask [batch, out] this layer's ReLU output
+ * (the same tensor carries the mask), x [batch, in] the layer's input; all with rows of
+ * samples and any row stride. Threads split the samples: each calls this for its rows
+ * and the caller adds the partial dw and db.
+ *
+ * Why its own kernel: the layer's masked gradient feeds nothing else (the dense features
+ * need no gradient), so the mask pass over g (torch's threshold_backward: read g and the
+ * mask, write g) and weight_grad.c's packing of g (4 MB at config A) fold into one pass
+ * that reads g and the mask once, row after row - one sequential stream each, which the
+ * prefetchers follow (walking a 32-column strip down the rows, 2 KB apart, they did not:
+ * twice as slow with g and the mask out in memory).
+ *
+ * Per block of R samples: (1) the masked rows go to an L1 buffer, 32 outputs at a time
+ * (buf[c][r][32]); (2) per 32 outputs c, the [in, 32] block of dw^T (2 * in <= 26 zmm)
+ * and its 2 bias sums are loaded, R samples are added (2 loads and 2 * in FMAs with x[b, i]
+ * broadcast, each) and they are stored back to a per-call buffer of dw^T [in][out].
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define RS_AVX512 __attribute__((target("avx512f")))
+#define NARROW_MAX_IN 13
+#define OW 32 /* outputs per register block: 2 zmm */
+/* floats between two 32-output columns of buf: R * OW plus a cache line, so that the
+ * stores of one row (R * OW * 4 bytes apart, a power of two) do not share L1 sets */
+#define BS (R * OW + 16)
+#ifndef R
+#define R 16 /* samples per block: buf is R * out floats (32 KB at out = 512) */
+#endif
+
+int recscale_avx512_supported(void);
+
+/* lanes of a 16-float vector at column j that are below `cols` */
+static inline __mmask16 lanes(int64_t j, int64_t cols) {
+    const int64_t n = cols - j;
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Step (2) for NI inputs (a constant at each call): rows [0, rows) of the block. */
+RS_AVX512 static inline __attribute__((always_inline)) void
+accumulate(const int ni, const float *restrict buf, int64_t nblk, const float *x, int64_t ldx,
+           int64_t rows, float *restrict dwt, int64_t ldt, float *restrict bsum) {
+    for (int64_t c = 0; c < nblk; ++c) {
+        __m512 acc[NARROW_MAX_IN][2];
+        for (int i = 0; i < ni; ++i) {
+            acc[i][0] = _mm512_load_ps(dwt + i * ldt + c * OW);
+            acc[i][1] = _mm512_load_ps(dwt + i * ldt + c * OW + 16);
+        }
+        __m512 b0 = _mm512_load_ps(bsum + c * OW), b1 = _mm512_load_ps(bsum + c * OW + 16);
+        const float *bc = buf + c * BS;
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512 g0 = _mm512_load_ps(bc + r * OW), g1 = _mm512_load_ps(bc + r * OW + 16);
+            const float *xr = x + r * ldx;
+            b0 = _mm512_add_ps(b0, g0);
+            b1 = _mm512_add_ps(b1, g1);
+            for (int i = 0; i < ni; ++i) {
+                const __m512 xv = _mm512_set1_ps(xr[i]);
+                acc[i][0] = _mm512_fmadd_ps(xv, g0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(xv, g1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < ni; ++i) {
+            _mm512_store_ps(dwt + i * ldt + c * OW, acc[i][0]);
+            _mm512_store_ps(dwt + i * ldt + c * OW + 16, acc[i][1]);
+        }
+        _mm512_store_ps(bsum + c * OW, b0);
+        _mm512_store_ps(bsum + c * OW + 16, b1);
+    }
+}
+
+/* Returns 0, or -1 without AVX-512, for in outside [1, NARROW_MAX_IN] or without memory
+ * for the buffers (nothing written). */
+RS_AVX512 int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask,
+                                          int64_t ldm, const float *x, int64_t ldx, float *dw,
+                                          int64_t lddw, float *db, int64_t out, int64_t in,
+                                          int64_t batch) {
+    if (!recscale_avx512_supported() || in < 1 || in > NARROW_MAX_IN) return -1;
+    const int64_t nblk = (out + OW - 1) / OW, ldt = nblk * OW; /* dw^T rows padded to 32 */
+    float *buf = aligned_alloc(64, (size_t)(nblk * BS) * sizeof(float));
+    float *dwt = aligned_alloc(64, (size_t)((in + 1) * ldt) * sizeof(float)); /* + bias row */
+    if (!buf || !dwt) {
+        free(buf);
+        free(dwt);
+        return -1;
+    }
+    memset(dwt, 0, (size_t)((in + 1) * ldt) * sizeof(float));
+    float *bsum = dwt + in * ldt;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < batch; b0 += R) {
+        const int64_t rows = batch - b0 < R ? batch - b0 : R;
+        for (int64_t r = 0; r < rows; ++r) { /* (1): row by row, a sequential read */
+            const float *gr = g + (b0 + r) * ldg, *hr = mask ? mask + (b0 + r) * ldm : NULL;
+            for (int64_t j = 0; j < ldt; j += 16) {
+                const __mmask16 m = lanes(j, out);
+                __m512 v = _mm512_maskz_loadu_ps(m, gr + j);
+                if (hr) v = _mm512_maskz_mov_ps(_mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, hr + j), zero, _CMP_GT_OQ), v);
+                _mm512_store_ps(buf + (j / OW) * BS + r * OW + j % OW, v);
+            }
+        }
+        const float *xb = x + b0 * ldx;
+#define CASE(n) \
+    case n: accumulate(n, buf, nblk, xb, ldx, rows, dwt, ldt, bsum); break;
+        switch (in) { /* one specialised loop per width: the accumulators stay in registers */
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+            CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
+        }
+#undef CASE
+    }
+    for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) dw[o * lddw + i] = dwt[i * ldt + o];
+    if (db) memcpy(db, bsum, (size_t)out * sizeof(float));
+    free(buf);
+    free(dwt);
+    return 0;
+}
+
+#else /* not x86-64: callers keep torch's ops */
+int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask, int64_t ldm,
+                                const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
+                                int64_t out, int64_t in, int64_t batch) {
+    (void)g, (void)ldg, (void)mask, (void)ldm, (void)x, (void)ldx, (void)dw, (void)lddw;
+    (void)db, (void)out, (void)in, (void)batch;
+    return -1;
+}
+#endif
