@@ -131,10 +131,24 @@ RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, 
         const int64_t kc = batch - k0 < KC ? batch - k0 : KC;
         const int acc = k0 > 0;
         pack(g + k0 * ldg, ldg, x + k0 * ldx, ldx, out, in, kc, gp, xp, db, xs);
+        /* the next block's rows of g and x, spread over this block's micro-kernel calls:
+         * the pack then reads them from the L2 instead of waiting on memory (config B's
+         * step 173.2 -> 169.8 and 167.1 -> 164.9 ms; A level) */
+        const int64_t nk = batch - k0 - kc < KC ? batch - k0 - kc : KC;
+        const int64_t glines = (out + 15) / 16, xlines = (in + 15) / 16;
+        const int64_t plines = nk > 0 ? nk * (glines + xlines) : 0, calls = nblocks * ntiles;
+        int64_t call = 0;
         for (int64_t j = 0; j < nblocks; ++j) {
             const int64_t i0 = j * NB, cols = in - i0 < NB ? in - i0 : NB, nq = (cols + 15) / 16;
             const float *xb = xp + j * kc * NB;
             for (int64_t t = 0; t < ntiles; ++t) {
+                for (int64_t l = plines * call / calls, le = plines * (call + 1) / calls; l < le; ++l) {
+                    const int64_t row = l / (glines + xlines), c = l % (glines + xlines);
+                    const float *p = c < glines ? g + (k0 + kc + row) * ldg + 16 * c
+                                                : x + (k0 + kc + row) * ldx + 16 * (c - glines);
+                    _mm_prefetch((const char *)p, _MM_HINT_T1);
+                }
+                ++call;
                 const int64_t rows = out - t * MR < MR ? out - t * MR : MR;
                 const float *gt = gp + t * MR * kc;
                 float *c = dw + t * MR * lddw + i0;
