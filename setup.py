@@ -16,6 +16,7 @@ setup(
                 "src/recscale/native/sparse_update.c",
                 "src/recscale/native/weight_grad.c",
                 "src/recscale/native/narrow_weight_grad.c",
+                "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/logit.c",
             ],
             extra_compile_args=["-O3", "-std=c11"],

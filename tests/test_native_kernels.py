@@ -72,12 +72,34 @@ def test_parallel_for_covers_the_range_once_and_raises_worker_errors():
         native.parallel_for(8, fail, 2)
 
 
+@pytest.fixture(params=["wide", "avx2"])
+def wide_interaction(request):
+    """Both native interaction paths for d >= 64: the AVX-512 tiles
+    (native/dot_interaction_avx512.c, where the CPU has AVX-512) and the AVX2 kernels."""
+    import ctypes
+
+    if request.param == "wide" and not native.has_avx512():
+        pytest.skip(f"AVX-512 interaction kernels: {native.status()}")
+    flag = ctypes.c_int.in_dll(native.library(), "recscale_dot_wide")
+    saved = flag.value
+    flag.value = int(request.param == "wide")
+    yield request.param
+    flag.value = saved
+
+
 @needs_native
-@pytest.mark.parametrize("dim,num_f", [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1)])
+@pytest.mark.parametrize(
+    "dim,num_f",
+    [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3), (128, 1)],
+)  # 80: a 64-float block and a 16-float one; 48: below the AVX-512 tiles
 @pytest.mark.parametrize("has_dense", [True, False])
 @pytest.mark.parametrize("self_interaction", [False, True])
 @pytest.mark.parametrize("layout", ["flat", "feature_major"])
-def test_native_dot_interaction_matches_torch(dim, num_f, has_dense, self_interaction, layout):
+def test_native_dot_interaction_matches_torch(
+    dim, num_f, has_dense, self_interaction, layout, wide_interaction
+):
+    if wide_interaction == "wide" and dim < 64:
+        pytest.skip("the AVX-512 tiles take d >= 64 (a multiple of 16)")
     b = 19  # not a multiple of the thread split
     g = torch.Generator().manual_seed(dim + num_f)
     dense0 = torch.randn(b, dim, generator=g)

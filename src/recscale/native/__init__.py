@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_ABI = 8
+_ABI = 9
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
