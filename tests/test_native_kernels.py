@@ -87,6 +87,40 @@ def wide_interaction(request):
     flag.value = saved
 
 
+def test_split_covers_the_range_with_every_part_non_empty():
+    from recscale.native.parallel import split
+
+    for n, parts, share in [(10, 2, 0.5), (10, 3, 0.9), (7, 2, 0.0), (7, 2, 1.0), (100, 4, 0.3)]:
+        b = split(n, parts, share)
+        assert b[0] == 0 and b[-1] == n and len(b) == parts + 1
+        assert all(hi > lo for lo, hi in zip(b, b[1:]))
+    assert split(100, 2, 0.3)[1] == 30 and split(100, 4, 0.4)[1:] == [40, 60, 80, 100]
+
+
+def test_parallel_parts_learns_the_split_that_finishes_together(monkeypatch):
+    """A worker whose units take twice as long: the caller's share moves from 1/2 toward
+    2/3 (both threads then finish together); with ``adaptive=False`` it stays even."""
+    import time
+
+    from recscale.native import parallel
+
+    monkeypatch.setattr(parallel, "_share", {})
+    seen: list[list[int]] = []
+
+    def work(part: int, lo: int, hi: int) -> None:
+        seen[-1][part] = hi - lo
+        time.sleep((hi - lo) * (0.002 if part else 0.001))  # sleeps drop the GIL, like ctypes
+
+    for adaptive in (False, True):
+        seen.clear()
+        for _ in range(6):
+            seen.append([0, 0])
+            parallel.parallel_parts(40, work, 2, key="test", adaptive=adaptive)
+        if not adaptive:
+            assert all(s == [20, 20] for s in seen) and not parallel._share
+    assert seen[0] == [20, 20] and 24 <= seen[-1][0] <= 30, seen  # 2/3 of 40 = 26.7
+
+
 @needs_native
 @pytest.mark.parametrize(
     "dim,num_f",

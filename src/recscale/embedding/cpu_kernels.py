@@ -190,19 +190,19 @@ def _native_update(kind, weight, state, rows, segments, bag_of_id, psw, grad, lr
         dirty.view(torch.uint8).data_ptr() if dirty is not None else None,
         native.ROW_FORMATS[weight.dtype], step,
     )  # fmt: skip
-    # Split the segments over threads by id count (multi-hot features differ in length).
+    # Split the segments over threads by id count (multi-hot features differ in length):
+    # a part's share of the ids [lo, hi) takes the segments that start in it.
     starts = seg.numpy()
     num_seg = starts.shape[0] - 1
-    threads = max(1, min(torch.get_num_threads(), num_seg))
     total = int(starts[-1] - starts[0])
-    cuts = np.searchsorted(starts, starts[0] + total * np.arange(1, threads) / threads)
-    bounds = [0, *sorted({min(max(int(c), 0), num_seg) for c in cuts}), num_seg]
 
-    def run(lo: int, hi: int) -> None:  # parts [lo, hi) of ``bounds``
-        for i in range(lo, hi):
-            rc = lib.recscale_sparse_update(*args, bounds[i], bounds[i + 1], *tail)
-            if rc != 0:
-                raise RuntimeError(f"native sparse update failed (code {rc})")
+    def segment_at(i: int) -> int:  # the first segment starting at or after id i
+        return num_seg if i >= total else int(np.searchsorted(starts, starts[0] + i))
 
-    parts = len(bounds) - 1
-    native.parallel_for(parts, run, parts)
+    def run(_part: int, lo: int, hi: int) -> None:  # ids [lo, hi)
+        rc = lib.recscale_sparse_update(*args, segment_at(lo), segment_at(hi), *tail)
+        if rc != 0:
+            raise RuntimeError(f"native sparse update failed (code {rc})")
+
+    threads = max(1, min(torch.get_num_threads(), num_seg))
+    native.parallel_parts(max(total, 1), run, threads)

@@ -139,23 +139,20 @@ def _native_at_b(
     # threads take whole 6-row tiles of the result (no partial sums to add up: at
     # 1024 -> 1024 a batch split costs 7% more)
     tiles = -(-m // _WGRAD_TILE)
-    parts = min(threads, tiles)
-    bounds = [min(m, _WGRAD_TILE * (tiles * p // parts)) for p in range(parts + 1)]
     failed: list[int] = []
 
-    def run(lo: int, hi: int) -> None:
-        for p in range(lo, hi):
-            r0, r1 = bounds[p], bounds[p + 1]
-            a_sums = sums.data_ptr() + 4 * r0 if sum_a else None
-            b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
-            rc = lib.recscale_weight_grad(
-                a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
-                out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch,
-            )  # fmt: skip
-            if rc:
-                failed.append(p)
+    def run(p: int, lo: int, hi: int) -> None:  # tiles [lo, hi)
+        r0, r1 = _WGRAD_TILE * lo, min(m, _WGRAD_TILE * hi)
+        a_sums = sums.data_ptr() + 4 * r0 if sum_a else None
+        b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
+        rc = lib.recscale_weight_grad(
+            a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
+            out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch,
+        )  # fmt: skip
+        if rc:
+            failed.append(p)
 
-    native.parallel_for(parts, run, parts)
+    native.parallel_parts(tiles, run, threads, key=("wgrad/outputs", m, n, batch))
     if failed:  # no memory for the packed blocks: torch's GEMM instead
         return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
     return out, sums
@@ -178,28 +175,25 @@ def _native_at_b_batch_split(
     operands (config A: 368 -> 512 4.48 -> 4.14 ms, 256 -> 64 0.55 -> 0.45)."""
     lib = native.library()
     batch, m, n = a.shape[0], a.shape[1], b.shape[1]
-    blocks = batch // _WGRAD_KC  # whole sample blocks per part, the remainder to the last
-    parts = min(threads, blocks)
-    rows = [batch if p == parts else _WGRAD_KC * (blocks * p // parts) for p in range(parts + 1)]
+    parts = min(threads, batch // _WGRAD_KC)  # at least a packed block of samples each
     outs = [out] + [torch.empty(m, n) for _ in range(parts - 1)]
     part_sums = (
         [sums] + [torch.empty_like(sums) for _ in range(parts - 1)] if sums is not None else None
     )
     failed: list[int] = []
 
-    def run(lo: int, hi: int) -> None:
-        for p in range(lo, hi):
-            r0, r1 = rows[p], rows[p + 1]
-            s = part_sums[p].data_ptr() if part_sums is not None else None
-            rc = lib.recscale_weight_grad(
-                a.data_ptr() + 4 * r0 * a.stride(0), a.stride(0),
-                b.data_ptr() + 4 * r0 * b.stride(0), b.stride(0),
-                outs[p].data_ptr(), n, s if sum_a else None, s if sum_b else None, m, n, r1 - r0,
-            )  # fmt: skip
-            if rc:
-                failed.append(p)
+    def run(p: int, r0: int, r1: int) -> None:  # samples [r0, r1)
+        s = part_sums[p].data_ptr() if part_sums is not None else None
+        rc = lib.recscale_weight_grad(
+            a.data_ptr() + 4 * r0 * a.stride(0), a.stride(0),
+            b.data_ptr() + 4 * r0 * b.stride(0), b.stride(0),
+            outs[p].data_ptr(), n, s if sum_a else None, s if sum_b else None, m, n, r1 - r0,
+        )  # fmt: skip
+        if rc:
+            failed.append(p)
 
-    native.parallel_for(parts, run, parts)
+    # an even split: the partial sums are added, and must not depend on timing
+    native.parallel_parts(batch, run, parts, adaptive=False)
     if failed:
         return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
     for p in range(1, parts):
@@ -238,25 +232,22 @@ def narrow_weight_grad(
     parts = min(torch.get_num_threads(), max(1, batch // 64))
     if batch * out * inp < _NARROW_MIN_MACS:
         parts = 1
-    rows = [batch * p // parts for p in range(parts + 1)]
     dws = [torch.empty(out, inp) for _ in range(parts)]
     dbs = [torch.empty(out) if bias_grad else None for _ in range(parts)]
     failed: list[int] = []
 
-    def run(lo: int, hi: int) -> None:
-        for p in range(lo, hi):
-            r0, r1 = rows[p], rows[p + 1]
-            rc = lib.recscale_narrow_weight_grad(
-                g.data_ptr() + 4 * r0 * g.stride(0), g.stride(0),
-                mask.data_ptr() + 4 * r0 * mask.stride(0) if mask is not None else None,
-                mask.stride(0) if mask is not None else 0,
-                x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), dws[p].data_ptr(), inp,
-                dbs[p].data_ptr() if bias_grad else None, out, inp, r1 - r0,
-            )  # fmt: skip
-            if rc:
-                failed.append(p)
+    def run(p: int, r0: int, r1: int) -> None:  # samples [r0, r1)
+        rc = lib.recscale_narrow_weight_grad(
+            g.data_ptr() + 4 * r0 * g.stride(0), g.stride(0),
+            mask.data_ptr() + 4 * r0 * mask.stride(0) if mask is not None else None,
+            mask.stride(0) if mask is not None else 0,
+            x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), dws[p].data_ptr(), inp,
+            dbs[p].data_ptr() if bias_grad else None, out, inp, r1 - r0,
+        )  # fmt: skip
+        if rc:
+            failed.append(p)
 
-    native.parallel_for(parts, run, parts)
+    native.parallel_parts(batch, run, parts, adaptive=False)  # added up: an even split
     if failed:  # no memory for the kernel's buffers: torch's ops instead
         gm = g if mask is None else torch.where(mask > 0, g, 0.0)
         return torch.mm(x.t(), gm).t().contiguous(), (gm.sum(0) if bias_grad else None)

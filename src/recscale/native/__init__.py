@@ -4,7 +4,8 @@
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
 loaded here with ctypes rather than imported: it has no Python API, only plain C
 functions over raw fp32 pointers, and ctypes releases the GIL during each call, so
-:func:`parallel_for` can split a batch over Python threads that run truly in parallel.
+:func:`parallel_for` / :func:`parallel_parts` (``native/parallel.py``) can split a batch
+over Python threads that run truly in parallel.
 
 Everything degrades: without the library (no compiler at install, another
 architecture), on a CPU without AVX2/FMA, or with ``RECSCALE_NATIVE=0`` in the
@@ -19,11 +20,11 @@ import ctypes
 import importlib.machinery
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from recscale.native.parallel import parallel_for, parallel_parts  # noqa: F401
 
 _ABI = 9
 _lock = threading.Lock()
@@ -140,33 +141,3 @@ def has_avx512() -> bool:
 def status() -> str:
     library()
     return _status
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_key: tuple[int, int] = (0, 0)
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_key
-    key = (os.getpid(), workers)  # a forked child must not use the parent's threads
-    if _pool is None or _pool_key != key:
-        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recscale-native")
-        _pool_key = key
-    return _pool
-
-
-def parallel_for(n: int, fn: Callable[[int, int], None], threads: int) -> None:
-    """``fn(lo, hi)`` over ``threads`` contiguous ranges of ``[0, n)``; the caller runs
-    the first range itself. ``fn`` should be a ctypes call (it releases the GIL)."""
-    parts = max(1, min(threads, n))
-    bounds = [n * i // parts for i in range(parts + 1)]
-    if parts == 1:
-        fn(0, n)
-        return
-    pool = _executor(parts - 1)
-    futures: list[Future] = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    try:
-        fn(bounds[0], bounds[1])
-    finally:
-        for f in futures:
-            f.result()
