@@ -211,8 +211,9 @@ needs_avx512 = pytest.mark.skipif(
     [
         (0, 7, 9, False),  # no samples: zero gradients
         (1, 1, 1, False),  # one sample, one edge tile of one row and one column
-        (127, 6, 16, False),  # one full tile; the batch one short of a packed block (128)
-        (129, 13, 17, True),  # a block and one sample; edge tile rows 1, columns 1
+        (63, 6, 16, False),  # one full tile; the batch one short of a packed block (64)
+        (127, 6, 16, False),  # a block and a 63-sample one
+        (129, 13, 17, True),  # two blocks and one sample; edge tile rows 1, columns 1
         (300, 70, 130, True),  # split over two threads; 3 column blocks, the last 2 wide
         (257, 64, 50, False),  # 4-row edge tile, 4 vectors with the last 2 lanes
         (256, 512, 13, False),  # config A's first layer: a narrow input, operands swapped

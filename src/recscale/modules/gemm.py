@@ -49,7 +49,7 @@ _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
 # half to a pool thread costs ~0.1 ms on a 2-core VM (64 -> 16: 0.18 ms on two threads,
 # 0.09 on one).
 _WGRAD_MIN_MACS = 1 << 24
-_WGRAD_KC = 128  # samples per packed block (KC in native/weight_grad.c)
+_WGRAD_KC = 64  # samples per packed block (KC in native/weight_grad.c)
 # Threads split the samples instead of the outputs while the result is at most this
 # large (each then packs only its own rows; the partial results cost an add): see
 # _native_at_b_batch_split. Tests set it to 0 to force the output split.
