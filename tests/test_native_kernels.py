@@ -279,7 +279,7 @@ def test_native_narrow_weight_grad_matches_fp64_reference(
     batch, out, inp, strided, threads, masked, monkeypatch
 ):
     """The first layer's dW and db with its ReLU mask applied on the way
-    (native/narrow_weight_grad.c: output blocks of 32 with tails, sample blocks of 16 with
+    (native/narrow_layer.c: output blocks of 32 with tails, sample blocks of 16 with
     a remainder, strided rows, threads adding partial results) against float64 torch:
     g masked where the ReLU output is not > 0 - exactly threshold_backward's rule, the
     output's zeros included."""
@@ -308,6 +308,43 @@ def test_native_narrow_weight_grad_matches_fp64_reference(
     torch.testing.assert_close(db.double(), gm.double().sum(0), rtol=1e-5, atol=1e-5 * (batch + 1))
     torch.testing.assert_close(dw2, dw)
     assert torch.equal(g, before)  # the mask applies to this product only
+
+
+@needs_avx512
+@pytest.mark.parametrize("relu,bias", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize(
+    "batch,out,inp,strided,threads",
+    [
+        (0, 7, 13, False, 1),  # no samples
+        (1, 1, 1, False, 1),  # one sample, one lane
+        (65, 37, 13, True, 1),  # a block of 64 samples and one; a 5-lane tail block
+        (300, 512, 13, False, 2),  # config A's first layer, samples split over 2 threads
+        (129, 48, 5, True, 2),  # a 16-lane tail; strided rows
+    ],
+)
+def test_native_narrow_forward_matches_fp64_reference(
+    batch, out, inp, strided, threads, relu, bias, monkeypatch
+):
+    """The narrow first layer's forward (native/narrow_layer.c: output blocks of 32 with
+    tails, sample blocks of 64, strided rows, bias or none, ReLU or none) against float64."""
+    from recscale.modules import gemm
+
+    gen = torch.Generator().manual_seed(batch + out + inp)
+    pad = 2 if strided else 0
+    x = torch.randn(batch, inp + pad, generator=gen)[:, pad:]
+    w = torch.randn(out, inp + pad, generator=gen)[:, :inp]  # rows with a stride
+    b = torch.randn(out, generator=gen) if bias else None
+    assert gemm.native_narrow_forward_applies(x, w)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        h = gemm.narrow_forward(x, w, b, relu)
+    finally:
+        torch.set_num_threads(saved)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0.0)
+    want = want.relu() if relu else want
+    assert h.shape == (batch, out) and h.is_contiguous()
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -340,6 +377,7 @@ def test_fused_mlp_matches_sequential(
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_WGRAD", native_wgrad)
+    monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_FORWARD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_LOGIT", onednn)  # native/logit.c (AVX2) or torch
     ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
     fused = MLP(in_dim, widths, final_relu, fused=True)

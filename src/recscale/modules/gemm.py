@@ -39,9 +39,11 @@ ONEDNN_LINEAR, ONEDNN_LINEAR_ADD = _onednn_ops()
 USE_ONEDNN = True
 USE_NATIVE_WGRAD = True
 USE_NATIVE_LOGIT = True
-USE_NATIVE_NARROW_WGRAD = True
-_NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_weight_grad.c
+USE_NATIVE_NARROW_WGRAD = True  # the narrow first layer's kernels: weight gradient,
+USE_NATIVE_NARROW_FORWARD = True  # forward
+_NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
 _NARROW_MIN_MACS = 0
+_NARROW_FWD_MIN_MACS = 0
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
 _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
@@ -221,7 +223,7 @@ def narrow_weight_grad(
     """:func:`weight_grad` of a narrow-input layer (see :func:`native_narrow_wgrad_applies`)
     with the layer's ReLU mask applied on the way: ``g`` is zeroed where ``mask <= 0``
     (``mask`` is the layer's ReLU output, or None) for this product only - ``g`` itself is
-    not modified. One streaming pass over ``g`` and ``mask`` (``native/narrow_weight_grad.c``):
+    not modified. One streaming pass over ``g`` and ``mask`` (``native/narrow_layer.c``):
     the separate mask pass and the packing of ``g`` go."""
     batch, out, inp = g.shape[0], g.shape[1], x.shape[1]
     if mask is not None:
@@ -256,6 +258,46 @@ def narrow_weight_grad(
         if bias_grad:
             dbs[0].add_(dbs[p])
     return dws[0], dbs[0]
+
+
+def native_narrow_forward_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`narrow_forward` runs natively for ``x [B, in] @ w^T``: fp32 CPU rows,
+    ``in`` at most 13, AVX-512."""
+    return (
+        USE_NATIVE_NARROW_FORWARD
+        and _fp32_cpu_rows(x, w)
+        and x.shape[1] == w.shape[1]
+        and 1 <= x.shape[1] <= _NARROW_MAX_IN
+        and native.has_avx512()
+    )
+
+
+def narrow_forward(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, relu: bool
+) -> torch.Tensor:
+    """``x @ w^T + bias`` (then ReLU) for a narrow input (``w [out, in]``, rows contiguous;
+    see :func:`native_narrow_wgrad_applies`) through ``native/narrow_layer.c``: oneDNN
+    runs K = 13 at a fraction of its rate. The threads split the samples."""
+    batch, inp, out = x.shape[0], x.shape[1], w.shape[0]
+    h = torch.empty(batch, out)
+    bias = bias.contiguous() if bias is not None else None
+    lib = native.library()
+    failed: list[int] = []
+
+    def run(_part: int, r0: int, r1: int) -> None:  # samples [r0, r1)
+        rc = lib.recscale_narrow_forward(
+            x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), w.data_ptr(), w.stride(0),
+            bias.data_ptr() if bias is not None else None, h.data_ptr() + 4 * r0 * out, out,
+            out, inp, r1 - r0, int(relu),
+        )  # fmt: skip
+        if rc:
+            failed.append(rc)
+
+    threads = torch.get_num_threads() if batch * inp * out >= _NARROW_FWD_MIN_MACS else 1
+    native.parallel_parts(batch, run, min(threads, max(1, batch // 64)))
+    if failed:  # no memory for w's transposed copy
+        return linear(x, w, bias, relu=relu)
+    return h
 
 
 def native_logit_applies(h: torch.Tensor, w: torch.Tensor) -> bool:

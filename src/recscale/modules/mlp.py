@@ -23,6 +23,8 @@ Two paths with the same parameters (``layers``, so checkpoints don't care which 
     weight, bias and input gradients with the previous ReLU's mask - in another
     (:func:`recscale.modules.gemm.logit_backward`; five torch ops took ~0.9 ms of
     config A's step);
+  * runs a narrow first layer's forward (13 -> 512) in a native pass of its own
+    (:func:`recscale.modules.gemm.narrow_forward`: oneDNN runs K = 13 at ~60 GFLOP/s);
   * on a CPU, runs the forward GEMMs with bias and ReLU fused in and the
     input-gradient GEMMs through oneDNN (:mod:`recscale.modules.gemm`: 190-215 GFLOP/s
     against MKL's 150-190 at config A's shapes).
@@ -56,6 +58,8 @@ class _FusedMLP(torch.autograd.Function):
             relu = li < len(weights) - 1 or final_relu
             if not relu and gemm.native_logit_applies(h, w):  # the logit layer: one pass
                 h = gemm.logit_forward(h, w, b)
+            elif li == 0 and gemm.native_narrow_forward_applies(h, w):  # 13 -> 512
+                h = gemm.narrow_forward(h, w, b, relu)
             else:
                 h = gemm.linear(h, w, b, relu=relu)
             acts.append(h)

@@ -26,7 +26,7 @@ import torch
 
 from recscale.native.parallel import parallel_for, parallel_parts  # noqa: F401
 
-_ABI = 9
+_ABI = 10
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -61,6 +61,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_weight_grad.restype = ctypes.c_int
     lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     lib.recscale_narrow_weight_grad.restype = ctypes.c_int
+    lib.recscale_narrow_forward.restype = ctypes.c_int
+    lib.recscale_narrow_forward.argtypes = [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5
     lib.recscale_narrow_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr] + [
         i64
     ] * 3
