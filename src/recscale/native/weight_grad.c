@@ -141,16 +141,19 @@ RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, 
         const int64_t nk = batch - k0 - kc < KC ? batch - k0 - kc : KC;
         const int64_t glines = (out + 15) / 16, xlines = (in + 15) / 16;
         const int64_t plines = nk > 0 ? nk * (glines + xlines) : 0, calls = nblocks * ntiles;
-        int64_t call = 0;
+        int64_t call = 0, pdone = 0, prow = 0, pc = 0; /* lines issued; the next one's place */
         for (int64_t j = 0; j < nblocks; ++j) {
             const int64_t i0 = j * NB, cols = in - i0 < NB ? in - i0 : NB, nq = (cols + 15) / 16;
             const float *xb = xp + j * kc * NB;
             for (int64_t t = 0; t < ntiles; ++t) {
-                for (int64_t l = plines * call / calls, le = plines * (call + 1) / calls; l < le; ++l) {
-                    const int64_t row = l / (glines + xlines), c = l % (glines + xlines);
-                    const float *p = c < glines ? g + (k0 + kc + row) * ldg + 16 * c
-                                                : x + (k0 + kc + row) * ldx + 16 * (c - glines);
+                for (const int64_t le = plines * (call + 1) / calls; pdone < le; ++pdone) {
+                    const float *p = pc < glines ? g + (k0 + kc + prow) * ldg + 16 * pc
+                                                 : x + (k0 + kc + prow) * ldx + 16 * (pc - glines);
                     _mm_prefetch((const char *)p, _MM_HINT_T1);
+                    if (++pc == glines + xlines) { /* counters, not a division per line */
+                        pc = 0;
+                        ++prow;
+                    }
                 }
                 ++call;
                 const int64_t rows = out - t * MR < MR ? out - t * MR : MR;
