@@ -121,19 +121,21 @@ def test_parallel_parts_learns_the_split_that_finishes_together(monkeypatch):
     assert seen[0] == [20, 20] and 24 <= seen[-1][0] <= 30, seen  # 2/3 of 40 = 26.7
 
 
+_DIMS = [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3), (128, 1)]
+
+
 @needs_native
 @pytest.mark.parametrize(
-    "dim,num_f",
-    [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3), (128, 1)],
-)  # 80: a 64-float block and a 16-float one; 48: below the AVX-512 tiles
+    "dim,num_f,wide_interaction",
+    [(d, f, "avx2") for d, f in _DIMS] + [(d, f, "wide") for d, f in _DIMS if d >= 64],
+    indirect=["wide_interaction"],
+)  # 80: a 64-float block and a 16-float one; 48: below the AVX-512 tiles (d >= 64)
 @pytest.mark.parametrize("has_dense", [True, False])
 @pytest.mark.parametrize("self_interaction", [False, True])
 @pytest.mark.parametrize("layout", ["flat", "feature_major"])
 def test_native_dot_interaction_matches_torch(
     dim, num_f, has_dense, self_interaction, layout, wide_interaction
 ):
-    if wide_interaction == "wide" and dim < 64:
-        pytest.skip("the AVX-512 tiles take d >= 64 (a multiple of 16)")
     b = 19  # not a multiple of the thread split
     g = torch.Generator().manual_seed(dim + num_f)
     dense0 = torch.randn(b, dim, generator=g)
