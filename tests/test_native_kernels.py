@@ -278,7 +278,7 @@ def test_native_weight_grad_matches_fp64_reference(
     ],
 )
 def test_native_narrow_weight_grad_matches_fp64_reference(
-    batch, out, inp, strided, threads, masked, monkeypatch
+    batch, out, inp, strided, threads, masked
 ):
     """The first layer's dW and db with its ReLU mask applied on the way
     (native/narrow_layer.c: output blocks of 32 with tails, sample blocks of 16 with
@@ -287,7 +287,6 @@ def test_native_narrow_weight_grad_matches_fp64_reference(
     output's zeros included."""
     from recscale.modules import gemm
 
-    monkeypatch.setattr(gemm, "_NARROW_MIN_MACS", 0)
     gen = torch.Generator().manual_seed(batch + out + inp)
     pad = 3 if strided else 0
     g = torch.randn(batch, out + pad, generator=gen)[:, pad:]
@@ -325,7 +324,7 @@ def test_native_narrow_weight_grad_matches_fp64_reference(
     ],
 )
 def test_native_narrow_forward_matches_fp64_reference(
-    batch, out, inp, strided, threads, relu, bias, monkeypatch
+    batch, out, inp, strided, threads, relu, bias
 ):
     """The narrow first layer's forward (native/narrow_layer.c: output blocks of 32 with
     tails, sample blocks of 64, strided rows, bias or none, ReLU or none) against float64."""

@@ -42,8 +42,6 @@ USE_NATIVE_LOGIT = True
 USE_NATIVE_NARROW_WGRAD = True  # the narrow first layer's kernels: weight gradient,
 USE_NATIVE_NARROW_FORWARD = True  # forward
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
-_NARROW_MIN_MACS = 0
-_NARROW_FWD_MIN_MACS = 0
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
 _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
@@ -205,16 +203,15 @@ def _native_at_b_batch_split(
     return out, sums
 
 
+def _narrow_input(x: torch.Tensor) -> bool:
+    """``x [B, in]`` is what native/narrow_layer.c takes: fp32 CPU rows, ``in`` at most 13
+    (DLRM's dense features), on a CPU with AVX-512."""
+    return _fp32_cpu_rows(x) and 1 <= x.shape[1] <= _NARROW_MAX_IN and native.has_avx512()
+
+
 def native_narrow_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether :func:`narrow_weight_grad` runs natively for a layer ``x [B, in] -> g [B, out]``:
-    an input of at most 13 features (DLRM's dense features) on a CPU with AVX-512."""
-    return (
-        USE_NATIVE_NARROW_WGRAD
-        and _fp32_cpu_rows(g, x)
-        and g.shape[0] == x.shape[0]
-        and 1 <= x.shape[1] <= _NARROW_MAX_IN
-        and native.has_avx512()
-    )
+    """Whether :func:`narrow_weight_grad` runs natively for a layer ``x [B, in] -> g [B, out]``."""
+    return USE_NATIVE_NARROW_WGRAD and _narrow_input(x) and _fp32_cpu_rows(g) and len(g) == len(x)
 
 
 def narrow_weight_grad(
@@ -232,8 +229,6 @@ def narrow_weight_grad(
     # threads split the samples (each reads the rows the GEMM before it wrote on its own
     # core); the partial results, [out, in] and [out], are added
     parts = min(torch.get_num_threads(), max(1, batch // 64))
-    if batch * out * inp < _NARROW_MIN_MACS:
-        parts = 1
     dws = [torch.empty(out, inp) for _ in range(parts)]
     dbs = [torch.empty(out) if bias_grad else None for _ in range(parts)]
     failed: list[int] = []
@@ -261,14 +256,12 @@ def narrow_weight_grad(
 
 
 def native_narrow_forward_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`narrow_forward` runs natively for ``x [B, in] @ w^T``: fp32 CPU rows,
-    ``in`` at most 13, AVX-512."""
+    """Whether :func:`narrow_forward` runs natively for ``x [B, in] @ w^T``."""
     return (
         USE_NATIVE_NARROW_FORWARD
-        and _fp32_cpu_rows(x, w)
-        and x.shape[1] == w.shape[1]
-        and 1 <= x.shape[1] <= _NARROW_MAX_IN
-        and native.has_avx512()
+        and _narrow_input(x)
+        and _fp32_cpu_rows(w)
+        and w.shape[1] == x.shape[1]
     )
 
 
@@ -293,8 +286,7 @@ def narrow_forward(
         if rc:
             failed.append(rc)
 
-    threads = torch.get_num_threads() if batch * inp * out >= _NARROW_FWD_MIN_MACS else 1
-    native.parallel_parts(batch, run, min(threads, max(1, batch // 64)))
+    native.parallel_parts(batch, run, min(torch.get_num_threads(), max(1, batch // 64)))
     if failed:  # no memory for w's transposed copy
         return linear(x, w, bias, relu=relu)
     return h
