@@ -61,11 +61,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_weight_grad.restype = ctypes.c_int
     lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     lib.recscale_narrow_weight_grad.restype = ctypes.c_int
+    lib.recscale_narrow_weight_grad.argtypes = [ptr, i64] * 4 + [ptr] + [i64] * 3
     lib.recscale_narrow_forward.restype = ctypes.c_int
     lib.recscale_narrow_forward.argtypes = [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5
-    lib.recscale_narrow_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr] + [
-        i64
-    ] * 3
     lib.recscale_logit_forward.restype = None
     lib.recscale_logit_forward.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
     lib.recscale_logit_backward.restype = None

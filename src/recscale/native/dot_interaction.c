@@ -274,7 +274,7 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
                          int64_t emb_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
-    if (recscale_dot_wide) { /* d >= 32 on AVX-512: 4 x 4 tiles of pairs */
+    if (recscale_dot_wide) { /* d >= 64 on AVX-512: 4 x 4 tiles of pairs */
         const int rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
                                                  self_interaction ? 0 : 1, width, dense_stride,
                                                  emb_sample_stride, emb_feature_stride);
