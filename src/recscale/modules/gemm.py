@@ -11,9 +11,9 @@ kernel (``native/weight_grad.c``: 6-11% faster than MKL at configs A and B's lay
 1.1-1.4x at the narrow ones, level at DCNv2's widest; the bias gradient summed on the
 way), or MKL on CPUs without AVX-512. A logit layer (``n -> 1``) has its own one-pass
 kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first layer (13 ->
-512) a weight gradient that applies the layer's ReLU mask as it reads the gradient
-(:func:`narrow_weight_grad`). Anything other than fp32 CPU
-tensors (CUDA, bf16) goes to torch's own ops.
+512) its forward (:func:`narrow_forward`) and a weight gradient that applies the layer's
+ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). Anything other than fp32
+CPU tensors (CUDA, bf16) goes to torch's own ops.
 """
 
 from __future__ import annotations
@@ -196,17 +196,21 @@ def _native_at_b_batch_split(
     native.parallel_parts(batch, run, parts, adaptive=False)
     if failed:
         return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
-    for p in range(1, parts):
-        out.add_(outs[p])
-        if sums is not None:
-            sums.add_(part_sums[p])
-    return out, sums
+    return _sum_parts(outs), _sum_parts(part_sums) if sums is not None else None
 
 
 def _narrow_input(x: torch.Tensor) -> bool:
     """``x [B, in]`` is what native/narrow_layer.c takes: fp32 CPU rows, ``in`` at most 13
     (DLRM's dense features), on a CPU with AVX-512."""
     return _fp32_cpu_rows(x) and 1 <= x.shape[1] <= _NARROW_MAX_IN and native.has_avx512()
+
+
+def _sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The threads' partial results added into the first, in part order (fixed: the
+    split that made them is even, so the sum does not depend on timing)."""
+    for p in parts[1:]:
+        parts[0].add_(p)
+    return parts[0]
 
 
 def native_narrow_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
@@ -248,11 +252,7 @@ def narrow_weight_grad(
     if failed:  # no memory for the kernel's buffers: torch's ops instead
         gm = g if mask is None else torch.where(mask > 0, g, 0.0)
         return torch.mm(x.t(), gm).t().contiguous(), (gm.sum(0) if bias_grad else None)
-    for p in range(1, parts):
-        dws[0].add_(dws[p])
-        if bias_grad:
-            dbs[0].add_(dbs[p])
-    return dws[0], dbs[0]
+    return _sum_parts(dws), _sum_parts(dbs) if bias_grad else None
 
 
 def native_narrow_forward_applies(x: torch.Tensor, w: torch.Tensor) -> bool:

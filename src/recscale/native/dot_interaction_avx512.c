@@ -24,6 +24,15 @@
 
 int recscale_avx512_supported(void);
 
+/* Share `part` of `parts` of the 64-byte lines of a sample's embedding rows (row f at
+ * e + f * esf, d floats each: `lines` in all) into the L1: spread over a sample's work,
+ * they arrive before the next sample needs them. */
+static inline void prefetch_share(const float *e, int64_t esf, int64_t d, int64_t lines,
+                                  int64_t part, int64_t parts) {
+    for (int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
+        _mm_prefetch((const char *)(e + (l / (d / 16)) * esf + 16 * (l % (d / 16))), _MM_HINT_T0);
+}
+
 /* r[4 v + u] = sum of the lanes of a[4 u + v] (u, v < 4). */
 RS_AVX512 static inline __m512 sum16(const __m512 *a) {
     __m512 x[8], y[4];
@@ -76,11 +85,7 @@ forward_wide(const float *dense, const float *emb, float *out, int64_t b0, int64
         int64_t t = 0;
         for (int64_t I = 0; I < nb; ++I)
             for (int64_t J = I; J < nb; ++J, ++t) {
-                if (b + 1 < b1) /* the next sample's embedding rows, a share per tile */
-                    for (int64_t l = lines * t / ntiles; l < lines * (t + 1) / ntiles; ++l)
-                        _mm_prefetch((const char *)(emb + (b + 1) * esb + (l / (d / 16)) * esf +
-                                                    16 * (l % (d / 16))),
-                                     _MM_HINT_T0);
+                if (b + 1 < b1) prefetch_share(emb + (b + 1) * esb, esf, d, lines, t, ntiles);
                 float s[16] __attribute__((aligned(64)));
                 _mm512_store_ps(s, tile(rows + 4 * I, rows + 4 * J, d));
                 for (int64_t u = 0; u < 4; ++u) {
@@ -189,11 +194,7 @@ backward_wide(const float *dense, const float *emb, const float *g, float *grad_
         int64_t step = 0;
         for (int64_t c = 0; c < d; c += 64)
             for (int64_t i0 = 0; i0 < kp; i0 += 4, ++step) {
-                if (b + 1 < b1) /* the next sample's embedding rows, a share per step */
-                    for (int64_t l = lines * step / steps; l < lines * (step + 1) / steps; ++l)
-                        _mm_prefetch((const char *)(emb + (b + 1) * esb + (l / (d / 16)) * esf +
-                                                    16 * (l % (d / 16))),
-                                     _MM_HINT_T0);
+                if (b + 1 < b1) prefetch_share(emb + (b + 1) * esb, esf, d, lines, step, steps);
                 switch (d - c >= 64 ? 4 : (d - c) / 16) {
                 case 4: grad_block(G, kp, rows, k, i0, c, 4, dst, gb, e0); break;
                 case 3: grad_block(G, kp, rows, k, i0, c, 3, dst, gb, e0); break;
