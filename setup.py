@@ -4,6 +4,8 @@
 kernels fall back to numba/torch. Everything else about the package is in pyproject.toml.
 """
 
+import sys
+
 from setuptools import Extension, setup
 
 setup(
@@ -18,7 +20,10 @@ setup(
                 "src/recscale/native/narrow_layer.c",
                 "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/logit.c",
+                "src/recscale/native/team.c",
             ],
+            # dlopen/dlsym (team.c): in libc itself since glibc 2.34, in libdl before
+            libraries=["dl"] if sys.platform.startswith("linux") else [],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )

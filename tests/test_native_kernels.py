@@ -201,6 +201,97 @@ def test_training_step_takes_every_native_path(monkeypatch):
     assert calls == {"lookup": 1, "interaction": 1, "update": 1}
 
 
+def _team_calls(monkeypatch) -> list[int]:
+    """Spy on the OpenMP team's entry point: one element per call that ran on it."""
+    lib = native.library()
+    calls: list[int] = []
+    run = lib.recscale_team_run
+
+    def spy(*args):
+        calls.append(args[1])  # parts
+        return run(*args)
+
+    monkeypatch.setattr(lib, "recscale_team_run", spy)
+    return calls
+
+
+@needs_native
+def test_team_runs_a_training_step_bit_for_bit_like_the_python_pool(monkeypatch):
+    """Every native kernel of a step (lookup, interaction both ways, the narrow layer,
+    weight gradients split both ways, the sparse update) on torch's OpenMP team gives
+    exactly the Python pool's results - the same parts, only other threads."""
+    from recscale.config import load_config
+    from recscale.models.dlrm import build_model
+    from recscale.native import team
+    from recscale.train.data_source import make_synthetic
+
+    lib = native.library()
+    if not team.team_available(lib):
+        pytest.skip("torch's OpenMP runtime (libgomp) is not loaded here")
+    cfg = load_config(
+        "debug", ["--model.embedding_dim=16", "--model.bottom_mlp=64,16", "--model.top_mlp=64,1"]
+    )
+    batch = make_synthetic(cfg).batch(0, 512)
+    results = {}
+    for use_team in (True, False):
+        monkeypatch.setattr(team, "USE_TEAM", use_team)
+        calls = _team_calls(monkeypatch)
+        model = build_model(cfg.model, cfg.embedding, seed=0)
+        for _ in range(2):  # the second step reads the tables the first one updated
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.labels)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[use_team] = (loss.detach(), state, grads)
+        assert bool(calls) == use_team and all(parts >= 1 for parts in calls)
+    (loss_t, state_t, grads_t), (loss_p, state_p, grads_p) = results[True], results[False]
+    assert torch.equal(loss_t, loss_p)
+    assert state_t.keys() == state_p.keys() and grads_t.keys() == grads_p.keys()
+    for k in state_t:
+        assert torch.equal(state_t[k], state_p[k]), k
+    for k in grads_t:
+        assert torch.equal(grads_t[k], grads_p[k]), k
+
+
+@needs_native
+def test_parallel_call_returns_each_parts_code_and_serves_other_threads_from_the_pool(
+    monkeypatch,
+):
+    """Part codes come back in part order (the lookup reports the first bad id of each
+    part's features); a call from a thread other than the main one never enters the team
+    (libgomp would give that thread a team of its own)."""
+    import threading
+
+    from recscale.embedding.lookup import native_pooled_lookup
+
+    calls = _team_calls(monkeypatch)
+    num_f, b = 4, 8
+    table = torch.randn(40, 8)
+    offsets = torch.arange(num_f * b + 1)
+    row_offset = torch.arange(num_f) * 10
+    sizes = torch.full((num_f,), 10)
+    values = torch.randint(0, 10, (num_f * b,))
+    values[3 * b + 5] = 10  # feature 3 (the second thread's part) reads past its table
+
+    def run() -> object:
+        return native_pooled_lookup(table, values, offsets, b, row_offset, sizes, None)
+
+    assert run() == 3 * b + 5
+    values[3 * b + 5] = 9
+    expect_rows = values + row_offset.repeat_interleave(b)
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(run()))
+    on_main = len(calls)
+    worker.start()
+    worker.join()
+    assert len(calls) == on_main  # the other thread used the pool
+    pooled, rows, _ = run()
+    assert torch.equal(rows, expect_rows) and torch.equal(out[0][1], expect_rows)
+    ref = table[expect_rows].view(num_f, b, 8).transpose(0, 1).reshape(-1, 8)
+    assert torch.equal(pooled, ref) and torch.equal(out[0][0], ref)
+
+
 needs_avx512 = pytest.mark.skipif(
     not native.has_avx512(), reason=f"AVX-512 weight-gradient kernel: {native.status()}"
 )

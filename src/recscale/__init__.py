@@ -13,6 +13,15 @@ import os
 # libgomp reads this when torch is first imported, so it is set here, before any
 # submodule imports torch; a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ... except for a short spin (libgomp: GOMP_SPINCOUNT wins over the policy): our native
+# kernels run their parts on torch's OpenMP team (native/team.py), so nothing else wants
+# the worker's core mid-step, and a worker that sleeps between a step's ops is woken ~30
+# times a step at ~50 us each on a VM. Set only where that team exists (the native
+# library is built and enabled): numba's threads would fight a spinning worker.
+if os.environ.get("RECSCALE_NATIVE", "1") != "0" and os.environ.get("RECSCALE_TEAM", "1") != "0":
+    _here = os.path.join(os.path.dirname(__file__), "native")
+    if any(f.startswith("_kernels") for f in os.listdir(_here)):
+        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 # Back large torch allocations (the embedding tables) with transparent huge pages:
 # random row gathers from a 13 GB table miss the TLB on nearly every row with 4 KiB
 # pages (config B: gather 4 -> 8 GB/s, lookup + sparse update 22 -> 16 ms per step).

@@ -199,10 +199,10 @@ def _native_update(kind, weight, state, rows, segments, bag_of_id, psw, grad, lr
     def segment_at(i: int) -> int:  # the first segment starting at or after id i
         return num_seg if i >= total else int(np.searchsorted(starts, starts[0] + i))
 
-    def run(_part: int, lo: int, hi: int) -> None:  # ids [lo, hi)
-        rc = lib.recscale_sparse_update(*args, segment_at(lo), segment_at(hi), *tail)
-        if rc != 0:
-            raise RuntimeError(f"native sparse update failed (code {rc})")
+    def part(_p: int, lo: int, hi: int) -> tuple:  # ids [lo, hi)
+        return (*args, segment_at(lo), segment_at(hi), *tail)
 
     threads = max(1, min(torch.get_num_threads(), num_seg))
-    native.parallel_parts(max(total, 1), run, threads)
+    for rc in native.parallel_call(lib, "recscale_sparse_update", max(total, 1), part, threads):
+        if rc != 0:
+            raise RuntimeError(f"native sparse update failed (code {rc})")

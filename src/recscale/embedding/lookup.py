@@ -98,19 +98,17 @@ def native_pooled_lookup(
     pooled = torch.empty(num_f * batch_size, dim)  # fp32 whatever the stored rows are
     rows = torch.empty(n, dtype=torch.int64)
     bag_of_id = torch.empty(n, dtype=torch.int64)
-    bad: list[int] = []
     head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size, num_f)
     tail = (
         row_offset.data_ptr(), table_sizes.data_ptr(), psw.data_ptr() if psw is not None else None,
         pooled.data_ptr(), rows.data_ptr(), bag_of_id.data_ptr(), native.ROW_FORMATS[table.dtype],
     )  # fmt: skip
 
-    def run(f0: int, f1: int) -> None:
-        rc = lib.recscale_pooled_lookup(*head, f0, f1, *tail)
-        if rc == -2:
-            raise RuntimeError("native pooled lookup: unsupported dim")
-        if rc >= 0:
-            bad.append(rc)
+    def part(_p: int, f0: int, f1: int) -> tuple:
+        return (*head, f0, f1, *tail)
 
-    native.parallel_for(num_f, run, torch.get_num_threads())
+    rcs = native.parallel_call(lib, "recscale_pooled_lookup", num_f, part, torch.get_num_threads())
+    if -2 in rcs:
+        raise RuntimeError("native pooled lookup: unsupported dim")
+    bad = [rc for rc in rcs if rc >= 0]
     return min(bad) if bad else (pooled, rows, bag_of_id)

@@ -121,10 +121,10 @@ class NativeDotInteraction(torch.autograd.Function):
         d_ptr = dense.data_ptr() if has_dense else 0
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *emb3.stride()[:2])
 
-        def run(lo: int, hi: int) -> None:
-            _check(lib.recscale_dot_forward(d_ptr, emb3.data_ptr(), out.data_ptr(), lo, hi, *args))
+        def part(_p: int, lo: int, hi: int) -> tuple:
+            return (d_ptr, emb3.data_ptr(), out.data_ptr(), lo, hi, *args)
 
-        native.parallel_for(b, run, torch.get_num_threads())
+        _check(native.parallel_call(lib, "recscale_dot_forward", b, part, torch.get_num_threads()))
         ctx.save_for_backward(dense, emb3)
         ctx.shape = (num_features, dim, self_interaction, out_dim, emb.shape)
         return out
@@ -145,17 +145,18 @@ class NativeDotInteraction(torch.autograd.Function):
         strides = (*emb3.stride()[:2], *grad_emb.stride()[:2])
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *strides)
 
-        def run(lo: int, hi: int) -> None:
-            _check(lib.recscale_dot_backward(d_ptr, emb3.data_ptr(), g.data_ptr(), gd_ptr,
-                                             grad_emb.data_ptr(), lo, hi, *args))  # fmt: skip
+        def part(_p: int, lo: int, hi: int) -> tuple:
+            return (d_ptr, emb3.data_ptr(), g.data_ptr(), gd_ptr, grad_emb.data_ptr(), lo, hi,
+                    *args)  # fmt: skip
 
-        native.parallel_for(b, run, torch.get_num_threads())
+        _check(native.parallel_call(lib, "recscale_dot_backward", b, part, torch.get_num_threads()))
         return grad_dense, grad_emb.view(emb_shape), None, None, None, None
 
 
-def _check(rc: int) -> None:
-    if rc != 0:
-        raise RuntimeError(f"native dot interaction kernel failed (code {rc})")
+def _check(rcs: list[int]) -> None:
+    for rc in rcs:
+        if rc != 0:
+            raise RuntimeError(f"native dot interaction kernel failed (code {rc})")
 
 
 def supported(t: torch.Tensor) -> bool:

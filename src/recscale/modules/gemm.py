@@ -139,20 +139,20 @@ def _native_at_b(
     # threads take whole 6-row tiles of the result (no partial sums to add up: at
     # 1024 -> 1024 a batch split costs 7% more)
     tiles = -(-m // _WGRAD_TILE)
-    failed: list[int] = []
 
-    def run(p: int, lo: int, hi: int) -> None:  # tiles [lo, hi)
+    def args(p: int, lo: int, hi: int) -> tuple:  # tiles [lo, hi)
         r0, r1 = _WGRAD_TILE * lo, min(m, _WGRAD_TILE * hi)
         a_sums = sums.data_ptr() + 4 * r0 if sum_a else None
         b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
-        rc = lib.recscale_weight_grad(
+        return (
             a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
             out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch,
         )  # fmt: skip
-        if rc:
-            failed.append(p)
 
-    native.parallel_parts(tiles, run, threads, key=("wgrad/outputs", m, n, batch))
+    rcs = native.parallel_call(
+        lib, "recscale_weight_grad", tiles, args, threads, key=("wgrad/outputs", m, n, batch)
+    )
+    failed = any(rcs)
     if failed:  # no memory for the packed blocks: torch's GEMM instead
         return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
     return out, sums
@@ -180,20 +180,19 @@ def _native_at_b_batch_split(
     part_sums = (
         [sums] + [torch.empty_like(sums) for _ in range(parts - 1)] if sums is not None else None
     )
-    failed: list[int] = []
 
-    def run(p: int, r0: int, r1: int) -> None:  # samples [r0, r1)
+    def args(p: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
         s = part_sums[p].data_ptr() if part_sums is not None else None
-        rc = lib.recscale_weight_grad(
+        return (
             a.data_ptr() + 4 * r0 * a.stride(0), a.stride(0),
             b.data_ptr() + 4 * r0 * b.stride(0), b.stride(0),
             outs[p].data_ptr(), n, s if sum_a else None, s if sum_b else None, m, n, r1 - r0,
         )  # fmt: skip
-        if rc:
-            failed.append(p)
 
     # an even split: the partial sums are added, and must not depend on timing
-    native.parallel_parts(batch, run, parts, adaptive=False)
+    failed = any(
+        native.parallel_call(lib, "recscale_weight_grad", batch, args, parts, adaptive=False)
+    )
     if failed:
         return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
     return _sum_parts(outs), _sum_parts(part_sums) if sums is not None else None
@@ -235,20 +234,20 @@ def narrow_weight_grad(
     parts = min(torch.get_num_threads(), max(1, batch // 64))
     dws = [torch.empty(out, inp) for _ in range(parts)]
     dbs = [torch.empty(out) if bias_grad else None for _ in range(parts)]
-    failed: list[int] = []
 
-    def run(p: int, r0: int, r1: int) -> None:  # samples [r0, r1)
-        rc = lib.recscale_narrow_weight_grad(
+    def args(p: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
+        return (
             g.data_ptr() + 4 * r0 * g.stride(0), g.stride(0),
             mask.data_ptr() + 4 * r0 * mask.stride(0) if mask is not None else None,
             mask.stride(0) if mask is not None else 0,
             x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), dws[p].data_ptr(), inp,
             dbs[p].data_ptr() if bias_grad else None, out, inp, r1 - r0,
         )  # fmt: skip
-        if rc:
-            failed.append(p)
 
-    native.parallel_parts(batch, run, parts, adaptive=False)  # added up: an even split
+    # added up: an even split
+    failed = any(
+        native.parallel_call(lib, "recscale_narrow_weight_grad", batch, args, parts, adaptive=False)
+    )
     if failed:  # no memory for the kernel's buffers: torch's ops instead
         gm = g if mask is None else torch.where(mask > 0, g, 0.0)
         return torch.mm(x.t(), gm).t().contiguous(), (gm.sum(0) if bias_grad else None)
@@ -275,18 +274,16 @@ def narrow_forward(
     h = torch.empty(batch, out)
     bias = bias.contiguous() if bias is not None else None
     lib = native.library()
-    failed: list[int] = []
 
-    def run(_part: int, r0: int, r1: int) -> None:  # samples [r0, r1)
-        rc = lib.recscale_narrow_forward(
+    def args(_part: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
+        return (
             x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), w.data_ptr(), w.stride(0),
             bias.data_ptr() if bias is not None else None, h.data_ptr() + 4 * r0 * out, out,
             out, inp, r1 - r0, int(relu),
         )  # fmt: skip
-        if rc:
-            failed.append(rc)
 
-    native.parallel_parts(batch, run, min(torch.get_num_threads(), max(1, batch // 64)))
+    threads = min(torch.get_num_threads(), max(1, batch // 64))
+    failed = any(native.parallel_call(lib, "recscale_narrow_forward", batch, args, threads))
     if failed:  # no memory for w's transposed copy
         return linear(x, w, bias, relu=relu)
     return h

@@ -3,9 +3,11 @@
 ``pip install`` compiles the ``*.c`` files here into the optional extension
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
 loaded here with ctypes rather than imported: it has no Python API, only plain C
-functions over raw fp32 pointers, and ctypes releases the GIL during each call, so
-:func:`parallel_for` / :func:`parallel_parts` (``native/parallel.py``) can split a batch
-over Python threads that run truly in parallel.
+functions over raw fp32 pointers. :func:`parallel_call` (``native/team.py``) splits a
+kernel call's work into parts run on torch's own OpenMP team (``native/team.c``), or
+where that team cannot be had over Python threads (:func:`parallel_parts`,
+``native/parallel.py``: ctypes releases the GIL during each call, so they run truly in
+parallel).
 
 Everything degrades: without the library (no compiler at install, another
 architecture), on a CPU without AVX2/FMA, or with ``RECSCALE_NATIVE=0`` in the
@@ -25,8 +27,9 @@ from pathlib import Path
 import torch
 
 from recscale.native.parallel import parallel_for, parallel_parts  # noqa: F401
+from recscale.native.team import parallel_call  # noqa: F401
 
-_ABI = 10
+_ABI = 11
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -72,6 +75,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recscale_pooled_lookup.argtypes = (
         [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64]
     )
+    lib.recscale_team_init.restype = ctypes.c_int
+    lib.recscale_team_init.argtypes = [ctypes.c_char_p]
+    lib.recscale_team_kernel_id.restype = i64
+    lib.recscale_team_kernel_id.argtypes = [ctypes.c_char_p]
+    lib.recscale_team_run.restype = ctypes.c_int
+    lib.recscale_team_run.argtypes = [i64, i64, i64] + [ptr] * 6
 
 
 def library() -> ctypes.CDLL | None:

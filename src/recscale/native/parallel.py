@@ -62,9 +62,7 @@ def parallel_parts(
     if parts == 1:
         fn(0, 0, n)
         return
-    site = (key if key is not None else getattr(fn, "__code__", fn), n, parts)
-    adaptive = adaptive and ADAPTIVE
-    bounds = split(n, parts, _share.get(site, 1.0 / parts) if adaptive else 1.0 / parts)
+    site, bounds = plan(n, parts, key if key is not None else getattr(fn, "__code__", fn), adaptive)
     began = [0.0] * parts
     took = [0.0] * parts
 
@@ -80,8 +78,17 @@ def parallel_parts(
     finally:
         for f in futures:
             f.result()
-    if adaptive:
-        _learn(site, n, bounds, handed, began, took)
+    if site is not None:
+        learn(site, n, bounds, handed, began, took)
+
+
+def plan(n: int, parts: int, key: object, adaptive: bool) -> tuple[tuple | None, list[int]]:
+    """The learning site (None: an even split, nothing to learn) and the part bounds of a
+    call with ``parts`` >= 2 parts of ``n`` units."""
+    if not (adaptive and ADAPTIVE):
+        return None, split(n, parts, 1.0 / parts)
+    site = (key, n, parts)
+    return site, split(n, parts, _share.get(site, 1.0 / parts))
 
 
 def parallel_for(n: int, fn: Callable[[int, int], None], threads: int) -> None:
@@ -90,7 +97,10 @@ def parallel_for(n: int, fn: Callable[[int, int], None], threads: int) -> None:
     parallel_parts(n, lambda _p, lo, hi: fn(lo, hi), threads, key=getattr(fn, "__code__", fn))
 
 
-def _learn(site: tuple, n: int, bounds: list[int], handed: float, began, took) -> None:
+def learn(site: tuple, n: int, bounds: list[int], handed: float, began, took) -> None:
+    """Move ``site``'s caller share toward the split at which the parts of this call
+    (begun at ``began``, taking ``took`` seconds, handed out at ``handed``) would have
+    finished together."""
     parts = len(bounds) - 1
     units = [bounds[p + 1] - bounds[p] for p in range(parts)]
     t_caller = took[0] / units[0]

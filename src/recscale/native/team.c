@@ -1,0 +1,158 @@
+/*
+ * Run the parts of a native kernel call on torch's own OpenMP thread team.
+ *
+ * Why: every parallel op torch runs (oneDNN's GEMMs, the ReLU masks, ...) wakes torch's
+ * OpenMP worker, and our kernels split their work over a Python thread of our own. On a
+ * VM a sleeping thread is woken through the hypervisor (~50 us: config A's step pays it
+ * ~20 times); letting the OpenMP worker spin between ops instead does not help while our
+ * Python thread also wants that core (the two fight for it: the worker then starts
+ * ~400 us late). Run on the same team, our parts and torch's ops share the one worker,
+ * which can then spin through the short gaps of a step (GOMP_SPINCOUNT).
+ *
+ * The team is libgomp's, looked up in the library torch already loaded (never a second
+ * OpenMP runtime: two would each keep a worker per core). `recscale_team_init` takes
+ * that library's path; without it (no libgomp, another OS) callers keep the Python pool.
+ *
+ * A call is one of our kernels (`recscale_team_kernel_id`), `parts` argument rows laid
+ * out as
+ *
+ *     ints   [parts][nargs]  every argument as int64 (pointers; NULL = 0)
+ *     floats [parts][nargs]  the same positions, read for the float arguments only
+ *
+ * and per part: its return code, and when it began and how long it took (seconds on
+ * CLOCK_MONOTONIC, the clock of Python's time.perf_counter) for the caller's split.
+ * Part p runs on team thread p; a part the team did not run (fewer threads granted,
+ * e.g. inside another parallel region) runs on the caller afterwards.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_thread_num_fn)(void);
+
+static gomp_parallel_fn gomp_parallel;
+static omp_thread_num_fn omp_thread_num;
+
+/* 1 when `path` (an already loaded OpenMP runtime) provides the GNU entry points */
+int recscale_team_init(const char *path) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!h) return 0;
+    gomp_parallel = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
+    omp_thread_num = (omp_thread_num_fn)dlsym(h, "omp_get_thread_num");
+    if (!gomp_parallel || !omp_thread_num) gomp_parallel = NULL, omp_thread_num = NULL;
+    return gomp_parallel != NULL;
+}
+
+/* The kernels a team runs (their prototypes are in their own files). */
+int64_t recscale_pooled_lookup(const void *, int64_t, const int64_t *, const int64_t *, int64_t,
+                               int64_t, int64_t, int64_t, const int64_t *, const int64_t *,
+                               const float *, float *, int64_t *, int64_t *, int64_t);
+int recscale_sparse_update(int64_t, void *, int64_t, float *, float *, const int64_t *,
+                           const int64_t *, int64_t, int64_t, const int64_t *, const float *,
+                           const float *, int64_t, float, float, float, float, float, uint8_t *,
+                           int64_t, int64_t);
+int recscale_weight_grad(const float *, int64_t, const float *, int64_t, float *, int64_t, float *,
+                         float *, int64_t, int64_t, int64_t);
+int recscale_narrow_weight_grad(const float *, int64_t, const float *, int64_t, const float *,
+                                int64_t, float *, int64_t, float *, int64_t, int64_t, int64_t);
+int recscale_narrow_forward(const float *, int64_t, const float *, int64_t, const float *, float *,
+                            int64_t, int64_t, int64_t, int64_t, int64_t);
+int recscale_dot_forward(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+int recscale_dot_backward(const float *, const float *, const float *, float *, float *, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t);
+
+static const char *const kernel_names[] = {
+    "recscale_pooled_lookup", "recscale_sparse_update",      "recscale_weight_grad",
+    "recscale_narrow_weight_grad", "recscale_narrow_forward", "recscale_dot_forward",
+    "recscale_dot_backward",
+};
+#define N_KERNELS ((int64_t)(sizeof(kernel_names) / sizeof(kernel_names[0])))
+
+/* the id `recscale_team_run` takes for the kernel `name`, or -1 */
+int64_t recscale_team_kernel_id(const char *name) {
+    for (int64_t k = 0; k < N_KERNELS; ++k)
+        if (strcmp(name, kernel_names[k]) == 0) return k;
+    return -1;
+}
+
+/* one part: argument k of the row is I(k) (integer), P(k) (pointer) or F(k) (float) */
+static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
+#define I(k) i[k]
+#define P(k) ((void *)(intptr_t)i[k])
+#define F(k) f[k]
+    switch (kernel) {
+    case 0:
+        return recscale_pooled_lookup(P(0), I(1), P(2), P(3), I(4), I(5), I(6), I(7), P(8), P(9),
+                                      P(10), P(11), P(12), P(13), I(14));
+    case 1:
+        return recscale_sparse_update(I(0), P(1), I(2), P(3), P(4), P(5), P(6), I(7), I(8), P(9),
+                                      P(10), P(11), I(12), F(13), F(14), F(15), F(16), F(17),
+                                      P(18), I(19), I(20));
+    case 2:
+        return recscale_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9),
+                                    I(10));
+    case 3:
+        return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
+                                           I(9), I(10), I(11));
+    case 4:
+        return recscale_narrow_forward(P(0), I(1), P(2), I(3), P(4), P(5), I(6), I(7), I(8), I(9),
+                                       I(10));
+    case 5:
+        return recscale_dot_forward(P(0), P(1), P(2), I(3), I(4), I(5), I(6), I(7), I(8), I(9),
+                                    I(10), I(11), I(12));
+    case 6:
+        return recscale_dot_backward(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8), I(9),
+                                     I(10), I(11), I(12), I(13), I(14), I(15), I(16));
+    default:
+        return -1000;
+    }
+#undef I
+#undef P
+#undef F
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+typedef struct {
+    int64_t kernel, parts, nargs;
+    const int64_t *ints;
+    const float *floats;
+    int64_t *rc;
+    double *began, *took;
+    volatile int64_t *done; /* [parts]: 1 once run */
+} Job;
+
+static void run_part(const Job *j, int64_t p) {
+    j->began[p] = now();
+    j->rc[p] = call_kernel(j->kernel, j->ints + p * j->nargs, j->floats + p * j->nargs);
+    j->took[p] = now() - j->began[p];
+    j->done[p] = 1;
+}
+
+static void team_body(void *data) {
+    const Job *j = (const Job *)data;
+    const int64_t p = omp_thread_num();
+    if (p < j->parts) run_part(j, p);
+}
+
+/* 0 when every part ran (their codes in rc), -1 without a team or for an unknown kernel */
+int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_t *ints,
+                      const float *floats, int64_t *rc, double *began, double *took,
+                      int64_t *done) {
+    if (!gomp_parallel || kernel < 0 || kernel >= N_KERNELS || parts < 1) return -1;
+    for (int64_t p = 0; p < parts; ++p) done[p] = 0;
+    Job j = {kernel, parts, nargs, ints, floats, rc, began, took, done};
+    gomp_parallel(team_body, &j, (unsigned)parts, 0);
+    for (int64_t p = 0; p < parts; ++p)
+        if (!done[p]) run_part(&j, p);
+    return 0;
+}

@@ -1,0 +1,118 @@
+"""Native kernel calls split over threads: on torch's OpenMP team when it can be had
+(``native/team.c``), else over the Python pool of :func:`parallel_parts`.
+
+Why the team: torch's OpenMP worker and our pool's thread would otherwise both want the
+second core. Sleeping between ops, each wake of either costs ~50 us on a VM (config A's
+step wakes them ~30 times); spinning, the OpenMP worker starves our thread. On one team
+the worker runs both torch's ops and our parts, and spins through the gaps between them
+(``GOMP_SPINCOUNT``, set in ``recscale/__init__.py``).
+
+The split is :mod:`recscale.native.parallel`'s (the caller's share learned per call
+site, or even where the parts' results are added up); part 0 runs on the calling thread
+either way. The team serves the main thread only: libgomp gives every other calling
+thread a team of its own, whose workers would compete with the main one's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from recscale.native import parallel
+
+USE_TEAM = True  # False: the Python pool (tests; measuring what the team gains)
+_state: dict[str, object] = {}
+_FLOATS = (ctypes.c_float, ctypes.c_double)
+
+
+def _torch_openmp() -> str | None:
+    """The path of the libgomp that torch loaded (its own copy when it ships one)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    torch_dir = str(Path(torch.__file__).parent)
+    paths = sorted(p for p in paths if p.startswith("/"))
+    ours = [p for p in paths if p.startswith(torch_dir)]
+    return (ours or paths or [None])[0]
+
+
+def team_available(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s calls can run on torch's OpenMP team (asked once)."""
+    if "ok" not in _state:
+        path = _torch_openmp() if os.environ.get("RECSCALE_TEAM", "1") != "0" else None
+        _state["ok"] = bool(path) and bool(lib.recscale_team_init(path.encode()))
+    return bool(_state["ok"])
+
+
+def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...]]:
+    """(the team's id for ``kernel``, its argument count, which arguments are floats)."""
+    key = ("layout", kernel)
+    if key not in _state:
+        kid = lib.recscale_team_kernel_id(kernel.encode())
+        argtypes = getattr(lib, kernel).argtypes
+        _state[key] = (kid, len(argtypes), tuple(t in _FLOATS for t in argtypes))
+    return _state[key]  # type: ignore[return-value]
+
+
+def parallel_call(
+    lib: ctypes.CDLL,
+    kernel: str,
+    n: int,
+    args_of: Callable[[int, int, int], Sequence],
+    threads: int,
+    key: object = None,
+    adaptive: bool = True,
+) -> list[int]:
+    """``lib.<kernel>(*args_of(part, lo, hi))`` over up to ``threads`` contiguous ranges of
+    ``[0, n)``; returns each part's return value, in part order. ``args_of`` gives the
+    kernel's whole argument list for one part (pointers as ints, None for NULL); ``key``
+    and ``adaptive`` are :func:`recscale.native.parallel.parallel_parts`'s."""
+    fn = getattr(lib, kernel)
+    parts = max(1, min(threads, n))
+    key = key if key is not None else getattr(args_of, "__code__", args_of)
+    on_team = (
+        parts > 1
+        and USE_TEAM
+        and threading.current_thread() is threading.main_thread()
+        and team_available(lib)
+    )
+    if not on_team:
+        out = [0] * parts
+
+        def run(p: int, lo: int, hi: int) -> None:
+            out[p] = fn(*args_of(p, lo, hi))
+
+        parallel.parallel_parts(n, run, parts, key=key, adaptive=adaptive)
+        return out
+    kid, nargs, is_float = _layout(lib, kernel)
+    site, bounds = parallel.plan(n, parts, key, adaptive)
+    ints = (ctypes.c_int64 * (parts * nargs))()
+    floats = (ctypes.c_float * (parts * nargs))()
+    for p in range(parts):
+        args = args_of(p, bounds[p], bounds[p + 1])
+        if len(args) != nargs:
+            raise TypeError(f"{kernel} takes {nargs} arguments, got {len(args)}")
+        base = p * nargs
+        for k, (a, flt) in enumerate(zip(args, is_float)):
+            if flt:
+                floats[base + k] = a
+            else:
+                ints[base + k] = 0 if a is None else int(a)
+    rc = (ctypes.c_int64 * parts)()
+    began = (ctypes.c_double * parts)()
+    took = (ctypes.c_double * parts)()
+    done = (ctypes.c_int64 * parts)()
+    handed = time.perf_counter()
+    if lib.recscale_team_run(kid, parts, nargs, ints, floats, rc, began, took, done) != 0:
+        raise RuntimeError(f"the OpenMP team cannot run {kernel}")
+    if site is not None:
+        parallel.learn(site, n, bounds, handed, list(began), list(took))
+    return list(rc)
