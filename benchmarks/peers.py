@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from recscale import ENV_DEFAULTS
 from recscale.config.loader import load_config
 from recscale.config.schema import Config
 from recscale.train.data_source import make_synthetic
@@ -80,8 +81,7 @@ def write_inputs(cfg: Config, folder: Path, steps: int, warmup: int) -> tuple[Pa
 
 
 def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, **env} if env else None)  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"peers: {' '.join(cmd[:3])} ... failed ({proc.returncode}):\n"
                          + proc.stderr[-3000:])  # fmt: skip
@@ -102,9 +102,23 @@ def main() -> None:
                    help="give TorchRec's process the malloc settings recscale's "
                    "train.host_memory=retain makes (GLIBC_TUNABLES: no mmap for large blocks, "
                    "2 GiB kept at the heap top), so the comparison is of the rest")  # fmt: skip
+    p.add_argument(
+        "--peer-same-env",
+        action="store_true",
+        help="give TorchRec's process the variables importing recscale sets "
+        f"({', '.join(f'{k}={v}' for k, v in ENV_DEFAULTS.items())})",
+    )
     args = p.parse_args()
-    peer_env = ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"}
-                if args.peer_same_malloc else None)  # fmt: skip
+    # TorchRec runs in the environment this script was started in: without the variables
+    # importing recscale set (its OpenMP waits, huge pages), which a TorchRec user's
+    # process does not have. Up to session 9 it inherited them: OMP_WAIT_POLICY=PASSIVE
+    # made its every op wake a sleeping OpenMP worker (A: ~29k against ~40k samples/s).
+    peer_env = {k: v for k, v in os.environ.items()
+                if args.peer_same_env or k not in ENV_DEFAULTS}  # fmt: skip
+    if args.peer_same_malloc:
+        peer_env["GLIBC_TUNABLES"] = (
+            "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+        )
     recscale = [sys.executable, "-m", "recscale", "bench", "throughput"]
     summary = {}
     with tempfile.TemporaryDirectory(prefix="recscale-peers-") as tmp:
