@@ -292,6 +292,44 @@ def test_parallel_call_returns_each_parts_code_and_serves_other_threads_from_the
     assert torch.equal(pooled, ref) and torch.equal(out[0][0], ref)
 
 
+@needs_native
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_runs_the_kernels_on_the_python_pool():
+    """libgomp's team does not survive fork: a child of a process that used it must take
+    the Python pool (on the team it would wait for workers it does not have)."""
+    import time
+
+    from recscale.embedding.lookup import native_pooled_lookup
+
+    num_f, b = 4, 64
+    table = torch.randn(400, 8)
+    offsets = torch.arange(num_f * b + 1)
+    row_offset, sizes = torch.arange(num_f) * 100, torch.full((num_f,), 100)
+    values = torch.randint(0, 100, (num_f * b,))
+
+    def lookup() -> torch.Tensor:
+        return native_pooled_lookup(table, values, offsets, b, row_offset, sizes, None)[0]
+
+    expected = lookup()  # the parent runs on the team (where it can be had)
+    pid = os.fork()
+    if pid == 0:  # the child: the same two-part call, then only an exit code
+        code = 1
+        try:
+            code = 0 if torch.equal(lookup(), expected) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in a native call")
+
+
 needs_avx512 = pytest.mark.skipif(
     not native.has_avx512(), reason=f"AVX-512 weight-gradient kernel: {native.status()}"
 )

@@ -45,11 +45,14 @@ def _torch_openmp() -> str | None:
 
 
 def team_available(lib: ctypes.CDLL) -> bool:
-    """Whether ``lib``'s calls can run on torch's OpenMP team (asked once)."""
+    """Whether ``lib``'s calls can run on torch's OpenMP team (asked once per process).
+    Never in a forked child of a process that used it: libgomp's team does not survive
+    ``fork`` (the child has the parent's bookkeeping but not its worker threads)."""
     if "ok" not in _state:
         path = _torch_openmp() if os.environ.get("RECSCALE_TEAM", "1") != "0" else None
         _state["ok"] = bool(path) and bool(lib.recscale_team_init(path.encode()))
-    return bool(_state["ok"])
+        _state["pid"] = os.getpid()
+    return bool(_state["ok"]) and _state["pid"] == os.getpid()
 
 
 def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...]]:
