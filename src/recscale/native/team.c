@@ -18,6 +18,7 @@
  *
  *     ints   [parts][nargs]  every argument as int64 (pointers; NULL = 0)
  *     floats [parts][nargs]  the same positions, read for the float arguments only
+ *                            (NULL when the kernel takes none)
  *
  * and per part: its return code, and when it began and how long it took (seconds on
  * CLOCK_MONOTONIC, the clock of Python's time.perf_counter) for the caller's split.
@@ -133,7 +134,8 @@ typedef struct {
 
 static void run_part(const Job *j, int64_t p) {
     j->began[p] = now();
-    j->rc[p] = call_kernel(j->kernel, j->ints + p * j->nargs, j->floats + p * j->nargs);
+    const float *f = j->floats ? j->floats + p * j->nargs : NULL; /* NULL: no float args */
+    j->rc[p] = call_kernel(j->kernel, j->ints + p * j->nargs, f);
     j->took[p] = now() - j->began[p];
     j->done[p] = 1;
 }

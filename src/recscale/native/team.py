@@ -65,6 +65,17 @@ def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...]]:
     return _state[key]  # type: ignore[return-value]
 
 
+def _buffers(parts: int) -> tuple:
+    """The team's per-part outputs - return codes, starts, durations (seconds), done
+    flags - kept per part count: the team serves the main thread alone, one call at a
+    time."""
+    key = ("buffers", parts)
+    if key not in _state:
+        i64, f64 = ctypes.c_int64 * parts, ctypes.c_double * parts
+        _state[key] = (i64(), f64(), f64(), i64())
+    return _state[key]  # type: ignore[return-value]
+
+
 def parallel_call(
     lib: ctypes.CDLL,
     kernel: str,
@@ -97,25 +108,26 @@ def parallel_call(
         return out
     kid, nargs, is_float = _layout(lib, kernel)
     site, bounds = parallel.plan(n, parts, key, adaptive)
-    ints = (ctypes.c_int64 * (parts * nargs))()
-    floats = (ctypes.c_float * (parts * nargs))()
+    ints: list[int] = []
+    floats: list[float] = []
     for p in range(parts):
         args = args_of(p, bounds[p], bounds[p + 1])
         if len(args) != nargs:
             raise TypeError(f"{kernel} takes {nargs} arguments, got {len(args)}")
-        base = p * nargs
-        for k, (a, flt) in enumerate(zip(args, is_float)):
-            if flt:
-                floats[base + k] = a
-            else:
-                ints[base + k] = 0 if a is None else int(a)
-    rc = (ctypes.c_int64 * parts)()
-    began = (ctypes.c_double * parts)()
-    took = (ctypes.c_double * parts)()
-    done = (ctypes.c_int64 * parts)()
+        if any(is_float):
+            floats += [float(a) if f else 0.0 for a, f in zip(args, is_float)]
+            ints += [0 if f or a is None else int(a) for a, f in zip(args, is_float)]
+        else:
+            ints += [0 if a is None else int(a) for a in args]
+    buf = _buffers(parts)
     handed = time.perf_counter()
-    if lib.recscale_team_run(kid, parts, nargs, ints, floats, rc, began, took, done) != 0:
+    rc = lib.recscale_team_run(
+        kid, parts, nargs, (ctypes.c_int64 * len(ints))(*ints),
+        (ctypes.c_float * len(floats))(*floats) if floats else None, *buf,
+    )  # fmt: skip
+    if rc != 0:
         raise RuntimeError(f"the OpenMP team cannot run {kernel}")
+    began, took = list(buf[1]), list(buf[2])
     if site is not None:
-        parallel.learn(site, n, bounds, handed, list(began), list(took))
-    return list(rc)
+        parallel.learn(site, n, bounds, handed, began, took)
+    return list(buf[0])
