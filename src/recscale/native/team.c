@@ -67,12 +67,17 @@ int recscale_dot_backward(const float *, const float *, const float *, float *, 
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t);
 
-static const char *const kernel_names[] = {
-    "recscale_pooled_lookup", "recscale_sparse_update",      "recscale_weight_grad",
-    "recscale_narrow_weight_grad", "recscale_narrow_forward", "recscale_dot_forward",
-    "recscale_dot_backward",
+enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
+       K_DOT_FORWARD, K_DOT_BACKWARD, N_KERNELS };
+static const char *const kernel_names[N_KERNELS] = {
+    [K_LOOKUP] = "recscale_pooled_lookup",
+    [K_SPARSE_UPDATE] = "recscale_sparse_update",
+    [K_WEIGHT_GRAD] = "recscale_weight_grad",
+    [K_NARROW_WGRAD] = "recscale_narrow_weight_grad",
+    [K_NARROW_FORWARD] = "recscale_narrow_forward",
+    [K_DOT_FORWARD] = "recscale_dot_forward",
+    [K_DOT_BACKWARD] = "recscale_dot_backward",
 };
-#define N_KERNELS ((int64_t)(sizeof(kernel_names) / sizeof(kernel_names[0])))
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
 int64_t recscale_team_kernel_id(const char *name) {
@@ -87,26 +92,26 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
 #define P(k) ((void *)(intptr_t)i[k])
 #define F(k) f[k]
     switch (kernel) {
-    case 0:
+    case K_LOOKUP:
         return recscale_pooled_lookup(P(0), I(1), P(2), P(3), I(4), I(5), I(6), I(7), P(8), P(9),
                                       P(10), P(11), P(12), P(13), I(14));
-    case 1:
+    case K_SPARSE_UPDATE:
         return recscale_sparse_update(I(0), P(1), I(2), P(3), P(4), P(5), P(6), I(7), I(8), P(9),
                                       P(10), P(11), I(12), F(13), F(14), F(15), F(16), F(17),
                                       P(18), I(19), I(20));
-    case 2:
+    case K_WEIGHT_GRAD:
         return recscale_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9),
                                     I(10));
-    case 3:
+    case K_NARROW_WGRAD:
         return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
                                            I(9), I(10), I(11));
-    case 4:
+    case K_NARROW_FORWARD:
         return recscale_narrow_forward(P(0), I(1), P(2), I(3), P(4), P(5), I(6), I(7), I(8), I(9),
                                        I(10));
-    case 5:
+    case K_DOT_FORWARD:
         return recscale_dot_forward(P(0), P(1), P(2), I(3), I(4), I(5), I(6), I(7), I(8), I(9),
                                     I(10), I(11), I(12));
-    case 6:
+    case K_DOT_BACKWARD:
         return recscale_dot_backward(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8), I(9),
                                      I(10), I(11), I(12), I(13), I(14), I(15), I(16));
     default:

@@ -55,13 +55,15 @@ def team_available(lib: ctypes.CDLL) -> bool:
     return bool(_state["ok"]) and _state["pid"] == os.getpid()
 
 
-def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...]]:
-    """(the team's id for ``kernel``, its argument count, which arguments are floats)."""
+def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...] | None]:
+    """(the team's id for ``kernel``, its argument count, which arguments are floats -
+    None when none is)."""
     key = ("layout", kernel)
     if key not in _state:
         kid = lib.recscale_team_kernel_id(kernel.encode())
         argtypes = getattr(lib, kernel).argtypes
-        _state[key] = (kid, len(argtypes), tuple(t in _FLOATS for t in argtypes))
+        is_float = tuple(t in _FLOATS for t in argtypes)
+        _state[key] = (kid, len(argtypes), is_float if any(is_float) else None)
     return _state[key]  # type: ignore[return-value]
 
 
@@ -97,6 +99,7 @@ def parallel_call(
         and USE_TEAM
         and threading.current_thread() is threading.main_thread()
         and team_available(lib)
+        and _layout(lib, kernel)[0] >= 0  # a kernel team.c does not list: the pool
     )
     if not on_team:
         out = [0] * parts
@@ -114,7 +117,7 @@ def parallel_call(
         args = args_of(p, bounds[p], bounds[p + 1])
         if len(args) != nargs:
             raise TypeError(f"{kernel} takes {nargs} arguments, got {len(args)}")
-        if any(is_float):
+        if is_float:
             floats += [float(a) if f else 0.0 for a, f in zip(args, is_float)]
             ints += [0 if f or a is None else int(a) for a, f in zip(args, is_float)]
         else:
