@@ -543,4 +543,8 @@ def test_throughput_benchmark_reports_rate_bound_and_kernels():
     assert r["ratio_to_bound"] == pytest.approx(r["samples_per_s"] / r["bound_samples_per_s"])
     assert set(r["stage_ms"]) == {"lookup", "forward", "backward", "sparse", "dense_opt"}
     assert r["native"] == native.status()
+    from recscale.native.team import team_status
+
+    assert r["native_threads"] == team_status(native.library())
+    assert r["native_threads"] in format_report("debug", r)
     assert "native C kernels" in format_report("debug", r)

@@ -38,6 +38,7 @@ from recscale.config.schema import Config
 from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.storage import DeviceStorage
+from recscale.native.team import team_status
 from recscale.train.cache_prefetch import cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
 from recscale.train.host_memory import set_host_memory
@@ -282,6 +283,7 @@ def run_throughput(
         "sparse_optimizer": cfg.embedding.optimizer,
         "kernels": cfg.model.kernels,
         "native": native.status(),
+        "native_threads": team_status(native.library()),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
@@ -316,7 +318,8 @@ def format_report(name: str, r: dict[str, Any]) -> str:
                 if "embedding_cache" in r
                 else []
             ),
-            f"  kernels: {r['kernels']}; native C kernels {r['native']}",
+            f"  kernels: {r['kernels']}; native C kernels {r['native']}, "
+            f"{r.get('native_threads', '')}",
             f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s"
             f" (this host's best; this run's probes {r['probe_gemm_gflops']:.0f}, "
             f"{r['probe_gather_gbps']:.2f})"

@@ -55,6 +55,18 @@ def team_available(lib: ctypes.CDLL) -> bool:
     return bool(_state["ok"]) and _state["pid"] == os.getpid()
 
 
+def team_status(lib: ctypes.CDLL | None) -> str:
+    """Where the native kernels' parts run, in words (for ``recscale bench``)."""
+    if lib is None:
+        return "no native kernels"
+    if not USE_TEAM or os.environ.get("RECSCALE_TEAM", "1") == "0":
+        return "parts on a Python thread pool (RECSCALE_TEAM=0)"
+    if not team_available(lib):
+        return "parts on a Python thread pool (torch's libgomp not found)"
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return "parts on torch's OpenMP team" + (f" (GOMP_SPINCOUNT={spin})" if spin else "")
+
+
 def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...] | None]:
     """(the team's id for ``kernel``, its argument count, which arguments are floats -
     None when none is)."""
