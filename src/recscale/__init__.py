@@ -29,6 +29,7 @@ _default("OMP_WAIT_POLICY", "PASSIVE")
 # times a step at ~50 us each on a VM. Set only where that team exists (the native
 # library is built and enabled): numba's threads would fight a spinning worker.
 if os.environ.get("RECSCALE_NATIVE", "1") != "0" and os.environ.get("RECSCALE_TEAM", "1") != "0":
+    # native._find's test, spelled out: that module imports torch, which must not load yet
     _here = os.path.join(os.path.dirname(__file__), "native")
     if any(f.startswith("_kernels") for f in os.listdir(_here)):
         _default("GOMP_SPINCOUNT", "20000")

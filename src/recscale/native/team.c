@@ -4,7 +4,7 @@
  * Why: every parallel op torch runs (oneDNN's GEMMs, the ReLU masks, ...) wakes torch's
  * OpenMP worker, and our kernels split their work over a Python thread of our own. On a
  * VM a sleeping thread is woken through the hypervisor (~50 us: config A's step pays it
- * ~20 times); letting the OpenMP worker spin between ops instead does not help while our
+ * ~30 times); letting the OpenMP worker spin between ops instead does not help while our
  * Python thread also wants that core (the two fight for it: the worker then starts
  * ~400 us late). Run on the same team, our parts and torch's ops share the one worker,
  * which can then spin through the short gaps of a step (GOMP_SPINCOUNT).

@@ -28,7 +28,6 @@ from recscale.native import parallel
 
 USE_TEAM = True  # False: the Python pool (tests; measuring what the team gains)
 _state: dict[str, object] = {}
-_FLOATS = (ctypes.c_float, ctypes.c_double)
 
 
 def _torch_openmp() -> str | None:
@@ -48,21 +47,28 @@ def team_available(lib: ctypes.CDLL) -> bool:
     """Whether ``lib``'s calls can run on torch's OpenMP team (asked once per process).
     Never in a forked child of a process that used it: libgomp's team does not survive
     ``fork`` (the child has the parent's bookkeeping but not its worker threads)."""
-    if "ok" not in _state:
-        path = _torch_openmp() if os.environ.get("RECSCALE_TEAM", "1") != "0" else None
-        _state["ok"] = bool(path) and bool(lib.recscale_team_init(path.encode()))
+    if "why_not" not in _state:
+        path = _torch_openmp()
+        if os.environ.get("RECSCALE_TEAM", "1") == "0":
+            _state["why_not"] = "RECSCALE_TEAM=0"
+        elif not path or not lib.recscale_team_init(path.encode()):
+            _state["why_not"] = "torch's libgomp not found"
+        else:
+            _state["why_not"] = None
         _state["pid"] = os.getpid()
-    return bool(_state["ok"]) and _state["pid"] == os.getpid()
+    if _state["pid"] != os.getpid():
+        return False
+    return _state["why_not"] is None
 
 
 def team_status(lib: ctypes.CDLL | None) -> str:
     """Where the native kernels' parts run, in words (for ``recscale bench``)."""
     if lib is None:
         return "no native kernels"
-    if not USE_TEAM or os.environ.get("RECSCALE_TEAM", "1") == "0":
-        return "parts on a Python thread pool (RECSCALE_TEAM=0)"
+    if not USE_TEAM:
+        return "parts on a Python thread pool (USE_TEAM off)"
     if not team_available(lib):
-        return "parts on a Python thread pool (torch's libgomp not found)"
+        return f"parts on a Python thread pool ({_state.get('why_not') or 'a forked child'})"
     spin = os.environ.get("GOMP_SPINCOUNT")
     return "parts on torch's OpenMP team" + (f" (GOMP_SPINCOUNT={spin})" if spin else "")
 
@@ -74,7 +80,9 @@ def _layout(lib: ctypes.CDLL, kernel: str) -> tuple[int, int, tuple[bool, ...] |
     if key not in _state:
         kid = lib.recscale_team_kernel_id(kernel.encode())
         argtypes = getattr(lib, kernel).argtypes
-        is_float = tuple(t in _FLOATS for t in argtypes)
+        if ctypes.c_double in argtypes:  # team.c passes floats as fp32 only
+            raise TypeError(f"{kernel}: the team has no double arguments")
+        is_float = tuple(t is ctypes.c_float for t in argtypes)
         _state[key] = (kid, len(argtypes), is_float if any(is_float) else None)
     return _state[key]  # type: ignore[return-value]
 
@@ -106,14 +114,15 @@ def parallel_call(
     fn = getattr(lib, kernel)
     parts = max(1, min(threads, n))
     key = key if key is not None else getattr(args_of, "__code__", args_of)
-    on_team = (
-        parts > 1
+    layout = (
+        _layout(lib, kernel)
+        if parts > 1
         and USE_TEAM
         and threading.current_thread() is threading.main_thread()
         and team_available(lib)
-        and _layout(lib, kernel)[0] >= 0  # a kernel team.c does not list: the pool
+        else None
     )
-    if not on_team:
+    if layout is None or layout[0] < 0:  # (< 0: a kernel team.c does not list)
         out = [0] * parts
 
         def run(p: int, lo: int, hi: int) -> None:
@@ -121,7 +130,7 @@ def parallel_call(
 
         parallel.parallel_parts(n, run, parts, key=key, adaptive=adaptive)
         return out
-    kid, nargs, is_float = _layout(lib, kernel)
+    kid, nargs, is_float = layout
     site, bounds = parallel.plan(n, parts, key, adaptive)
     ints: list[int] = []
     floats: list[float] = []
