@@ -22,6 +22,11 @@ setup(
                 "src/recscale/native/logit.c",
                 "src/recscale/native/team.c",
             ],
+            # headers: a change to one rebuilds the extension (and ships them in an sdist)
+            depends=[
+                "src/recscale/native/row_format.h",
+                "src/recscale/native/weight_grad_driver.h",
+            ],
             # dlopen/dlsym (team.c): in libc itself since glibc 2.34, in libdl before
             libraries=["dl"] if sys.platform.startswith("linux") else [],
             extra_compile_args=["-O3", "-std=c11"],

@@ -143,3 +143,31 @@ def test_gather_probe_reads_rows_it_has_not_read_before(monkeypatch):
     distinct = {tuple(idx.tolist()) for idx in seen}
     assert len(distinct) == len(seen)
     assert all(int(idx.min()) >= 0 and int(idx.max()) < table.shape[0] for idx in seen)
+
+
+def test_native_gather_probe_reads_the_rows_it_is_given():
+    """The probe's second gather (the step's own native lookup, one id a bag, the ids cut
+    into one feature per thread) returns exactly the rows asked for - so the rate it
+    reads is of the bytes the probe counts."""
+    import torch
+
+    from recscale import native
+    from recscale.bench import hardware
+
+    table = torch.randn(1 << 12, 16)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        probe = hardware._native_gather(table, 1001)
+        if native.library() is None:
+            assert probe is None
+            return
+        gather, n = probe
+        ids = torch.randint(0, table.shape[0], (1001,))
+        pooled = gather(ids)[0]
+    finally:
+        torch.set_num_threads(saved)
+    assert n == 1000  # two features of 500 bags
+    # sample-major: bag b of feature f is row b * 2 + f
+    want = table[ids[:n]].view(2, 500, 16).transpose(0, 1).reshape(-1, 16)
+    assert torch.equal(pooled, want)

@@ -335,7 +335,7 @@ needs_avx512 = pytest.mark.skipif(
 )
 
 
-@needs_avx512
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("bias_grad", [True, False])
 @pytest.mark.parametrize(
     "batch,out,inp,strided",
@@ -355,14 +355,19 @@ needs_avx512 = pytest.mark.skipif(
 )
 @pytest.mark.parametrize("split", ["outputs", "samples"])
 def test_native_weight_grad_matches_fp64_reference(
-    batch, out, inp, strided, bias_grad, split, monkeypatch
+    batch, out, inp, strided, bias_grad, split, isa, monkeypatch
 ):
-    """dW = g^T x and db = g.sum(0) from the AVX-512 kernel (every edge: partial tiles,
-    partial column vectors, batch ranges across packed blocks and threads, rows with a
-    stride wider than the row; threads splitting the outputs, or the samples with the
-    partial results added) against float64 torch."""
+    """dW = g^T x and db = g.sum(0) from the AVX2 and the AVX-512 kernel (every edge:
+    partial tiles, partial column vectors, batch ranges across packed blocks and threads,
+    rows with a stride wider than the row; threads splitting the outputs, or the samples
+    with the partial results added) against float64 torch."""
     from recscale.modules import gemm
 
+    if native.library() is None:
+        pytest.skip(native.status())
+    if isa == "avx512" and not native.has_avx512():
+        pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
+    monkeypatch.setattr(gemm, "_WGRAD_ISA", {"avx2": 1, "avx512": 2}[isa])
     monkeypatch.setattr(gemm, "_WGRAD_MIN_OUT", 1)  # the kernel even where MKL is faster
     monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # and threads on however little work
     monkeypatch.setattr(gemm, "_WGRAD_BATCH_SPLIT_BYTES", 0 if split == "outputs" else 1 << 40)
@@ -502,8 +507,8 @@ def test_fused_mlp_matches_sequential(
 
     if onednn and gemm.ONEDNN_LINEAR is None:
         pytest.skip("torch built without oneDNN")
-    if native_wgrad and not native.has_avx512():
-        pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
+    if native_wgrad and native.library() is None:
+        pytest.skip(f"native weight-gradient kernel: {native.status()}")
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_WGRAD", native_wgrad)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from recscale import native
 from recscale.config.schema import Config
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
 from recscale.modules import gemm
@@ -52,7 +53,7 @@ def measure_gemm_gflops(
     ``precision`` (fp32, tf32 or bf16: the GEMMs a step of that precision runs).
 
     On a CPU every GEMM a step can run is timed - MKL (``torch.mm``), oneDNN (the fused
-    linear the MLPs run) and our AVX-512 weight-gradient kernel (the same FLOPs as
+    linear the MLPs run) and our weight-gradient kernel (the same FLOPs as
     ``g^T x``) - and the fastest stands: the bound is what the hardware allows, so a step
     must never run its GEMMs faster than the probe did."""
     device = device or torch.device("cpu")
@@ -85,6 +86,13 @@ def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: in
     measured the last-level cache after the first pass (64-byte rows: 10.9 GB/s
     against 3.9 GB/s from memory on this project's 2-core EPYC), which inflated the
     bound's embedding term.
+
+    On a CPU the gather the step itself runs is timed too - the native pooled lookup
+    (``native/embedding_lookup.c``: rows prefetched ahead, the threads splitting the
+    ids), one id a bag - and the faster stands, as the GEMM probe takes its fastest
+    kernel: on a VM whose nested page walks starve ``index_select`` (0.5-2.5 GB/s, a
+    2-core EPYC without AVX-512 in sight) the step's own lookup read its rows faster than
+    that, and a bound priced at the slower rate could be beaten.
     """
     rows, dim = table.shape
     if table.device.type == "cuda":
@@ -92,10 +100,40 @@ def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: in
     out = torch.empty(lookups, dim, dtype=table.dtype, device=table.device)
     warmup = 2
     ids = iter([torch.randint(0, rows, (lookups,), device=table.device)
-                for _ in range(warmup + repeats)])  # fmt: skip
+                for _ in range(2 * (warmup + repeats))])  # fmt: skip
     secs = _best_seconds(lambda: torch.index_select(table, 0, next(ids), out=out), repeats,
                          warmup, device=table.device)  # fmt: skip
-    return lookups * dim * table.element_size() / secs / 1e9
+    row_bytes = dim * table.element_size()
+    gbps = lookups * row_bytes / secs / 1e9
+    native_gather = _native_gather(table, lookups)
+    if native_gather is not None:
+        gather, n = native_gather
+        secs = _best_seconds(lambda: gather(next(ids)), repeats, warmup)
+        gbps = max(gbps, n * row_bytes / secs / 1e9)
+    return gbps
+
+
+def _native_gather(table: torch.Tensor, lookups: int):
+    """``(gather, n)``: ``gather(ids)`` reads the rows ``ids[:n]`` of ``table`` through the
+    step's own native lookup (one id a bag, the ids cut into one feature per thread so
+    that every thread reads; returns ``(rows [n, dim], ...)``), or None where that kernel
+    does not run on ``table``."""
+    from recscale.embedding.lookup import native_pooled_lookup
+
+    if not native.applies(table, table.shape[1], 128, rows=True) or table.dim() != 2:
+        return None
+    parts = max(1, min(torch.get_num_threads(), lookups))
+    per = lookups // parts
+    offsets = torch.arange(parts * per + 1, dtype=torch.int64)
+    row_offset = torch.zeros(parts, dtype=torch.int64)
+    sizes = torch.full((parts,), table.shape[0], dtype=torch.int64)
+
+    def gather(ids: torch.Tensor):
+        return native_pooled_lookup(
+            table, ids[: parts * per], offsets, per, row_offset, sizes, None
+        )
+
+    return gather, parts * per
 
 
 class OtherLoad:

@@ -6,10 +6,11 @@ ReLU, or an added tensor, applied while the output block is in registers) is 10-
 faster than MKL for the forward and input-gradient products of the MLPs and the DCNv2
 cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`. The weight
 gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast only
-from a transposed copy of ``g``; :func:`weight_grad` runs it through our AVX-512
-kernel (``native/weight_grad.c``: 6-11% faster than MKL at configs A and B's layers,
-1.1-1.4x at the narrow ones, level at DCNv2's widest; the bias gradient summed on the
-way), or MKL on CPUs without AVX-512. A logit layer (``n -> 1``) has its own one-pass
+from a transposed copy of ``g``; :func:`weight_grad` runs it through our own kernel
+(``native/weight_grad.c``; AVX-512: 6-11% faster than MKL at configs A and B's layers,
+1.1-1.4x at the narrow ones, level at DCNv2's widest; AVX2 where a host hides AVX-512:
+level with MKL isolated, config A's step 2% faster; the bias gradient summed on the
+way). A logit layer (``n -> 1``) has its own one-pass
 kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first layer (13 ->
 512) its forward (:func:`narrow_forward`) and a weight gradient that applies the layer's
 ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). Anything other than fp32
@@ -50,6 +51,9 @@ _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
 # 0.09 on one).
 _WGRAD_MIN_MACS = 1 << 24
 _WGRAD_KC = 64  # samples per packed block (KC in native/weight_grad.c)
+# Which of native/weight_grad.c's kernels runs: 0 the widest the CPU has (AVX-512, else
+# AVX2), 1 AVX2, 2 AVX-512. Tests set 1 to reach the AVX2 kernel on AVX-512 CPUs.
+_WGRAD_ISA = 0
 # Threads split the samples instead of the outputs while the result is at most this
 # large (each then packs only its own rows; the partial results cost an add): see
 # _native_at_b_batch_split. Tests set it to 0 to force the output split.
@@ -98,7 +102,7 @@ def _native_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
         and _fp32_cpu_rows(g, x)
         and g.shape[0] == x.shape[0]
         and g.shape[1] >= _WGRAD_MIN_OUT
-        and native.has_avx512()
+        and native.library() is not None
     )
 
 
@@ -146,7 +150,7 @@ def _native_at_b(
         b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
         return (
             a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
-            out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch,
+            out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch, _WGRAD_ISA,
         )  # fmt: skip
 
     rcs = native.parallel_call(
@@ -187,6 +191,7 @@ def _native_at_b_batch_split(
             a.data_ptr() + 4 * r0 * a.stride(0), a.stride(0),
             b.data_ptr() + 4 * r0 * b.stride(0), b.stride(0),
             outs[p].data_ptr(), n, s if sum_a else None, s if sum_b else None, m, n, r1 - r0,
+            _WGRAD_ISA,
         )  # fmt: skip
 
     # an even split: the partial sums are added, and must not depend on timing

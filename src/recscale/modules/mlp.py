@@ -9,10 +9,10 @@ Two paths with the same parameters (``layers``, so checkpoints don't care which 
   * masks each ReLU gradient in place in the dgrad GEMM's output instead of writing a
     fresh ``[B, width]`` tensor (threshold_backward 0.6 -> 0.1 ms for a 512-wide layer:
     the write-allocate of 4 MB was most of it);
-  * computes the weight gradient and the bias gradient in one pass of our AVX-512
-    kernel (:func:`recscale.modules.gemm.weight_grad`: 6-11% faster than MKL at the
-    512-wide layers, 1.1-1.4x at the narrow ones), or without AVX-512 through MKL, a
-    narrow-input layer as ``(x^T g)^T`` (13 -> 512: 0.83 -> 0.45 ms; MKL is slow at
+  * computes the weight gradient and the bias gradient in one pass of our kernel
+    (:func:`recscale.modules.gemm.weight_grad`; AVX-512: 6-11% faster than MKL at the
+    512-wide layers, 1.1-1.4x at the narrow ones; AVX2: level with MKL, 2% off the
+    step), or without the native library through MKL, a narrow-input layer as ``(x^T g)^T`` (13 -> 512: 0.83 -> 0.45 ms; MKL is slow at
     ``g^T x`` with N = 13);
   * skips the input gradient when the input needs none (the dense features), and then,
     for a narrow first layer (13 -> 512), leaves that layer's ReLU mask to one native

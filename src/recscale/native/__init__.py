@@ -1,4 +1,4 @@
-"""Native C kernels (AVX2 + FMA; the dense weight gradient AVX-512), called via ctypes.
+"""Native C kernels (AVX2 + FMA; some AVX-512 where the CPU has it), called via ctypes.
 
 ``pip install`` compiles the ``*.c`` files here into the optional extension
 ``recscale.native._kernels`` (setup.py; a failed build is not fatal). The library is
@@ -12,8 +12,9 @@ parallel).
 Everything degrades: without the library (no compiler at install, another
 architecture), on a CPU without AVX2/FMA, or with ``RECSCALE_NATIVE=0`` in the
 environment, :func:`library` returns None and callers use their numba or torch path;
-:func:`status` says which case applies. The AVX-512 kernel also needs :func:`has_avx512`
-(else torch's GEMM runs).
+:func:`status` says which case applies. The AVX-512 kernels (the narrow first layer, the
+interaction of wide vectors; the weight gradient's wider variant) also need
+:func:`has_avx512`, else the AVX2 kernel or torch runs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from recscale.native.parallel import parallel_for, parallel_parts  # noqa: F401
 from recscale.native.team import parallel_call  # noqa: F401
 
-_ABI = 11
+_ABI = 12
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -62,7 +63,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     )
     lib.recscale_avx512_supported.restype = ctypes.c_int
     lib.recscale_weight_grad.restype = ctypes.c_int
-    lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4
     lib.recscale_narrow_weight_grad.restype = ctypes.c_int
     lib.recscale_narrow_weight_grad.argtypes = [ptr, i64] * 4 + [ptr] + [i64] * 3
     lib.recscale_narrow_forward.restype = ctypes.c_int
@@ -138,8 +139,8 @@ _avx512: bool | None = None
 
 
 def has_avx512() -> bool:
-    """Whether the library is loaded and this CPU runs its AVX-512 kernels (the dense
-    layers' weight gradient, native/weight_grad.c). Asked once per process."""
+    """Whether the library is loaded and this CPU (as its OS and hypervisor show it) runs
+    its AVX-512 kernels. Asked once per process."""
     global _avx512
     if _avx512 is None:
         lib = library()

@@ -33,7 +33,7 @@
 
 #define RS_AHEAD 4 /* samples */
 
-int recscale_native_abi(void) { return 11; } /* bump with any signature change */
+int recscale_native_abi(void) { return 12; } /* bump with any signature change */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

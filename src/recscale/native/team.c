@@ -56,7 +56,7 @@ int recscale_sparse_update(int64_t, void *, int64_t, float *, float *, const int
                            const float *, int64_t, float, float, float, float, float, uint8_t *,
                            int64_t, int64_t);
 int recscale_weight_grad(const float *, int64_t, const float *, int64_t, float *, int64_t, float *,
-                         float *, int64_t, int64_t, int64_t);
+                         float *, int64_t, int64_t, int64_t, int64_t);
 int recscale_narrow_weight_grad(const float *, int64_t, const float *, int64_t, const float *,
                                 int64_t, float *, int64_t, float *, int64_t, int64_t, int64_t);
 int recscale_narrow_forward(const float *, int64_t, const float *, int64_t, const float *, float *,
@@ -101,7 +101,7 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
                                       P(18), I(19), I(20));
     case K_WEIGHT_GRAD:
         return recscale_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9),
-                                    I(10));
+                                    I(10), I(11));
     case K_NARROW_WGRAD:
         return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
                                            I(9), I(10), I(11));

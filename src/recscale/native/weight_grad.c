@@ -1,5 +1,6 @@
 /*
- * Weight and bias gradients of a dense layer from sample-major operands (AVX-512):
+ * Weight and bias gradients of a dense layer from sample-major operands (AVX-512, or
+ * AVX2 + FMA where a CPU or its hypervisor offers no AVX-512):
  *
  *     dw[o, i] = sum_{b < batch} g[b, o] * x[b, i]           dw  [out, in], row stride lddw
  *     db[o]    = sum_{b < batch} g[b, o]                     db  [out] (skipped when NULL)
@@ -30,6 +31,15 @@
  * faster than 128 at configs A and B's layers (e.g. 1024 -> 1024 on 2 threads 21.4 ->
  * 20.8 ms), in the step A 37.83 -> 37.28, 40.34 -> 39.67 ms and B 167.1 -> 164.8,
  * 163.1 -> 161.8 ms A/B in one process (one A pair of four the other way, in noise).
+ *
+ * AVX2 (16 ymm registers): the classic 6 x 16 tile - 12 accumulators, 2 loads of x and
+ * 6 broadcasts of g per sample for 12 FMAs, blocks of NB = 16 inputs, KC = 64 too (256
+ * measured level: config A's step 47.96 against 48.19 ms median, alternating steps). It
+ * is for a host that hides AVX-512 (a 2-core EPYC VM, family 25): there MKL's AVX2
+ * sgemm is close (isolated within noise of it), but in config A's step this kernel won
+ * 78 of 120 alternating steps, median 50.71 -> 49.52 ms - the bias sum folded into the
+ * packing, and the operands read in place. The blocked driver is shared
+ * (weight_grad_driver.h, included once per width).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,29 +49,32 @@
 #include <immintrin.h>
 
 #define RS_AVX512 __attribute__((target("avx512f")))
+#define RS_AVX2 __attribute__((target("avx2,fma")))
 #define MR 6
-#define NB 64 /* inputs per block: 4 zmm of 16 floats */
+#define WG_CAT_(a, b) a##b
+#define WG_CAT(a, b) WG_CAT_(a, b)
 #ifndef KC
 #define KC 64
 #endif
 
-/* 1 when this CPU has AVX-512F (Zen 4, Skylake-X and later Xeons). */
+/* 1 when this CPU has AVX-512F (Zen 4, Skylake-X and later Xeons) and its OS and
+ * hypervisor expose it. */
 int recscale_avx512_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
 }
 
 /* c[r, j] (row stride ldc; rows x cols valid) = or += the 6 x (16 nq) tile
- * sum_k gp[k, r] xp[k, j]; nq is a constant at each call site (always_inline). */
+ * sum_k gp[k, r] xp[k, j] (xp rows of 64); nq is a constant at each call site. */
 RS_AVX512 static inline __attribute__((always_inline)) void
-micro(const int nq, int64_t kc, const float *restrict gp, const float *restrict xp,
-      float *restrict c, int64_t ldc, int64_t rows, int64_t cols, int accumulate) {
+micro512(const int nq, int64_t kc, const float *restrict gp, const float *restrict xp,
+         float *restrict c, int64_t ldc, int64_t rows, int64_t cols, int accumulate) {
     __m512 a[MR][4];
     for (int r = 0; r < MR; ++r)
         for (int q = 0; q < nq; ++q) a[r][q] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; ++k) {
         __m512 xv[4];
-        for (int q = 0; q < nq; ++q) xv[q] = _mm512_load_ps(xp + k * NB + 16 * q);
+        for (int q = 0; q < nq; ++q) xv[q] = _mm512_load_ps(xp + k * 64 + 16 * q);
         for (int r = 0; r < MR; ++r) {
             const __m512 gv = _mm512_set1_ps(gp[k * MR + r]);
             for (int q = 0; q < nq; ++q) a[r][q] = _mm512_fmadd_ps(gv, xv[q], a[r][q]);
@@ -77,7 +90,7 @@ micro(const int nq, int64_t kc, const float *restrict gp, const float *restrict 
         return;
     }
     /* an edge tile: through a buffer (masked stores are slow on AMD's cores) */
-    float tmp[MR][NB] __attribute__((aligned(64)));
+    float tmp[MR][64] __attribute__((aligned(64)));
     for (int r = 0; r < MR; ++r)
         for (int q = 0; q < nq; ++q) _mm512_store_ps(&tmp[r][16 * q], a[r][q]);
     for (int64_t r = 0; r < rows; ++r)
@@ -85,101 +98,90 @@ micro(const int nq, int64_t kc, const float *restrict gp, const float *restrict 
             c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[r][j] : tmp[r][j];
 }
 
-/* Pack one block of kc samples, reading g and x row by row (contiguous, so the
- * prefetchers stream them; a column strip of g would thrash the L1, its rows being a
- * power-of-two stride apart):
- *     g[k, t*MR + r]  -> gp[t][k][r]      (zero past `out`)
- *     x[k, j*NB + c]  -> xp[j][k][c]      (zero past `in`)
- * and db[o] += g[k, o], xs[i] += x[k, i]. */
-RS_AVX512 static void pack(const float *g, int64_t ldg, const float *x, int64_t ldx, int64_t out,
-                           int64_t in, int64_t kc, float *restrict gp, float *restrict xp,
-                           float *restrict db, float *restrict xs) {
-    const int64_t full = out / MR, ntiles = (out + MR - 1) / MR, nblocks = (in + NB - 1) / NB;
+/* The same with ymm registers: a 6 x (8 nq) tile, nq <= 2, xp rows of 16. */
+RS_AVX2 static inline __attribute__((always_inline)) void
+micro256(const int nq, int64_t kc, const float *restrict gp, const float *restrict xp,
+         float *restrict c, int64_t ldc, int64_t rows, int64_t cols, int accumulate) {
+    __m256 a[MR][2];
+    for (int r = 0; r < MR; ++r)
+        for (int q = 0; q < nq; ++q) a[r][q] = _mm256_setzero_ps();
     for (int64_t k = 0; k < kc; ++k) {
-        const float *gk = g + k * ldg, *xk = x + k * ldx;
-        for (int64_t t = 0; t < full; ++t) memcpy(gp + (t * kc + k) * MR, gk + t * MR, MR * sizeof(float));
-        if (ntiles > full)
-            for (int64_t r = 0; r < MR; ++r)
-                gp[(full * kc + k) * MR + r] = full * MR + r < out ? gk[full * MR + r] : 0.0f;
-        if (db)
-            for (int64_t o = 0; o < out; ++o) db[o] += gk[o];
-        if (xs)
-            for (int64_t i = 0; i < in; ++i) xs[i] += xk[i];
-        for (int64_t j = 0; j < nblocks; ++j) {
-            const int64_t cols = in - j * NB < NB ? in - j * NB : NB;
-            float *dst = xp + (j * kc + k) * NB;
-            memcpy(dst, xk + j * NB, (size_t)cols * sizeof(float));
-            if (cols < NB) memset(dst + cols, 0, (size_t)(NB - cols) * sizeof(float));
+        __m256 xv[2];
+        for (int q = 0; q < nq; ++q) xv[q] = _mm256_load_ps(xp + k * 16 + 8 * q);
+        for (int r = 0; r < MR; ++r) {
+            const __m256 gv = _mm256_broadcast_ss(gp + k * MR + r);
+            for (int q = 0; q < nq; ++q) a[r][q] = _mm256_fmadd_ps(gv, xv[q], a[r][q]);
         }
     }
+    if (rows == MR && cols == 8 * nq) {
+        for (int r = 0; r < MR; ++r)
+            for (int q = 0; q < nq; ++q) {
+                float *p = c + r * ldc + 8 * q;
+                _mm256_storeu_ps(p, accumulate ? _mm256_add_ps(a[r][q], _mm256_loadu_ps(p))
+                                               : a[r][q]);
+            }
+        return;
+    }
+    float tmp[MR][16] __attribute__((aligned(32)));
+    for (int r = 0; r < MR; ++r)
+        for (int q = 0; q < nq; ++q) _mm256_store_ps(&tmp[r][8 * q], a[r][q]);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j)
+            c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[r][j] : tmp[r][j];
 }
 
-/* Returns 0, or -1 without AVX-512 or memory for the packed blocks (nothing written). */
-RS_AVX512 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx,
-                                   float *dw, int64_t lddw, float *db, float *xs, int64_t out,
-                                   int64_t in, int64_t batch) {
-    if (!recscale_avx512_supported()) return -1;
-    const int64_t ntiles = (out + MR - 1) / MR, nblocks = (in + NB - 1) / NB;
-    float *gp = aligned_alloc(64, (size_t)(ntiles * MR * KC) * sizeof(float));
-    float *xp = aligned_alloc(64, (size_t)(nblocks * NB * KC) * sizeof(float));
-    if (!gp || !xp) {
-        free(gp);
-        free(xp);
-        return -1;
+#define WG_NAME weight_grad_avx512
+#define WG_TARGET RS_AVX512
+#define WG_NB 64
+#define WG_KC KC
+#define WG_MAX_NQ 4
+#define WG_DISPATCH(nq, ...)                                                                  \
+    switch (nq) { /* one specialised kernel per width */                                      \
+    case 4: micro512(4, __VA_ARGS__); break;                                                  \
+    case 3: micro512(3, __VA_ARGS__); break;                                                  \
+    case 2: micro512(2, __VA_ARGS__); break;                                                  \
+    default: micro512(1, __VA_ARGS__); break;                                                 \
     }
-    if (db) memset(db, 0, (size_t)out * sizeof(float));
-    if (xs) memset(xs, 0, (size_t)in * sizeof(float));
-    if (batch <= 0) /* no samples: zero gradients */
-        for (int64_t o = 0; o < out; ++o) memset(dw + o * lddw, 0, (size_t)in * sizeof(float));
-    for (int64_t k0 = 0; k0 < batch; k0 += KC) {
-        const int64_t kc = batch - k0 < KC ? batch - k0 : KC;
-        const int acc = k0 > 0;
-        pack(g + k0 * ldg, ldg, x + k0 * ldx, ldx, out, in, kc, gp, xp, db, xs);
-        /* the next block's rows of g and x, spread over this block's micro-kernel calls:
-         * the pack then reads them from the L2 instead of waiting on memory (config B's
-         * step 173.2 -> 169.8 and 167.1 -> 164.9 ms; A level) */
-        const int64_t nk = batch - k0 - kc < KC ? batch - k0 - kc : KC;
-        const int64_t glines = (out + 15) / 16, xlines = (in + 15) / 16;
-        const int64_t plines = nk > 0 ? nk * (glines + xlines) : 0, calls = nblocks * ntiles;
-        int64_t call = 0, pdone = 0, prow = 0, pc = 0; /* lines issued; the next one's place */
-        for (int64_t j = 0; j < nblocks; ++j) {
-            const int64_t i0 = j * NB, cols = in - i0 < NB ? in - i0 : NB, nq = (cols + 15) / 16;
-            const float *xb = xp + j * kc * NB;
-            for (int64_t t = 0; t < ntiles; ++t) {
-                for (const int64_t le = plines * (call + 1) / calls; pdone < le; ++pdone) {
-                    const float *p = pc < glines ? g + (k0 + kc + prow) * ldg + 16 * pc
-                                                 : x + (k0 + kc + prow) * ldx + 16 * (pc - glines);
-                    _mm_prefetch((const char *)p, _MM_HINT_T1);
-                    if (++pc == glines + xlines) { /* counters, not a division per line */
-                        pc = 0;
-                        ++prow;
-                    }
-                }
-                ++call;
-                const int64_t rows = out - t * MR < MR ? out - t * MR : MR;
-                const float *gt = gp + t * MR * kc;
-                float *c = dw + t * MR * lddw + i0;
-                switch (nq) { /* one specialised kernel per width */
-                case 4: micro(4, kc, gt, xb, c, lddw, rows, cols, acc); break;
-                case 3: micro(3, kc, gt, xb, c, lddw, rows, cols, acc); break;
-                case 2: micro(2, kc, gt, xb, c, lddw, rows, cols, acc); break;
-                default: micro(1, kc, gt, xb, c, lddw, rows, cols, acc); break;
-                }
-            }
-        }
+#include "weight_grad_driver.h"
+#undef WG_NAME
+#undef WG_TARGET
+#undef WG_NB
+#undef WG_KC
+#undef WG_MAX_NQ
+#undef WG_DISPATCH
+
+#define WG_NAME weight_grad_avx2
+#define WG_TARGET RS_AVX2
+#define WG_NB 16
+#define WG_KC KC
+#define WG_MAX_NQ 2
+#define WG_DISPATCH(nq, ...)                                                                  \
+    switch (nq) {                                                                             \
+    case 2: micro256(2, __VA_ARGS__); break;                                                  \
+    default: micro256(1, __VA_ARGS__); break;                                                 \
     }
-    free(gp);
-    free(xp);
-    return 0;
+#include "weight_grad_driver.h"
+
+/* isa: 0 the widest this CPU runs, 1 AVX2 (tests reach it on AVX-512 CPUs), 2 AVX-512.
+ * Returns 0, or -1 when the ISA asked for is missing or there is no memory for the
+ * packed blocks (nothing written). The library loads only where AVX2 + FMA run. */
+int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
+                         int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
+                         int64_t batch, int64_t isa) {
+    const int wide = recscale_avx512_supported();
+    if (isa == 2 && !wide) return -1;
+    if (isa == 2 || (isa == 0 && wide))
+        return weight_grad_avx512(g, ldg, x, ldx, dw, lddw, db, xs, out, in, batch);
+    return weight_grad_avx2(g, ldg, x, ldx, dw, lddw, db, xs, out, in, batch);
 }
 
 #else /* not x86-64: callers keep torch's GEMM */
 int recscale_avx512_supported(void) { return 0; }
 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
                          int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
-                         int64_t batch) {
+                         int64_t batch, int64_t isa) {
     (void)g, (void)ldg, (void)x, (void)ldx, (void)dw, (void)lddw, (void)db, (void)xs;
-    (void)out, (void)in, (void)batch;
+    (void)out, (void)in, (void)batch, (void)isa;
     return -1;
 }
 #endif
