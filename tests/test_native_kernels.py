@@ -72,17 +72,18 @@ def test_parallel_for_covers_the_range_once_and_raises_worker_errors():
         native.parallel_for(8, fail, 2)
 
 
-@pytest.fixture(params=["wide", "avx2"])
+@pytest.fixture(params=["wide", "tiles", "avx2"])
 def wide_interaction(request):
-    """Both native interaction paths for d >= 64: the AVX-512 tiles
-    (native/dot_interaction_avx512.c, where the CPU has AVX-512) and the AVX2 kernels."""
+    """Every native interaction path for d >= 64: the AVX-512 tiles
+    (native/dot_interaction_avx512.c, where the CPU has AVX-512), the AVX2 forward tiles
+    (2 x 4 rows; the backward then takes the AVX2 kernel) and the AVX2 pair kernels."""
     import ctypes
 
     if request.param == "wide" and not native.has_avx512():
         pytest.skip(f"AVX-512 interaction kernels: {native.status()}")
     flag = ctypes.c_int.in_dll(native.library(), "recscale_dot_wide")
     saved = flag.value
-    flag.value = int(request.param == "wide")
+    flag.value = {"wide": 1, "tiles": 2, "avx2": 0}[request.param]
     yield request.param
     flag.value = saved
 
@@ -127,9 +128,11 @@ _DIMS = [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3
 @needs_native
 @pytest.mark.parametrize(
     "dim,num_f,wide_interaction",
-    [(d, f, "avx2") for d, f in _DIMS] + [(d, f, "wide") for d, f in _DIMS if d >= 64],
+    [(d, f, "avx2") for d, f in _DIMS]
+    + [(d, f, kind) for d, f in _DIMS if d >= 64 for kind in ("wide", "tiles")],
     indirect=["wide_interaction"],
-)  # 80: a 64-float block and a 16-float one; 48: below the AVX-512 tiles (d >= 64)
+)  # 80: a 64-float block and a 16-float one; 48: below the tiles (d >= 64); 128 x 1 with
+# dense features: k = 2, one tile mostly past k
 @pytest.mark.parametrize("has_dense", [True, False])
 @pytest.mark.parametrize("self_interaction", [False, True])
 @pytest.mark.parametrize("layout", ["flat", "feature_major"])

@@ -139,6 +139,90 @@ RS_INLINE void forward_impl(const float *dense, const float *emb, float *out, in
     }
 }
 
+/* Wide vectors (d >= 64, a multiple of 8) without AVX-512: the pairs in 2 x 4 tiles of
+ * rows (I, J), 8 accumulators - per 8 floats of d, 6 loads feed 8 FMAs, where the pair
+ * kernel above loads both vectors for every FMA (d = 128 spills its rows: B's forward
+ * 4.0 ms on 2 threads). One hsum8 reduces a tile; only its pairs with j >= i + offset
+ * and j < k are stored. Rows are read in place (rows past k: a zero row), and the next
+ * sample's embedding rows are prefetched over the current sample's tiles. */
+RS_INLINE __m256 tile2x4(const float *const *ri, const float *const *rj, const int64_t d) {
+    __m256 acc[8];
+    for (int n = 0; n < 8; ++n) acc[n] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+        const __m256 a0 = _mm256_loadu_ps(ri[0] + c), a1 = _mm256_loadu_ps(ri[1] + c);
+        for (int v = 0; v < 4; ++v) {
+            const __m256 b = _mm256_loadu_ps(rj[v] + c);
+            acc[v] = _mm256_fmadd_ps(a0, b, acc[v]);
+            acc[4 + v] = _mm256_fmadd_ps(a1, b, acc[4 + v]);
+        }
+    }
+    return hsum8(acc); /* lane 4 u + v: <ri[u], rj[v]> */
+}
+
+RS_INLINE void forward_tiles(const float *dense, const float *emb, float *out, int64_t b0,
+                             int64_t b1, int64_t k, const int64_t d, int64_t e0, int64_t offset,
+                             int64_t width, int64_t dsb, int64_t esb, int64_t esf,
+                             const float *zero, const float **rows, int64_t *start) {
+    const int64_t kp = (k + 3) & ~(int64_t)3, first = e0 * d;
+    for (int64_t i = 0, p = first; i < k; ++i) { /* start[i]: the column of (i, i + offset) */
+        start[i] = p;
+        p += k - i - offset;
+    }
+    const int64_t npairs = k * (k - 2 * offset + 1) / 2, lines = (k - e0) * (d / 16);
+    int64_t ntiles = 0;
+    for (int64_t I = 0; I < kp / 2; ++I) ntiles += kp / 4 - I / 2;
+    for (int64_t b = b0; b < b1; ++b) {
+        float *o = out + b * width;
+        if (e0) rows[0] = dense + b * dsb;
+        for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
+        for (int64_t r = k; r < kp; ++r) rows[r] = zero;
+        if (e0) memcpy(o, rows[0], (size_t)d * sizeof(float));
+        int64_t t = 0;
+        for (int64_t I = 0; 2 * I < k; ++I)
+            for (int64_t J = I / 2; J < kp / 4; ++J, ++t) {
+                if (b + 1 < b1) { /* this tile's share of the next sample's rows */
+                    const float *e = emb + (b + 1) * esb;
+                    for (int64_t l = lines * t / ntiles; l < lines * (t + 1) / ntiles; ++l)
+                        _mm_prefetch((const char *)(e + (l / (d / 16)) * esf + 16 * (l % (d / 16))),
+                                     _MM_HINT_T0);
+                }
+                float s[8];
+                _mm256_storeu_ps(s, tile2x4(rows + 2 * I, rows + 4 * J, d));
+                for (int64_t u = 0; u < 2 && 2 * I + u < k; ++u) {
+                    const int64_t i = 2 * I + u;
+                    for (int64_t v = 0; v < 4; ++v) {
+                        const int64_t j = 4 * J + v;
+                        if (j >= i + offset && j < k) o[start[i] + j - i - offset] = s[4 * u + v];
+                    }
+                }
+            }
+        for (int64_t p = first + npairs; p < width; ++p) o[p] = 0.0f;
+    }
+}
+
+RS_AVX2 static int forward_tiles_range(const float *dense, const float *emb, float *out,
+                                       int64_t b0, int64_t b1, int64_t k, int64_t d, int64_t e0,
+                                       int64_t offset, int64_t width, int64_t dsb, int64_t esb,
+                                       int64_t esf) {
+    float *zero = calloc((size_t)d, sizeof(float));
+    const float **rows = malloc((size_t)(k + 4) * sizeof(float *));
+    int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));
+    int rc = -2;
+    if (zero && rows && start) {
+        if (d == 128)
+            forward_tiles(dense, emb, out, b0, b1, k, 128, e0, offset, width, dsb, esb, esf, zero, rows, start);
+        else if (d == 64)
+            forward_tiles(dense, emb, out, b0, b1, k, 64, e0, offset, width, dsb, esb, esf, zero, rows, start);
+        else
+            forward_tiles(dense, emb, out, b0, b1, k, d, e0, offset, width, dsb, esb, esf, zero, rows, start);
+        rc = 0;
+    }
+    free(zero);
+    free(rows);
+    free(start);
+    return rc;
+}
+
 /* Rows [i, i + N) (N = 4 or 1, a constant so the accumulators stay in registers) of
  * grad_T = G @ T, columns [c, c + 8 W) with W = 1 or 2 vectors per row: up to 8
  * independent FMA chains, each T row load shared by N rows. G holds only its upper
@@ -262,8 +346,9 @@ int recscale_dot_backward_wide(const float *dense, const float *emb, const float
                                int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf);
 /* 1: d >= 64 (a multiple of 16) runs the AVX-512 tiles of dot_interaction_avx512.c where
  * the CPU has AVX-512 (config B's d = 128: forward 3.2 -> 1.8 ms, backward 4.8-6.6 ->
- * 3.4-4.8 ms on 2 threads; B's step 167.9 -> 163.9 ms). Tests set 0 to hold the AVX2
- * kernels below to the reference as well. */
+ * 3.4-4.8 ms on 2 threads; B's step 167.9 -> 163.9 ms), else the forward in the AVX2
+ * tiles above (d >= 64, a multiple of 8). 2: the AVX2 tiles even with AVX-512. 0: the
+ * pair kernels. Tests set each, to hold every kernel to the reference. */
 int recscale_dot_wide = 1;
 
 /* Returns 0 on success, -1 when unsupported here (no AVX2 build, or d % 8 != 0), -2 when
@@ -274,12 +359,16 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
                          int64_t emb_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
-    if (recscale_dot_wide) { /* d >= 64 on AVX-512: 4 x 4 tiles of pairs */
+    if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 x 4 tiles of pairs */
         const int rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
                                                  self_interaction ? 0 : 1, width, dense_stride,
                                                  emb_sample_stride, emb_feature_stride);
         if (rc != -1) return rc;
     }
+    if (recscale_dot_wide && d >= 64) /* without AVX-512 (or asked for): 2 x 4 AVX2 tiles */
+        return forward_tiles_range(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
+                                   self_interaction ? 0 : 1, width, dense_stride,
+                                   emb_sample_stride, emb_feature_stride);
     float *t = (float *)malloc((size_t)((k + 8) * d) * sizeof(float));
     if (!t) return -2;
     forward_range(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0, self_interaction ? 0 : 1,
@@ -302,7 +391,7 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
                           int64_t grad_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
-    if (recscale_dot_wide) { /* d >= 64 on AVX-512: 4 rows x 64 floats a block */
+    if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 rows x 64 floats a block */
         const int rc = recscale_dot_backward_wide(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
             self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
