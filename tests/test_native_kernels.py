@@ -401,7 +401,7 @@ def test_native_weight_grad_matches_fp64_reference(
     assert bool(parts) == (split == "samples" and batch >= 2 * gemm._WGRAD_KC)
 
 
-@needs_avx512
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize(
     "batch,out,inp,strided,threads",
@@ -415,14 +415,24 @@ def test_native_weight_grad_matches_fp64_reference(
     ],
 )
 def test_native_narrow_weight_grad_matches_fp64_reference(
-    batch, out, inp, strided, threads, masked
+    batch, out, inp, strided, threads, masked, isa, monkeypatch
 ):
     """The first layer's dW and db with its ReLU mask applied on the way
     (native/narrow_layer.c: output blocks of 32 with tails, sample blocks of 16 with
     a remainder, strided rows, threads adding partial results) against float64 torch:
     g masked where the ReLU output is not > 0 - exactly threshold_backward's rule, the
-    output's zeros included."""
+    output's zeros included. Both widths: the AVX-512 kernel where the CPU has it, the AVX2
+    one everywhere (8-output blocks; 37 and 48 outputs leave 5- and 0-lane tails)."""
+    import ctypes
+
     from recscale.modules import gemm
+
+    if native.library() is None:
+        pytest.skip(native.status())
+    if isa == "avx512" and not native.has_avx512():
+        pytest.skip(f"AVX-512 narrow-layer kernel: {native.status()}")
+    flag = ctypes.c_int.in_dll(native.library(), "recscale_narrow_isa")
+    monkeypatch.setattr(flag, "value", {"avx2": 1, "avx512": 0}[isa])
 
     gen = torch.Generator().manual_seed(batch + out + inp)
     pad = 3 if strided else 0

@@ -205,8 +205,8 @@ def _native_at_b_batch_split(
 
 def _narrow_input(x: torch.Tensor) -> bool:
     """``x [B, in]`` is what native/narrow_layer.c takes: fp32 CPU rows, ``in`` at most 13
-    (DLRM's dense features), on a CPU with AVX-512."""
-    return _fp32_cpu_rows(x) and 1 <= x.shape[1] <= _NARROW_MAX_IN and native.has_avx512()
+    (DLRM's dense features), the native library loaded (AVX-512 kernels, else AVX2)."""
+    return _fp32_cpu_rows(x) and 1 <= x.shape[1] <= _NARROW_MAX_IN and native.library() is not None
 
 
 def _sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -266,6 +266,7 @@ def native_narrow_forward_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
         and _narrow_input(x)
         and _fp32_cpu_rows(w)
         and w.shape[1] == x.shape[1]
+        and native.has_avx512()  # the AVX2 twin lost to oneDNN (native/narrow_layer.c)
     )
 
 
