@@ -35,6 +35,9 @@
 
 int recscale_native_abi(void) { return 12; } /* bump with any signature change */
 
+int recscale_tile_scratch(int64_t k, int64_t d, float **zero, const float ***rows, int64_t **start);
+void recscale_tile_scratch_free(float *zero, const float **rows, int64_t *start);
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define RS_HAVE_X86 1
@@ -139,6 +142,31 @@ RS_INLINE void forward_impl(const float *dense, const float *emb, float *out, in
     }
 }
 
+/* The scratch of the tiled forwards (here and in dot_interaction_avx512.c): a zero row of
+ * d floats (the rows past k), k + 4 row pointers and k + 1 pair columns. 0, or -2
+ * without memory (none kept); recscale_tile_scratch_free releases it. */
+__attribute__((visibility("hidden"))) int recscale_tile_scratch(int64_t k, int64_t d, float **zero,
+                                                                const float ***rows,
+                                                                int64_t **start) {
+    *zero = aligned_alloc(64, (size_t)((d + 15) & ~(int64_t)15) * sizeof(float));
+    *rows = malloc((size_t)(k + 4) * sizeof(float *));
+    *start = malloc((size_t)(k + 1) * sizeof(int64_t));
+    if (*zero && *rows && *start) {
+        memset(*zero, 0, (size_t)d * sizeof(float));
+        return 0;
+    }
+    recscale_tile_scratch_free(*zero, *rows, *start);
+    return -2;
+}
+
+__attribute__((visibility("hidden"))) void recscale_tile_scratch_free(float *zero,
+                                                                      const float **rows,
+                                                                      int64_t *start) {
+    free(zero);
+    free((void *)rows);
+    free(start);
+}
+
 /* Wide vectors (d >= 64, a multiple of 8) without AVX-512: the pairs in 2 x 4 tiles of
  * rows (I, J), 8 accumulators - per 8 floats of d, 6 loads feed 8 FMAs, where the pair
  * kernel above loads both vectors for every FMA (d = 128 spills its rows: B's forward
@@ -204,23 +232,18 @@ RS_AVX2 static int forward_tiles_range(const float *dense, const float *emb, flo
                                        int64_t b0, int64_t b1, int64_t k, int64_t d, int64_t e0,
                                        int64_t offset, int64_t width, int64_t dsb, int64_t esb,
                                        int64_t esf) {
-    float *zero = calloc((size_t)d, sizeof(float));
-    const float **rows = malloc((size_t)(k + 4) * sizeof(float *));
-    int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));
-    int rc = -2;
-    if (zero && rows && start) {
-        if (d == 128)
-            forward_tiles(dense, emb, out, b0, b1, k, 128, e0, offset, width, dsb, esb, esf, zero, rows, start);
-        else if (d == 64)
-            forward_tiles(dense, emb, out, b0, b1, k, 64, e0, offset, width, dsb, esb, esf, zero, rows, start);
-        else
-            forward_tiles(dense, emb, out, b0, b1, k, d, e0, offset, width, dsb, esb, esf, zero, rows, start);
-        rc = 0;
-    }
-    free(zero);
-    free(rows);
-    free(start);
-    return rc;
+    float *zero;
+    const float **rows;
+    int64_t *start;
+    if (recscale_tile_scratch(k, d, &zero, &rows, &start)) return -2;
+    if (d == 128)
+        forward_tiles(dense, emb, out, b0, b1, k, 128, e0, offset, width, dsb, esb, esf, zero, rows, start);
+    else if (d == 64)
+        forward_tiles(dense, emb, out, b0, b1, k, 64, e0, offset, width, dsb, esb, esf, zero, rows, start);
+    else
+        forward_tiles(dense, emb, out, b0, b1, k, d, e0, offset, width, dsb, esb, esf, zero, rows, start);
+    recscale_tile_scratch_free(zero, rows, start);
+    return 0;
 }
 
 /* Rows [i, i + N) (N = 4 or 1, a constant so the accumulators stay in registers) of

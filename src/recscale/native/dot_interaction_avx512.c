@@ -23,6 +23,9 @@
 #define RS_AVX512 __attribute__((target("avx512f")))
 
 int recscale_avx512_supported(void);
+/* dot_interaction.c: the tiled forwards' scratch */
+int recscale_tile_scratch(int64_t k, int64_t d, float **zero, const float ***rows, int64_t **start);
+void recscale_tile_scratch_free(float *zero, const float **rows, int64_t *start);
 
 /* Share `part` of `parts` of the 64-byte lines of a sample's embedding rows (row f at
  * e + f * esf, d floats each: `lines` in all) into the L1: spread over a sample's work,
@@ -109,24 +112,18 @@ RS_AVX512 int recscale_dot_forward_wide(const float *dense, const float *emb, fl
                                         int64_t e0, int64_t offset, int64_t width, int64_t dsb,
                                         int64_t esb, int64_t esf) {
     if (d % 16 != 0 || d < 64 || !recscale_avx512_supported()) return -1;
-    float *zero = aligned_alloc(64, (size_t)d * sizeof(float));
-    const float **rows = malloc((size_t)(k + 4) * sizeof(float *));
-    int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));
-    int rc = -2;
-    if (zero && rows && start) {
-        memset(zero, 0, (size_t)d * sizeof(float));
-        if (d == 128)
-            forward_wide(dense, emb, out, b0, b1, k, 128, e0, offset, width, dsb, esb, esf, zero, rows, start);
-        else if (d == 64)
-            forward_wide(dense, emb, out, b0, b1, k, 64, e0, offset, width, dsb, esb, esf, zero, rows, start);
-        else
-            forward_wide(dense, emb, out, b0, b1, k, d, e0, offset, width, dsb, esb, esf, zero, rows, start);
-        rc = 0;
-    }
-    free(zero);
-    free(rows);
-    free(start);
-    return rc;
+    float *zero;
+    const float **rows;
+    int64_t *start;
+    if (recscale_tile_scratch(k, d, &zero, &rows, &start)) return -2;
+    if (d == 128)
+        forward_wide(dense, emb, out, b0, b1, k, 128, e0, offset, width, dsb, esb, esf, zero, rows, start);
+    else if (d == 64)
+        forward_wide(dense, emb, out, b0, b1, k, 64, e0, offset, width, dsb, esb, esf, zero, rows, start);
+    else
+        forward_wide(dense, emb, out, b0, b1, k, d, e0, offset, width, dsb, esb, esf, zero, rows, start);
+    recscale_tile_scratch_free(zero, rows, start);
+    return 0;
 }
 
 /* Rows [i0, i0 + 4) of grad_T = G @ T, columns [c, c + 16 nq) (nq a constant <= 4): 16

@@ -50,6 +50,32 @@ static inline __mmask16 lanes(int64_t j, int64_t cols) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
+/* The buffers of a weight-gradient call: buf (nblk columns of bs floats) and dw^T
+ * ([in + 1][ldt], zeroed; its last row the bias sums). 0, or -1 without memory (none
+ * kept). */
+static int wgrad_buffers(int64_t nblk, int64_t bs, int64_t in, int64_t ldt, float **buf,
+                         float **dwt) {
+    *buf = aligned_alloc(64, (size_t)(nblk * bs) * sizeof(float));
+    *dwt = aligned_alloc(64, (size_t)((in + 1) * ldt) * sizeof(float));
+    if (!*buf || !*dwt) {
+        free(*buf);
+        free(*dwt);
+        return -1;
+    }
+    memset(*dwt, 0, (size_t)((in + 1) * ldt) * sizeof(float));
+    return 0;
+}
+
+/* dw [out, in] (row stride lddw) and db (when not NULL) from dw^T; the buffers freed. */
+static void wgrad_finish(float *buf, float *dwt, int64_t ldt, float *dw, int64_t lddw, float *db,
+                         int64_t out, int64_t in) {
+    for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) dw[o * lddw + i] = dwt[i * ldt + o];
+    if (db) memcpy(db, dwt + in * ldt, (size_t)out * sizeof(float));
+    free(buf);
+    free(dwt);
+}
+
 /* Step (2) for NI inputs (a constant at each call): rows [0, rows) of the block. */
 RS_AVX512 static inline __attribute__((always_inline)) void
 accumulate(const int ni, const float *restrict buf, int64_t nblk, const float *x, int64_t ldx,
@@ -87,14 +113,8 @@ RS_AVX512 static int wgrad512(const float *g, int64_t ldg, const float *mask, in
                               const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
                               int64_t out, int64_t in, int64_t batch) {
     const int64_t nblk = (out + OW - 1) / OW, ldt = nblk * OW; /* dw^T rows padded to 32 */
-    float *buf = aligned_alloc(64, (size_t)(nblk * BS) * sizeof(float));
-    float *dwt = aligned_alloc(64, (size_t)((in + 1) * ldt) * sizeof(float)); /* + bias row */
-    if (!buf || !dwt) {
-        free(buf);
-        free(dwt);
-        return -1;
-    }
-    memset(dwt, 0, (size_t)((in + 1) * ldt) * sizeof(float));
+    float *buf, *dwt;
+    if (wgrad_buffers(nblk, BS, in, ldt, &buf, &dwt)) return -1;
     float *bsum = dwt + in * ldt;
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < batch; b0 += R) {
@@ -117,11 +137,7 @@ RS_AVX512 static int wgrad512(const float *g, int64_t ldg, const float *mask, in
         }
 #undef CASE
     }
-    for (int64_t o = 0; o < out; ++o)
-        for (int64_t i = 0; i < in; ++i) dw[o * lddw + i] = dwt[i * ldt + o];
-    if (db) memcpy(db, bsum, (size_t)out * sizeof(float));
-    free(buf);
-    free(dwt);
+    wgrad_finish(buf, dwt, ldt, dw, lddw, db, out, in);
     return 0;
 }
 
@@ -242,14 +258,8 @@ RS_AVX2 static int wgrad256(const float *g, int64_t ldg, const float *mask, int6
                             const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
                             int64_t out, int64_t in, int64_t batch) {
     const int64_t nblk = (out + OW2 - 1) / OW2, ldt = nblk * OW2, full = out / OW2 * OW2;
-    float *buf = aligned_alloc(64, (size_t)(nblk * BS2) * sizeof(float));
-    float *dwt = aligned_alloc(64, (size_t)((in + 1) * ldt) * sizeof(float)); /* + bias row */
-    if (!buf || !dwt) {
-        free(buf);
-        free(dwt);
-        return -1;
-    }
-    memset(dwt, 0, (size_t)((in + 1) * ldt) * sizeof(float));
+    float *buf, *dwt;
+    if (wgrad_buffers(nblk, BS2, in, ldt, &buf, &dwt)) return -1;
     float *bsum = dwt + in * ldt;
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < batch; b0 += R) {
@@ -276,11 +286,7 @@ RS_AVX2 static int wgrad256(const float *g, int64_t ldg, const float *mask, int6
         }
 #undef CASE
     }
-    for (int64_t o = 0; o < out; ++o)
-        for (int64_t i = 0; i < in; ++i) dw[o * lddw + i] = dwt[i * ldt + o];
-    if (db) memcpy(db, bsum, (size_t)out * sizeof(float));
-    free(buf);
-    free(dwt);
+    wgrad_finish(buf, dwt, ldt, dw, lddw, db, out, in);
     return 0;
 }
 
