@@ -12,8 +12,8 @@ Two paths with the same parameters (``layers``, so checkpoints don't care which 
   * computes the weight gradient and the bias gradient in one pass of our kernel
     (:func:`recscale.modules.gemm.weight_grad`; AVX-512: 6-11% faster than MKL at the
     512-wide layers, 1.1-1.4x at the narrow ones; AVX2: level with MKL, 2% off the
-    step), or without the native library through MKL, a narrow-input layer as ``(x^T g)^T`` (13 -> 512: 0.83 -> 0.45 ms; MKL is slow at
-    ``g^T x`` with N = 13);
+    step), or without the native library through MKL; a narrow-input layer as
+    ``(x^T g)^T`` (13 -> 512: 0.83 -> 0.45 ms; MKL is slow at ``g^T x`` with N = 13);
   * skips the input gradient when the input needs none (the dense features), and then,
     for a narrow first layer (13 -> 512), leaves that layer's ReLU mask to one native
     pass that also computes its weight and bias gradients

@@ -12,9 +12,9 @@ parallel).
 Everything degrades: without the library (no compiler at install, another
 architecture), on a CPU without AVX2/FMA, or with ``RECSCALE_NATIVE=0`` in the
 environment, :func:`library` returns None and callers use their numba or torch path;
-:func:`status` says which case applies. The AVX-512 kernels (the narrow first layer, the
-interaction of wide vectors; the weight gradient's wider variant) also need
-:func:`has_avx512`, else the AVX2 kernel or torch runs.
+:func:`status` says which case applies. The AVX-512 kernels (the narrow first layer's
+forward; the wider variants of the weight gradients and of the wide-vector interaction)
+also need :func:`has_avx512`, else an AVX2 kernel, oneDNN or torch runs.
 """
 
 from __future__ import annotations
