@@ -198,7 +198,7 @@ RS_INLINE void forward_tiles(const float *dense, const float *emb, float *out, i
     }
     const int64_t npairs = k * (k - 2 * offset + 1) / 2, lines = (k - e0) * (d / 16);
     int64_t ntiles = 0;
-    for (int64_t I = 0; I < kp / 2; ++I) ntiles += kp / 4 - I / 2;
+    for (int64_t I = 0; 2 * I < k; ++I) ntiles += kp / 4 - I / 2; /* as the loop below */
     for (int64_t b = b0; b < b1; ++b) {
         float *o = out + b * width;
         if (e0) rows[0] = dense + b * dsb;
