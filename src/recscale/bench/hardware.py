@@ -90,9 +90,9 @@ def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: in
     On a CPU the gather the step itself runs is timed too - the native pooled lookup
     (``native/embedding_lookup.c``: rows prefetched ahead, the threads splitting the
     ids), one id a bag - and the faster stands, as the GEMM probe takes its fastest
-    kernel: on a VM whose nested page walks starve ``index_select`` (0.5-2.5 GB/s, a
-    2-core EPYC without AVX-512 in sight) the step's own lookup read its rows faster than
-    that, and a bound priced at the slower rate could be beaten.
+    kernel: on a 2-core EPYC VM (no AVX-512 in sight) ``index_select``, one row at a time
+    and nothing prefetched, read 0.5-2.5 GB/s where the native lookup read 7.9-8.6, and a
+    bound priced at the slower rate could be beaten.
     """
     rows, dim = table.shape
     if table.device.type == "cuda":
