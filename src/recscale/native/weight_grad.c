@@ -133,7 +133,6 @@ micro256(const int nq, int64_t kc, const float *restrict gp, const float *restri
 #define WG_NAME weight_grad_avx512
 #define WG_TARGET RS_AVX512
 #define WG_NB 64
-#define WG_KC KC
 #define WG_MAX_NQ 4
 #define WG_DISPATCH(nq, ...)                                                                  \
     switch (nq) { /* one specialised kernel per width */                                      \
@@ -146,14 +145,12 @@ micro256(const int nq, int64_t kc, const float *restrict gp, const float *restri
 #undef WG_NAME
 #undef WG_TARGET
 #undef WG_NB
-#undef WG_KC
 #undef WG_MAX_NQ
 #undef WG_DISPATCH
 
 #define WG_NAME weight_grad_avx2
 #define WG_TARGET RS_AVX2
 #define WG_NB 16
-#define WG_KC KC
 #define WG_MAX_NQ 2
 #define WG_DISPATCH(nq, ...)                                                                  \
     switch (nq) {                                                                             \

@@ -3,7 +3,7 @@
  * set (a C template): the includer defines
  *
  *     WG_NAME       the function's name            WG_TARGET  its target attribute
- *     WG_NB         inputs per packed block         WG_KC      samples per packed block
+ *     WG_NB         inputs per packed block (KC, the samples per block, is the file's)
  *     WG_MAX_NQ     vectors in a full block (WG_NB / the vector width)
  *     WG_DISPATCH(nq, kc, gp, xb, c, ldc, rows, cols, acc)
  *                   the micro-kernel on nq vectors (a switch to one specialised call each)
@@ -49,8 +49,8 @@ WG_TARGET static int WG_NAME(const float *g, int64_t ldg, const float *x, int64_
                              int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
                              int64_t batch) {
     const int64_t ntiles = (out + MR - 1) / MR, nblocks = (in + WG_NB - 1) / WG_NB;
-    float *gp = aligned_alloc(64, (size_t)(ntiles * MR * WG_KC) * sizeof(float));
-    float *xp = aligned_alloc(64, (size_t)(nblocks * WG_NB * WG_KC) * sizeof(float));
+    float *gp = aligned_alloc(64, (size_t)(ntiles * MR * KC) * sizeof(float));
+    float *xp = aligned_alloc(64, (size_t)(nblocks * WG_NB * KC) * sizeof(float));
     if (!gp || !xp) {
         free(gp);
         free(xp);
@@ -60,14 +60,14 @@ WG_TARGET static int WG_NAME(const float *g, int64_t ldg, const float *x, int64_
     if (xs) memset(xs, 0, (size_t)in * sizeof(float));
     if (batch <= 0) /* no samples: zero gradients */
         for (int64_t o = 0; o < out; ++o) memset(dw + o * lddw, 0, (size_t)in * sizeof(float));
-    for (int64_t k0 = 0; k0 < batch; k0 += WG_KC) {
-        const int64_t kc = batch - k0 < WG_KC ? batch - k0 : WG_KC;
+    for (int64_t k0 = 0; k0 < batch; k0 += KC) {
+        const int64_t kc = batch - k0 < KC ? batch - k0 : KC;
         const int acc = k0 > 0;
         WG_CAT(WG_NAME, _pack)(g + k0 * ldg, ldg, x + k0 * ldx, ldx, out, in, kc, gp, xp, db, xs);
         /* the next block's rows of g and x, spread over this block's micro-kernel calls:
          * the pack then reads them from the L2 instead of waiting on memory (config B's
          * step 173.2 -> 169.8 and 167.1 -> 164.9 ms; A level) */
-        const int64_t nk = batch - k0 - kc < WG_KC ? batch - k0 - kc : WG_KC;
+        const int64_t nk = batch - k0 - kc < KC ? batch - k0 - kc : KC;
         const int64_t glines = (out + 15) / 16, xlines = (in + 15) / 16;
         const int64_t plines = nk > 0 ? nk * (glines + xlines) : 0, calls = nblocks * ntiles;
         int64_t call = 0, pdone = 0, prow = 0, pc = 0; /* lines issued; the next one's place */
