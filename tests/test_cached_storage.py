@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -13,7 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from recscale.config import load_config
-from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
+from recscale.embedding.cached_storage import (
+    CachedStorage,
+    CacheTooSmallError,
+    remove_empty_temp_dirs,
+)
 from recscale.embedding.optimizers import SparseSGD
 from recscale.models.dlrm import build_model
 from recscale.train.cache_prefetch import CachePrefetcher
@@ -207,3 +213,35 @@ def test_cache_for_one_batch_but_not_two_stops_prefetching_not_training(tmp_path
                                   None, torch.zeros(1, 4))  # fmt: skip
     st.prefetch(a)  # off from now on: a no-op, not an error
     assert not st._prefetch_pins
+
+
+def test_the_temp_ssd_dir_goes_with_the_run_and_a_named_one_stays(tmp_path, monkeypatch):
+    """With no ssd_dir and no run dir the tier's file lives in a ``recscale-ssd-*`` temp
+    directory that recscale made: it is removed with the last file (49 such empty
+    directories had piled up in /tmp). A directory the user named is only emptied."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    over = ["--train.steps=5", "--train.progress=false", "--train.save_model=false",
+            "--embedding.placement=ssd", "--embedding.cache_bytes=400000"]  # fmt: skip
+    train(load_config("debug", over), None, echo=lambda _m: None)
+    gc.collect()
+    assert list((tmp_path / "tmp").glob("recscale-ssd-*")) == []
+    named = tmp_path / "mine"
+    train(load_config("debug", [*over, f"--embedding.ssd_dir={named}"]), None, echo=lambda _m: None)
+    gc.collect()
+    assert named.is_dir() and list(named.rglob("*.f32")) == []
+
+
+def test_only_empty_recscale_temp_dirs_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    top = tmp_path / "recscale-ssd-abc"
+    (top / "rank0").mkdir(parents=True)
+    (top / "rank1").mkdir()
+    remove_empty_temp_dirs(top / "rank0")  # rank1 is still there: the top stays
+    assert not (top / "rank0").exists() and (top / "rank1").is_dir()
+    remove_empty_temp_dirs(top / "rank1")
+    assert not top.exists()
+    other = tmp_path / "user-dir" / "sub"
+    other.mkdir(parents=True)
+    remove_empty_temp_dirs(other)
+    assert other.is_dir()

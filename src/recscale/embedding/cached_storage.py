@@ -36,6 +36,7 @@ import math
 import mmap
 import os
 import shutil
+import tempfile
 import threading
 import warnings
 import weakref
@@ -52,11 +53,33 @@ from recscale.embedding.cpu_kernels import fused_update_cpu
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
 
+TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
+
 
 def _remove(path: Path, lock_fd: int | None = None) -> None:
     path.unlink(missing_ok=True)
     if lock_fd is not None:
         os.close(lock_fd)  # releases the lock
+    remove_empty_temp_dirs(path.parent)
+
+
+def remove_empty_temp_dirs(directory: Path) -> None:
+    """Remove ``directory`` and its parents up to the ``recscale-ssd-*`` directory that
+    recscale made in the temp dir, each only once it is empty (the last table file of a
+    run takes them). A directory the user named (``embedding.ssd_dir``) is never one of
+    them: it is left as it was."""
+    tmp = Path(tempfile.gettempdir()).resolve()
+    chain = [directory.resolve(), *directory.resolve().parents]
+    top = next((d for d in chain if d.parent == tmp and d.name.startswith(TEMP_DIR_PREFIX)), None)
+    if top is None:
+        return
+    for d in chain:
+        try:
+            d.rmdir()  # only an empty directory goes
+        except OSError:
+            return
+        if d == top:
+            return
 
 
 class TierFileError(RuntimeError):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from recscale.config.schema import EmbeddingConfig
-from recscale.embedding.cached_storage import CachedStorage
+from recscale.embedding.cached_storage import TEMP_DIR_PREFIX, CachedStorage
 from recscale.embedding.compressed import build_compressed
 from recscale.embedding.low_precision import bytes_per_value, device_rows, row_overhead
 from recscale.embedding.optimizers import build_sparse_optimizer
@@ -60,7 +60,7 @@ def storage_factory(
             return CachedStorage(num_rows, dim, optimizer, None, rows, policy=cfg.cache_policy,
                                  kernel=kernel, device=device)  # fmt: skip
         if root is None:
-            root = Path(tempfile.mkdtemp(prefix="recscale-ssd-"))
+            root = Path(tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX))
         return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
                              policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
 

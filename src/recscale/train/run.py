@@ -41,6 +41,7 @@ from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.pipeline import EmbeddingPipeline
+from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
 from recscale.embedding.compressed import compression_summary
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
@@ -170,7 +171,7 @@ def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
         cfg.train.epochs = 0.0
     if cfg.embedding.placement != "device" and not cfg.embedding.ssd_dir:
         cfg.embedding.ssd_dir = (
-            str(run_dir / "embeddings") if run_dir else tempfile.mkdtemp(prefix="recscale-ssd-")
+            str(run_dir / "embeddings") if run_dir else tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX)
         )
     return cfg
 
