@@ -6,7 +6,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from recscale.checkpoint.format import CheckpointError, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
 from recscale.checkpoint.state import _dequantize_int8, _quantize_int8, restore
 from recscale.config import load_config
+from recscale.distributed.spawn import process_context
 from recscale.models.dlrm import build_model
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.run import train
@@ -125,18 +125,19 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path):
     assert [i["valid"] for i in infos] == [True, False]
 
 
-CRASH_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    from pathlib import Path
-    from recscale.config import load_config
+CRASH_TABLES = ["--model.table_sizes=" + ",".join(["30000"] * 26)]
+
+
+def save_forever(root: str, saved) -> None:
+    """Fill every table with the step's value and save a full checkpoint, step after
+    step, until killed; ``saved`` is set once the first save completed."""
     from recscale.checkpoint.manager import CheckpointManager
-    from recscale.models.dlrm import build_model
-    from recscale.train.optimizers import build_dense_optimizer
-    cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["30000"] * 26), "--checkpoint.every_steps=1",
-                                "--checkpoint.async_write=false", "--checkpoint.keep=2", "--checkpoint.full_every=1"])
+
+    cfg = load_config("debug", [*CRASH_TABLES, "--checkpoint.every_steps=1", "--checkpoint.async_write=false",
+                                "--checkpoint.keep=2", "--checkpoint.full_every=1"])  # fmt: skip
     model = build_model(cfg.model, cfg.embedding)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
-    mgr = CheckpointManager(cfg.checkpoint, Path(sys.argv[1]), model, opt)
+    mgr = CheckpointManager(cfg.checkpoint, Path(root), model, opt)
     step = 0
     while True:
         step += 1
@@ -144,27 +145,25 @@ CRASH_SCRIPT = textwrap.dedent("""
             for g in model.embeddings.groups:
                 g.storage.weight.fill_(float(step))
         mgr.save(step, {"step": step})
-        print(step, flush=True)
-""")
+        saved.set()
 
 
 def test_sigkill_during_save_never_loses_the_last_good_checkpoint(tmp_path):
-    script = tmp_path / "saver.py"
-    script.write_text(CRASH_SCRIPT)
     root = tmp_path / "ckpts"
     rng = random.Random(0)
-    cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["30000"] * 26)])
+    cfg = load_config("debug", CRASH_TABLES)
+    ctx = process_context()  # a fork of a server that imported torch: no 2-3 s import a trial
     for trial in range(
         8
     ):  # restarts re-save steps 1, 2, ... over older checkpoints of the same steps
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True
-        )
-        first = proc.stdout.readline()  # at least one checkpoint completed in this process
-        assert first.strip()
+        saved = ctx.Event()
+        proc = ctx.Process(target=save_forever, args=(str(root), saved))
+        proc.start()
+        assert saved.wait(timeout=120)  # at least one checkpoint completed in this process
         time.sleep(rng.uniform(0.0, 0.4))
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
         chain = resolve_chain(root, **QUIET)
         model = build_model(cfg.model, cfg.embedding)
         step = restore(model, None, chain)["step"]
