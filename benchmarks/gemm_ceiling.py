@@ -6,7 +6,7 @@ For every layer ``in -> out`` of the bottom and top MLPs (dot interaction) the t
 products of a training step - forward ``x W^T``, input gradient ``g W`` (not for the
 first bottom layer: the dense features need none) and weight gradient ``g^T x`` - are
 timed with MKL (``torch.mm``, with either operand transposed), oneDNN (the fused
-linear the MLPs run) and, for weight gradients, our AVX-512 kernel
+linear the MLPs run) and, for weight gradients, our AVX-512 or AVX2 kernel
 (``gemm.weight_grad``), operands pre-transposed for free and hot in the caches; the best
 of ``--repeats`` in each of ``--rounds`` passes over all layers stands (a shared VM has
 slow periods that last seconds; the best over separate passes sees past them). Their
@@ -15,6 +15,7 @@ way; docs/performance.md compares it with the GEMM part of the bound (``recscale
 throughput``) and with the step.
 
     python benchmarks/gemm_ceiling.py --config A      # 2-core EPYC: 26.4 ms, 0.99 of 223 GFLOP/s
+    # (the same VM without AVX-512: 34.65-36.66 ms, 0.93-0.985 of 170 GFLOP/s)
 """
 
 from __future__ import annotations
