@@ -153,9 +153,8 @@ def test_sigkill_during_save_never_loses_the_last_good_checkpoint(tmp_path):
     rng = random.Random(0)
     cfg = load_config("debug", CRASH_TABLES)
     ctx = process_context()  # a fork of a server that imported torch: no 2-3 s import a trial
-    for trial in range(
-        8
-    ):  # restarts re-save steps 1, 2, ... over older checkpoints of the same steps
+    # restarts re-save steps 1, 2, ... over older checkpoints of the same steps
+    for trial in range(8):
         saved = ctx.Event()
         proc = ctx.Process(target=save_forever, args=(str(root), saved))
         proc.start()
