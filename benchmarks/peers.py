@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py --torchrec-python /path/to/peer-venv/bin/python \\
         [--configs A B] [--rounds 3] [--steps 50] [--out peers.jsonl] [--peer-same-malloc]
+        [--interleave [--turns 20] [--turn-steps 10]]
 
 Each round runs ``recscale bench throughput --config C --json`` and TorchRec's DLRM on
 the same shapes, optimizers and ids (``benchmarks/torchrec_peer.py``, run by the peer
@@ -10,6 +11,14 @@ TorchRec first in even ones), so a slow period of the machine hits both. Both re
 batch / median step time over the same warm-up and step counts, on the same threads.
 Per round it prints both rates and their ratio; at the end the median of the ratios.
 Only ratios measured like this go into docs/performance.md.
+
+On a shared VM whose speed changes from one second to the next a run of a minute per
+side is still too coarse (one round on a 2-vCPU VM read 0.98x, the next 1.36x).
+``--interleave`` keeps both processes alive - built, warmed up, then idle - and gives
+them turns of ``--turn-steps`` steps, ``--turns`` of them a round, the first of each pair
+alternating (``benchmarks/turn_protocol.py``); a round's ratio is the median of its
+turns' ratios of median step times. Both models are then in memory together: a config
+whose two copies do not fit in the memory available runs one after the other instead.
 
 The peer venv (TorchRec has no CPU wheel set of its own; fbgemm-gpu-cpu 1.9 does not
 load on torch 2.13)::
@@ -80,6 +89,95 @@ def write_inputs(cfg: Config, folder: Path, steps: int, warmup: int) -> tuple[Pa
     return spec_path, batch_path
 
 
+class Worker:
+    """One side of an interleaved pair: a process speaking ``turn_protocol``."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None, log: Path):
+        self.name, self.log = name, log
+        self._err = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, env=env)  # fmt: skip
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self.proc.wait()
+        self._err.close()
+        raise SystemExit(f"peers: the {self.name} worker stopped ({self.proc.returncode}):\n"
+                         + self.log.read_text()[-3000:])  # fmt: skip
+
+    def send(self, n: int) -> None:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+
+    def turn(self, n: int) -> list[float]:
+        self.send(n)
+        return self.read()["step_s"]
+
+    def finish(self) -> dict:
+        self.send(0)
+        result = self.read()
+        self.proc.wait()
+        self._err.close()
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
+def interleaved(ours: list[str], peer: list[str], peer_env: dict[str, str], turns: int,
+                turn_steps: int, tmp: Path) -> tuple[dict, dict, list[float]]:  # fmt: skip
+    """Both systems alive at once, taking turns of ``turn_steps`` steps (the first of
+    each pair alternating), so a slow period of a shared machine lands on both sides of
+    the pairs it spans: (recscale's result, TorchRec's, each turn's ratio of median step
+    times). Both models are in memory together."""
+    workers = {"recscale": Worker("recscale", ours, None, tmp / "recscale.log"),
+               "torchrec": Worker("torchrec", [*peer, "--turns"], peer_env, tmp / "torchrec.log")}  # fmt: skip
+    try:
+        for w in workers.values():  # built and warmed up: both idle from here on
+            if not w.read().get("ready"):
+                raise SystemExit(f"peers: the {w.name} worker did not say it was ready")
+        ratios = []
+        for t in range(turns):
+            order = ["recscale", "torchrec"] if t % 2 == 0 else ["torchrec", "recscale"]
+            median = {name: statistics.median(workers[name].turn(turn_steps)) for name in order}
+            ratios.append(median["torchrec"] / median["recscale"])
+        return workers["recscale"].finish(), workers["torchrec"].finish(), ratios
+    finally:
+        for w in workers.values():
+            w.kill()
+
+
+def both_fit(cfg: Config) -> tuple[bool, float, float]:
+    """Whether two models of ``cfg`` fit in the memory available now (tables and their
+    optimizer state twice, with 25% and 2 GiB to spare): (fits, GiB needed, GiB free)."""
+    e, dim = cfg.embedding, cfg.model.embedding_dim
+    state = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[e.optimizer]
+    need = 2 * 1.25 * sum(cfg.model.table_sizes) * (4 * dim + state) / 2**30 + 2
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    free = int(info["MemAvailable"].split()[0]) / 2**20
+    return need <= free, need, free
+
+
+def recscale_worker(config: str, warmup: int) -> None:
+    """``--recscale-worker``: ``recscale bench throughput`` in turns read from stdin."""
+    from turn_protocol import report_turn, stdin_turns
+
+    from recscale.bench.throughput import run_throughput
+
+    def echo(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    r = run_throughput(load_config(config), warmup=warmup, echo=echo, turns=stdin_turns(),
+                       on_turn=report_turn)  # fmt: skip
+    print(json.dumps(r), flush=True)
+
+
 def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -91,7 +189,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="recscale vs TorchRec, alternating, same run")
-    p.add_argument("--torchrec-python", required=True,
+    p.add_argument("--torchrec-python", required="--recscale-worker" not in sys.argv,
                    help="python of a venv with torchrec 1.8 + fbgemm-gpu-cpu 1.8")  # fmt: skip
     p.add_argument("--configs", nargs="+", default=["A", "B"])
     p.add_argument("--rounds", type=int, default=3)
@@ -108,7 +206,17 @@ def main() -> None:
         help="give TorchRec's process the variables importing recscale sets "
         f"({', '.join(f'{k}={v}' for k, v in ENV_DEFAULTS.items())})",
     )
+    p.add_argument("--interleave", action="store_true",
+                   help="keep both processes alive and alternate turns of --turn-steps steps "
+                   "(--turns of them a round): a slow period of the machine then hits both "
+                   "sides of a pair; needs memory for both models (falls back otherwise)")  # fmt: skip
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--turn-steps", type=int, default=10)
+    p.add_argument("--recscale-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.recscale_worker:
+        recscale_worker(args.recscale_worker, args.warmup)
+        return
     # TorchRec runs in the environment this script was started in: without the variables
     # importing recscale set (its OpenMP waits, huge pages), which a TorchRec user's
     # process does not have. Up to session 9 it inherited them: OMP_WAIT_POLICY=PASSIVE
@@ -129,19 +237,36 @@ def main() -> None:
                     "--spec", str(spec), "--batches", str(batches)]  # fmt: skip
             ours = [*recscale, "--config", name, "--json",
                     "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+            worker = [sys.executable, str(Path(__file__).resolve()), "--recscale-worker", name,
+                      "--warmup", str(args.warmup)]  # fmt: skip
+            interleave = args.interleave
+            if interleave:
+                fits, need, free = both_fit(cfg)
+                if not fits:
+                    interleave = False
+                    print(f"{name}: both models need ~{need:.1f} GiB, {free:.1f} GiB available: "
+                          "one after the other instead of interleaved", flush=True)  # fmt: skip
             ratios = []
             for r in range(args.rounds):
-                order = [("recscale", ours), ("torchrec", peer)]
-                results = {}
-                for system, cmd in order if r % 2 == 0 else order[::-1]:
-                    results[system] = run_json(cmd, peer_env if system == "torchrec" else None)
-                rs, tr = results["recscale"], results["torchrec"]
-                ratio = rs["samples_per_s"] / tr["samples_per_s"]
+                how = ""
+                if interleave:
+                    rs, tr, turn_ratios = interleaved(worker, peer, peer_env, args.turns,
+                                                      args.turn_steps, Path(tmp))  # fmt: skip
+                    ratio = statistics.median(turn_ratios)
+                    how = (f" [{args.turns} turns of {args.turn_steps} steps, their ratios "
+                           f"{min(turn_ratios):.2f}-{max(turn_ratios):.2f}]")  # fmt: skip
+                else:
+                    order = [("recscale", ours), ("torchrec", peer)]
+                    results = {}
+                    for system, cmd in order if r % 2 == 0 else order[::-1]:
+                        results[system] = run_json(cmd, peer_env if system == "torchrec" else None)
+                    rs, tr = results["recscale"], results["torchrec"]
+                    ratio = rs["samples_per_s"] / tr["samples_per_s"]
                 ratios.append(ratio)
                 print(f"{name} round {r + 1}: recscale {rs['samples_per_s']:,.0f} samples/s "
                       f"(bound {rs['bound_samples_per_s']:,.0f}, {rs['ratio_to_bound']:.0%}), "
                       f"TorchRec {tr['samples_per_s']:,.0f}: {ratio:.2f}x; peak RSS "
-                      f"{rs['peak_rss_bytes'] / 2**30:.2f} vs {tr['peak_rss_bytes'] / 2**30:.2f} GiB",
+                      f"{rs['peak_rss_bytes'] / 2**30:.2f} vs {tr['peak_rss_bytes'] / 2**30:.2f} GiB{how}",
                       flush=True)  # fmt: skip
                 if args.out:
                     with open(args.out, "a") as f:

@@ -19,7 +19,8 @@ into the backward, the dense parameters under a plain SGD (``KeyedOptimizerWrapp
 recscale's one-rank step has none either.
 
 Prints one JSON object: samples/s of the median step (as ``recscale bench throughput``
-reports it), the mean, the ms per step and the peak RSS.
+reports it), the mean, the ms per step and the peak RSS. With ``--turns`` it times the
+steps in the turns ``peers.py --interleave`` asks for on stdin (``turn_protocol.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from turn_protocol import report_turn, stdin_turns  # benchmarks/, beside this file
 
 OPTIMIZERS = {
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -99,6 +101,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spec", required=True, help="JSON spec file")
     p.add_argument("--batches", required=True, help="torch.save'd list of batches")
+    p.add_argument("--turns", action="store_true",
+                   help="after the warm-up, time steps in the turns read from stdin "
+                   "(benchmarks/turn_protocol.py) instead of spec['steps'] at once")  # fmt: skip
     args = p.parse_args()
     with open(args.spec) as f:
         spec = json.load(f)
@@ -120,20 +125,25 @@ def main() -> None:
 
     for i in range(spec["warmup"]):
         step(batches[i % len(batches)])
-    times = []
-    start = time.perf_counter()
-    for i in range(spec["steps"]):
-        t = time.perf_counter()
-        step(batches[i % len(batches)])
-        times.append(time.perf_counter() - t)
-    elapsed = time.perf_counter() - start
+    times: list[float] = []
+    elapsed = 0.0
+    for n in stdin_turns() if args.turns else [spec["steps"]]:
+        first = len(times)
+        start = time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter()
+            step(batches[len(times) % len(batches)])
+            times.append(time.perf_counter() - t)
+        elapsed += time.perf_counter() - start
+        if args.turns:
+            report_turn(times[first:])
     b = spec["batch_size"]
     print(
         json.dumps(
             {
                 "system": "torchrec",
                 "samples_per_s": b / statistics.median(times),
-                "samples_per_s_mean": spec["steps"] * b / elapsed,
+                "samples_per_s_mean": len(times) * b / elapsed,
                 "ms_per_step": 1e3 * statistics.median(times),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "build_seconds": build_s,

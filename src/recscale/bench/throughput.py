@@ -20,7 +20,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -109,7 +109,18 @@ def run_throughput(
     warmup: int = 10,
     distinct_batches: int = 8,
     echo: Callable[[str], None] = print,
+    turns: Iterable[int] | None = None,
+    on_turn: Callable[[list[float]], None] | None = None,
 ) -> dict[str, Any]:
+    """Train ``warmup`` steps, then time ``steps`` steps and report them against the
+    bound (the module docstring lists the stages).
+
+    ``turns`` times the steps in turns instead, for a benchmark that alternates this
+    process with another (``benchmarks/peers.py --interleave``): ``n`` steps for each
+    ``n`` it yields, ``on_turn`` called with those steps' seconds after each turn. The
+    iterator is first advanced after the warm-up and may wait (e.g. on stdin) between
+    turns: only the turns' own time counts.
+    """
     threads = cfg.train.threads or available_cores()
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
@@ -127,6 +138,9 @@ def run_throughput(
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
+    if tiered and turns is not None:
+        raise ValueError("bench throughput: turns need the tables on the device "
+                         "(embedding.placement=device): a tier's batches are made per step")  # fmt: skip
     if tiered:  # fresh batches every step, or the cache would just learn 8 batches
         distinct_batches = warmup + steps
         echo(f"generating {distinct_batches} batches ...")
@@ -160,7 +174,8 @@ def run_throughput(
             timer.spans.clear()
 
     echo(
-        f"warm-up {warmup} steps, then {steps} timed steps of batch {b} on {device}"
+        f"warm-up {warmup} steps, then {steps if turns is None else 'turns of'} timed steps "
+        f"of batch {b} on {device}"
         + (f" ({threads} threads)" if device.type == "cpu" else f" ({precision})")
         + " ..."
     )
@@ -184,14 +199,23 @@ def run_throughput(
         step(next_batch(i, False), record=False)
     for st in cached_storages(model.embeddings):
         st.stats = type(st.stats)()  # count the steady state only
-    if clock.cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(steps):
-        step(next_batch(i, True), record=True)
-    if clock.cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    elapsed, i = 0.0, 0
+    for n in [steps] if turns is None else turns:
+        first = len(marks)
+        if clock.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            step(next_batch(i, True), record=True)
+            i += 1
+        if clock.cuda:
+            torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        if on_turn is not None:
+            on_turn([clock.seconds(m[0], m[4]) for m in marks[first:]])
+    steps = i
+    if not steps:
+        raise ValueError("bench throughput: no timed step (steps = 0, or no turn)")
     totals = dict.fromkeys(STAGES, 0.0)
     detail = dict.fromkeys(("bottom_mlp", "interaction", "top_mlp"), 0.0)
     step_seconds: list[float] = []
