@@ -45,6 +45,7 @@ import torch
 from recscale import ENV_DEFAULTS
 from recscale.config.loader import load_config
 from recscale.config.schema import Config
+from recscale.embedding.placement import row_bytes
 from recscale.train.data_source import make_synthetic
 from recscale.train.run import available_cores
 
@@ -155,9 +156,8 @@ def interleaved(ours: list[str], peer: list[str], peer_env: dict[str, str], turn
 def both_fit(cfg: Config) -> tuple[bool, float, float]:
     """Whether two models of ``cfg`` fit in the memory available now (tables and their
     optimizer state twice, with 25% and 2 GiB to spare): (fits, GiB needed, GiB free)."""
-    e, dim = cfg.embedding, cfg.model.embedding_dim
-    state = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[e.optimizer]
-    need = 2 * 1.25 * sum(cfg.model.table_sizes) * (4 * dim + state) / 2**30 + 2
+    rows = sum(cfg.model.table_sizes)
+    need = 2 * 1.25 * rows * row_bytes(cfg.embedding, cfg.model.embedding_dim) / 2**30 + 2
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     free = int(info["MemAvailable"].split()[0]) / 2**20
