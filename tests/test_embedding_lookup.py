@@ -155,3 +155,16 @@ def test_dirty_flags_mark_exactly_the_touched_rows(kernel, dim):
         vals = batch.values[int(batch.offsets[f * b]) : int(batch.offsets[(f + 1) * b])]
         touched |= {start + int(v) for v in vals}
     assert set(torch.nonzero(storage.dirty).squeeze(1).tolist()) == touched
+
+
+def test_in_order_duplicate_merge_matches_index_add():
+    """The GPU's merge (each row's ids summed in order in one bag) against index_add_."""
+    from recscale.embedding.storage import merge_duplicate_rows
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 50, (400,), generator=g)
+    grad = torch.randn(400, 8, generator=g, dtype=torch.float64)
+    u_ref, s_ref = merge_duplicate_rows(rows, grad, in_order=False)
+    u, s = merge_duplicate_rows(rows, grad, in_order=True)
+    assert torch.equal(u, u_ref)
+    torch.testing.assert_close(s, s_ref, rtol=1e-12, atol=1e-12)

@@ -52,6 +52,50 @@ def test_cuda_host_tier_trains_like_device_memory(device, tmp_path):
     args = [*FAST, "--train.device=cuda"]
     hbm = train(load_config("debug", args), None, **QUIET)
     host = train(load_config("debug", [*args, "--embedding.placement=host",
-                                       "--embedding.cache_bytes=20000"]), None, **QUIET)  # fmt: skip
+                                       "--embedding.cache_bytes=120000"]), None, **QUIET)  # fmt: skip
     assert host["embedding_cache"]["hit_rate"] < 1.0
     assert host["auc"] == pytest.approx(hbm["auc"], abs=2e-3)
+
+
+def test_moving_a_storage_keeps_its_step_count_on_the_host():
+    """``shard()`` moves the model to the compute device; each storage's step count must
+    stay on the CPU (read every step). ``meta`` stands in for a GPU here: every other
+    tensor follows the move, the count does not."""
+    from recscale.config.schema import EmbeddingConfig
+    from recscale.embedding.cached_storage import CachedStorage
+    from recscale.embedding.compressed import build_compressed
+    from recscale.embedding.optimizers import SparseAdam
+    from recscale.embedding.storage import DeviceStorage
+
+    storages = [
+        DeviceStorage(50, 8, SparseAdam(lr=0.1), torch.device("cpu"), "torch"),
+        CachedStorage(50, 8, SparseAdam(lr=0.1), None, 10, kernel="torch"),
+        build_compressed(
+            "qr", 500, 8, 4, EmbeddingConfig(), SparseAdam(lr=0.1), torch.device("cpu")
+        ),
+    ]
+    for s in storages:
+        s.to("meta")
+        assert s.step.device.type == "cpu", type(s).__name__
+        others = [t for n, t in s.named_buffers() if n.split(".")[-1] != "step"]
+        others += list(s.parameters())
+        steps = [t for n, t in s.named_buffers() if n.split(".")[-1] == "step"]
+        assert all(t.device.type == "cpu" for t in steps), type(s).__name__
+        # (a CachedStorage's cache is made on its device, not moved: no buffers)
+        assert all(t.device.type == "meta" for t in others), type(s).__name__
+        assert others or isinstance(s, CachedStorage)
+
+
+def test_cuda_without_cuda_is_one_line_naming_the_key(tmp_path):
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = subprocess.run([sys.executable, "-m", "recscale", "train", "--config", "debug",
+                        "--train.device=cuda", "--train.steps=2", "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "train.device" in lines[0], r.stderr

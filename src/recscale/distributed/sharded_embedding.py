@@ -42,7 +42,12 @@ from recscale.distributed.input_dist import InputDist, LocalBatch
 from recscale.distributed.layout import ShardLayout
 from recscale.distributed.output_dist import OutputDist
 from recscale.embedding.optimizers import SparseOptimizer
-from recscale.embedding.storage import DeviceStorage, RowStorage, per_id_gradients
+from recscale.embedding.storage import (
+    DeviceStorage,
+    RowStorage,
+    merge_duplicate_rows,
+    per_id_gradients,
+)
 from recscale.modules.embedding_bag_collection import (
     EmbeddingBagCollection,
     TablePart,
@@ -70,8 +75,9 @@ class AllReducedStorage(DeviceStorage):
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
         grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
         buf = torch.zeros(self.num_rows, self.dim + 1, device=grad_pooled.device)
-        buf[:, : self.dim].index_add_(0, rows, grad_ids)
-        buf[:, self.dim].index_add_(0, rows, torch.ones_like(rows, dtype=buf.dtype))
+        unique, summed = merge_duplicate_rows(rows, grad_ids)  # a fixed order on GPUs too
+        buf[unique, : self.dim] = summed
+        buf[unique, self.dim] = 1.0  # touched here: only ``> 0`` is read below
         if self.group is not None:
             dist.all_reduce(buf, group=self.group)
         touched = (buf[:, self.dim] > 0).nonzero().squeeze(1)

@@ -62,6 +62,6 @@ def storage_factory(
         if root is None:
             root = Path(tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX))
         return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
-                             policy=cfg.cache_policy, kernel=kernel)  # fmt: skip
+                             policy=cfg.cache_policy, kernel=kernel, device=device)  # fmt: skip
 
     return make

@@ -38,12 +38,23 @@ KERNELS = kernels.KERNELS
 
 
 def merge_duplicate_rows(
-    rows: torch.Tensor, grad: torch.Tensor
+    rows: torch.Tensor, grad: torch.Tensor, in_order: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the gradients of repeated rows: ``rows [N], grad [N, D] -> unique [U], summed [U, D]``."""
+    """Sum the gradients of repeated rows: ``rows [N], grad [N, D] -> unique [U], summed [U, D]``.
+    ``in_order`` (default: off the CPU) adds each row's ids in their original order."""
     unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    if in_order if in_order is not None else grad.device.type != "cpu":
+        # index_add_ on a GPU sums duplicates with atomics in no fixed order, so two runs
+        # (a resumed one and an uninterrupted one) differ in the last bits. Sum each
+        # row's ids in one bag instead: embedding_bag's forward adds a bag's entries in
+        # order, one bag per thread block.
+        order = torch.argsort(inverse, stable=True)
+        offsets = torch.zeros(unique.shape[0] + 1, dtype=torch.int64, device=grad.device)
+        torch.cumsum(torch.bincount(inverse, minlength=unique.shape[0]), 0, out=offsets[1:])
+        summed = F.embedding_bag(order, grad, offsets, mode="sum", include_last_offset=True)
+        return unique, summed
     summed = torch.zeros(unique.shape[0], grad.shape[1], dtype=grad.dtype, device=grad.device)
-    summed.index_add_(0, inverse, grad)
+    summed.index_add_(0, inverse, grad)  # deterministic on the CPU
     return unique, summed
 
 
@@ -108,7 +119,18 @@ class RowStorage(nn.Module, ABC):
 
     @property
     def device(self) -> torch.device:
-        return self.step.device
+        """Where the rows (or their cache, or factors) live; subclasses name the tensor."""
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        # ``module.to(device)`` moves every buffer; the ``step`` count stays on the CPU,
+        # where it is read every step (``int(self.step)``: Adam's bias correction) - on
+        # a GPU that read would be a device sync per storage per step.
+        step = self._buffers.get("step")
+        out = super()._apply(fn, recurse)
+        if step is not None and step.device.type == "cpu":
+            self._buffers["step"] = step
+        return out
 
     def native_lookup_table(self) -> torch.Tensor | None:
         """The ``[rows, dim]`` weight that ``recscale.native``'s fused lookup

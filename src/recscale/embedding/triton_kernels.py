@@ -47,7 +47,10 @@ def _pooled_lookup_kernel(
     for j in range(0, tl.max(length, axis=0)):
         valid = j < length
         row = tl.load(rows_ptr + start + j, mask=valid, other=0)
-        m2 = valid[:, None] & cmask[None, :]
+        # The 2-D mask is derived from ``length`` again, not from ``valid``: Triton 3.6's
+        # layout pass fails ("mask type matches ptr type") when one 1-D mask feeds both a
+        # 1-D load and a vectorized 2-D load (weight and D divisible by 16).
+        m2 = (j < length[:, None]) & cmask[None, :]
         v = tl.load(weight_ptr + row[:, None] * D + cols[None, :], mask=m2, other=0.0)
         if HAS_PSW:
             v = v * tl.load(psw_ptr + start + j, mask=valid, other=0.0)[:, None]
@@ -74,8 +77,8 @@ def _fused_update_kernel(
         valid = j < count
         idx = tl.load(order_ptr + lo + j, mask=valid, other=0)
         bag = tl.load(bag_ptr + idx, mask=valid, other=0)
-        gv = tl.load(grad_ptr + bag[:, None] * D + cols[None, :],
-                     mask=valid[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+        m2 = (j < count[:, None]) & cmask[None, :]  # not from ``valid``: see the lookup
+        gv = tl.load(grad_ptr + bag[:, None] * D + cols[None, :], mask=m2, other=0.0)
         if HAS_PSW:
             gv = gv * tl.load(psw_ptr + idx, mask=valid, other=0.0)[:, None]
         g += gv

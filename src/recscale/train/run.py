@@ -93,7 +93,9 @@ def resolve_device(name: str) -> torch.device:
         else:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is available")
+        why = "torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError("train.device", f"cuda was asked for, but {why} "
+                          f"(torch {torch.__version__}); use cpu or auto")  # fmt: skip
     return torch.device(name)
 
 
