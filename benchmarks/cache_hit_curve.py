@@ -47,8 +47,14 @@ def main() -> None:
         for frac in [float(x) for x in args.fractions.split(",")]:
             row = {"cache_fraction": frac}
             for policy in ("lfu", "lru"):
-                st = CachedStorage(total, 1, SparseSGD(0.0), Path(tmp) / f"{policy}.f32",
-                                   int(total * frac), policy=policy)  # fmt: skip
+                st = CachedStorage(
+                    total,
+                    1,
+                    SparseSGD(0.0),
+                    Path(tmp) / f"{policy}.f32",
+                    int(total * frac),
+                    policy=policy,
+                )
                 for i, rows in enumerate(batches):
                     if i == args.warmup:
                         st.stats = type(st.stats)()

@@ -31,12 +31,26 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     out: dict = {"cost": {}, "quality": {}}
     for precision in ("fp32", "fp16", "int8"):
-        cfg = load_config("A", ["--data.zipf_alpha=1.1", "--train.steps=200", "--checkpoint.every_steps=50",
-                                "--checkpoint.full_every=3", "--checkpoint.keep=4", f"--checkpoint.precision={precision}",
-                                "--train.progress=false", "--data.eval_samples=16384", "--train.save_model=false"])  # fmt: skip
+        cfg = load_config(
+            "A",
+            [
+                "--data.zipf_alpha=1.1",
+                "--train.steps=200",
+                "--checkpoint.every_steps=50",
+                "--checkpoint.full_every=3",
+                "--checkpoint.keep=4",
+                f"--checkpoint.precision={precision}",
+                "--train.progress=false",
+                "--data.eval_samples=16384",
+                "--train.save_model=false",
+            ],
+        )
         m = train(cfg, args.workdir / f"A_{precision}", **QUIET)
-        out["cost"][precision] = {"samples_per_s": m["samples_per_s"], "stall_s_total": m["checkpoints"]["stall_s"],
-                                  "history": m["checkpoints"]["history"]}  # fmt: skip
+        out["cost"][precision] = {
+            "samples_per_s": m["samples_per_s"],
+            "stall_s_total": m["checkpoints"]["stall_s"],
+            "history": m["checkpoints"]["history"],
+        }
         shutil.rmtree(args.workdir / f"A_{precision}")
     if args.skip_quality:
         print(json.dumps(out, indent=2))
@@ -46,8 +60,19 @@ def main() -> None:
     out["quality"]["uninterrupted"] = {"auc": ref["auc"], "logloss": ref["logloss"]}
     for precision in ("fp32", "fp16", "int8"):
         run = args.workdir / f"q_{precision}"
-        train(load_config(None, [*base[:1], "--train.steps=750", "--checkpoint.every_steps=750",
-                                 f"--checkpoint.precision={precision}"]), run, **QUIET)  # fmt: skip
+        train(
+            load_config(
+                None,
+                [
+                    *base[:1],
+                    "--train.steps=750",
+                    "--checkpoint.every_steps=750",
+                    f"--checkpoint.precision={precision}",
+                ],
+            ),
+            run,
+            **QUIET,
+        )
         m = train(load_config(None, base), run, resume=run, **QUIET)
         out["quality"][f"resumed_from_{precision}"] = {"auc": m["auc"], "logloss": m["logloss"]}
     print(json.dumps(out, indent=2))

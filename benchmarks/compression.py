@@ -12,8 +12,8 @@ before optimizer state" counts them) are at least each target ratio smaller than
 plain fp32 model's, as close to it as the grid allows; the bytes with the optimizer
 state are shown beside them. ``METHOD+PRECISION`` (e.g. ``mixed_dim+fp16``) stores the
 gathered factors at that row precision; ``+hotF`` (e.g. ``tt+hot0.01``) keeps that share
-of each table's rows exact (``embedding.hot_fraction``). ``compress_min_rows=0`` lets every table take
-part. Writes DIR/results_DATA.csv and prints a markdown table.
+of each table's rows exact (``embedding.hot_fraction``). ``compress_min_rows=0`` lets every
+table take part. Writes DIR/results_DATA.csv and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 from recscale.config import load_config
-from recscale.planner.from_config import table_memory
+from recscale.embedding.sizing import table_memory
 from recscale.train.run import train
 
 KNOBS = {
@@ -48,8 +48,12 @@ def pick(base: str, common: list[str], method: str, ratio: float):
 
     name, *mods = method.split("+")
     key, grid = KNOBS[name]
-    extra = [f"--embedding.hot_fraction={m[3:]}" if m.startswith("hot") else
-             f"--embedding.row_precision={m}" for m in mods]  # fmt: skip
+    extra = [
+        f"--embedding.hot_fraction={m[3:]}"
+        if m.startswith("hot")
+        else f"--embedding.row_precision={m}"
+        for m in mods
+    ]
     cands = []  # (overrides, (weights ratio, with-state ratio), knob)
     for v in grid:
         over = [*common, f"--embedding.compression={name}", f"--embedding.{key}={v}", *extra]
@@ -82,8 +86,12 @@ def main() -> None:
 
         ds = cached_dataset(args.workdir, args.lines, id_mode="vocab")
         sizes = ",".join(str(n) for n in _table_sizes(ds))
-        common += [f"--data.path={ds}", "--data.eval_split=val", "--train.epochs=1",
-                   f"--model.table_sizes={sizes}"]  # fmt: skip
+        common += [
+            f"--data.path={ds}",
+            "--data.eval_split=val",
+            "--train.epochs=1",
+            f"--model.table_sizes={sizes}",
+        ]
     plain = table_memory(load_config("default", common))
     runs = [("plain", "fp32", [], (1.0, 1.0), "")]
     for p in ("fp16", "bf16", "int8"):
@@ -98,27 +106,39 @@ def main() -> None:
         run_dir = args.out / "runs" / f"{name}_{target}".replace(" ", "_")
         shutil.rmtree(run_dir, ignore_errors=True)
         m = train(load_config("default", [*common, *over]), run_dir, echo=lambda s: None)
-        rows.append({"method": name, "target": target, "knob": knob,
-                     "weights_mb": round(plain["plain_weights"] / ratio[0] / 1e6, 2),
-                     "smaller": round(ratio[0], 1),
-                     "with_state_mb": round(plain["plain_total"] / ratio[1] / 1e6, 2),
-                     "smaller_with_state": round(ratio[1], 1),
-                     "auc": round(m["auc"], 4), "logloss": round(m["logloss"], 4),
-                     "samples_per_s": round(m["samples_per_s"])})  # fmt: skip
+        rows.append(
+            {
+                "method": name,
+                "target": target,
+                "knob": knob,
+                "weights_mb": round(plain["plain_weights"] / ratio[0] / 1e6, 2),
+                "smaller": round(ratio[0], 1),
+                "with_state_mb": round(plain["plain_total"] / ratio[1] / 1e6, 2),
+                "smaller_with_state": round(ratio[1], 1),
+                "auc": round(m["auc"], 4),
+                "logloss": round(m["logloss"], 4),
+                "samples_per_s": round(m["samples_per_s"]),
+            }
+        )
         print(rows[-1], flush=True)
     with open(args.out / f"results_{args.data}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     base = rows[0]
-    print("| method | target | knob | weights MB | smaller | with state MB | smaller | AUC | dAUC "
-          "| logloss | samples/s |")  # fmt: skip
+    print(
+        "| method | target | knob | weights MB | smaller | with state MB | smaller | AUC | dAUC "
+        "| logloss | samples/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['target']} | {r['knob']} | {r['weights_mb']} | {r['smaller']}x | "
-              f"{r['with_state_mb']} | {r['smaller_with_state']}x | "
-              f"{r['auc']:.4f} | {r['auc'] - base['auc']:+.4f} | {r['logloss']:.4f} | "
-              f"{r['samples_per_s']:,} |")  # fmt: skip
+        print(
+            f"| {r['method']} | {r['target']} | {r['knob']} | {r['weights_mb']} | {r['smaller']}x "
+            "| "
+            f"{r['with_state_mb']} | {r['smaller_with_state']}x | "
+            f"{r['auc']:.4f} | {r['auc'] - base['auc']:+.4f} | {r['logloss']:.4f} | "
+            f"{r['samples_per_s']:,} |"
+        )
 
 
 def _table_sizes(ds: Path) -> list[int]:

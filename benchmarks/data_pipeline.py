@@ -17,9 +17,9 @@ from pathlib import Path
 
 import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 from recscale.config import load_config
-from recscale.data.criteo_tsv_writer import write_tsv
 from recscale.data.dataset import BatchLoader, BinaryDataset
-from recscale.data.preprocess import PreprocessOptions, preprocess
+from recscale.dataprep.criteo_tsv import write_tsv
+from recscale.dataprep.preprocess import PreprocessOptions, preprocess
 from recscale.train.run import train
 
 # Speed benchmarks cycle 4 distinct blocks of 100k lines (parsing and loading speed do
@@ -86,8 +86,16 @@ def main() -> None:
         }
     ds = BinaryDataset(args.workdir / "ds_hash", "train")
     results["loader_samples_per_s"] = loader_samples_per_s(ds, 2048, 300)
-    cfg = load_config("A", [f"--data.path={args.workdir / 'ds_hash'}", f"--train.steps={args.train_steps}",
-                            "--train.progress=false", "--data.eval_split=val", "--train.save_model=false"])  # fmt: skip
+    cfg = load_config(
+        "A",
+        [
+            f"--data.path={args.workdir / 'ds_hash'}",
+            f"--train.steps={args.train_steps}",
+            "--train.progress=false",
+            "--data.eval_split=val",
+            "--train.save_model=false",
+        ],
+    )
     run_dir = args.workdir / "run_A"
     m = train(cfg, run_dir, echo=lambda s: None)
     log = [json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()]

@@ -69,8 +69,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
-    ap.add_argument("--gflops", type=float, default=0.0,
-                    help="the bound's GEMM rate to compare with (default: this run's best)")  # fmt: skip
+    ap.add_argument(
+        "--gflops",
+        type=float,
+        default=0.0,
+        help="the bound's GEMM rate to compare with (default: this run's best)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,8 +87,11 @@ def main() -> None:
         raise SystemExit(f"gemm_ceiling: dot interaction only (config has {m.interaction!r})")
     top_in = DotInteraction(len(m.table_sizes), m.embedding_dim, has_dense=True).out_dim
     mlps = [("bottom", [m.num_dense_features, *m.bottom_mlp]), ("top", [top_in, *m.top_mlp])]
-    layers = [(name, li, i, o) for name, widths in mlps
-              for li, (i, o) in enumerate(zip(widths[:-1], widths[1:]))]  # fmt: skip
+    layers = [
+        (name, li, i, o)
+        for name, widths in mlps
+        for li, (i, o) in enumerate(zip(widths[:-1], widths[1:]))
+    ]
     best: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for name, li, i, o in layers:
@@ -97,18 +104,22 @@ def main() -> None:
         tf, td, tw = best[(name, li)]
         f = 2.0 * batch * i * o
         best_rate = max(best_rate, *(f / t / 1e9 for t in (tf, td, tw) if t))
-        print(f"  {name:6s} {i:5d} -> {o:5d}  forward {tf * 1e3:7.3f} ({f / tf / 1e9:4.0f})"
-              + (f"  input grad {td * 1e3:7.3f} ({f / td / 1e9:4.0f})" if td else "")
-              + f"  weight grad {tw * 1e3:7.3f} ({f / tw / 1e9:4.0f})")  # fmt: skip
+        print(
+            f"  {name:6s} {i:5d} -> {o:5d}  forward {tf * 1e3:7.3f} ({f / tf / 1e9:4.0f})"
+            + (f"  input grad {td * 1e3:7.3f} ({f / td / 1e9:4.0f})" if td else "")
+            + f"  weight grad {tw * 1e3:7.3f} ({f / tw / 1e9:4.0f})"
+        )
         total += tf + td + tw
         flops += f * (3 if td else 2)
     rate = args.gflops or best_rate
     at_rate = flops / (rate * 1e9)
     print(
-        f"GEMMs alone, each at its best: {total * 1e3:.2f} ms a step ({batch / total:,.0f} samples/s)"
+        f"GEMMs alone, each at its best: {total * 1e3:.2f} ms a step ({batch / total:,.0f} "
+        "samples/s)"
     )
     print(
-        f"the same FLOPs at {rate:.0f} GFLOP/s: {at_rate * 1e3:.2f} ms -> {at_rate / total:.3f} of that rate"
+        f"the same FLOPs at {rate:.0f} GFLOP/s: {at_rate * 1e3:.2f} ms -> {at_rate / total:.3f} of "
+        "that rate"
     )
 
 

@@ -26,7 +26,8 @@ from data_pipeline import SPEED_CYCLE_BLOCKS, cached_dataset, loader_samples_per
 import recscale  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 from recscale.config import load_config
 from recscale.data.dataset import BinaryDataset
-from recscale.data.multihot import BLOCK_ROWS, MLPERF_BAG_SIZES, expand, to_multihot
+from recscale.data.multihot import BLOCK_ROWS, MLPERF_BAG_SIZES, expand
+from recscale.dataprep.multihot import to_multihot
 from recscale.train.run import train
 
 
@@ -52,8 +53,11 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=100)
     ap.add_argument("--layouts", default="rule,ids", help="rule, ids or both (rule,ids)")
     args = ap.parse_args()
-    sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
-             else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
+    sizes = (
+        list(MLPERF_BAG_SIZES)
+        if args.bag_sizes == "mlperf"
+        else [int(x) for x in args.bag_sizes.split(",")]
+    )
     onehot = cached_dataset(args.workdir, args.lines, SPEED_CYCLE_BLOCKS, hash_sizes=[1_000_000])
     res: dict = {}
     # the two bounds of the ids layout: the expansion kernel alone (in memory), and
@@ -74,12 +78,24 @@ def main() -> None:
         secs = time.perf_counter() - t
         rows = sum(v["rows"] for v in meta["splits"].values())
         ids = sum(v["ids"] for v in meta["splits"].values())
-        r = {"rows": rows, "ids_per_row": ids / rows, "seconds": secs, "rows_per_s": rows / secs,
-             "output_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}  # fmt: skip
+        r = {
+            "rows": rows,
+            "ids_per_row": ids / rows,
+            "seconds": secs,
+            "rows_per_s": rows / secs,
+            "output_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file()),
+        }
         r["write_bound_rows_per_s"] = rows / write_seconds(args.workdir, r["output_bytes"])
         r["loader_samples_per_s"] = loader_samples_per_s(BinaryDataset(out, "train"), 2048, 100)
-        cfg = load_config("A", [f"--data.path={out}", f"--train.steps={args.train_steps}",
-                                "--train.progress=false", "--data.eval_split=val"])  # fmt: skip
+        cfg = load_config(
+            "A",
+            [
+                f"--data.path={out}",
+                f"--train.steps={args.train_steps}",
+                "--train.progress=false",
+                "--data.eval_split=val",
+            ],
+        )
         run_dir = args.workdir / "run_A_multihot"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time
         m = train(cfg, run_dir, echo=lambda s: None)

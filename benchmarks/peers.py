@@ -45,7 +45,7 @@ import torch
 from recscale import ENV_DEFAULTS
 from recscale.config.loader import load_config
 from recscale.config.schema import Config
-from recscale.embedding.placement import row_bytes
+from recscale.embedding.sizing import row_bytes
 from recscale.train.data_source import make_synthetic
 from recscale.train.run import available_cores
 
@@ -63,12 +63,15 @@ def write_inputs(cfg: Config, folder: Path, steps: int, warmup: int) -> tuple[Pa
     for i in range(DISTINCT_BATCHES):
         x = data.batch(i, b)
         lengths = x.offsets[1:] - x.offsets[:-1]
-        batches.append({"dense": x.dense, "values": x.values, "lengths": lengths,
-                        "labels": x.labels})  # fmt: skip
+        batches.append(
+            {"dense": x.dense, "values": x.values, "lengths": lengths, "labels": x.labels}
+        )
     m, e = cfg.model, cfg.embedding
     if m.interaction != "dot" or cfg.optimizer.name != "sgd":
-        raise SystemExit("peers: TorchRec's DLRM is compared with a dot interaction and SGD "
-                         "on the MLPs (configs A and B)")  # fmt: skip
+        raise SystemExit(
+            "peers: TorchRec's DLRM is compared with a dot interaction and SGD "
+            "on the MLPs (configs A and B)"
+        )
     spec = {
         "table_sizes": list(m.table_sizes),
         "embedding_dim": m.embedding_dim,
@@ -96,8 +99,9 @@ class Worker:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None, log: Path):
         self.name, self.log = name, log
         self._err = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env
+        )
 
     def read(self) -> dict:
         for line in self.proc.stdout:
@@ -105,8 +109,10 @@ class Worker:
                 return json.loads(line)
         self.proc.wait()
         self._err.close()
-        raise SystemExit(f"peers: the {self.name} worker stopped ({self.proc.returncode}):\n"
-                         + self.log.read_text()[-3000:])  # fmt: skip
+        raise SystemExit(
+            f"peers: the {self.name} worker stopped ({self.proc.returncode}):\n"
+            + self.log.read_text()[-3000:]
+        )
 
     def send(self, n: int) -> None:
         self.proc.stdin.write(f"{n}\n")
@@ -130,14 +136,22 @@ class Worker:
         self._err.close()
 
 
-def interleaved(ours: list[str], peer: list[str], peer_env: dict[str, str], turns: int,
-                turn_steps: int, tmp: Path) -> tuple[dict, dict, list[float]]:  # fmt: skip
+def interleaved(
+    ours: list[str],
+    peer: list[str],
+    peer_env: dict[str, str],
+    turns: int,
+    turn_steps: int,
+    tmp: Path,
+) -> tuple[dict, dict, list[float]]:
     """Both systems alive at once, taking turns of ``turn_steps`` steps (the first of
     each pair alternating), so a slow period of a shared machine lands on both sides of
     the pairs it spans: (recscale's result, TorchRec's, each turn's ratio of median step
     times). Both models are in memory together."""
-    workers = {"recscale": Worker("recscale", ours, None, tmp / "recscale.log"),
-               "torchrec": Worker("torchrec", [*peer, "--turns"], peer_env, tmp / "torchrec.log")}  # fmt: skip
+    workers = {
+        "recscale": Worker("recscale", ours, None, tmp / "recscale.log"),
+        "torchrec": Worker("torchrec", [*peer, "--turns"], peer_env, tmp / "torchrec.log"),
+    }
     try:
         for w in workers.values():  # built and warmed up: both idle from here on
             if not w.read().get("ready"):
@@ -173,43 +187,54 @@ def recscale_worker(config: str, warmup: int) -> None:
     def echo(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    r = run_throughput(load_config(config), warmup=warmup, echo=echo, turns=stdin_turns(),
-                       on_turn=report_turn)  # fmt: skip
+    r = run_throughput(
+        load_config(config), warmup=warmup, echo=echo, turns=stdin_turns(), on_turn=report_turn
+    )
     print(json.dumps(r), flush=True)
 
 
 def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"peers: {' '.join(cmd[:3])} ... failed ({proc.returncode}):\n"
-                         + proc.stderr[-3000:])  # fmt: skip
+        raise SystemExit(
+            f"peers: {' '.join(cmd[:3])} ... failed ({proc.returncode}):\n" + proc.stderr[-3000:]
+        )
     out = proc.stdout
     return json.loads(out[out.index("{") :])  # progress lines may come first
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description="recscale vs TorchRec, alternating, same run")
-    p.add_argument("--torchrec-python", required="--recscale-worker" not in sys.argv,
-                   help="python of a venv with torchrec 1.8 + fbgemm-gpu-cpu 1.8")  # fmt: skip
+    p.add_argument(
+        "--torchrec-python",
+        required="--recscale-worker" not in sys.argv,
+        help="python of a venv with torchrec 1.8 + fbgemm-gpu-cpu 1.8",
+    )
     p.add_argument("--configs", nargs="+", default=["A", "B"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", default=None, help="also append each run as a JSON line here")
-    p.add_argument("--peer-same-malloc", action="store_true",
-                   help="give TorchRec's process the malloc settings recscale's "
-                   "train.host_memory=retain makes (GLIBC_TUNABLES: no mmap for large blocks, "
-                   "2 GiB kept at the heap top), so the comparison is of the rest")  # fmt: skip
+    p.add_argument(
+        "--peer-same-malloc",
+        action="store_true",
+        help="give TorchRec's process the malloc settings recscale's "
+        "train.host_memory=retain makes (GLIBC_TUNABLES: no mmap for large blocks, "
+        "2 GiB kept at the heap top), so the comparison is of the rest",
+    )
     p.add_argument(
         "--peer-same-env",
         action="store_true",
         help="give TorchRec's process the variables importing recscale sets "
         f"({', '.join(f'{k}={v}' for k, v in ENV_DEFAULTS.items())})",
     )
-    p.add_argument("--interleave", action="store_true",
-                   help="keep both processes alive and alternate turns of --turn-steps steps "
-                   "(--turns of them a round): a slow period of the machine then hits both "
-                   "sides of a pair; needs memory for both models (falls back otherwise)")  # fmt: skip
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep both processes alive and alternate turns of --turn-steps steps "
+        "(--turns of them a round): a slow period of the machine then hits both "
+        "sides of a pair; needs memory for both models (falls back otherwise)",
+    )
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--turn-steps", type=int, default=10)
     p.add_argument("--recscale-worker", metavar="CONFIG", help=argparse.SUPPRESS)
@@ -221,8 +246,7 @@ def main() -> None:
     # importing recscale set (its OpenMP waits, huge pages), which a TorchRec user's
     # process does not have. Up to session 9 it inherited them: OMP_WAIT_POLICY=PASSIVE
     # made its every op wake a sleeping OpenMP worker (A: ~29k against ~40k samples/s).
-    peer_env = {k: v for k, v in os.environ.items()
-                if args.peer_same_env or k not in ENV_DEFAULTS}  # fmt: skip
+    peer_env = {k: v for k, v in os.environ.items() if args.peer_same_env or k not in ENV_DEFAULTS}
     if args.peer_same_malloc:
         peer_env["GLIBC_TUNABLES"] = (
             "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
@@ -233,28 +257,54 @@ def main() -> None:
         for name in args.configs:
             cfg = load_config(name)
             spec, batches = write_inputs(cfg, Path(tmp), args.steps, args.warmup)
-            peer = [args.torchrec_python, str(HERE / "torchrec_peer.py"),
-                    "--spec", str(spec), "--batches", str(batches)]  # fmt: skip
-            ours = [*recscale, "--config", name, "--json",
-                    "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
-            worker = [sys.executable, str(Path(__file__).resolve()), "--recscale-worker", name,
-                      "--warmup", str(args.warmup)]  # fmt: skip
+            peer = [
+                args.torchrec_python,
+                str(HERE / "torchrec_peer.py"),
+                "--spec",
+                str(spec),
+                "--batches",
+                str(batches),
+            ]
+            ours = [
+                *recscale,
+                "--config",
+                name,
+                "--json",
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+            ]
+            worker = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--recscale-worker",
+                name,
+                "--warmup",
+                str(args.warmup),
+            ]
             interleave = args.interleave
             if interleave:
                 fits, need, free = both_fit(cfg)
                 if not fits:
                     interleave = False
-                    print(f"{name}: both models need ~{need:.1f} GiB, {free:.1f} GiB available: "
-                          "one after the other instead of interleaved", flush=True)  # fmt: skip
+                    print(
+                        f"{name}: both models need ~{need:.1f} GiB, {free:.1f} GiB available: "
+                        "one after the other instead of interleaved",
+                        flush=True,
+                    )
             ratios = []
             for r in range(args.rounds):
                 how = ""
                 if interleave:
-                    rs, tr, turn_ratios = interleaved(worker, peer, peer_env, args.turns,
-                                                      args.turn_steps, Path(tmp))  # fmt: skip
+                    rs, tr, turn_ratios = interleaved(
+                        worker, peer, peer_env, args.turns, args.turn_steps, Path(tmp)
+                    )
                     ratio = statistics.median(turn_ratios)
-                    how = (f" [{args.turns} turns of {args.turn_steps} steps, their ratios "
-                           f"{min(turn_ratios):.2f}-{max(turn_ratios):.2f}]")  # fmt: skip
+                    how = (
+                        f" [{args.turns} turns of {args.turn_steps} steps, their ratios "
+                        f"{min(turn_ratios):.2f}-{max(turn_ratios):.2f}]"
+                    )
                 else:
                     order = [("recscale", ours), ("torchrec", peer)]
                     results = {}
@@ -263,15 +313,28 @@ def main() -> None:
                     rs, tr = results["recscale"], results["torchrec"]
                     ratio = rs["samples_per_s"] / tr["samples_per_s"]
                 ratios.append(ratio)
-                print(f"{name} round {r + 1}: recscale {rs['samples_per_s']:,.0f} samples/s "
-                      f"(bound {rs['bound_samples_per_s']:,.0f}, {rs['ratio_to_bound']:.0%}), "
-                      f"TorchRec {tr['samples_per_s']:,.0f}: {ratio:.2f}x; peak RSS "
-                      f"{rs['peak_rss_bytes'] / 2**30:.2f} vs {tr['peak_rss_bytes'] / 2**30:.2f} GiB{how}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{name} round {r + 1}: recscale {rs['samples_per_s']:,.0f} samples/s "
+                    f"(bound {rs['bound_samples_per_s']:,.0f}, {rs['ratio_to_bound']:.0%}), "
+                    f"TorchRec {tr['samples_per_s']:,.0f}: {ratio:.2f}x; peak RSS "
+                    f"{rs['peak_rss_bytes'] / 2**30:.2f} vs {tr['peak_rss_bytes'] / 2**30:.2f} "
+                    f"GiB{how}",
+                    flush=True,
+                )
                 if args.out:
                     with open(args.out, "a") as f:
-                        f.write(json.dumps({"config": name, "round": r + 1, "recscale": rs,
-                                            "torchrec": tr, "ratio": ratio}) + "\n")  # fmt: skip
+                        f.write(
+                            json.dumps(
+                                {
+                                    "config": name,
+                                    "round": r + 1,
+                                    "recscale": rs,
+                                    "torchrec": tr,
+                                    "ratio": ratio,
+                                }
+                            )
+                            + "\n"
+                        )
             summary[name] = statistics.median(ratios)
             os.remove(batches)
     for name, ratio in summary.items():

@@ -27,10 +27,11 @@ import csv
 import statistics
 from pathlib import Path
 
+from recscale.bench.calibrate import calibrate, measure_step
 from recscale.bench.throughput import run_throughput
 from recscale.config import load_config
-from recscale.perfmodel import Calibration, calibrate, predict
-from recscale.perfmodel.calibrate import fit_step_constants, measure_step, step_configs
+from recscale.perfmodel import Calibration, predict
+from recscale.perfmodel.fit import fit_step_constants, step_configs
 
 BIG_MLP = ["--model.top_mlp=1024,512,256,1"]
 POINTS = [
@@ -38,7 +39,7 @@ POINTS = [
         [f"--model.embedding_dim={d}", f"--model.bottom_mlp=512,256,{d}", f"--train.batch_size={b}"]
         for d in (8, 16, 32, 64)
         for b in (256, 1024, 4096)
-    ],  # fmt: skip
+    ],
     *[
         [f"--data.max_ids_per_feature={p}", f"--train.batch_size={b}"]
         for p in (3, 6)
@@ -137,8 +138,9 @@ def main() -> None:
                 a = k % len(anchors)
                 anchor_runs[a].append(measure_step(anchors[a], cal.threads, w))
                 k += 1
-            print(f"round {r + 1}/{args.repeats}: {i + 1}/{len(points)} points", end="\r",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r + 1}/{args.repeats}: {i + 1}/{len(points)} points", end="\r", flush=True
+            )
     print()
     fit_step_constants(cal, [statistics.median(a) for a in anchor_runs])
     cal.save(out / "calibration_in_run.json")
@@ -147,9 +149,15 @@ def main() -> None:
         p = predict(cfgs[i], cal, w, _plan(cfgs[i], cal, w))
         measured, predicted = statistics.median(runs[i]), p.step_seconds * 1e3
         err = (predicted - measured) / measured
-        rows.append({"point": " ".join(o.lstrip("-") for o in over), "measured_ms": round(measured, 3),
-                     "predicted_ms": round(predicted, 3), "error": round(err, 4),
-                     "spread": round((max(runs[i]) - min(runs[i])) / measured, 4)})  # fmt: skip
+        rows.append(
+            {
+                "point": " ".join(o.lstrip("-") for o in over),
+                "measured_ms": round(measured, 3),
+                "predicted_ms": round(predicted, 3),
+                "error": round(err, 4),
+                "spread": round((max(runs[i]) - min(runs[i])) / measured, 4),
+            }
+        )
         print(
             f"{i + 1:2d}/{len(points)} {rows[-1]['point']:<70} measured {measured:8.2f} ms "
             f"(spread {rows[-1]['spread']:.0%})  predicted {predicted:8.2f} ms  error {err:+.1%}",

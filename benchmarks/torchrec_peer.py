@@ -101,9 +101,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spec", required=True, help="JSON spec file")
     p.add_argument("--batches", required=True, help="torch.save'd list of batches")
-    p.add_argument("--turns", action="store_true",
-                   help="after the warm-up, time steps in the turns read from stdin "
-                   "(benchmarks/turn_protocol.py) instead of spec['steps'] at once")  # fmt: skip
+    p.add_argument(
+        "--turns",
+        action="store_true",
+        help="after the warm-up, time steps in the turns read from stdin "
+        "(benchmarks/turn_protocol.py) instead of spec['steps'] at once",
+    )
     args = p.parse_args()
     with open(args.spec) as f:
         spec = json.load(f)

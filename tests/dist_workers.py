@@ -15,16 +15,28 @@ from recscale.train.optimizers import build_dense_optimizer
 
 
 def parity_config(optimizer: str, pooling: str = "sum"):
-    cfg = load_config("debug", [f"--embedding.optimizer={optimizer}", f"--model.pooling={pooling}",
-                                "--data.max_ids_per_feature=3", "--optimizer.name=adam"])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            f"--embedding.optimizer={optimizer}",
+            f"--model.pooling={pooling}",
+            "--data.max_ids_per_feature=3",
+            "--optimizer.name=adam",
+        ],
+    )
     cfg.embedding.lr = 0.05
     return cfg
 
 
 def global_batches(cfg, steps: int, batch_size: int):
-    data = SyntheticCriteo(cfg.model.table_sizes, num_dense=cfg.model.num_dense_features, seed=7,
-                           zipf_alpha=1.05, min_ids=cfg.data.min_ids_per_feature,
-                           max_ids=cfg.data.max_ids_per_feature)  # fmt: skip
+    data = SyntheticCriteo(
+        cfg.model.table_sizes,
+        num_dense=cfg.model.num_dense_features,
+        seed=7,
+        zipf_alpha=1.05,
+        min_ids=cfg.data.min_ids_per_feature,
+        max_ids=cfg.data.max_ids_per_feature,
+    )
     return [data.batch(i, batch_size, "train") for i in range(steps)], data.batch(
         0, batch_size, "eval"
     )
@@ -71,10 +83,22 @@ def mixed_plan(cfg, world_size: int) -> dict:
             kind, list(range(w))
         )
         dims = [t.dim // 2, t.dim - t.dim // 2] if kind == "column_wise" else []
-        placements.append({"table": t.name, "kind": kind, "ranks": ranks,
-                           "memory_per_rank": {}, "cost_per_rank": {}, "dims": dims})  # fmt: skip
-    return {"world_size": w, "placements": placements, "memory_per_rank": [0] * w,
-            "cost_per_rank": [0.0] * w}  # fmt: skip
+        placements.append(
+            {
+                "table": t.name,
+                "kind": kind,
+                "ranks": ranks,
+                "memory_per_rank": {},
+                "cost_per_rank": {},
+                "dims": dims,
+            }
+        )
+    return {
+        "world_size": w,
+        "placements": placements,
+        "memory_per_rank": [0] * w,
+        "cost_per_rank": [0.0] * w,
+    }
 
 
 def sharded_run(cases: list[tuple[str, str, str]], steps: int, batch_size: int):
@@ -135,8 +159,9 @@ def die_mid_training(dying_rank: int, die_at_step: int):
             ) from e
 
 
-def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, steps: int,
-                   batch_size: int) -> None:  # fmt: skip
+def checkpoint_hop(
+    plan_name: str, chain: str, out_root: str, first_step: int, steps: int, batch_size: int
+) -> None:
     """Restore ``chain`` into a model sharded by ``plan_name``, train ``steps`` more
     global batches (from ``first_step``), and write a full checkpoint to ``out_root``."""
     from pathlib import Path
@@ -149,8 +174,11 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     ctx = init_distributed(torch.device("cpu"), timeout_s=60)
     w, r = ctx.world_size, ctx.rank
     cfg = parity_config("rowwise_adagrad")
-    plan = (ShardingPlan.from_dict(mixed_plan(cfg, w)) if plan_name == "mixed"
-            else uniform_plan(table_infos(cfg), w, plan_name))  # fmt: skip
+    plan = (
+        ShardingPlan.from_dict(mixed_plan(cfg, w))
+        if plan_name == "mixed"
+        else uniform_plan(table_infos(cfg), w, plan_name)
+    )
     model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
     module = shard(model, plan, ctx)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
@@ -159,8 +187,9 @@ def checkpoint_hop(plan_name: str, chain: str, out_root: str, first_step: int, s
     batches, _ = global_batches(cfg, first_step + steps, batch_size)
     lo, hi = r * batch_size // w, (r + 1) * batch_size // w
     # Full first, then increments (rows touched since): the newest chain mixes both.
-    ckpt_cfg = CheckpointConfig(every_steps=1, async_write=False, full_every=100,
-                                full_if_fraction=1.0)  # fmt: skip
+    ckpt_cfg = CheckpointConfig(
+        every_steps=1, async_write=False, full_every=100, full_if_fraction=1.0
+    )
     mgr = CheckpointManager(ckpt_cfg, Path(out_root), model, opt, {"plan": plan.to_dict()}, ctx)
     for i, b in enumerate(batches[first_step:]):
         local = b.slice(lo, hi)
@@ -193,11 +222,23 @@ def checkpoint_memory(root: str, big_rows: int) -> dict:
     cfg = parity_config("rowwise_adagrad")
     cfg.model.table_sizes = [big_rows] + cfg.model.table_sizes[1:]
     names = [t.name for t in table_infos(cfg)]
-    plan = ShardingPlan.from_dict({
-        "world_size": 2, "memory_per_rank": [0, 0], "cost_per_rank": [0.0, 0.0],
-        "placements": [{"table": n, "kind": "table_wise", "ranks": [1 if i == 0 else 0],
-                        "memory_per_rank": {}, "cost_per_rank": {}} for i, n in enumerate(names)],
-    })  # fmt: skip
+    plan = ShardingPlan.from_dict(
+        {
+            "world_size": 2,
+            "memory_per_rank": [0, 0],
+            "cost_per_rank": [0.0, 0.0],
+            "placements": [
+                {
+                    "table": n,
+                    "kind": "table_wise",
+                    "ranks": [1 if i == 0 else 0],
+                    "memory_per_rank": {},
+                    "cost_per_rank": {},
+                }
+                for i, n in enumerate(names)
+            ],
+        }
+    )
     model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
     module = shard(model, plan, ctx)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
@@ -205,8 +246,14 @@ def checkpoint_memory(root: str, big_rows: int) -> dict:
     local = batches[0].slice(ctx.rank * 32, (ctx.rank + 1) * 32)
     F.binary_cross_entropy_with_logits(module(local), local.labels).backward()
     opt.step()
-    mgr = CheckpointManager(CheckpointConfig(every_steps=1, async_write=False), Path(root), model,
-                            opt, {"plan": plan.to_dict()}, ctx)  # fmt: skip
+    mgr = CheckpointManager(
+        CheckpointConfig(every_steps=1, async_write=False),
+        Path(root),
+        model,
+        opt,
+        {"plan": plan.to_dict()},
+        ctx,
+    )
     # Peak memory during the save alone: reset the process's high-water mark (VmHWM)
     # to its current size first, then read it back after.
     with open("/proc/self/clear_refs", "w") as f:
@@ -220,14 +267,24 @@ def checkpoint_memory(root: str, big_rows: int) -> dict:
     return {"growth": peak - rss_before, "rank": ctx.rank}
 
 
-COMPRESSED = ["--embedding.compression=qr", "--embedding.qr_buckets=8",
-              "--embedding.table_compression=C2=tt,C3=mixed_dim,C4=none",
-              "--embedding.hot_fraction=0.05"]  # fmt: skip
+COMPRESSED = [
+    "--embedding.compression=qr",
+    "--embedding.qr_buckets=8",
+    "--embedding.table_compression=C2=tt,C3=mixed_dim,C4=none",
+    "--embedding.hot_fraction=0.05",
+]
 
 
 def compressed_config():
-    cfg = load_config("debug", ["--data.max_ids_per_feature=3", "--optimizer.name=adam",
-                                "--embedding.tt_rank=2", *COMPRESSED])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            "--data.max_ids_per_feature=3",
+            "--optimizer.name=adam",
+            "--embedding.tt_rank=2",
+            *COMPRESSED,
+        ],
+    )
     return cfg
 
 

@@ -50,8 +50,8 @@ def per_feature_inputs(
 
 def make_dataset(root, lines: int, seed: int, hash_size: int):
     """A small preprocessed dataset (split 'train' only) from synthetic Criteo lines."""
-    from recscale.data.criteo_tsv_writer import synthetic_lines
-    from recscale.data.preprocess import PreprocessOptions, preprocess
+    from recscale.dataprep.criteo_tsv import synthetic_lines
+    from recscale.dataprep.preprocess import PreprocessOptions, preprocess
 
     src = root / "in.tsv"
     src.write_text("\n".join(synthetic_lines(lines, seed=seed)) + "\n")
@@ -60,9 +60,14 @@ def make_dataset(root, lines: int, seed: int, hash_size: int):
     return root / "ds"
 
 
-RESUME_BASE = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=2048",
-               "--checkpoint.every_steps=20", "--checkpoint.full_every=2",
-               "--checkpoint.full_if_fraction=1.0"]  # fmt: skip
+RESUME_BASE = [
+    "--train.progress=false",
+    "--train.log_every=5",
+    "--data.eval_samples=2048",
+    "--checkpoint.every_steps=20",
+    "--checkpoint.full_every=2",
+    "--checkpoint.full_if_fraction=1.0",
+]
 
 
 def assert_resume_identical(tmp_path, extra: list[str]) -> None:
@@ -76,14 +81,23 @@ def assert_resume_identical(tmp_path, extra: list[str]) -> None:
     base, quiet = [*RESUME_BASE, *extra], dict(echo=lambda *_: None)
     train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "a", **quiet)
     train(load_config("debug", [*base, "--train.steps=40"]), tmp_path / "b", **quiet)
-    kinds = [json.loads(p.read_text())["kind"]
-             for p in sorted((tmp_path / "b/checkpoints").glob("*/manifest.json"))]  # fmt: skip
+    kinds = [
+        json.loads(p.read_text())["kind"]
+        for p in sorted((tmp_path / "b/checkpoints").glob("*/manifest.json"))
+    ]
     assert kinds == ["full", "incremental"]
-    m = train(load_config("debug", [*base, "--train.steps=60"]), tmp_path / "b",
-              resume=tmp_path / "b", **quiet)  # fmt: skip
+    m = train(
+        load_config("debug", [*base, "--train.steps=60"]),
+        tmp_path / "b",
+        resume=tmp_path / "b",
+        **quiet,
+    )
     assert m["resumed_from_step"] == 40
     la, lb = (
-        {r["step"]: r["loss"] for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines())}
+        {
+            r["step"]: r["loss"]
+            for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines())
+        }
         for d in (tmp_path / "a", tmp_path / "b")
-    )  # fmt: skip
+    )
     assert all(la[s] == lb[s] for s in range(45, 61, 5))

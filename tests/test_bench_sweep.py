@@ -23,9 +23,14 @@ def test_grid_is_the_product_and_the_dim_keeps_the_dot_interaction_valid():
     assert cfg.model.bottom_mlp[-1] == 16
 
 
-@pytest.mark.parametrize("spec, match", [("model.nope=1,2", "model.nope"),
-                                         ("train.batch_size=", "section.key=v1"),
-                                         ("train.batch_size=0,8", "train.batch_size")])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("model.nope=1,2", "model.nope"),
+        ("train.batch_size=", "section.key=v1"),
+        ("train.batch_size=0,8", "train.batch_size"),
+    ],
+)
 def test_bad_knobs_are_refused_naming_the_key(spec, match):
     with pytest.raises(ConfigError, match=match):
         parse_vary([spec], "debug")
@@ -33,8 +38,21 @@ def test_bad_knobs_are_refused_naming_the_key(spec, match):
 
 def test_sweep_writes_csv_and_plots_and_resumes(tmp_path):
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "recscale", "bench", "sweep", "--vary",
-           "model.embedding_dim=8,16", "--config", "debug", "--steps", "5", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recscale",
+        "bench",
+        "sweep",
+        "--vary",
+        "model.embedding_dim=8,16",
+        "--config",
+        "debug",
+        "--steps",
+        "5",
+        "--out",
+        str(out),
+    ]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

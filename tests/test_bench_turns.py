@@ -21,16 +21,16 @@ SMALL = ["--model.embedding_dim=16", "--model.bottom_mlp=32,16"]
 def test_turns_time_the_steps_they_ask_for_and_the_report_covers_them_all():
     cfg = load_config("debug", SMALL)
     seen: list[list[float]] = []
-    r = run_throughput(cfg, warmup=1, echo=lambda _m: None, turns=iter([2, 3]),
-                       on_turn=seen.append)  # fmt: skip
+    r = run_throughput(cfg, warmup=1, echo=lambda _m: None, turns=iter([2, 3]), on_turn=seen.append)
     assert [len(t) for t in seen] == [2, 3] and r["steps"] == 5
     every = [s for t in seen for s in t]
     assert r["samples_per_s"] == pytest.approx(cfg.train.batch_size / statistics.median(every))
 
 
 def test_turns_refuse_a_tier_and_an_empty_run():
-    tiered = load_config("debug", [*SMALL, "--embedding.placement=host",
-                                   "--embedding.cache_bytes=400000"])  # fmt: skip
+    tiered = load_config(
+        "debug", [*SMALL, "--embedding.placement=host", "--embedding.cache_bytes=400000"]
+    )
     with pytest.raises(ValueError, match="placement=device"):
         run_throughput(tiered, warmup=1, echo=lambda _m: None, turns=iter([1]))
     with pytest.raises(ValueError, match="no timed step"):
@@ -40,9 +40,19 @@ def test_turns_refuse_a_tier_and_an_empty_run():
 def test_the_recscale_worker_speaks_the_turn_protocol():
     """ready after the warm-up, one step_s line a turn, the report at 0."""
     proc = subprocess.Popen(
-        [sys.executable, str(BENCHMARKS / "peers.py"), "--recscale-worker", "debug", "--warmup", "1"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "peers.py"),
+            "--recscale-worker",
+            "debug",
+            "--warmup",
+            "1",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate("2\n3\n0\n", timeout=120)
     assert proc.returncode == 0, err
     lines = [json.loads(line) for line in out.splitlines()]

@@ -28,11 +28,19 @@ from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.run import train
 
 
-def _train_tables(placement: str, optimizer: str, kernels: str, cache_bytes: int = 0,
-                  prefetch: bool = False):  # fmt: skip
-    cfg = load_config("debug", [f"--embedding.placement={placement}", f"--embedding.optimizer={optimizer}",
-                                f"--embedding.cache_bytes={cache_bytes}", f"--model.kernels={kernels}",
-                                "--data.max_ids_per_feature=3"])  # fmt: skip
+def _train_tables(
+    placement: str, optimizer: str, kernels: str, cache_bytes: int = 0, prefetch: bool = False
+):
+    cfg = load_config(
+        "debug",
+        [
+            f"--embedding.placement={placement}",
+            f"--embedding.optimizer={optimizer}",
+            f"--embedding.cache_bytes={cache_bytes}",
+            f"--model.kernels={kernels}",
+            "--data.max_ids_per_feature=3",
+        ],
+    )
     model = build_model(cfg.model, cfg.embedding, seed=0)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
@@ -121,11 +129,26 @@ def test_reads_and_writes_see_the_cache_and_the_file(tmp_path):
 
 
 def test_training_with_prefetch_matches_memory_and_reports_the_cache(tmp_path):
-    over = ["--train.steps=60", "--train.progress=false", "--train.save_model=false",
-            "--data.max_ids_per_feature=2"]  # fmt: skip
+    over = [
+        "--train.steps=60",
+        "--train.progress=false",
+        "--train.save_model=false",
+        "--data.max_ids_per_feature=2",
+    ]
     mem = train(load_config("debug", over), None, echo=lambda _m: None)
-    ssd = train(load_config("debug", over + ["--embedding.placement=ssd", "--embedding.cache_bytes=400000",
-                                             f"--embedding.ssd_dir={tmp_path}"]), None, echo=lambda _m: None)  # fmt: skip
+    ssd = train(
+        load_config(
+            "debug",
+            over
+            + [
+                "--embedding.placement=ssd",
+                "--embedding.cache_bytes=400000",
+                f"--embedding.ssd_dir={tmp_path}",
+            ],
+        ),
+        None,
+        echo=lambda _m: None,
+    )
     assert ssd["auc"] == mem["auc"] and ssd["logloss"] == mem["logloss"]
     cache = ssd["embedding_cache"]
     assert 0 < cache["hit_rate"] < 1 and cache["prefetched"] > 0 and cache["bytes_read"] > 0
@@ -135,11 +158,25 @@ def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
     """The ssd file is scratch: after a SIGKILL (maybe mid write-back) the resumed run
     rewrites every row from the last checkpoint and ends where an uninterrupted one does."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "recscale", "train", "--config", "debug", "--train.progress=false",
-            "--embedding.placement=ssd", "--embedding.cache_bytes=400000", "--data.max_ids_per_feature=2",
-            "--checkpoint.every_steps=20", "--checkpoint.async_write=false"]  # fmt: skip
-    proc = subprocess.Popen(args + ["--train.steps=100000", "--run-dir", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "recscale",
+        "train",
+        "--config",
+        "debug",
+        "--train.progress=false",
+        "--embedding.placement=ssd",
+        "--embedding.cache_bytes=400000",
+        "--data.max_ids_per_feature=2",
+        "--checkpoint.every_steps=20",
+        "--checkpoint.async_write=false",
+    ]
+    proc = subprocess.Popen(
+        args + ["--train.steps=100000", "--run-dir", str(run)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(list((run / "checkpoints").glob("step_*"))) < 2:
@@ -152,24 +189,46 @@ def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
             proc.kill()
     assert any((run / "embeddings").iterdir())  # the scratch file survived the kill
     steps = ["--train.steps=80", "--data.eval_samples=4096"]
-    resumed = subprocess.run(args + steps + ["--resume", str(run), "--run-dir", str(tmp_path / "r2")],
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    resumed = subprocess.run(
+        args + steps + ["--resume", str(run), "--run-dir", str(tmp_path / "r2")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    cfg = load_config("debug", ["--train.progress=false", "--data.max_ids_per_feature=2",
-                                "--train.save_model=false"] + steps)  # fmt: skip
+    cfg = load_config(
+        "debug",
+        ["--train.progress=false", "--data.max_ids_per_feature=2", "--train.save_model=false"]
+        + steps,
+    )
     whole = train(cfg, None, echo=lambda _m: None)
     line = [x for x in resumed.stdout.splitlines() if x.startswith("eval on")][0]
     assert f"AUC {whole['auc']:.4f}" in line and f"logloss {whole['logloss']:.4f}" in line
 
 
 def test_auto_placement_moves_big_tables_to_ssd_and_trains_the_same(tmp_path, device):
-    over = ["--train.steps=30", "--train.progress=false", "--train.save_model=false",
-            "--data.eval_samples=8192"]  # fmt: skip
+    over = [
+        "--train.steps=30",
+        "--train.progress=false",
+        "--train.save_model=false",
+        "--data.eval_samples=8192",
+    ]
     mem = train(load_config("default", over), None, echo=lambda _m: None)
     notes = []
     # default: 667,398 rows x 68 B = 45 MB with row-wise Adagrad state; 40 MB of memory
-    auto = train(load_config("default", over + ["--embedding.placement=auto", "--embedding.memory_budget_gb=0.04",
-                                                f"--embedding.ssd_dir={tmp_path}"]), None, echo=notes.append)  # fmt: skip
+    auto = train(
+        load_config(
+            "default",
+            over
+            + [
+                "--embedding.placement=auto",
+                "--embedding.memory_budget_gb=0.04",
+                f"--embedding.ssd_dir={tmp_path}",
+            ],
+        ),
+        None,
+        echo=notes.append,
+    )
     # a GPU run's first tier below HBM is host memory; a CPU run's is the ssd file
     tier = "host" if device.type == "cuda" else "ssd"
     assert any(f"tables on {tier}" in n for n in notes), notes
@@ -181,8 +240,14 @@ def test_checkpoint_writes_dirty_rows_back_to_the_file(tmp_path):
     from recscale.checkpoint.manager import CheckpointManager
     from recscale.config import CheckpointConfig
 
-    cfg = load_config("debug", ["--embedding.placement=ssd", "--embedding.cache_bytes=400000",
-                                f"--embedding.ssd_dir={tmp_path / 'ssd'}"])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            "--embedding.placement=ssd",
+            "--embedding.cache_bytes=400000",
+            f"--embedding.ssd_dir={tmp_path / 'ssd'}",
+        ],
+    )
     model = build_model(cfg.model, cfg.embedding, seed=0)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     b = make_synthetic(cfg).batch(0, 256)
@@ -211,8 +276,9 @@ def test_cache_for_one_batch_but_not_two_stops_prefetching_not_training(tmp_path
     for rows in (a, b):
         pooled = st.lookup(rows, torch.tensor([0, 8]), None, for_update=True)
         torch.testing.assert_close(pooled[0], values[rows].sum(0))
-        st.apply_pooled_gradients(rows, torch.tensor([0, 8]), torch.zeros(8, dtype=torch.int64),
-                                  None, torch.zeros(1, 4))  # fmt: skip
+        st.apply_pooled_gradients(
+            rows, torch.tensor([0, 8]), torch.zeros(8, dtype=torch.int64), None, torch.zeros(1, 4)
+        )
     st.prefetch(a)  # off from now on: a no-op, not an error
     assert not st._prefetch_pins
 
@@ -223,8 +289,13 @@ def test_the_temp_ssd_dir_goes_with_the_run_and_a_named_one_stays(tmp_path, monk
     directories had piled up in /tmp). A directory the user named is only emptied."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    over = ["--train.steps=5", "--train.progress=false", "--train.save_model=false",
-            "--embedding.placement=ssd", "--embedding.cache_bytes=400000"]  # fmt: skip
+    over = [
+        "--train.steps=5",
+        "--train.progress=false",
+        "--train.save_model=false",
+        "--embedding.placement=ssd",
+        "--embedding.cache_bytes=400000",
+    ]
     train(load_config("debug", over), None, echo=lambda _m: None)
     gc.collect()
     assert list((tmp_path / "tmp").glob("recscale-ssd-*")) == []

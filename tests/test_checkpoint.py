@@ -24,8 +24,15 @@ from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.run import train
 
 QUIET = dict(echo=lambda *_: None)
-BASE = ["--train.progress=false", "--train.log_every=5", "--data.eval_samples=2048", "--checkpoint.every_steps=20",
-        "--checkpoint.full_every=2", "--checkpoint.full_if_fraction=1.0", "--checkpoint.keep=10"]  # fmt: skip
+BASE = [
+    "--train.progress=false",
+    "--train.log_every=5",
+    "--data.eval_samples=2048",
+    "--checkpoint.every_steps=20",
+    "--checkpoint.full_every=2",
+    "--checkpoint.full_if_fraction=1.0",
+    "--checkpoint.keep=10",
+]
 
 
 def _state(run_dir: Path) -> dict:
@@ -118,8 +125,11 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path):
     next((newest / "parts").rglob("C4.*.weight.f32")).write_bytes(b"short")  # truncated file
     with pytest.raises(CheckpointError, match=r"C4\.r0-\d+\.c0-\d+\.weight\.f32: 5 bytes"):
         verify(newest, checksums=False)
-    r = subprocess.run([sys.executable, "-m", "recscale", "checkpoint", "inspect", str(tmp_path), "--json"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "recscale", "checkpoint", "inspect", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     infos = json.loads(r.stdout)
     assert [i["valid"] for i in infos] == [True, False]
@@ -133,8 +143,16 @@ def save_forever(root: str, saved) -> None:
     step, until killed; ``saved`` is set once the first save completed."""
     from recscale.checkpoint.manager import CheckpointManager
 
-    cfg = load_config("debug", [*CRASH_TABLES, "--checkpoint.every_steps=1", "--checkpoint.async_write=false",
-                                "--checkpoint.keep=2", "--checkpoint.full_every=1"])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            *CRASH_TABLES,
+            "--checkpoint.every_steps=1",
+            "--checkpoint.async_write=false",
+            "--checkpoint.keep=2",
+            "--checkpoint.full_every=1",
+        ],
+    )
     model = build_model(cfg.model, cfg.embedding)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     mgr = CheckpointManager(cfg.checkpoint, Path(root), model, opt)
@@ -188,8 +206,19 @@ def test_int8_and_fp16_round_trip_bounds():
 def test_quantized_checkpoint_resumes_with_quality(tmp_path, precision):
     base = [*BASE, "--train.steps=300", "--checkpoint.every_steps=150", "--data.eval_samples=8192"]
     ref = train(load_config("debug", base), tmp_path / "ref", **QUIET)
-    train(load_config("debug", [*base[:-3], "--train.steps=150", "--checkpoint.every_steps=150",
-                                f"--checkpoint.precision={precision}"]), tmp_path / "q", **QUIET)  # fmt: skip
+    train(
+        load_config(
+            "debug",
+            [
+                *base[:-3],
+                "--train.steps=150",
+                "--checkpoint.every_steps=150",
+                f"--checkpoint.precision={precision}",
+            ],
+        ),
+        tmp_path / "q",
+        **QUIET,
+    )
     m = train(load_config("debug", base), tmp_path / "q", resume=tmp_path / "q", **QUIET)
     assert abs(m["auc"] - ref["auc"]) < 0.01
     manifest = json.loads(
@@ -222,11 +251,26 @@ def test_keep_last_k(tmp_path):
 def test_cli_resume_from_run_dir(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recscale", "train"]
-    r = subprocess.run([*cmd, "--config", "debug", "--train.steps=40", "--checkpoint.every_steps=20",
-                        "--train.progress=false", "--run-dir", str(run)], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            *cmd,
+            "--config",
+            "debug",
+            "--train.steps=40",
+            "--checkpoint.every_steps=20",
+            "--train.progress=false",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([*cmd, "--resume", str(run), "--train.steps=60", "--train.progress=false"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "--resume", str(run), "--train.steps=60", "--train.progress=false"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert (
         "resumed from" in r.stdout and json.loads((run / "metrics.json").read_text())["steps"] == 60
@@ -249,7 +293,10 @@ def test_eval_from_newest_checkpoint_without_model_file(tmp_path):
     cfg = load_config("debug", [*BASE, "--train.steps=40", "--train.save_model=false"])
     m = train(cfg, tmp_path, **QUIET)
     assert not (tmp_path / "model.pt").exists()
-    r = subprocess.run([sys.executable, "-m", "recscale", "eval", "--model", str(tmp_path), "--json"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "recscale", "eval", "--model", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "step_00000040" in r.stderr and json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])

@@ -15,7 +15,7 @@ from recscale.config import load_config
 from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage, tt_shape
 from recscale.embedding.low_precision import LowPrecisionStorage
 from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
-from recscale.planner.from_config import compressed_table_bytes, table_memory
+from recscale.embedding.sizing import compressed_table_bytes, table_memory
 from recscale.train.run import train
 
 QUIET = dict(echo=lambda *_: None)
@@ -72,8 +72,9 @@ def test_lookup_and_update_of_low_precision_factors(method, precision):
     params = {k: torch.nn.Parameter(v) for k, v in _decoded(s).items()}
     rows = torch.tensor([0, 17, 17, 999, 500, 3, 64, 640])
     offsets = torch.tensor([0, 3, 3, 6, 8])
-    ref = F.embedding_bag(rows, _rows(method, params, torch.arange(N)), offsets, mode="sum",
-                          include_last_offset=True)  # fmt: skip
+    ref = F.embedding_bag(
+        rows, _rows(method, params, torch.arange(N)), offsets, mode="sum", include_last_offset=True
+    )
     torch.testing.assert_close(s.lookup(rows, offsets, None), ref)
     # one SGD step (lr 1): each factor = its decoded value - autograd's gradient, stored
     # within a grid step; factor rows no id of the batch uses keep their codes
@@ -95,8 +96,14 @@ def test_lookup_and_update_of_low_precision_factors(method, precision):
 @pytest.mark.parametrize("precision", ["fp32", *PRECISIONS])
 @pytest.mark.parametrize("method", ["qr", "mixed_dim", "tt"])
 def test_planner_counts_the_bytes_the_storage_holds(method, precision):
-    cfg = SimpleNamespace(qr_buckets=16, qr_op="mult", tt_rank=3, optimizer="rowwise_adagrad",
-                          row_precision=precision, hot_fraction=0.0)  # fmt: skip
+    cfg = SimpleNamespace(
+        qr_buckets=16,
+        qr_op="mult",
+        tt_rank=3,
+        optimizer="rowwise_adagrad",
+        row_precision=precision,
+        hot_fraction=0.0,
+    )
     s = _make(method, SparseRowwiseAdagrad(0.1), "fp32" if precision == "fp32" else precision)
     total, weights = compressed_table_bytes(method, N, D, 2, cfg)
     assert weights == s.stored_bytes()
@@ -107,8 +114,11 @@ def test_planner_counts_the_bytes_the_storage_holds(method, precision):
 def test_mixed_dim_with_16_bit_factors_is_32x_smaller_by_weights():
     """The default model, every table compressed by the power rule at alpha 2: dim-1
     rows; fp16 halves them again. Optimizer state (fp32, a value a row) is counted apart."""
-    over = ["--embedding.compression=mixed_dim", "--embedding.md_alpha=2",
-            "--embedding.compress_min_rows=0"]  # fmt: skip
+    over = [
+        "--embedding.compression=mixed_dim",
+        "--embedding.md_alpha=2",
+        "--embedding.compress_min_rows=0",
+    ]
     fp32 = table_memory(load_config("default", over))
     fp16 = table_memory(load_config("default", [*over, "--embedding.row_precision=fp16"]))
     assert fp32["plain_weights"] / fp32["weights"] >= 15.9  # 2 small tables stay plain
@@ -125,8 +135,11 @@ def plain_auc():
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_debug_run_with_low_precision_factors_within_001_auc_of_plain(precision, plain_auc):
-    over = ["--train.progress=false", "--embedding.compression=mixed_dim",
-            f"--embedding.row_precision={precision}"]  # fmt: skip
+    over = [
+        "--train.progress=false",
+        "--embedding.compression=mixed_dim",
+        f"--embedding.row_precision={precision}",
+    ]
     m = train(load_config("debug", over), None, **QUIET)
     assert m["auc"] >= plain_auc - 0.01, (m["auc"], plain_auc)
 
@@ -138,5 +151,5 @@ def test_resume_is_bitwise_identical_with_bf16_factors(tmp_path):
             "--embedding.compression=qr",
             "--embedding.row_precision=bf16",
             "--embedding.table_compression=C1=none,C5=tt,C3=mixed_dim",
-        ],  # fmt: skip
+        ],
     )

@@ -62,8 +62,14 @@ def test_lookup_and_gradient_match_the_dense_reference(name):
     rows = torch.tensor([0, 17, 17, 999, 500, 3, 64, 640])
     offsets = torch.tensor([0, 3, 3, 6, 8])
     psw = torch.rand(8)
-    ref = F.embedding_bag(rows, _dense_rows(name, params), offsets, mode="sum",
-                          per_sample_weights=psw, include_last_offset=True)  # fmt: skip
+    ref = F.embedding_bag(
+        rows,
+        _dense_rows(name, params),
+        offsets,
+        mode="sum",
+        per_sample_weights=psw,
+        include_last_offset=True,
+    )
     torch.testing.assert_close(s.lookup(rows, offsets, psw), ref)
     torch.testing.assert_close(s.read_rows(rows), _dense_rows(name, params)[rows])
     # the gradient of sum(pooled * G) reaches each factor as autograd's does (SGD, lr 1)
@@ -146,11 +152,11 @@ def test_bad_values_are_refused_naming_the_key():
                 "--model.bottom_mlp=16,7",
             ],
             "embedding.qr_op",
-        ),  # fmt: skip
+        ),
         (
             ["--embedding.compression=tt", "--model.embedding_dim=7", "--model.bottom_mlp=16,7"],
             "embedding.compression",
-        ),  # fmt: skip
+        ),
         (["--embedding.table_compression=C99=qr"], "embedding.table_compression"),
         (["--embedding.table_compression=C1:qr"], "embedding.table_compression"),
         (
@@ -169,10 +175,13 @@ def plain_auc():
 
 @pytest.mark.parametrize(
     "over",
-    [["--embedding.compression=qr"], ["--embedding.compression=mixed_dim"],
-     ["--embedding.compression=tt"]],
+    [
+        ["--embedding.compression=qr"],
+        ["--embedding.compression=mixed_dim"],
+        ["--embedding.compression=tt"],
+    ],
     ids=["qr", "mixed_dim", "tt"],
-)  # fmt: skip
+)
 def test_debug_run_trains_within_001_auc_of_plain(over, plain_auc):
     """The issue's commands, defaults and all (the debug preset compresses its tables of
     500 rows and more)."""
@@ -186,8 +195,12 @@ def test_resume_is_bitwise_identical_and_refuses_another_compression(tmp_path):
     from recscale.checkpoint.format import CheckpointError
 
     with pytest.raises(CheckpointError, match="compress"):
-        train(load_config("debug", [*RESUME_BASE, "--train.steps=80"]), tmp_path / "b",
-              resume=tmp_path / "b", **QUIET)  # fmt: skip
+        train(
+            load_config("debug", [*RESUME_BASE, "--train.steps=80"]),
+            tmp_path / "b",
+            resume=tmp_path / "b",
+            **QUIET,
+        )
 
 
 def test_sharded_compressed_tables_match_single_process():

@@ -1,4 +1,5 @@
-"""Criteo ingestion: TSV/gzip/Parquet -> binary dataset -> batches, against a pure-Python reference."""
+"""Criteo ingestion: TSV/gzip/Parquet -> binary dataset -> batches, against a pure-Python
+reference."""
 
 import gzip
 import json
@@ -13,9 +14,9 @@ import pytest
 import torch
 from helpers import make_dataset
 
-from recscale.data.criteo_tsv_writer import synthetic_lines
 from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
-from recscale.data.preprocess import BadDataError, PreprocessOptions, preprocess
+from recscale.dataprep.criteo_tsv import synthetic_lines
+from recscale.dataprep.preprocess import BadDataError, PreprocessOptions, preprocess
 
 SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "criteo_sample.txt"
 BIG = 2**31 - 1  # a hash size that keeps every 8-hex value apart from the modulo
@@ -255,9 +256,23 @@ def test_rank_slices_partition_the_global_batch(medium_dataset):
 def test_cli_preprocess_train_eval(tmp_path, medium_dataset):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recscale"]
-    r = subprocess.run([*cmd, "train", "--config", "debug", "--data.path", str(medium_dataset), "--train.steps=20",
-                        "--train.progress=false", "--data.eval_split=train", "--run-dir", str(run)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            *cmd,
+            "train",
+            "--config",
+            "debug",
+            "--data.path",
+            str(medium_dataset),
+            "--train.steps=20",
+            "--train.progress=false",
+            "--data.eval_split=train",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads((run / "metrics.json").read_text())
     assert m["count"] == 5000 and m["steps"] == 20
@@ -273,8 +288,21 @@ def test_cli_preprocess_train_eval(tmp_path, medium_dataset):
 def test_cli_preprocess_reports_bad_file(tmp_path):
     src = tmp_path / "bad.tsv"
     _malformed_file(src)
-    r = subprocess.run([sys.executable, "-m", "recscale", "data", "preprocess", "--input", str(src), "--out",
-                        str(tmp_path / "o")], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "data",
+            "preprocess",
+            "--input",
+            str(src),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     assert (
         f"{src}:51" in r.stderr and "wrong field count" in r.stderr and "Traceback" not in r.stderr
@@ -286,8 +314,8 @@ def test_synth_tsv_writes_the_click_models_own_metrics(tmp_path):
     blocks included) and on the kaggle test lines, against a brute-force AUC."""
     import json
 
-    from recscale.data.criteo_tsv_writer import synthetic_lines_and_logits, write_tsv
-    from recscale.train.metrics import auc
+    from recscale.dataprep.criteo_tsv import synthetic_lines_and_logits, write_tsv
+    from recscale.metrics import auc
 
     path = tmp_path / "s.tsv"
     write_tsv(path, 7000, seed=3, block=3000, distinct_blocks=2)  # cycled blocks included
@@ -306,7 +334,7 @@ def test_synth_tsv_lines_are_distinct_unless_cycling_is_asked_for(tmp_path):
     """By default no line repeats (a repeated line in the test split would let a model
     memorise its label and score above the click model's ceiling); --cycle-blocks
     repeats blocks on request."""
-    from recscale.data.criteo_tsv_writer import write_tsv
+    from recscale.dataprep.criteo_tsv import write_tsv
 
     write_tsv(tmp_path / "d.tsv", 2500, seed=1, block=1000)
     lines = (tmp_path / "d.tsv").read_text().splitlines()
@@ -323,6 +351,10 @@ def test_synth_tsv_cli_writes_distinct_lines_and_refuses_a_negative_cycle(tmp_pa
     assert r.returncode == 0 and "ceiling" in r.stdout, r.stderr
     lines = out.read_text().splitlines()
     assert len(lines) == len(set(lines)) == 2000
-    r = subprocess.run([*cmd, "--out", str(out), "--cycle-blocks", "-1"], capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "--out", str(out), "--cycle-blocks", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "--cycle-blocks" in r.stderr and "Traceback" not in r.stderr

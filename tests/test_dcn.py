@@ -32,9 +32,14 @@ def test_forward_and_gradients_match_the_full_rank_formula(has_dense, path, monk
     torch.manual_seed(0)
     b, f, dim = 6, 3, 4
     dense_dim = 5 if has_dense else 0
-    m = DCNv2Interaction(f * dim, dense_dim, num_layers=3, rank=2,
-                         generator=torch.Generator().manual_seed(1),
-                         fused=path != "plain")  # fmt: skip
+    m = DCNv2Interaction(
+        f * dim,
+        dense_dim,
+        num_layers=3,
+        rank=2,
+        generator=torch.Generator().manual_seed(1),
+        fused=path != "plain",
+    )
     with torch.no_grad():
         for bias in m.b:  # nonzero biases, so their gradients are exercised too
             bias.normal_()
@@ -62,8 +67,14 @@ def test_forward_and_gradients_match_the_full_rank_formula(has_dense, path, monk
 def test_dcnv2_trains_like_the_dot_interaction():
     base = ["--train.progress=false", "--train.steps=200", "--data.eval_samples=8192"]
     dot = train(load_config("debug", base), None, echo=lambda *_: None)
-    dcn = train(load_config("debug", [*base, "--model.interaction=dcnv2", "--model.dcn_rank=16",
-                                      "--model.dcn_layers=2"]), None, echo=lambda *_: None)  # fmt: skip
+    dcn = train(
+        load_config(
+            "debug",
+            [*base, "--model.interaction=dcnv2", "--model.dcn_rank=16", "--model.dcn_layers=2"],
+        ),
+        None,
+        echo=lambda *_: None,
+    )
     assert dcn["auc"] > dot["auc"] - 0.01
 
 

@@ -38,8 +38,13 @@ def _check(case, results, world_size):
             ref_w, ref_state = ref_tables[s.feature]
             rect = (slice(s.row_lo, s.row_hi), slice(s.col_lo, s.col_hi))
             where = f"{case} table {s.feature} ({s.kind})"
-            torch.testing.assert_close(weight, ref_w[rect], atol=atol, rtol=1e-4,
-                                       msg=lambda m, where=where: f"{where}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                weight,
+                ref_w[rect],
+                atol=atol,
+                rtol=1e-4,
+                msg=lambda m, where=where: f"{where}: {m}",
+            )
             for name, value in state.items():
                 ref_value = ref_state[name][rect[0]]
                 if value.dim() == 2:

@@ -26,12 +26,15 @@ def _plan(placements, w):
 
 def test_layout_places_every_row_and_column_once():
     names, rows, dims = ["a", "b", "c", "d"], [10, 7, 5, 4], [8, 8, 4, 8]
-    plan = _plan([
-        TablePlacement("a", "row_wise", [0, 1, 2], {}, {}),
-        TablePlacement("b", "column_wise", [2, 0], {}, {}, [3, 5]),
-        TablePlacement("c", "table_wise", [1], {}, {}),
-        TablePlacement("d", "data_parallel", [0, 1, 2], {}, {}),
-    ], 3)  # fmt: skip
+    plan = _plan(
+        [
+            TablePlacement("a", "row_wise", [0, 1, 2], {}, {}),
+            TablePlacement("b", "column_wise", [2, 0], {}, {}, [3, 5]),
+            TablePlacement("c", "table_wise", [1], {}, {}),
+            TablePlacement("d", "data_parallel", [0, 1, 2], {}, {}),
+        ],
+        3,
+    )
     layout = build_layout(names, rows, dims, plan)
     assert layout.dp_features == [3]
     for f in range(3):
@@ -45,8 +48,9 @@ def test_layout_places_every_row_and_column_once():
         # wire order: every rank's shards in global shard order
         assert [s.index for s in rs.shards] == sorted(s.index for s in rs.shards)
     assert not layout.is_identity
-    one = build_layout(names, rows, dims,
-                       _plan([TablePlacement(n, "table_wise", [0], {}, {}) for n in names], 1))  # fmt: skip
+    one = build_layout(
+        names, rows, dims, _plan([TablePlacement(n, "table_wise", [0], {}, {}) for n in names], 1)
+    )
     assert one.is_identity
 
 
@@ -118,9 +122,21 @@ def test_shard_applies_the_plans_tiers(tmp_path):
 
     cfg = load_config("debug", [f"--embedding.ssd_dir={tmp_path}"])
     names = [t.name for t in table_infos(cfg)]
-    plan = _plan([TablePlacement(n, "table_wise", [0], {}, {}, placement="ssd" if i == 2 else "device",
-                                 cache_bytes=4000 if i == 2 else 0)
-                  for i, n in enumerate(names)], 1)  # fmt: skip
+    plan = _plan(
+        [
+            TablePlacement(
+                n,
+                "table_wise",
+                [0],
+                {},
+                {},
+                placement="ssd" if i == 2 else "device",
+                cache_bytes=4000 if i == 2 else 0,
+            )
+            for i, n in enumerate(names)
+        ],
+        1,
+    )
     model = build_model(cfg.model, cfg.embedding, materialize_embeddings=False)
     shard(model, plan, DistContext(), storage_factory(cfg.embedding, None, "auto"))
     tiers = sorted(s.tier for s in model.embeddings.storages())

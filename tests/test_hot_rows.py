@@ -10,8 +10,8 @@ from helpers import assert_resume_identical
 from recscale.config import ConfigError, load_config
 from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage, hot_count
 from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
+from recscale.embedding.sizing import compressed_table_bytes
 from recscale.embedding.storage import DeviceStorage
-from recscale.planner.from_config import compressed_table_bytes
 from recscale.train.data_source import train_batches
 from recscale.train.hot_rows import sample_id_counts, top_ids
 from recscale.train.run import train
@@ -49,8 +49,9 @@ def test_hot_rows_start_from_their_rows_and_train_as_plain_rows(method):
         s.apply_gradients(rows, grad)
         twin.apply_gradients(rows[[1, 3]], grad[[1, 3]])
         plain.apply_gradients(torch.tensor([0, 1]), grad[[0, 2]])
-    torch.testing.assert_close(s.read_rows(torch.tensor([5, 17, 999])),
-                               plain.read_rows(torch.arange(3)), rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        s.read_rows(torch.tensor([5, 17, 999])), plain.read_rows(torch.arange(3)), rtol=0, atol=0
+    )
     cold = torch.tensor([i for i in range(N) if i not in (5, 17, 999)])
     torch.testing.assert_close(s.read_rows(cold), twin.read_rows(cold), rtol=0, atol=0)
     for name, f in s.factors.items():
@@ -70,8 +71,14 @@ def test_planner_counts_hot_rows_as_the_storage_holds_them(method, precision):
     from types import SimpleNamespace
 
     k = hot_count(N, 0.01)
-    cfg = SimpleNamespace(qr_buckets=16, qr_op="mult", tt_rank=3, optimizer="rowwise_adagrad",
-                          row_precision=precision, hot_fraction=0.01)  # fmt: skip
+    cfg = SimpleNamespace(
+        qr_buckets=16,
+        qr_op="mult",
+        tt_rank=3,
+        optimizer="rowwise_adagrad",
+        row_precision=precision,
+        hot_fraction=0.01,
+    )
     make = {"qr": QRStorage, "mixed_dim": MixedDimStorage, "tt": TTStorage}[method]
     knob = {"qr": (16, "mult"), "mixed_dim": (2,), "tt": (3,)}[method]
     s = make(N, D, *knob, SparseRowwiseAdagrad(0.1), precision=precision, hot_rows=k)
@@ -100,17 +107,23 @@ def test_hot_fraction_needs_a_compressed_table_and_a_sane_value():
     for over, key in (
         (["--embedding.hot_fraction=0.1"], "embedding.hot_fraction"),
         (["--embedding.compression=tt", "--embedding.hot_fraction=1.0"], "embedding.hot_fraction"),
-        (["--embedding.compression=tt", "--embedding.hot_sample_rows=0"],
-         "embedding.hot_sample_rows"),
-    ):  # fmt: skip
+        (
+            ["--embedding.compression=tt", "--embedding.hot_sample_rows=0"],
+            "embedding.hot_sample_rows",
+        ),
+    ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config("debug", over)
 
 
 def test_debug_run_with_hot_rows_trains_and_reports_them():
     lines = []
-    over = ["--train.progress=false", "--embedding.compression=tt", "--embedding.tt_rank=2",
-            "--embedding.hot_fraction=0.02"]  # fmt: skip
+    over = [
+        "--train.progress=false",
+        "--embedding.compression=tt",
+        "--embedding.tt_rank=2",
+        "--embedding.hot_fraction=0.02",
+    ]
     hot = train(load_config("debug", over), None, echo=lines.append)
     cold = train(load_config("debug", over[:-1]), None, **QUIET)
     assert any("hot rows:" in ln and "kept exact" in ln for ln in lines), lines

@@ -171,8 +171,10 @@ def test_native_update_rounds_as_the_reference_bit_for_bit(precision):
     the reference's. And the rounding is stochastic: some values end up away from the
     nearest neighbour."""
     n, dim = 64, 16
-    paths = [LowPrecisionStorage(n, dim, SparseSGD(0.5), precision, kernel=k)
-             for k in ("native", "torch")]  # fmt: skip
+    paths = [
+        LowPrecisionStorage(n, dim, SparseSGD(0.5), precision, kernel=k)
+        for k in ("native", "torch")
+    ]
     assert paths[0].backward_kernel() == "native" and paths[1].backward_kernel() == "torch"
     init = _rows_with_every_magnitude(n, dim, 0)
     for s in paths:
@@ -204,15 +206,17 @@ def test_native_update_with_duplicates_matches_the_reference(precision, make_opt
     fp32 bit between the paths, so the stored rows agree within one grid step, the
     fp32 optimizer state to float rounding."""
     n, dim = 30, 16
-    paths = [LowPrecisionStorage(n, dim, make_opt(), precision, kernel=k)
-             for k in ("native", "torch")]  # fmt: skip
+    paths = [
+        LowPrecisionStorage(n, dim, make_opt(), precision, kernel=k) for k in ("native", "torch")
+    ]
     init = torch.randn(n, dim, generator=torch.Generator().manual_seed(3)) * 0.1
     for s in paths:
         s.write_rows(torch.arange(n), init)
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
-        rows = torch.cat([torch.randint(0, 15, (40,), generator=g),
-                          torch.randint(15, 30, (40,), generator=g)])  # fmt: skip
+        rows = torch.cat(
+            [torch.randint(0, 15, (40,), generator=g), torch.randint(15, 30, (40,), generator=g)]
+        )
         segments = torch.tensor([0, 40, 80])
         bag_of_id = torch.randint(0, 10, (80,), generator=g)
         psw = torch.rand(80, generator=g)
@@ -241,8 +245,9 @@ def test_native_lookup_of_16_bit_rows_equals_embedding_bag(precision):
     values = torch.tensor([3, 7, 7, 19, 0, 12, 29, 1, 5])
     offsets = torch.tensor([0, 2, 2, 4, 5, 8, 9])
     psw = torch.rand(9)
-    got = native_pooled_lookup(table, values, offsets, 3, torch.tensor([0, 20]),
-                               torch.tensor([20, 30]), psw)  # fmt: skip
+    got = native_pooled_lookup(
+        table, values, offsets, 3, torch.tensor([0, 20]), torch.tensor([20, 30]), psw
+    )
     pooled, rows, _ = got
     assert torch.equal(rows, values + torch.tensor([0] * 4 + [20] * 5))
     want = ref(rows, offsets[:-1], per_sample_weights=psw)  # bag f*B + b, feature-major

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from recscale.train.metrics import auc, binary_metrics, logloss, normalized_entropy
+from recscale.metrics import auc, binary_metrics, logloss, normalized_entropy
 
 
 def brute_force_auc(scores, labels):

@@ -13,7 +13,8 @@ import torch
 from helpers import make_dataset
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError
-from recscale.data.multihot import MLPERF_BAG_SIZES, bag_of, expand, feature_salts, to_multihot
+from recscale.data.multihot import MLPERF_BAG_SIZES, bag_of, expand, feature_salts
+from recscale.dataprep.multihot import to_multihot
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -24,8 +25,10 @@ F = 26
 def _bags_table(rows: int, seed: int, max_bag: int = 5, hash_size: int = 1000):
     """A multi-hot Parquet table and the bags it holds ([row][feature] -> list of ids)."""
     g = np.random.default_rng(seed)
-    bags = [[g.integers(0, hash_size, g.integers(0, max_bag + 1)).tolist() for _ in range(F)]
-            for _ in range(rows)]  # fmt: skip
+    bags = [
+        [g.integers(0, hash_size, g.integers(0, max_bag + 1)).tolist() for _ in range(F)]
+        for _ in range(rows)
+    ]
     cols = {"label": pa.array(g.integers(0, 2, rows), pa.int64())}
     dense = g.integers(0, 100, (rows, 13))
     for k in range(13):
@@ -37,8 +40,20 @@ def _bags_table(rows: int, seed: int, max_bag: int = 5, hash_size: int = 1000):
 
 def _preprocess(tmp_path, files, *extra):
     out = tmp_path / "mh"
-    cmd = [sys.executable, "-m", "recscale", "data", "preprocess", "--format", "parquet",
-           "--input", *map(str, files), "--out", str(out), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recscale",
+        "data",
+        "preprocess",
+        "--format",
+        "parquet",
+        "--input",
+        *map(str, files),
+        "--out",
+        str(out),
+        *extra,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     return r, out
 
@@ -151,8 +166,10 @@ def test_rule_layout_gives_the_batches_of_the_ids_layout(tmp_path, onehot):
         to_multihot(onehot, tmp_path / layout, sizes, seed=3, layout=layout, echo=lambda _m: None)
     rule, ids = (BinaryDataset(tmp_path / n, "train") for n in ("rule", "ids"))
     assert rule.meta["splits"]["train"]["ids"] == ids.meta["splits"]["train"]["ids"]
-    on_disk = {n: sum(p.stat().st_size for p in (tmp_path / n).rglob("*.*") if p.is_file())
-               for n in ("rule", "ids")}  # fmt: skip
+    on_disk = {
+        n: sum(p.stat().st_size for p in (tmp_path / n).rglob("*.*") if p.is_file())
+        for n in ("rule", "ids")
+    }
     assert on_disk["rule"] < on_disk["ids"] / 2
     for rank in (0, 1):
         kw = dict(shuffle=True, seed=4, block_rows=700, rank=rank, world_size=2)
@@ -160,8 +177,10 @@ def test_rule_layout_gives_the_batches_of_the_ids_layout(tmp_path, onehot):
         for a, b in zip(*(list(zip(range(12), BatchLoader(ds, 256, **kw))) for ds in (rule, ids))):
             for name in ("dense", "values", "offsets", "labels"):
                 assert torch.equal(getattr(a[1], name), getattr(b[1], name)), name
-        resumed = [list(zip(range(8), BatchLoader(ds, 256, position=pos[n], **kw)))
-                   for n, ds in (("rule", rule), ("ids", ids))]  # fmt: skip
+        resumed = [
+            list(zip(range(8), BatchLoader(ds, 256, position=pos[n], **kw)))
+            for n, ds in (("rule", rule), ("ids", ids))
+        ]
         for (_, a), (_, b) in zip(*resumed):
             assert torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
 
@@ -169,8 +188,10 @@ def test_rule_layout_gives_the_batches_of_the_ids_layout(tmp_path, onehot):
 def test_rule_layout_refuses_broken_metadata(tmp_path, onehot):
     to_multihot(onehot, tmp_path / "mh", [2], seed=0, echo=lambda _m: None)
     meta = json.loads((tmp_path / "mh/metadata.json").read_text())
-    for bad, match in (({"bag_sizes": [2, 2]}, "without valid bag_sizes"),
-                       ({"multi_hot_layout": "packed"}, "unknown multi_hot_layout")):  # fmt: skip
+    for bad, match in (
+        ({"bag_sizes": [2, 2]}, "without valid bag_sizes"),
+        ({"multi_hot_layout": "packed"}, "unknown multi_hot_layout"),
+    ):
         (tmp_path / "mh/metadata.json").write_text(json.dumps({**meta, **bad}))
         with pytest.raises(DatasetError, match=match):
             BinaryDataset(tmp_path / "mh", "train")
@@ -206,15 +227,43 @@ def test_multihot_cli_refuses_bad_sizes_and_multi_hot_input(tmp_path, onehot):
 def test_train_and_eval_on_multi_hot(tmp_path, onehot):
     to_multihot(onehot, tmp_path / "mh", [2] * F, echo=lambda _m: None)
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "recscale", "train", "--config", "debug",
-                        "--data.path", str(tmp_path / "mh"), "--train.steps=15",
-                        "--train.progress=false", "--data.eval_split=train", "--run-dir", str(run)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "train",
+            "--config",
+            "debug",
+            "--data.path",
+            str(tmp_path / "mh"),
+            "--train.steps=15",
+            "--train.progress=false",
+            "--data.eval_split=train",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads((run / "metrics.json").read_text())
     assert m["count"] == 3000 and m["steps"] == 15 and np.isfinite(m["logloss"])
-    r = subprocess.run([sys.executable, "-m", "recscale", "eval", "--model", str(run), "--split",
-                        "train", "--json"], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "eval",
+            "--model",
+            str(run),
+            "--split",
+            "train",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
 

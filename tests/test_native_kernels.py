@@ -510,9 +510,10 @@ def test_native_narrow_forward_matches_fp64_reference(
     ],
 )
 @pytest.mark.parametrize(
-    "onednn,native_wgrad", [(True, True), (True, False), (False, False)],
+    "onednn,native_wgrad",
+    [(True, True), (True, False), (False, False)],
     ids=["onednn-native", "onednn", "mkl"],
-)  # fmt: skip
+)
 def test_fused_mlp_matches_sequential(
     in_dim, widths, final_relu, input_grad, onednn, native_wgrad, monkeypatch
 ):

@@ -67,8 +67,23 @@ def test_calibration_round_trip_and_plan_prints_the_prediction(tmp_path):
     path = tmp_path / "cal.json"
     _unit_calibration(step_overhead=0.001).save(path)
     assert Calibration.load(path).laws["lookup"].coef[0] == 1e-9
-    r = subprocess.run([sys.executable, "-m", "recscale", "plan", "--config", "debug", "--world-size", "1",
-                        "--calibration", str(path), "--json"], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "plan",
+            "--config",
+            "debug",
+            "--world-size",
+            "1",
+            "--calibration",
+            str(path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     want = predict(load_config("debug"), Calibration.load(path))
@@ -114,8 +129,9 @@ def test_table_wise_slowest_rank_sets_the_step_and_memory_is_per_rank():
     cfg = load_config("debug")
     tables = table_infos(cfg)
     # every table on rank 1: rank 0 has no embedding work
-    plan = ShardingPlan(2, [TablePlacement(t.name, "table_wise", [1], {}, {}) for t in tables],
-                        [0, 0], [0.0, 0.0])  # fmt: skip
+    plan = ShardingPlan(
+        2, [TablePlacement(t.name, "table_wise", [1], {}, {}) for t in tables], [0, 0], [0.0, 0.0]
+    )
     p = predict(cfg, _with_collectives(_unit_calibration()), world_size=2, plan=plan)
     assert p.slowest_rank == 1
     assert p.embedding_bytes == sum(t.bytes for t in tables)
@@ -148,9 +164,24 @@ def test_plan_uses_the_calibrations_costs(tmp_path):
     _with_collectives(_unit_calibration(), per_byte=1e-6).save(slow)
 
     def plan(path):
-        r = subprocess.run([sys.executable, "-m", "recscale", "plan", "--config", "default",
-                            "--world-size", "4", "--train.batch_size=4096", "--calibration", str(path), "--json"],
-                           capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "recscale",
+                "plan",
+                "--config",
+                "default",
+                "--world-size",
+                "4",
+                "--train.batch_size=4096",
+                "--calibration",
+                str(path),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 

@@ -104,8 +104,11 @@ def test_cli_plan_json_and_error():
 
 
 def test_ssd_tier_takes_the_largest_tables_when_memory_is_short():
-    tables = [TableInfo("big", 40_000_000, 128), TableInfo("mid", 2_000_000, 128),
-              TableInfo("small", 1000, 128)]  # fmt: skip
+    tables = [
+        TableInfo("big", 40_000_000, 128),
+        TableInfo("mid", 2_000_000, 128),
+        TableInfo("small", 1000, 128),
+    ]
     topo = Topology(1, 16 * GB, ssd_per_rank=200 * GB)  # big is 20.6 GB
     plan = plan_sharding(tables, topo, Constraints(batch_size=2048, ssd_cache_fraction=0.1))
     where = {p.table: p for p in plan.placements}
@@ -129,8 +132,11 @@ def test_ssd_tier_takes_the_largest_tables_when_memory_is_short():
 
 
 def test_gpu_runs_use_host_memory_before_ssd():
-    tables = [TableInfo("big", 40_000_000, 128), TableInfo("big2", 39_000_000, 128),
-              TableInfo("mid", 2_000_000, 128)]  # fmt: skip
+    tables = [
+        TableInfo("big", 40_000_000, 128),
+        TableInfo("big2", 39_000_000, 128),
+        TableInfo("mid", 2_000_000, 128),
+    ]
     topo = Topology(1, 16 * GB, ssd_per_rank=200 * GB, host_per_rank=25 * GB)
     plan = plan_sharding(tables, topo, Constraints(batch_size=2048))
     where = {p.table: p.placement for p in plan.placements}

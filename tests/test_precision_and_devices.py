@@ -51,8 +51,13 @@ def test_cuda_host_tier_trains_like_device_memory(device, tmp_path):
         pytest.skip("RECSCALE_TEST_DEVICE is not cuda")
     args = [*FAST, "--train.device=cuda"]
     hbm = train(load_config("debug", args), None, **QUIET)
-    host = train(load_config("debug", [*args, "--embedding.placement=host",
-                                       "--embedding.cache_bytes=120000"]), None, **QUIET)  # fmt: skip
+    host = train(
+        load_config(
+            "debug", [*args, "--embedding.placement=host", "--embedding.cache_bytes=120000"]
+        ),
+        None,
+        **QUIET,
+    )
     assert host["embedding_cache"]["hit_rate"] < 1.0
     assert host["auc"] == pytest.approx(hbm["auc"], abs=2e-3)
 
@@ -92,9 +97,24 @@ def test_cuda_without_cuda_is_one_line_naming_the_key(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    r = subprocess.run([sys.executable, "-m", "recscale", "train", "--config", "debug",
-                        "--train.device=cuda", "--train.steps=2", "--run-dir", str(tmp_path / "r")],
-                       capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "train",
+            "--config",
+            "debug",
+            "--train.device=cuda",
+            "--train.steps=2",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

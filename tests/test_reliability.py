@@ -30,8 +30,9 @@ BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"
 
 
 def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recscale", *args], capture_output=True,
-                          text=True, timeout=120, **kw)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "recscale", *args], capture_output=True, text=True, timeout=120, **kw
+    )
 
 
 def _one_line_error(err: str) -> str:
@@ -150,8 +151,9 @@ def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
         meta["table_sizes"] = meta["table_sizes"][:20]
         (ds / "metadata.json").write_text(json.dumps(meta))
         match = "20 table sizes for 26"
-    r = _cli("train", "--config", "debug", *BASE, f"--data.path={ds}", "--run-dir",
-             str(tmp_path / "run"))  # fmt: skip
+    r = _cli(
+        "train", "--config", "debug", *BASE, f"--data.path={ds}", "--run-dir", str(tmp_path / "run")
+    )
     assert r.returncode == 1, r.stderr
     assert match in _one_line_error(r.stderr)
 
@@ -159,11 +161,24 @@ def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
 def test_sigterm_stops_like_ctrl_c(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "recscale", "train", "--config", "debug", "--train.steps=1000000",
-         "--train.log_every=5", "--checkpoint.every_steps=1000", "--run-dir", str(run)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "recscale",
+            "train",
+            "--config",
+            "debug",
+            "--train.steps=1000000",
+            "--train.log_every=5",
+            "--checkpoint.every_steps=1000",
+            "--run-dir",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+    )
     log = run / "train_log.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline and not (log.exists() and log.stat().st_size > 0):
@@ -180,8 +195,15 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
 
 def test_a_manifest_whose_parent_is_itself_does_not_loop(tmp_path):
     run = tmp_path / "run"
-    cfg = load_config("debug", [*BASE, "--checkpoint.every_steps=10", "--checkpoint.full_every=4",
-                                "--checkpoint.full_if_fraction=1.0"])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            *BASE,
+            "--checkpoint.every_steps=10",
+            "--checkpoint.full_every=4",
+            "--checkpoint.full_if_fraction=1.0",
+        ],
+    )
     train(cfg, run, **QUIET)
     inc = checkpoint_dirs(run / "checkpoints")[-1]
     assert inc.name.endswith(".inc")
@@ -200,15 +222,18 @@ def test_a_manifest_whose_parent_is_itself_does_not_loop(tmp_path):
 @pytest.mark.parametrize("flag", ["--embedding.optimizer=adam", "--optimizer.name=sgd"])
 def test_resume_with_another_optimizer_says_so(tmp_path, flag):
     run = tmp_path / "run"
-    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10", "--optimizer.name=adam"]),
-          run, **QUIET)  # fmt: skip
+    train(
+        load_config("debug", [*BASE, "--checkpoint.every_steps=10", "--optimizer.name=adam"]),
+        run,
+        **QUIET,
+    )
     r = _cli("train", "--resume", str(run), flag, "--train.steps=30")
     assert r.returncode == 1
     assert "resume with the" in _one_line_error(r.stderr)
 
 
 def _synth(tmp_path: Path, name: str = "in.tsv", lines: int = 300) -> Path:
-    from recscale.data.criteo_tsv_writer import synthetic_lines
+    from recscale.dataprep.criteo_tsv import synthetic_lines
 
     src = tmp_path / name
     src.write_text("\n".join(synthetic_lines(lines, seed=5)) + "\n")
@@ -229,8 +254,19 @@ def test_preprocess_never_deletes_what_is_not_a_dataset(tmp_path, where, monkeyp
         out = work
     else:
         out = Path("..") if where == "parent" else Path(".")
-    r = _cli("data", "preprocess", "--input", str(src), "--out", str(out), "--split", "none",
-             "--hash-size", "100", cwd=work)  # fmt: skip
+    r = _cli(
+        "data",
+        "preprocess",
+        "--input",
+        str(src),
+        "--out",
+        str(out),
+        "--split",
+        "none",
+        "--hash-size",
+        "100",
+        cwd=work,
+    )
     assert r.returncode == 1, r.stderr
     _one_line_error(r.stderr)
     assert src.exists() and work.exists()
@@ -239,11 +275,15 @@ def test_preprocess_never_deletes_what_is_not_a_dataset(tmp_path, where, monkeyp
 
 
 def test_replacing_a_dataset_keeps_the_old_one_if_the_swap_fails(tmp_path, monkeypatch):
-    from recscale.data import preprocess as pp
+    from recscale.dataprep import preprocess as pp
 
     src = _synth(tmp_path)
-    opts = lambda: pp.PreprocessOptions(inputs=[src], out=tmp_path / "ds", split="none",  # noqa: E731
-                                        hash_sizes=[100])  # fmt: skip
+
+    def opts():
+        return pp.PreprocessOptions(
+            inputs=[src], out=tmp_path / "ds", split="none", hash_sizes=[100]
+        )
+
     pp.preprocess(opts(), echo=lambda _m: None)
     before = (tmp_path / "ds" / "metadata.json").read_text()
     real = os.replace
@@ -263,11 +303,32 @@ def test_replacing_a_dataset_keeps_the_old_one_if_the_swap_fails(tmp_path, monke
 
 def test_test_files_need_by_file_and_by_file_needs_a_train_input(tmp_path):
     a, b = _synth(tmp_path, "a.tsv"), _synth(tmp_path, "b.tsv")
-    r = _cli("data", "preprocess", "--input", str(a), str(b), "--out", str(tmp_path / "ds"),
-             "--test", str(b), "--hash-size", "100")  # fmt: skip
+    r = _cli(
+        "data",
+        "preprocess",
+        "--input",
+        str(a),
+        str(b),
+        "--out",
+        str(tmp_path / "ds"),
+        "--test",
+        str(b),
+        "--hash-size",
+        "100",
+    )
     assert r.returncode == 1 and "add --split by-file" in _one_line_error(r.stderr)
-    r = _cli("data", "preprocess", "--input", str(a), "--out", str(tmp_path / "ds"),
-             "--split", "by-file", "--hash-size", "100")  # fmt: skip
+    r = _cli(
+        "data",
+        "preprocess",
+        "--input",
+        str(a),
+        "--out",
+        str(tmp_path / "ds"),
+        "--split",
+        "by-file",
+        "--hash-size",
+        "100",
+    )
     assert r.returncode == 1 and "no input for training" in _one_line_error(r.stderr)
     assert not (tmp_path / "ds.tmp").exists() and not (tmp_path / "ds").exists()
 
@@ -283,8 +344,16 @@ def test_tables_beyond_memory_fail_in_a_second_naming_the_fixes():
 
 def test_epochs_give_the_steps_and_do_not_mix_with_steps(tmp_path):
     ds = make_dataset(tmp_path, 1000, seed=3, hash_size=50)
-    cfg = load_config("debug", [*BASE[:2], f"--data.path={ds}", "--data.eval_split=train",
-                                "--train.epochs=2", "--train.batch_size=128"])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            *BASE[:2],
+            f"--data.path={ds}",
+            "--data.eval_split=train",
+            "--train.epochs=2",
+            "--train.batch_size=128",
+        ],
+    )
     m = train(cfg, tmp_path / "run", **QUIET)
     assert m["steps"] == -(-2 * 1000 // 128)  # ceil(2 x rows / batch)
     saved = load_config(str(tmp_path / "run" / "config.toml"))  # reloads: steps recorded
@@ -297,8 +366,11 @@ def test_epochs_give_the_steps_and_do_not_mix_with_steps(tmp_path):
 
 def test_an_empty_manifest_is_invalid_and_resume_falls_back(tmp_path):
     run = tmp_path / "run"
-    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10",
-                                "--checkpoint.full_every=1"]), run, **QUIET)  # fmt: skip
+    train(
+        load_config("debug", [*BASE, "--checkpoint.every_steps=10", "--checkpoint.full_every=1"]),
+        run,
+        **QUIET,
+    )
     newest = checkpoint_dirs(run / "checkpoints")[-1]
     (newest / "manifest.json").write_text("{}")
     messages: list[str] = []
@@ -312,8 +384,9 @@ def test_an_empty_manifest_is_invalid_and_resume_falls_back(tmp_path):
 
 def test_default_hash_sizes_fit_the_data(tmp_path):
     src = _synth(tmp_path, lines=500)
-    r = _cli("data", "preprocess", "--input", str(src), "--out", str(tmp_path / "ds"),
-             "--split", "none")  # fmt: skip
+    r = _cli(
+        "data", "preprocess", "--input", str(src), "--out", str(tmp_path / "ds"), "--split", "none"
+    )
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "ds" / "metadata.json").read_text())
     assert max(meta["table_sizes"]) <= 4 * 500 and meta["hash_sizes"] == meta["table_sizes"]
@@ -322,26 +395,44 @@ def test_default_hash_sizes_fit_the_data(tmp_path):
 def test_an_ssd_dir_that_cannot_be_created_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    r = _cli("train", "--config", "debug", *BASE, "--embedding.placement=ssd",
-             f"--embedding.ssd_dir={blocker / 'sub'}", "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    r = _cli(
+        "train",
+        "--config",
+        "debug",
+        *BASE,
+        "--embedding.placement=ssd",
+        f"--embedding.ssd_dir={blocker / 'sub'}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 1 and "ssd_dir" in _one_line_error(r.stderr)
 
 
 def test_a_failing_final_evaluation_keeps_the_trained_model(tmp_path):
     """An out-of-range id in the test split fails the final evaluation, one line, after
     the trained model (the final checkpoint) is already written."""
-    from recscale.data.preprocess import PreprocessOptions, preprocess
+    from recscale.dataprep.preprocess import PreprocessOptions, preprocess
 
     src = _synth(tmp_path, lines=700)
-    preprocess(PreprocessOptions(inputs=[src], out=tmp_path / "ds", hash_sizes=[100],
-                                 split="kaggle"), echo=lambda _m: None)  # fmt: skip
+    preprocess(
+        PreprocessOptions(inputs=[src], out=tmp_path / "ds", hash_sizes=[100], split="kaggle"),
+        echo=lambda _m: None,
+    )
     sparse = tmp_path / "ds" / "test" / "sparse.i32"
     ids = np.fromfile(sparse, np.int32)
     ids[5] = 10_000  # table C6 has 100 rows
     ids.tofile(sparse)
     run = tmp_path / "run"
-    r = _cli("train", "--config", "debug", *BASE, f"--data.path={tmp_path / 'ds'}",
-             "--data.eval_split=test", "--run-dir", str(run))  # fmt: skip
+    r = _cli(
+        "train",
+        "--config",
+        "debug",
+        *BASE,
+        f"--data.path={tmp_path / 'ds'}",
+        "--data.eval_split=test",
+        "--run-dir",
+        str(run),
+    )
     assert r.returncode == 1 and "outside its table" in _one_line_error(r.stderr)
     chain = resolve_chain(run, echo=lambda _m: None)
     assert chain[-1].name == "step_00000020"
@@ -385,8 +476,9 @@ def test_a_signal_mid_update_ends_the_run_at_that_step_boundary(
     (got,), (want,) = ((tmp_path / r / "checkpoints").iterdir() for r in ("a", "b"))
     assert got.name == want.name == "step_00000003"
     parts = sorted(p.relative_to(want) for p in (want / "parts").rglob("*") if p.is_file())
-    assert parts and parts == sorted(p.relative_to(got) for p in (got / "parts").rglob("*")
-                                     if p.is_file())  # fmt: skip
+    assert parts and parts == sorted(
+        p.relative_to(got) for p in (got / "parts").rglob("*") if p.is_file()
+    )
     for part in parts:  # every table row and optimizer state, byte for byte
         assert (got / part).read_bytes() == (want / part).read_bytes(), part
     dense_got, dense_want = load_dense(got), load_dense(want)

@@ -44,16 +44,27 @@ def test_schedule_keys_are_checked():
     with pytest.raises(ConfigError, match="optimizer.decay"):
         load_config("debug", ["--optimizer.decay=cosine"])
     with pytest.raises(ConfigError, match="optimizer.decay_start"):
-        load_config("debug", ["--optimizer.warmup_steps=100", "--optimizer.decay_steps=10",
-                              "--optimizer.decay_start=50"])  # fmt: skip
+        load_config(
+            "debug",
+            [
+                "--optimizer.warmup_steps=100",
+                "--optimizer.decay_steps=10",
+                "--optimizer.decay_start=50",
+            ],
+        )
     with pytest.raises(ConfigError, match="train.target_auc.*eval_every"):
         load_config("debug", ["--train.target_auc=0.8"])
 
 
 def test_training_stops_at_the_target_auc_and_reports_the_time():
     quiet = dict(echo=lambda *_: None)
-    base = ["--train.progress=false", "--data.eval_samples=8192", "--train.steps=3000",
-            "--train.eval_every=50", "--optimizer.warmup_steps=20"]  # fmt: skip
+    base = [
+        "--train.progress=false",
+        "--data.eval_samples=8192",
+        "--train.steps=3000",
+        "--train.eval_every=50",
+        "--optimizer.warmup_steps=20",
+    ]
     m = train(load_config("debug", [*base, "--train.target_auc=0.85"]), None, **quiet)
     assert m["target_reached_step"] is not None and m["steps"] == m["target_reached_step"] < 3000
     assert m["steps"] % 50 == 0 and m["time_to_target_s"] > 0

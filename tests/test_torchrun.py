@@ -16,10 +16,22 @@ import torch
 from recscale.config import load_config
 from recscale.train.run import train
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1"]  # fmt: skip
-ARGS = ["-m", "recscale", "train", "--config", "debug", "--train.progress=false",
-        "--data.max_ids_per_feature=2"]  # fmt: skip
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--nproc_per_node=2",
+    "--master_addr=127.0.0.1",
+]
+ARGS = [
+    "-m",
+    "recscale",
+    "train",
+    "--config",
+    "debug",
+    "--train.progress=false",
+    "--data.max_ids_per_feature=2",
+]
 
 
 def _env():
@@ -40,8 +52,11 @@ def test_two_ranks_train_like_one(tmp_path: Path):
     run = tmp_path / "run"
     out = subprocess.run(
         TORCHRUN + _free_port_args() + ARGS + ["--train.steps=60", "--run-dir", str(run)],
-        capture_output=True, text=True, env=_env(), timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
     metrics = json.loads((run / "metrics.json").read_text())
@@ -49,8 +64,15 @@ def test_two_ranks_train_like_one(tmp_path: Path):
     log = (run / "train_log.jsonl").read_text().splitlines()
     assert len(log) == 60 // 25 + 1  # written once, by rank 0
 
-    cfg = load_config("debug", ["--train.steps=60", "--train.progress=false",
-                                "--data.max_ids_per_feature=2", "--train.save_model=false"])  # fmt: skip
+    cfg = load_config(
+        "debug",
+        [
+            "--train.steps=60",
+            "--train.progress=false",
+            "--data.max_ids_per_feature=2",
+            "--train.save_model=false",
+        ],
+    )
     cfg.train.device = _ranks_device()
     single = train(cfg, None, echo=lambda _m: None)
     assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
@@ -74,10 +96,21 @@ def _children(pid: int) -> list[int]:
 def test_killed_rank_fails_the_job(tmp_path: Path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        TORCHRUN + _free_port_args() + ARGS + ["--train.steps=1000000", "--train.log_every=1",
-                                               "--distributed.timeout_s=30", "--run-dir", str(run)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-    )  # fmt: skip
+        TORCHRUN
+        + _free_port_args()
+        + ARGS
+        + [
+            "--train.steps=1000000",
+            "--train.log_every=1",
+            "--distributed.timeout_s=30",
+            "--run-dir",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     try:
         deadline = time.monotonic() + 120
         while (
@@ -103,11 +136,20 @@ def test_killed_rank_fails_the_job(tmp_path: Path):
 def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path: Path):
     """Tiers under sharding: each rank's shards on its own file and cache; the same AUC
     as one process with the same placement; the final checkpoint resumes."""
-    tier = ["--embedding.placement=ssd", f"--embedding.ssd_dir={tmp_path / 'ssd'}",
-            "--embedding.cache_bytes=150000", "--train.steps=60"]  # fmt: skip
+    tier = [
+        "--embedding.placement=ssd",
+        f"--embedding.ssd_dir={tmp_path / 'ssd'}",
+        "--embedding.cache_bytes=150000",
+        "--train.steps=60",
+    ]
     run = tmp_path / "run"
-    out = subprocess.run(TORCHRUN + _free_port_args() + ARGS + tier + ["--run-dir", str(run)],
-                         capture_output=True, text=True, env=_env(), timeout=300)  # fmt: skip
+    out = subprocess.run(
+        TORCHRUN + _free_port_args() + ARGS + tier + ["--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["embedding_cache"]["lookups"] > 0

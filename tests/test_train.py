@@ -182,7 +182,13 @@ def test_interrupt_with_checkpointing_saves_a_resumable_checkpoint(tmp_path, mon
     assert metrics["checkpoints"]["last"] == "step_00000033"
     assert any("no evaluation" in line for line in lines)
     monkeypatch.setattr(SyntheticCriteo, "batch", original)
-    resumed = train(load_config("debug", ["--train.progress=false", "--checkpoint.every_steps=20", "--train.steps=50"]),
-                    tmp_path, resume=tmp_path, echo=lines.append)  # fmt: skip
+    resumed = train(
+        load_config(
+            "debug", ["--train.progress=false", "--checkpoint.every_steps=20", "--train.steps=50"]
+        ),
+        tmp_path,
+        resume=tmp_path,
+        echo=lines.append,
+    )
     assert resumed["resumed_from_step"] == 33 and resumed["auc"] > 0.7
     assert any(line.startswith("eval on") for line in lines)

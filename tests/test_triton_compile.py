@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton n
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=600, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
 
 
 def test_every_kernel_variant_compiles_for_hopper_and_ampere():

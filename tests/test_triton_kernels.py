@@ -54,11 +54,17 @@ def test_lookup_matches_embedding_bag(tk, device, dim, weighted):
 
 def _dense_reference(optimizer: str, weight, ids, offsets, psw, grads, lr):
     """K steps of nn.EmbeddingBag + a torch optimizer (dense gradient of the whole table)."""
-    bag = torch.nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum",
-                                                include_last_offset=True,
-                                                sparse=optimizer == "adam")  # fmt: skip
-    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr),
-           "adam": lambda p: torch.optim.SparseAdam(p, lr=lr)}[optimizer](bag.parameters())  # fmt: skip
+    bag = torch.nn.EmbeddingBag.from_pretrained(
+        weight.clone(),
+        freeze=False,
+        mode="sum",
+        include_last_offset=True,
+        sparse=optimizer == "adam",
+    )
+    opt = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=lr),
+        "adam": lambda p: torch.optim.SparseAdam(p, lr=lr),
+    }[optimizer](bag.parameters())
     for g in grads:
         opt.zero_grad()
         (bag(ids, offsets, per_sample_weights=psw) * g).sum().backward()
@@ -71,16 +77,19 @@ def test_fused_update_matches_dense_torch_optimizers(tk, device, optimizer):
     rows, dim, lr, steps = 60, 16, 0.05, 3
     ids, offsets, psw, bag_of_id = _bags(40, rows, device, max_len=5, seed=1)
     weight0 = torch.randn(rows, dim, generator=torch.Generator().manual_seed(2)).to(device)
-    grads = [torch.randn(40, dim, generator=torch.Generator().manual_seed(10 + k)).to(device)
-             for k in range(steps)]  # fmt: skip
+    grads = [
+        torch.randn(40, dim, generator=torch.Generator().manual_seed(10 + k)).to(device)
+        for k in range(steps)
+    ]
     opt = SparseSGD(lr) if optimizer == "sgd" else SparseAdam(lr)
     weight = weight0.clone()
     state = {k: torch.zeros(rows, *s, device=device) for k, s in opt.state_shapes(dim).items()}
     dirty = torch.zeros(rows, dtype=torch.bool, device=device)
     for k, g in enumerate(grads):
         tk.fused_update(opt, weight, state, ids, bag_of_id, psw, g, k + 1, dirty)
-    ref = _dense_reference(optimizer, weight0.cpu(), ids.cpu(), offsets.cpu(), psw.cpu(),
-                           [g.cpu() for g in grads], lr)  # fmt: skip
+    ref = _dense_reference(
+        optimizer, weight0.cpu(), ids.cpu(), offsets.cpu(), psw.cpu(), [g.cpu() for g in grads], lr
+    )
     torch.testing.assert_close(weight.cpu(), ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(dirty.cpu(), torch.isin(torch.arange(rows), ids.cpu()))
 
@@ -114,8 +123,14 @@ def test_training_with_triton_kernels_equals_the_torch_path(tk, device, optimize
     tables = [TableSpec(f"C{i}", n, 8) for i, n in enumerate([30, 5, 80])]
     out = {}
     for kernel in ("torch", "triton"):
-        ebc = EmbeddingBagCollection(tables, "mean", lambda: build_sparse_optimizer(cfg.embedding),
-                                     device=device, seed=1, kernel=kernel)  # fmt: skip
+        ebc = EmbeddingBagCollection(
+            tables,
+            "mean",
+            lambda: build_sparse_optimizer(cfg.embedding),
+            device=device,
+            seed=1,
+            kernel=kernel,
+        )
         for step in range(4):
             batch = random_jagged([t.num_rows for t in tables], 16, seed=step).to(device)
             pooled = ebc(batch.values, batch.offsets, batch.batch_size)

@@ -1,8 +1,7 @@
 """recscale: fast training of deep learning recommendation models.
 
-Layers (imports point down only)::
-
-    cli/ -> train/ -> models/ -> modules/ -> embedding/ -> data/ -> config/
+Packages are layered (imports point down only); the order is stated once, in
+docs/architecture.md ("Layers"), and enforced by tests/test_import_layers.py.
 """
 
 import os

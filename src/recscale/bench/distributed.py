@@ -89,8 +89,9 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
     }
 
 
-def run_pipeline_bench(cfg: Config, world_size: int, steps: int, warmup: int,
-                       threads: int) -> dict[str, Any]:  # fmt: skip
+def run_pipeline_bench(
+    cfg: Config, world_size: int, steps: int, warmup: int, threads: int
+) -> dict[str, Any]:
     if not cfg.distributed.memory_per_rank_gb:
         mem = default_memory_per_rank(torch.device("cpu"), world_size)
         cfg.distributed.memory_per_rank_gb = mem / 1e9
@@ -122,8 +123,10 @@ def format_pipeline_report(name: str, r: dict[str, Any]) -> str:
         f"{name}: {r['world_size']} ranks x {r['threads_per_rank']} threads, global batch "
         f"{r['batch_size']}, sharding {', '.join(r['sharding'])}\n"
         f"  stages (ms, rank 0, sequential): {st}\n"
-        f"  sequential: {r['sequential_step_ms']:.2f} ms/step  {r['sequential_samples_per_s']:,.0f} samples/s\n"
-        f"  pipelined:  {r['pipelined_step_ms']:.2f} ms/step  {r['pipelined_samples_per_s']:,.0f} samples/s "
+        f"  sequential: {r['sequential_step_ms']:.2f} ms/step  "
+        f"{r['sequential_samples_per_s']:,.0f} samples/s\n"
+        f"  pipelined:  {r['pipelined_step_ms']:.2f} ms/step  {r['pipelined_samples_per_s']:,.0f} "
+        "samples/s "
         f"(x{r['speedup']:.2f})\n"
         f"  bound (input dist fully hidden): {r['ideal_pipelined_step_ms']:.2f} ms/step  "
         f"{r['bound_samples_per_s']:,.0f} samples/s; pipelined reaches "

@@ -99,10 +99,18 @@ def measure_gather_gbps(table: torch.Tensor, lookups: int = 1 << 16, repeats: in
         lookups = max(lookups, 1 << 22)  # enough work to fill the GPU
     out = torch.empty(lookups, dim, dtype=table.dtype, device=table.device)
     warmup = 2
-    ids = iter([torch.randint(0, rows, (lookups,), device=table.device)
-                for _ in range(2 * (warmup + repeats))])  # fmt: skip
-    secs = _best_seconds(lambda: torch.index_select(table, 0, next(ids), out=out), repeats,
-                         warmup, device=table.device)  # fmt: skip
+    ids = iter(
+        [
+            torch.randint(0, rows, (lookups,), device=table.device)
+            for _ in range(2 * (warmup + repeats))
+        ]
+    )
+    secs = _best_seconds(
+        lambda: torch.index_select(table, 0, next(ids), out=out),
+        repeats,
+        warmup,
+        device=table.device,
+    )
     row_bytes = dim * table.element_size()
     gbps = lookups * row_bytes / secs / 1e9
     native_gather = _native_gather(table, lookups)

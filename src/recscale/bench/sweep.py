@@ -31,11 +31,28 @@ from typing import Any
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
 
-STAGE_COLUMNS = ("data", "lookup", "bottom_mlp", "interaction", "top_mlp", "backward",
-                 "sparse", "dense_opt", "communication")  # fmt: skip
-RESULT_COLUMNS = ("samples_per_s", "bound_samples_per_s", "ratio_to_bound", "ms_per_step",
-                  *(f"{s}_ms" for s in STAGE_COLUMNS), "peak_rss_bytes", "peak_device_bytes",
-                  "device", "error")  # fmt: skip
+STAGE_COLUMNS = (
+    "data",
+    "lookup",
+    "bottom_mlp",
+    "interaction",
+    "top_mlp",
+    "backward",
+    "sparse",
+    "dense_opt",
+    "communication",
+)
+RESULT_COLUMNS = (
+    "samples_per_s",
+    "bound_samples_per_s",
+    "ratio_to_bound",
+    "ms_per_step",
+    *(f"{s}_ms" for s in STAGE_COLUMNS),
+    "peak_rss_bytes",
+    "peak_device_bytes",
+    "device",
+    "error",
+)
 
 
 def point_overrides(config: str | None, point: dict[str, str]) -> list[str]:
@@ -83,26 +100,41 @@ def _row(point: dict[str, str], r: dict[str, Any] | None, error: str = "") -> di
         return row
     stages = {**r.get("stage_detail_ms", {}), **r["stage_ms"]}
     stages.setdefault("communication", 0.0)  # one process: no collectives
-    row.update({
-        "samples_per_s": round(r["samples_per_s"], 1),
-        "bound_samples_per_s": round(r["bound_samples_per_s"], 1),
-        "ratio_to_bound": round(r["ratio_to_bound"], 4),
-        "ms_per_step": round(r["ms_per_step"], 4),
-        **{f"{s}_ms": round(float(stages.get(s, 0.0)), 4) for s in STAGE_COLUMNS},
-        "peak_rss_bytes": r["peak_rss_bytes"],
-        "peak_device_bytes": r.get("peak_device_bytes") or "",
-        "device": r.get("device", "cpu"),
-        "error": "",
-    })  # fmt: skip
+    row.update(
+        {
+            "samples_per_s": round(r["samples_per_s"], 1),
+            "bound_samples_per_s": round(r["bound_samples_per_s"], 1),
+            "ratio_to_bound": round(r["ratio_to_bound"], 4),
+            "ms_per_step": round(r["ms_per_step"], 4),
+            **{f"{s}_ms": round(float(stages.get(s, 0.0)), 4) for s in STAGE_COLUMNS},
+            "peak_rss_bytes": r["peak_rss_bytes"],
+            "peak_device_bytes": r.get("peak_device_bytes") or "",
+            "device": r.get("device", "cpu"),
+            "error": "",
+        }
+    )
     return row
 
 
-def run_point(config: str | None, point: dict[str, str], steps: int, warmup: int,
-              extra: list[str]) -> dict[str, Any]:  # fmt: skip
+def run_point(
+    config: str | None, point: dict[str, str], steps: int, warmup: int, extra: list[str]
+) -> dict[str, Any]:
     """One ``recscale bench throughput --json`` in a fresh process; its result or error."""
-    cmd = [sys.executable, "-m", "recscale", "bench", "throughput", "--json",
-           "--steps", str(steps), "--warmup", str(warmup), *(["--config", config] if config else []),
-           *extra, *point_overrides(config, point)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recscale",
+        "bench",
+        "throughput",
+        "--json",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        *(["--config", config] if config else []),
+        *extra,
+        *point_overrides(config, point),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
@@ -170,8 +202,11 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("recscale: matplotlib is not installed: results.csv only "
-              "(pip install 'recscale[bench]' for the plots)", file=sys.stderr)  # fmt: skip
+        print(
+            "recscale: matplotlib is not installed: results.csv only "
+            "(pip install 'recscale[bench]' for the plots)",
+            file=sys.stderr,
+        )
         return []
     ok = [r for r in rows if not r.get("error")]
     if not ok:
@@ -187,8 +222,12 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
             series.setdefault(tuple(r[k] for k in others), []).append(r)
         for rest, rs in list(series.items())[:12]:
             rs = sorted(rs, key=lambda r: values.index(r[knob]))
-            ax.plot([r[knob] for r in rs], [float(r["samples_per_s"]) for r in rs], marker="o",
-                    label=", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(others, rest)) or None)  # fmt: skip
+            ax.plot(
+                [r[knob] for r in rs],
+                [float(r["samples_per_s"]) for r in rs],
+                marker="o",
+                label=", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(others, rest)) or None,
+            )
         ax.set_xlabel(knob)
         ax.set_ylabel("samples/s")
         ax.set_title(f"throughput vs {knob}")
@@ -218,8 +257,9 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
         cell: dict[tuple[str, str], list[float]] = {}
         for r in ok:
             cell.setdefault((r[k1], r[k2]), []).append(float(r["samples_per_s"]))
-        grid_ = [[sum(cell.get((a, b), [0])) / max(1, len(cell.get((a, b), []))) for b in v2]
-                 for a in v1]  # fmt: skip
+        grid_ = [
+            [sum(cell.get((a, b), [0])) / max(1, len(cell.get((a, b), []))) for b in v2] for a in v1
+        ]
         fig, ax = plt.subplots(figsize=(6, 5))
         im = ax.imshow(grid_, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(v2)), v2)

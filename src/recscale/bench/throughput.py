@@ -139,8 +139,10 @@ def run_throughput(
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
     if tiered and turns is not None:
-        raise ValueError("bench throughput: turns need the tables on the device "
-                         "(embedding.placement=device): a tier's batches are made per step")  # fmt: skip
+        raise ValueError(
+            "bench throughput: turns need the tables on the device "
+            "(embedding.placement=device): a tier's batches are made per step"
+        )
     if tiered:  # fresh batches every step, or the cache would just learn 8 batches
         distinct_batches = warmup + steps
         echo(f"generating {distinct_batches} batches ...")
@@ -223,8 +225,13 @@ def run_throughput(
         for k, (a, z) in zip(detail, zip(fwd[:-1], fwd[1:])):
             detail[k] += clock.seconds(a, z)
         sparse = sum(clock.seconds(a, z) for a, z in spans)
-        parts = (clock.seconds(t0, t1), clock.seconds(t1, t2), clock.seconds(t2, t3) - sparse,
-                 sparse, clock.seconds(t3, t4))  # fmt: skip
+        parts = (
+            clock.seconds(t0, t1),
+            clock.seconds(t1, t2),
+            clock.seconds(t2, t3) - sparse,
+            sparse,
+            clock.seconds(t3, t4),
+        )
         for k, v in zip(STAGES, parts):
             totals[k] += v
         # a step's time includes waiting for its batch
@@ -270,11 +277,15 @@ def run_throughput(
     bound = cost.bound_samples_per_s(gemm, gather)
     slow = probe["gemm_gflops"] / gemm
     if slow < 0.85:
-        echo(f"note: the GEMM probe ran at {slow:.0%} of this host's best ({gemm:.0f} GFLOP/s): "
-             "the machine was slow during this run, and the ratio to the bound reads low")  # fmt: skip
+        echo(
+            f"note: the GEMM probe ran at {slow:.0%} of this host's best ({gemm:.0f} GFLOP/s): "
+            "the machine was slow during this run, and the ratio to the bound reads low"
+        )
     if sps > bound:
-        echo(f"warning: measured {sps:,.0f} samples/s exceeds the bound {bound:,.0f}: the probes "
-             "read low (a busy machine?); take the figures from a quiet run")  # fmt: skip
+        echo(
+            f"warning: measured {sps:,.0f} samples/s exceeds the bound {bound:,.0f}: the probes "
+            "read low (a busy machine?); take the figures from a quiet run"
+        )
     cache = cache_report(model.embeddings, 0.0, sum(waits))
     return {
         **(
@@ -322,7 +333,8 @@ def format_report(name: str, r: dict[str, Any]) -> str:
     gib = 1 << 30
     return "\n".join(
         [
-            f"config {name}: {r['samples_per_s']:,.0f} samples/s  (bound {r['bound_samples_per_s']:,.0f}, "
+            f"config {name}: {r['samples_per_s']:,.0f} samples/s  (bound "
+            f"{r['bound_samples_per_s']:,.0f}, "
             f"ratio {r['ratio_to_bound']:.2f}; mean over all steps {r['samples_per_s_mean']:,.0f})",
             f"  {r['ms_per_step']:.2f} ms/step (median) of batch {r['batch_size']} on "
             f"{r['device_name'] if r['device'] != 'cpu' else str(r['threads']) + ' threads'} "
@@ -330,13 +342,19 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "
-            f"{'kept for the next step' if r['host_memory_retained'] else 'returned to the system'})",
+            + (
+                "kept for the next step)"
+                if r["host_memory_retained"]
+                else "returned to the system)"
+            ),
             *(
                 [
                     f"  ssd tier: cache hit rate {r['embedding_cache']['hit_rate']:.1%} "
-                    f"({r['embedding_cache']['cache_rows']:,} of {r['embedding_cache']['table_rows']:,} rows), "
+                    f"({r['embedding_cache']['cache_rows']:,} of "
+                    f"{r['embedding_cache']['table_rows']:,} rows), "
                     f"{r['embedding_cache']['bytes_read'] / 1e6 / r['steps']:.2f} MB read and "
-                    f"{r['embedding_cache']['bytes_written'] / 1e6 / r['steps']:.2f} MB written per step, "
+                    f"{r['embedding_cache']['bytes_written'] / 1e6 / r['steps']:.2f} MB written "
+                    "per step, "
                     f"prefetch wait {r['prefetch_wait_ms']:.2f} ms/step"
                 ]
                 if "embedding_cache" in r
@@ -344,11 +362,13 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             ),
             f"  kernels: {r['kernels']}; native C kernels {r['native']}, "
             f"{r.get('native_threads', '')}",
-            f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather {r['gather_gbps']:.2f} GB/s"
+            f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather "
+            f"{r['gather_gbps']:.2f} GB/s"
             f" (this host's best; this run's probes {r['probe_gemm_gflops']:.0f}, "
             f"{r['probe_gather_gbps']:.2f})"
             + (
-                f" (other processes: {r['other_cores_busy_during_probe']:.2f} cores busy during the probe)"
+                f" (other processes: {r['other_cores_busy_during_probe']:.2f} cores busy during "
+                "the probe)"
                 if r.get("other_cores_busy_during_probe")
                 else ""
             )

@@ -3,8 +3,8 @@
 ::
 
     checkpoints/step_00000100/              full checkpoint
-        manifest.json                       kind, step, parent, precision, world size,
-                                            tables (each with its parts), files {name: {bytes, crc32}}
+        manifest.json                       kind, step, parent, precision, world size, tables
+                                            (each with its parts), files {name: {bytes, crc32}}
         trainer.json                        step, loader position, RNG state, config, plan
         dense.pt                            MLP weights + dense optimizer state (torch.save)
         parts/rank00001/C1.r0-500.c0-16.weight.f32     rows [0, 500) x cols [0, 16) of C1
@@ -125,8 +125,13 @@ class CheckpointWriter:
                 entry["parts"].append(t["part"])
                 entry["stored_rows"] += t["part"]["stored_rows"]
         tables = [by_name[t] for t in manifest.pop("table_order") if t in by_name]
-        manifest = {**manifest, "tables": tables, "world_size": world_size,
-                    "format_version": FORMAT_VERSION, "files": files}  # fmt: skip
+        manifest = {
+            **manifest,
+            "tables": tables,
+            "world_size": world_size,
+            "format_version": FORMAT_VERSION,
+            "files": files,
+        }
         data = json.dumps(manifest, indent=1).encode()
         with open(self.tmp / MANIFEST, "wb") as f:
             f.write(data)
@@ -173,8 +178,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from e
-    missing = [k for k in ("kind", "step", "files", "tables") if not isinstance(manifest, dict)
-               or k not in manifest]  # fmt: skip
+    missing = [
+        k
+        for k in ("kind", "step", "files", "tables")
+        if not isinstance(manifest, dict) or k not in manifest
+    ]
     if missing:
         raise CheckpointError(f"{mpath}: not a complete manifest (no {', '.join(missing)})")
     return manifest

@@ -108,9 +108,16 @@ class CheckpointStats:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, root: Path, model: Checkpointable, dense_opt: torch.optim.Optimizer,
-                 meta: dict[str, Any] | None = None, ctx: DistContext | None = None,
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        root: Path,
+        model: Checkpointable,
+        dense_opt: torch.optim.Optimizer,
+        meta: dict[str, Any] | None = None,
+        ctx: DistContext | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         """``model.embeddings`` is any collection with ``local_parts()`` and ``storages()``
         (whole tables, or this rank's shards); ``ctx``: the ranks (default: one process).
         ``timeout_s``: how long rank 0 waits for the other ranks' parts."""
@@ -170,8 +177,16 @@ class CheckpointManager:
         storages = self.model.embeddings.storages()
         for storage in storages:
             storage.flush()  # a cached tier: dirty rows back to the slow tier
-        snap = capture(self.model, self.dense_opt, trainer, kind, self.cfg.precision,
-                       self._last_name if kind == "incremental" else None, step, self.ctx.rank)  # fmt: skip
+        snap = capture(
+            self.model,
+            self.dense_opt,
+            trainer,
+            kind,
+            self.cfg.precision,
+            self._last_name if kind == "incremental" else None,
+            step,
+            self.ctx.rank,
+        )
         for storage in storages:
             if storage.dirty is not None:  # a compressed table keeps none (written whole)
                 storage.dirty.zero_()
@@ -180,8 +195,14 @@ class CheckpointManager:
         self._since_full = 0 if kind == "full" else self._since_full + 1
         capture_s = time.perf_counter() - t0
         self.stats.stall_seconds += capture_s
-        manifest = {"kind": kind, "step": step, "parent": snap.parent, "precision": snap.precision,
-                    "table_order": snap.table_order, **self.meta}  # fmt: skip
+        manifest = {
+            "kind": kind,
+            "step": step,
+            "parent": snap.parent,
+            "precision": snap.precision,
+            "table_order": snap.table_order,
+            **self.meta,
+        }
         is_main, world, token, rank = (
             self.ctx.is_main,
             self.ctx.world_size,

@@ -131,15 +131,27 @@ def _dense_bytes(
         for k, v in model.state_dict().items()
         if not k.startswith("embeddings.")
     }
-    torch.save({"model": dense_state, "optimizer": dense_opt.state_dict(),
-                "embedding_step": embedding_step}, buf)  # fmt: skip
+    torch.save(
+        {
+            "model": dense_state,
+            "optimizer": dense_opt.state_dict(),
+            "embedding_step": embedding_step,
+        },
+        buf,
+    )
     return buf.getvalue()
 
 
 def capture(
-    model: Checkpointable, dense_opt: torch.optim.Optimizer, trainer: dict[str, Any], kind: str, precision: str,
-    parent: str | None, step: int, rank: int = 0,
-) -> Snapshot:  # fmt: skip
+    model: Checkpointable,
+    dense_opt: torch.optim.Optimizer,
+    trainer: dict[str, Any],
+    kind: str,
+    precision: str,
+    parent: str | None,
+    step: int,
+    rank: int = 0,
+) -> Snapshot:
     """Copy this rank's state to host memory (see the module doc). ``incremental`` takes
     only rows marked dirty. Replicated parts are written by rank 0 alone."""
     ebc = model.embeddings
@@ -163,14 +175,33 @@ def capture(
         else:
             idx, rows = torch.arange(first, first + p.num_rows, device=storage.device), None
         weight, state = storage.read_rows(idx), storage.read_state(idx)
-        parts.append(PartSnapshot(name, table_rows, dim, p, rows, weight.cpu().numpy(),
-                                  {n: s.cpu().numpy() for n, s in state.items()}))  # fmt: skip
+        parts.append(
+            PartSnapshot(
+                name,
+                table_rows,
+                dim,
+                p,
+                rows,
+                weight.cpu().numpy(),
+                {n: s.cpu().numpy() for n, s in state.items()},
+            )
+        )
     steps = [int(s.step) for s in ebc.storages()]
     dense = _dense_bytes(model, dense_opt, max(steps, default=0)) if rank == 0 else None
     rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
     order = [t.name for t in ebc.tables]
-    return Snapshot(step, kind, precision, parent, rank, parts, order, dense,
-                    {**trainer, "torch_rng": rng}, factors=factors)  # fmt: skip
+    return Snapshot(
+        step,
+        kind,
+        precision,
+        parent,
+        rank,
+        parts,
+        order,
+        dense,
+        {**trainer, "torch_rng": rng},
+        factors=factors,
+    )
 
 
 def _quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -225,8 +256,9 @@ def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
             for n, _ in _weight_files(snap.precision, "", np.zeros((0, 1), np.float32)):
                 w.write_chunks(base + n, _streamed(ps, n[1:], snap.precision))
             for sname in shapes:
-                w.write_chunks(f"{base}.state_{sname}.f32",
-                               _streamed(ps, f"state_{sname}", snap.precision))  # fmt: skip
+                w.write_chunks(
+                    f"{base}.state_{sname}.f32", _streamed(ps, f"state_{sname}", snap.precision)
+                )
             state_tails = {sname: list(shape) for sname, shape in shapes.items()}
             stored = p.num_rows
         else:
@@ -236,13 +268,27 @@ def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
                 w.write_array(f"{base}.state_{s}.f32", arr.astype(np.float32))
             state_tails = {s: list(arr.shape[1:]) for s, arr in ps.state.items()}
             stored = int(ps.weight.shape[0])
-        tables.append({
-            "name": ps.name,
-            "table": {"name": ps.name, "num_rows": ps.num_rows, "dim": ps.dim, "state": state_tails},
-            "part": {"prefix": base, "kind": p.kind, "row_lo": p.row_lo, "row_hi": p.row_hi,
-                     "col_lo": p.col_lo, "col_hi": p.col_hi, "stored_rows": stored,
-                     "state": state_tails},
-        })  # fmt: skip
+        tables.append(
+            {
+                "name": ps.name,
+                "table": {
+                    "name": ps.name,
+                    "num_rows": ps.num_rows,
+                    "dim": ps.dim,
+                    "state": state_tails,
+                },
+                "part": {
+                    "prefix": base,
+                    "kind": p.kind,
+                    "row_lo": p.row_lo,
+                    "row_hi": p.row_hi,
+                    "col_lo": p.col_lo,
+                    "col_hi": p.col_hi,
+                    "stored_rows": stored,
+                    "state": state_tails,
+                },
+            }
+        )
     if snap.factors:
         buf = io.BytesIO()
         torch.save(snap.factors, buf)
@@ -274,8 +320,17 @@ def _stored_parts(tm: dict[str, Any]) -> list[dict[str, Any]]:
     """A table's stored parts; a version-1 checkpoint's table is one whole part."""
     if "parts" in tm:
         return tm["parts"]
-    return [{"prefix": f"tables/{tm['name']}", "row_lo": 0, "row_hi": tm["num_rows"], "col_lo": 0,
-             "col_hi": tm["dim"], "stored_rows": tm["stored_rows"], "state": tm["state"]}]  # fmt: skip
+    return [
+        {
+            "prefix": f"tables/{tm['name']}",
+            "row_lo": 0,
+            "row_hi": tm["num_rows"],
+            "col_lo": 0,
+            "col_hi": tm["dim"],
+            "stored_rows": tm["stored_rows"],
+            "state": tm["state"],
+        }
+    ]
 
 
 def _read_weight(path: Path, base: str, precision: str, n: int, width: int, sel) -> np.ndarray:
@@ -306,8 +361,10 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
             rows_of = lambda sel: stored_rows[sel]  # noqa: E731
         else:
             lo = r0 - sp["row_lo"]
-            chunks = [slice(a, min(r1 - sp["row_lo"], a + _CHUNK_ROWS))
-                      for a in range(lo, r1 - sp["row_lo"], _CHUNK_ROWS)]  # fmt: skip
+            chunks = [
+                slice(a, min(r1 - sp["row_lo"], a + _CHUNK_ROWS))
+                for a in range(lo, r1 - sp["row_lo"], _CHUNK_ROWS)
+            ]
             rows_of = lambda sel: np.arange(sel.start, sel.stop) + sp["row_lo"]  # noqa: E731
         whole_cols = (c0, c1) == (p.col_lo, p.col_hi)
         first_col_here = sp["col_lo"] <= p.col_lo < sp["col_hi"]
@@ -317,8 +374,10 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                 continue
             idx = torch.from_numpy(table_rows - p.row_lo + first).to(storage.device)
             weight = torch.from_numpy(
-                _read_weight(path, base, precision, n, width, sel)[:, c0 - sp["col_lo"] : c1 - sp["col_lo"]]
-            )  # fmt: skip
+                _read_weight(path, base, precision, n, width, sel)[
+                    :, c0 - sp["col_lo"] : c1 - sp["col_lo"]
+                ]
+            )
             if not whole_cols:  # patch some columns of the rows it holds
                 full = storage.read_rows(idx).cpu()
                 full[:, c0 - p.col_lo : c1 - p.col_lo] = weight
@@ -327,8 +386,11 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
             state = {}
             current = storage.read_state(idx) if not whole_cols else None
             for sname, tail in sp["state"].items():
-                arr = torch.from_numpy(np.array(read_array(
-                    path, f"{base}.state_{sname}.f32", np.float32, (n, *tail))[sel]))  # fmt: skip
+                arr = torch.from_numpy(
+                    np.array(
+                        read_array(path, f"{base}.state_{sname}.f32", np.float32, (n, *tail))[sel]
+                    )
+                )
                 if arr.dim() == 2:  # element-wise state: the same columns as the weight
                     arr = arr[:, c0 - sp["col_lo"] : c1 - sp["col_lo"]]
                     if not whole_cols:
@@ -366,8 +428,10 @@ def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -
                     derived[name].load_factor_state(state)
                 except RuntimeError as e:
                     raise CheckpointError(
-                        f"{f}: the factors of {name} do not fit the model's (embedding.compression, "
-                        f"qr_buckets, tt_rank, md_alpha and hot_fraction must match the run's): {str(e)[:200]}"
+                        f"{f}: the factors of {name} do not fit the model's "
+                        "(embedding.compression, "
+                        "qr_buckets, tt_rank, md_alpha and hot_fraction must match the run's): "
+                        f"{str(e)[:200]}"
                     ) from e
     return found
 

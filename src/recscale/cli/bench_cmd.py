@@ -16,30 +16,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure training throughput against the hardware bound")
     p.add_argument("what", choices=["throughput", "pipeline", "sweep", "calibrate"])
     p.add_argument(
-        "--config", default=None,
+        "--config",
+        default=None,
         help=f"preset ({', '.join(preset_names())}) or TOML path (default A; sweep: default)",
-    )  # fmt: skip
+    )
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="pipeline: local ranks (default 2); calibrate: fit whole steps on "
-                   "this many local ranks (predicting W local ranks; default 1)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None,
-                   help="pipeline: torch threads per rank (default 1); calibrate: threads to "
-                   "measure the ops on (default: torch's)")  # fmt: skip
-    p.add_argument("--vary", action="append", default=[],
-                   help="sweep: section.key=v1,v2,... (repeat for a grid)")  # fmt: skip
-    p.add_argument("--out", default=None,
-                   help="sweep: directory for results.csv and plots; calibrate: the JSON file "
-                   "(default ~/.cache/recscale/calibration-HOST.json)")  # fmt: skip
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="pipeline: local ranks (default 2); calibrate: fit whole steps on "
+        "this many local ranks (predicting W local ranks; default 1)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="pipeline: torch threads per rank (default 1); calibrate: threads to "
+        "measure the ops on (default: torch's)",
+    )
+    p.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        help="sweep: section.key=v1,v2,... (repeat for a grid)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="sweep: directory for results.csv and plots; calibrate: the JSON file "
+        "(default ~/.cache/recscale/calibration-HOST.json)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.bench.throughput import format_report, run_throughput
 
     if args.what == "calibrate":
-        from recscale.perfmodel import calibrate, default_path
+        from recscale.bench.calibrate import calibrate
+        from recscale.perfmodel import default_path
 
         path = Path(args.out) if args.out else default_path()
         cal = calibrate(threads=args.threads, world_size=args.world_size or 1)

@@ -1,4 +1,5 @@
-"""``recscale checkpoint inspect PATH [--json]``: what a checkpoint holds and whether it is valid."""
+"""``recscale checkpoint inspect PATH [--json]``: what a checkpoint holds and whether it is
+valid."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(
             f"{i['path']}: step {i['step']}, {i['kind']}"
             + (f" (parent {i['parent']})" if i["parent"] else "")
-            + f", {i['precision']}, {i['bytes'] / 1e6:.1f} MB, {len(i['tables'])} tables, {rows:,} rows stored; {status}"
+            + f", {i['precision']}, {i['bytes'] / 1e6:.1f} MB, {len(i['tables'])} tables, {rows:,} "
+            f"rows stored; {status}"
         )
         plan = i.get("plan") or {}
         if plan.get("placements"):  # a sharded run: the plan it was written under (metadata only)
@@ -76,7 +78,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             for p in plan["placements"]:
                 kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
             w = plan["world_size"]
-            print(f"  written by {w} rank{'s' if w > 1 else ''}: "
-                  + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-                  + " (parts in table coordinates: loads at any world size and plan)")  # fmt: skip
+            print(
+                f"  written by {w} rank{'s' if w > 1 else ''}: "
+                + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                + " (parts in table coordinates: loads at any world size and plan)"
+            )
     return 0 if all(i["valid"] for i in infos) else 1

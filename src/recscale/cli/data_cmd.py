@@ -50,11 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--out", type=Path, required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument(
-        "--cycle-blocks", type=int, default=0, metavar="N",
+        "--cycle-blocks",
+        type=int,
+        default=0,
+        metavar="N",
         help="draw only N blocks of 100k lines and repeat them (fast, for ingestion-speed "
         "tests; the test split then repeats training lines, so held-out metrics are not "
         "meaningful). Default 0: every line drawn afresh",
-    )  # fmt: skip
+    )
 
     mp = dsub.add_parser(
         "multihot", help="a one-hot dataset -> multi-hot bags (MLPerf DLRMv2 style)"
@@ -62,17 +65,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mp.add_argument("--input", required=True, type=Path, help="a one-hot dataset directory")
     mp.add_argument("--out", required=True, type=Path, help="the multi-hot dataset directory")
     mp.add_argument(
-        "--bag-sizes", default="mlperf",
+        "--bag-sizes",
+        default="mlperf",
         help="ids per bag: one number, one per feature (comma-separated), or mlperf "
         "(MLPerf DLRMv2's 26 sizes: 3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1)",
-    )  # fmt: skip
+    )
     mp.add_argument("--seed", type=int, default=0, help="draws the bags' offsets")
     mp.add_argument(
-        "--layout", choices=("rule", "ids"), default="rule",
+        "--layout",
+        choices=("rule", "ids"),
+        default="rule",
         help="rule (default): keep the one-hot ids and the expansion's sizes + seed; the "
         "loader makes the bags as it reads (6x fewer bytes at MLPerf's sizes). ids: write "
         "every id of every bag",
-    )  # fmt: skip
+    )
 
     ip = dsub.add_parser("info", help="print a dataset's metadata")
     ip.add_argument("path", type=Path)
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"recscale data: unexpected arguments {' '.join(extra)}", file=sys.stderr)
         return 2
     if args.data_command == "preprocess":
-        from recscale.data.preprocess import BadDataError, PreprocessOptions, preprocess
+        from recscale.dataprep.preprocess import BadDataError, PreprocessOptions, preprocess
 
         try:
             hs = str(args.hash_size)
@@ -95,11 +101,20 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             )
             return 2
         opts = PreprocessOptions(
-            inputs=args.input, out=args.out, input_format=args.format, id_mode=args.mode, hash_sizes=sizes,
-            min_count=args.min_count, split=args.split, test_files=args.test, val_files=args.val,
-            max_bad_fraction=args.max_bad_fraction, threads=args.threads, chunk_bytes=args.chunk_mb << 20,
+            inputs=args.input,
+            out=args.out,
+            input_format=args.format,
+            id_mode=args.mode,
+            hash_sizes=sizes,
+            min_count=args.min_count,
+            split=args.split,
+            test_files=args.test,
+            val_files=args.val,
+            max_bad_fraction=args.max_bad_fraction,
+            threads=args.threads,
+            chunk_bytes=args.chunk_mb << 20,
             parquet_out=args.parquet_out,
-        )  # fmt: skip
+        )
         try:
             preprocess(opts)
         except (BadDataError, ValueError) as e:
@@ -107,7 +122,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             return 1
         return 0
     if args.data_command == "synth-tsv":
-        from recscale.data.criteo_tsv_writer import write_tsv
+        from recscale.dataprep.criteo_tsv import write_tsv
 
         if args.cycle_blocks < 0:
             print("recscale: error: --cycle-blocks must be >= 0", file=sys.stderr)
@@ -115,16 +130,23 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
-        print(f"the click model itself scores AUC {opt['auc']:.4f}, logloss {opt['logloss']:.4f} "
-              f"on the lines --split kaggle makes the test split (the ceiling; {args.out}.optimum.json)")  # fmt: skip
+        print(
+            f"the click model itself scores AUC {opt['auc']:.4f}, logloss {opt['logloss']:.4f} "
+            "on the lines --split kaggle makes the test split (the ceiling; "
+            f"{args.out}.optimum.json)"
+        )
         return 0
     if args.data_command == "multihot":
         from recscale.data.dataset import DatasetError
-        from recscale.data.multihot import MLPERF_BAG_SIZES, to_multihot
+        from recscale.data.multihot import MLPERF_BAG_SIZES
+        from recscale.dataprep.multihot import to_multihot
 
         try:
-            sizes = (list(MLPERF_BAG_SIZES) if args.bag_sizes == "mlperf"
-                     else [int(x) for x in args.bag_sizes.split(",")])  # fmt: skip
+            sizes = (
+                list(MLPERF_BAG_SIZES)
+                if args.bag_sizes == "mlperf"
+                else [int(x) for x in args.bag_sizes.split(",")]
+            )
             to_multihot(args.input, args.out, sizes, args.seed, layout=args.layout)
         except (DatasetError, ValueError) as e:
             print(f"recscale: error: {e}", file=sys.stderr)

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if cfg.model != trained.model:
         print(
             "recscale: error: the evaluation data implies a different model than the one trained "
-            f"(table sizes {sum(cfg.model.table_sizes):,} vs {sum(trained.model.table_sizes):,} rows)",
+            f"(table sizes {sum(cfg.model.table_sizes):,} vs {sum(trained.model.table_sizes):,} "
+            "rows)",
             file=sys.stderr,
         )
         return 1
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps(metrics, indent=2))
     else:
         print(
-            f"{metrics['split']} ({metrics['count']:,} samples): AUC {metrics['auc']:.4f}  logloss {metrics['logloss']:.4f}  "
+            f"{metrics['split']} ({metrics['count']:,} samples): AUC {metrics['auc']:.4f}  logloss "
+            f"{metrics['logloss']:.4f}  "
             f"NE {metrics['ne']:.4f}  calibration {metrics['calibration']:.3f}  -> {out}"
         )
     return 0

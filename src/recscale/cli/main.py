@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="recscale",
         description="Train deep learning recommendation models (DLRM family) fast.",
-        epilog="Config overrides: --section.key=value, e.g. --model.embedding_dim=64 --train.steps=100",
+        epilog="Config overrides: --section.key=value, e.g. --model.embedding_dim=64 "
+        "--train.steps=100",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS.values():

@@ -23,27 +23,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--memory-per-rank", type=float, default=64.0, help="GB for embedding tables per rank"
     )
     p.add_argument(
-        "--all-to-all-gbps", type=float, default=None,
+        "--all-to-all-gbps",
+        type=float,
+        default=None,
         help="GB/s per rank for all-to-all and all-reduce (default: the calibration's "
         "measured local rate, else 12.5 = 100 Gb/s)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--gather-gbps", type=float, default=None,
+        "--gather-gbps",
+        type=float,
+        default=None,
         help="random row-gather GB/s per rank (default: the calibration's lookup and "
         "update laws, else 10)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--ssd-per-rank", type=float, default=0.0, help="GB of SSD per rank for tables (0 = none)"
     )
     p.add_argument("--ssd-gbps", type=float, default=2.0, help="SSD GB/s per rank")
     p.add_argument(
-        "--host-per-rank", type=float, default=0.0,
+        "--host-per-rank",
+        type=float,
+        default=0.0,
         help="GPU runs: GB of host memory per rank for tables under a GPU cache (0 = none)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--calibration", default=None,
+        "--calibration",
+        default=None,
         help="per-op rates from `recscale bench calibrate` (default: this host's, if saved)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -51,11 +58,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     tables = table_infos(cfg)
     a2a = (args.all_to_all_gbps or 12.5) * 1e9
-    topo = Topology(args.world_size, int(args.memory_per_rank * 1e9), a2a, a2a,
-                    (args.gather_gbps or 10.0) * 1e9,
-                    ssd_per_rank=int(args.ssd_per_rank * 1e9),
-                    ssd_bandwidth=args.ssd_gbps * 1e9,
-                    host_per_rank=int(args.host_per_rank * 1e9))  # fmt: skip
+    topo = Topology(
+        args.world_size,
+        int(args.memory_per_rank * 1e9),
+        a2a,
+        a2a,
+        (args.gather_gbps or 10.0) * 1e9,
+        ssd_per_rank=int(args.ssd_per_rank * 1e9),
+        ssd_bandwidth=args.ssd_gbps * 1e9,
+        host_per_rank=int(args.host_per_rank * 1e9),
+    )
     cal = _calibration(args)
     laws = _laws(cal, topo, args)
     try:
@@ -78,9 +90,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         out["costs"] = laws.source
         print(json.dumps(out, indent=1))
         return 0
-    print(f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
-          f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}")  # fmt: skip
-    from recscale.embedding.compressed import compression_summary
+    print(
+        f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
+        f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}"
+    )
+    from recscale.embedding.sizing import compression_summary
 
     for line in compression_summary(cfg):
         print(line)
@@ -93,13 +107,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             else ""
         )
         print(
-            f"{t.name:>6} {t.rows:>12,} {t.dim:>4} {t.bytes / 1e9:>8.3f}  {p.kind:<14} {ranks}{where}"
+            f"{t.name:>6} {t.rows:>12,} {t.dim:>4} {t.bytes / 1e9:>8.3f}  {p.kind:<14} "
+            f"{ranks}{where}"
         )
     mem, cost = plan.memory_per_rank, plan.cost_per_rank
     print(f"memory per rank: max {max(mem) / 1e9:.2f} GB, min {min(mem) / 1e9:.2f} GB")
-    print(f"embedding cost per step (lookup + update + collectives; costs: {laws.source}): "
-          f"slowest rank {plan.max_cost * 1e3:.3f} ms, "
-          f"mean {sum(cost) / len(cost) * 1e3:.3f} ms, imbalance {plan.imbalance:.2f}")  # fmt: skip
+    print(
+        f"embedding cost per step (lookup + update + collectives; costs: {laws.source}): "
+        f"slowest rank {plan.max_cost * 1e3:.3f} ms, "
+        f"mean {sum(cost) / len(cost) * 1e3:.3f} ms, imbalance {plan.imbalance:.2f}"
+    )
     if pred is not None:
         stages = "  ".join(f"{k} {v:.2f}" for k, v in pred.stages_ms.items())
         print(
@@ -138,8 +155,11 @@ def _laws(cal, topo: Topology, args) -> CostLaws:
     laws = planner_laws(cal)
     dflt = CostLaws.from_topology(topo)
     if args.all_to_all_gbps:
-        laws = replace(laws, all_to_all_per_byte=dflt.all_to_all_per_byte,
-                       all_reduce_per_byte=dflt.all_reduce_per_byte)  # fmt: skip
+        laws = replace(
+            laws,
+            all_to_all_per_byte=dflt.all_to_all_per_byte,
+            all_reduce_per_byte=dflt.all_reduce_per_byte,
+        )
     if args.gather_gbps:
         laws = replace(laws, per_value=dflt.per_value, per_id=0.0)
     return laws

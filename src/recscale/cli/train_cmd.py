@@ -19,7 +19,7 @@ from recscale.train.run import RunDirInUse, TrainingDiverged, train
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train a model (default: a small DLRM on synthetic Criteo-shaped data, about a minute)",
+        help="train a model (default: a small DLRM on synthetic Criteo-shaped data, ~a minute)",
         epilog="Any config key can be overridden: --section.key=value (see `recscale config`).",
     )
     p.add_argument(
@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--resume",
         default=None,
         type=Path,
-        help="continue from RUN_DIR (its newest valid checkpoint and its config) or a checkpoint directory",
+        help="continue from RUN_DIR (its newest valid checkpoint and its config) "
+        "or a checkpoint directory",
     )
 
 
@@ -73,8 +74,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     terminated = _on_sigterm_interrupt()
     try:
         metrics = train(cfg, run_dir, resume=args.resume)
-    except (TrainingDiverged, IdOutOfRangeError, CheckpointError, RunDirInUse,
-            CacheTooSmallError) as e:  # fmt: skip
+    except (
+        TrainingDiverged,
+        IdOutOfRangeError,
+        CheckpointError,
+        RunDirInUse,
+        CacheTooSmallError,
+    ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     if terminated.is_set() or metrics.get("stop_signal") == "SIGTERM":

@@ -1,5 +1,5 @@
 class ConfigError(ValueError):
-    """A configuration problem. ``key`` is the dotted key at fault (e.g. ``model.embedding_dim``)."""
+    """A configuration problem. ``key`` is the dotted key at fault (``model.embedding_dim``)."""
 
     def __init__(self, key: str, message: str) -> None:
         self.key = key

@@ -14,9 +14,33 @@ from recscale.config.errors import ConfigError
 # Criteo-shaped but small enough to train in about a minute on 2 CPU cores: the
 # per-feature cardinalities keep Criteo's spread (3 .. ~10^5 rows).
 DEFAULT_TABLE_SIZES = [
-    1460, 583, 100_000, 80_000, 305, 24, 12_517, 633, 3, 50_000, 5_683, 100_000, 3_194,
-    27, 14_992, 90_000, 10, 5_652, 2_173, 4, 100_000, 18, 15, 60_000, 105, 40_000,
-]  # fmt: skip
+    1460,
+    583,
+    100_000,
+    80_000,
+    305,
+    24,
+    12_517,
+    633,
+    3,
+    50_000,
+    5_683,
+    100_000,
+    3_194,
+    27,
+    14_992,
+    90_000,
+    10,
+    5_652,
+    2_173,
+    4,
+    100_000,
+    18,
+    15,
+    60_000,
+    105,
+    40_000,
+]
 
 POOLINGS = ("sum", "mean")
 INTERACTIONS = ("dot", "cat", "dcnv2")
@@ -94,7 +118,8 @@ class ModelConfig:
             if len(self.table_dims) != len(self.table_sizes):
                 raise ConfigError(
                     "model.table_dims",
-                    f"has {len(self.table_dims)} entries but model.table_sizes has {len(self.table_sizes)}",
+                    f"has {len(self.table_dims)} entries but model.table_sizes has "
+                    f"{len(self.table_sizes)}",
                 )
             for i, d in enumerate(self.table_dims):
                 if d <= 0:
@@ -124,7 +149,8 @@ class ModelConfig:
             if len(dims) != 1:
                 raise ConfigError(
                     "model.table_dims",
-                    f"the dot interaction needs one embedding dim for every table, got {sorted(dims)}",
+                    "the dot interaction needs one embedding dim for every table, got "
+                    f"{sorted(dims)}",
                 )
             (d,) = dims
             if self.num_dense_features > 0 and self.bottom_mlp[-1] != d:
@@ -312,7 +338,8 @@ class DataConfig:
         if self.max_ids_per_feature < self.min_ids_per_feature:
             raise ConfigError(
                 "data.max_ids_per_feature",
-                f"({self.max_ids_per_feature}) is below data.min_ids_per_feature ({self.min_ids_per_feature})",
+                f"({self.max_ids_per_feature}) is below data.min_ids_per_feature "
+                f"({self.min_ids_per_feature})",
             )
         _positive("data.max_ids_per_feature", self.max_ids_per_feature)
         if any(k < 0 for k in self.bag_sizes):
@@ -466,19 +493,28 @@ class Config:
         used = {methods.get(n, e.compression) for n in names} - {"none"}
         if not used:
             if e.hot_fraction:
-                raise ConfigError("embedding.hot_fraction",
-                                  "keeps rows of compressed tables exact; no table is "
-                                  "compressed (set embedding.compression)")  # fmt: skip
+                raise ConfigError(
+                    "embedding.hot_fraction",
+                    "keeps rows of compressed tables exact; no table is "
+                    "compressed (set embedding.compression)",
+                )
             return
         if self.distributed.sharding not in ("auto", "table_wise"):
-            raise ConfigError("embedding.compression",
-                              f"a compressed table is placed whole; distributed.sharding="
-                              f"{self.distributed.sharding} would split it (use auto or table_wise)")  # fmt: skip
+            raise ConfigError(
+                "embedding.compression",
+                f"a compressed table is placed whole; distributed.sharding="
+                f"{self.distributed.sharding} would split it (use auto or table_wise)",
+            )
         for n, d in zip(names, self.model.dims()):
             m = methods.get(n, e.compression)
             if m == "qr" and e.qr_op == "concat" and d % 2:
                 raise ConfigError("embedding.qr_op", f"concat halves the dim; {n} has odd dim {d}")
-            if m == "tt" and not any(d % (a * b) == 0 and d // (a * b) >= 2
-                                     for a in range(2, d + 1) for b in range(2, d // a + 1)):  # fmt: skip
-                raise ConfigError("embedding.compression",
-                                  f"tt factors the dim into three; {n}'s dim {d} has no such factors")  # fmt: skip
+            if m == "tt" and not any(
+                d % (a * b) == 0 and d // (a * b) >= 2
+                for a in range(2, d + 1)
+                for b in range(2, d // a + 1)
+            ):
+                raise ConfigError(
+                    "embedding.compression",
+                    f"tt factors the dim into three; {n}'s dim {d} has no such factors",
+                )

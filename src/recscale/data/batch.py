@@ -94,8 +94,11 @@ class Batch:
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.dense, self.values, self.offsets, self.labels, self.weights)
-                if t is not None]  # fmt: skip
+        return [
+            t
+            for t in (self.dense, self.values, self.offsets, self.labels, self.weights)
+            if t is not None
+        ]
 
     def pin_memory(self) -> Batch:
         """The same batch in page-locked host memory (asynchronous copies to a GPU)."""
@@ -103,8 +106,13 @@ class Batch:
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
-        return Batch(dense=pin(self.dense), values=pin(self.values), offsets=pin(self.offsets),
-                     labels=pin(self.labels), weights=pin(self.weights))  # fmt: skip
+        return Batch(
+            dense=pin(self.dense),
+            values=pin(self.values),
+            offsets=pin(self.offsets),
+            labels=pin(self.labels),
+            weights=pin(self.weights),
+        )
 
     def check(self, num_dense: int, num_sparse: int) -> None:
         """Validate shapes and offsets; raises ValueError describing the first problem."""

@@ -15,7 +15,6 @@ ranks together see exactly the batch a single process would.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,57 +24,8 @@ import numpy as np
 import torch
 
 from recscale.data.batch import Batch
-
-
-class DatasetError(ValueError):
-    pass
-
-
-_FINITE_CHECKED: set[tuple[str, int, int]] = set()
-
-
-def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> None:
-    """Raise naming the first row whose dense features hold NaN or inf (they would turn
-    every metric into NaN). Once per file version per process: a scan reads the file."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key in _FINITE_CHECKED:
-        return
-    for lo in range(0, dense.shape[0], chunk_rows):
-        block = np.asarray(dense[lo : lo + chunk_rows])
-        ok = np.isfinite(block).all(axis=1)
-        if not ok.all():
-            row = lo + int(np.argmin(ok))
-            raise DatasetError(
-                f"{path}: row {row} has a non-finite dense value ({block[row - lo].tolist()})"
-            )
-    _FINITE_CHECKED.add(key)
-
-
-def read_metadata(root: str | Path) -> dict[str, Any]:
-    """A dataset's ``metadata.json``; a directory without one is not a dataset."""
-    path = Path(root) / "metadata.json"
-    if not path.exists():
-        raise DatasetError(f"{root} is not a recscale dataset (no metadata.json)")
-    return json.loads(path.read_text())
-
-
-def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A read-only memory map of a column file, checked against the shape metadata.json
-    gives it first: a wrong size means a truncated copy, another dataset's file or
-    another dtype (float64 dense)."""
-    item = np.dtype(dtype).itemsize
-    want = int(np.prod(shape)) * item
-    have = path.stat().st_size if path.exists() else None
-    if have != want:
-        raise DatasetError(
-            f"{path}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
-            f"({' x '.join(f'{n:,}' for n in shape)} x {item} bytes) needs {want:,}: rewrite "
-            "the dataset (`recscale data preprocess`)"
-        )
-    if want == 0:
-        return np.zeros(shape, dtype)
-    return np.memmap(path, dtype, "r", shape=shape)
+from recscale.data.columns import DatasetError, _check_finite, map_column, read_metadata
+from recscale.data.multihot import BagRule, open_split
 
 
 class BinaryDataset:
@@ -105,17 +55,17 @@ class BinaryDataset:
         if layout not in (None, "rule", "ids"):
             raise DatasetError(f"{meta_path}: unknown multi_hot_layout {layout!r}")
         if layout == "rule":
-            from recscale.data.multihot import BagRule
-
             try:
-                self.bag_rule = BagRule(self.table_sizes, list(self.meta["bag_sizes"]),
-                                        int(self.meta.get("multi_hot_seed", 0)))  # fmt: skip
+                self.bag_rule = BagRule(
+                    self.table_sizes,
+                    list(self.meta["bag_sizes"]),
+                    int(self.meta.get("multi_hot_seed", 0)),
+                )
             except (KeyError, TypeError, ValueError) as e:
-                raise DatasetError(f"{meta_path}: a rule-layout multi-hot dataset "
-                                   f"without valid bag_sizes ({e})") from None  # fmt: skip
+                raise DatasetError(
+                    f"{meta_path}: a rule-layout multi-hot dataset without valid bag_sizes ({e})"
+                ) from None
         if layout == "ids":  # variable-length bags (data/multihot.py)
-            from recscale.data.multihot import open_split
-
             ids = int(self.meta["splits"][split]["ids"])
             m = open_split(d, self.rows, self.num_dense, self.num_sparse, ids)
             self.dense, self.labels, self.sparse = m["dense.f32"], m["labels.u8"], m["sparse.i32"]
@@ -168,7 +118,8 @@ class BatchLoader:
             )
         if drop_last and dataset.rows < batch_size:
             raise DatasetError(
-                f"split '{dataset.split}' has {dataset.rows} rows, fewer than one batch ({batch_size})"
+                f"split '{dataset.split}' has {dataset.rows} rows, fewer than one batch "
+                f"({batch_size})"
             )
         self.ds, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
@@ -205,9 +156,13 @@ class BatchLoader:
     def _read_multi_hot(self, epoch: int, k: int, lo: int, hi: int) -> _Rows:
         ds = self.ds
         ro = np.array(ds.row_offsets[lo : hi + 1])
-        rows = _Rows(np.array(ds.dense[lo:hi]), np.array(ds.labels[lo:hi]),
-                     np.array(ds.lengths[lo:hi]), ro[1:] - ro[0],
-                     np.array(ds.sparse[ro[0] : ro[-1]]))  # fmt: skip
+        rows = _Rows(
+            np.array(ds.dense[lo:hi]),
+            np.array(ds.labels[lo:hi]),
+            np.array(ds.lengths[lo:hi]),
+            ro[1:] - ro[0],
+            np.array(ds.sparse[ro[0] : ro[-1]]),
+        )
         if self.shuffle:
             perm = np.random.default_rng([self.seed, epoch, k]).permutation(hi - lo)
             rows = rows.permuted(perm)
@@ -278,16 +233,23 @@ class _Rows:
         row_len = np.diff(self.ends, prepend=0)
         starts = (self.ends - row_len)[perm]
         row_len = row_len[perm]
-        return _Rows(self.dense[perm], self.labels[perm], self.lengths[perm], np.cumsum(row_len),
-                     self.values[segment_gather(starts, row_len)])  # fmt: skip
+        return _Rows(
+            self.dense[perm],
+            self.labels[perm],
+            self.lengths[perm],
+            np.cumsum(row_len),
+            self.values[segment_gather(starts, row_len)],
+        )
 
     def cut(self, k: int) -> tuple[_Rows, _Rows]:
         """(the first k rows, the rest)."""
         e = int(self.ends[k - 1]) if k else 0
-        front = _Rows(self.dense[:k], self.labels[:k], self.lengths[:k], self.ends[:k],
-                      self.values[:e])  # fmt: skip
-        rest = _Rows(self.dense[k:], self.labels[k:], self.lengths[k:], self.ends[k:] - e,
-                     self.values[e:])  # fmt: skip
+        front = _Rows(
+            self.dense[:k], self.labels[:k], self.lengths[:k], self.ends[:k], self.values[:e]
+        )
+        rest = _Rows(
+            self.dense[k:], self.labels[k:], self.lengths[k:], self.ends[k:] - e, self.values[e:]
+        )
         return front, rest
 
     @staticmethod
@@ -295,10 +257,14 @@ class _Rows:
         if len(parts) == 1:
             return parts[0]
         shift = np.cumsum([0] + [p.values.shape[0] for p in parts[:-1]])
-        return _Rows(*(np.concatenate([getattr(p, n) for p in parts])
-                       for n in ("dense", "labels", "lengths")),
-                     np.concatenate([p.ends + s for p, s in zip(parts, shift)]),
-                     np.concatenate([p.values for p in parts]))  # fmt: skip
+        return _Rows(
+            *(
+                np.concatenate([getattr(p, n) for p in parts])
+                for n in ("dense", "labels", "lengths")
+            ),
+            np.concatenate([p.ends + s for p, s in zip(parts, shift)]),
+            np.concatenate([p.values for p in parts]),
+        )
 
     def to_batch(self) -> Batch:
         """Row-major bags -> the feature-major jagged batch."""

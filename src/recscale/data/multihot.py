@@ -36,16 +36,11 @@ from scratch. Pure arithmetic (no table to look up): ~2 ns an id on one core.
 
 from __future__ import annotations
 
-import json
-import shutil
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from recscale.data.columns import map_column
 from recscale.kernels import numba as nb
 
 MAX_BAG = np.iinfo(np.uint16).max
@@ -84,51 +79,15 @@ LAYOUTS = ("rule", "ids")
 FILES = ("dense.f32", "labels.u8", "bag_lengths.u16", "row_offsets.i64", "sparse.i32")
 
 
-class MultiHotWriter:
-    """Append blocks of rows to one multi-hot split directory."""
-
-    def __init__(self, split_dir: Path) -> None:
-        split_dir.mkdir(parents=True, exist_ok=True)
-        self.dir = split_dir
-        self.f = {n: open(split_dir / n, "wb") for n in FILES}
-        self.f["row_offsets.i64"].write(np.zeros(1, np.int64).tobytes())
-        self.rows = 0
-        self.ids = 0
-        self.clicks = 0
-
-    def append(self, dense: np.ndarray, lengths: np.ndarray, values: np.ndarray,
-               labels: np.ndarray) -> None:  # fmt: skip
-        """``lengths [n, F]``, ``values`` row-major (``lengths.sum()`` ids)."""
-        n = lengths.shape[0]
-        if int(lengths.max(initial=0)) > MAX_BAG:
-            raise ValueError(f"a bag holds {int(lengths.max())} ids; at most {MAX_BAG}")
-        ends = self.ids + np.cumsum(lengths.sum(axis=1, dtype=np.int64))
-        if (ends[-1] if n else self.ids) - self.ids != values.shape[0]:
-            raise ValueError(f"{values.shape[0]} ids for bags that hold {int(lengths.sum())}")
-        # memoryviews: a contiguous array goes to the file without a copy (tobytes made one
-        # of every block - a third of `recscale data multihot`'s time)
-        for name, a, dt in (("dense.f32", dense, np.float32), ("labels.u8", labels, np.uint8),
-                            ("bag_lengths.u16", lengths, np.uint16),
-                            ("row_offsets.i64", ends, np.int64), ("sparse.i32", values, np.int32)):  # fmt: skip
-            self.f[name].write(memoryview(np.ascontiguousarray(a, dt)).cast("B"))
-        self.rows += n
-        self.ids += values.shape[0]
-        self.clicks += int(np.asarray(labels).sum(dtype=np.int64))
-
-    def close(self) -> dict[str, Any]:
-        for f in self.f.values():
-            f.close()
-        return {"rows": self.rows, "ids": self.ids,
-                "ctr": self.clicks / self.rows if self.rows else None}  # fmt: skip
-
-
 def open_split(d: Path, rows: int, num_dense: int, num_sparse: int, ids: int):
     """Memory maps of a multi-hot split: (dense, labels, lengths, row_offsets, values)."""
-    shapes = {"dense.f32": (np.float32, (rows, num_dense)), "labels.u8": (np.uint8, (rows,)),
-              "bag_lengths.u16": (np.uint16, (rows, num_sparse)),
-              "row_offsets.i64": (np.int64, (rows + 1,)), "sparse.i32": (np.int32, (ids,))}  # fmt: skip
-    from recscale.data.dataset import map_column
-
+    shapes = {
+        "dense.f32": (np.float32, (rows, num_dense)),
+        "labels.u8": (np.uint8, (rows,)),
+        "bag_lengths.u16": (np.uint16, (rows, num_sparse)),
+        "row_offsets.i64": (np.int64, (rows + 1,)),
+        "sparse.i32": (np.int32, (ids,)),
+    }
     return {n: map_column(d / n, dt, shape) for n, (dt, shape) in shapes.items()}
 
 
@@ -140,8 +99,10 @@ _M64 = (1 << 64) - 1
 
 def feature_salts(num_features: int, seed: int) -> np.ndarray:
     """One 64-bit salt per feature from ``seed`` (``uint64 [F]``)."""
-    return np.array([_mix(((seed & _M64) * 1_000_003 + f + 1) * _GOLDEN & _M64)
-                     for f in range(num_features)], np.uint64)  # fmt: skip
+    return np.array(
+        [_mix(((seed & _M64) * 1_000_003 + f + 1) * _GOLDEN & _M64) for f in range(num_features)],
+        np.uint64,
+    )
 
 
 def _mix(z: int) -> int:
@@ -208,8 +169,13 @@ def _expand_kernel_serial(ids, sizes, bag, salts, out):  # pragma: no cover
 def expand(ids: np.ndarray, table_sizes: list[int], bag_sizes: list[int], seed: int) -> np.ndarray:
     """One-hot ``ids [n, F]`` -> row-major multi-hot values (``sum(bag_sizes)`` a row)."""
     out = np.empty(ids.shape[0] * sum(bag_sizes), np.int32)
-    _expand_kernel(np.ascontiguousarray(ids, np.int32), np.array(table_sizes, np.int64),
-                   np.array(bag_sizes, np.int64), feature_salts(len(bag_sizes), seed), out)  # fmt: skip
+    _expand_kernel(
+        np.ascontiguousarray(ids, np.int32),
+        np.array(table_sizes, np.int64),
+        np.array(bag_sizes, np.int64),
+        feature_salts(len(bag_sizes), seed),
+        out,
+    )
     return out
 
 
@@ -231,82 +197,9 @@ class BagRule:
         row-major values int32) - what an ``ids``-layout split stores for those rows."""
         n = ids.shape[0]
         values = np.empty(n * self.per_row, np.int32)
-        _expand_kernel_serial(np.ascontiguousarray(ids, np.int32), self.sizes, self.bag,
-                              self.salts, values)  # fmt: skip
+        _expand_kernel_serial(
+            np.ascontiguousarray(ids, np.int32), self.sizes, self.bag, self.salts, values
+        )
         lengths = np.broadcast_to(self.bag.astype(np.uint16), (n, self.bag.shape[0])).copy()
         ends = np.arange(1, n + 1, dtype=np.int64) * self.per_row
         return lengths, ends, values
-
-
-def to_multihot(src: Path, out: Path, bag_sizes: list[int], seed: int = 0, layout: str = "rule",
-                echo: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
-    """``recscale data multihot``: the one-hot dataset ``src`` as a multi-hot one, written
-    under ``OUT.tmp`` and renamed into place.
-
-    ``layout="rule"`` keeps the one-hot columns and writes the expansion (sizes, seed) to
-    ``metadata.json``; the loader makes the bags as it reads (``BagRule``: the same ids,
-    in the same order, as ``ids``). ``layout="ids"`` writes every id of every bag
-    (``expand``; at MLPerf's sizes 0.97 KB a row against the rule's 0.16 KB, so it runs
-    at the speed the disk takes the bytes)."""
-    from recscale.data.dataset import BinaryDataset, DatasetError, read_metadata
-    from recscale.data.preprocess import check_output_dir, fresh_tmp_dir, swap_into_place
-
-    if layout not in LAYOUTS:
-        raise ValueError(f"--layout takes one of {', '.join(LAYOUTS)}, got {layout!r}")
-    meta = read_metadata(src)
-    if meta.get("multi_hot"):
-        raise DatasetError(f"{src} is multi-hot already; give a one-hot dataset")
-    f = int(meta["num_sparse"])
-    if len(bag_sizes) == 1:
-        bag_sizes = bag_sizes * f
-    if len(bag_sizes) != f or min(bag_sizes) < 1 or max(bag_sizes) > MAX_BAG:
-        raise ValueError(f"--bag-sizes takes 1 or {f} sizes in 1..{MAX_BAG}, got {bag_sizes}")
-    check_output_dir(Path(out), [Path(src)])
-    tmp = fresh_tmp_dir(Path(out))
-    sizes = [int(s) for s in meta["table_sizes"]]
-    start = time.perf_counter()
-    splits = {}
-    for name in meta["splits"]:
-        ds = BinaryDataset(src, name)
-        splits[name] = (_write_rule(ds, tmp / name, sum(bag_sizes)) if layout == "rule"
-                        else _write_ids(ds, tmp / name, sizes, bag_sizes, seed))  # fmt: skip
-    total = sum(s["rows"] for s in splits.values())
-    seconds = time.perf_counter() - start
-    new = {**meta, "multi_hot": True, "multi_hot_layout": layout, "bag_sizes": bag_sizes,
-           "multi_hot_seed": seed, "multi_hot_source": str(src), "splits": splits,
-           "seconds": seconds}  # fmt: skip
-    (tmp / "metadata.json").write_text(json.dumps(new, indent=2) + "\n")
-    swap_into_place(tmp, Path(out))
-    echo(f"wrote {out} ({layout} layout): {total:,} rows, {sum(bag_sizes)} ids a row, in "
-         f"{seconds:.2f} s ({total / max(seconds, 1e-9) / 1e6:.2f}M rows/s)")  # fmt: skip
-    return new
-
-
-def _write_rule(ds, split_dir: Path, ids_per_row: int) -> dict:
-    """The one-hot columns, copied (the kernel's copy_file_range: no trip through Python);
-    the split's rows and CTR are the source's."""
-    split_dir.mkdir(parents=True)
-    src_dir = ds.root / ds.split
-    for name in ("dense.f32", "labels.u8", "sparse.i32"):
-        shutil.copyfile(src_dir / name, split_dir / name)
-    return {**ds.meta["splits"][ds.split], "ids": ds.rows * ids_per_row}
-
-
-def _write_ids(ds, split_dir: Path, sizes: list[int], bag_sizes: list[int], seed: int) -> dict:
-    """Every bag's ids. One writer thread: block i goes to the files while block i+1
-    expands (the kernel runs without the GIL, file writes release it)."""
-    f = len(bag_sizes)
-    lengths_block = np.broadcast_to(np.array(bag_sizes, np.uint16), (BLOCK_ROWS, f)).copy()
-    w = MultiHotWriter(split_dir)
-    with ThreadPoolExecutor(1) as pool:
-        pending = None
-        for a in range(0, ds.rows, BLOCK_ROWS):
-            b = min(ds.rows, a + BLOCK_ROWS)
-            values = expand(np.asarray(ds.sparse[a:b]), sizes, bag_sizes, seed)
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(w.append, ds.dense[a:b], lengths_block[: b - a], values,
-                                  ds.labels[a:b])  # fmt: skip
-        if pending is not None:
-            pending.result()
-    return w.close()

@@ -101,9 +101,20 @@ def _coprime_multiplier(n: int, rng: np.random.Generator) -> int:
 
 @nb.njit(cache=True, nogil=True)
 def _accumulate_features(
-    ids, feat_start, lengths, scales, cache_start, cache_w, cache_fac, given_w, given_fac,
-    multi, logit, factor_sum, factor_sq,
-):  # fmt: skip
+    ids,
+    feat_start,
+    lengths,
+    scales,
+    cache_start,
+    cache_w,
+    cache_fac,
+    given_w,
+    given_fac,
+    multi,
+    logit,
+    factor_sum,
+    factor_sq,
+):
     """The per-feature terms of the logit, feature by feature, in the order and with the
     arithmetic of the numpy formulation it replaced (bincount, ``add.at`` / scatter,
     sums), so batches are bit for bit what they were - only ~10 numpy calls per feature
@@ -300,10 +311,20 @@ class SyntheticCriteo:
         factor_sum = np.zeros((b, _FACTOR_DIM))
         factor_sq = np.zeros(b)
         _accumulate_features(
-            ids, feat_start, np.ascontiguousarray(lengths, dtype=np.int64), self._feature_scale,
-            self._cache_start, self._cache_w, self._cache_fac, given_w, given_fac,
-            self.max_ids > 1, logit, factor_sum, factor_sq,
-        )  # fmt: skip
+            ids,
+            feat_start,
+            np.ascontiguousarray(lengths, dtype=np.int64),
+            self._feature_scale,
+            self._cache_start,
+            self._cache_w,
+            self._cache_fac,
+            given_w,
+            given_fac,
+            self.max_ids > 1,
+            logit,
+            factor_sum,
+            factor_sq,
+        )
         logit += 0.5 * ((factor_sum * factor_sum).sum(axis=1) - factor_sq) / math.sqrt(num_sparse)
         return (rng, dense, lengths, ids), self.signal_scale * logit
 

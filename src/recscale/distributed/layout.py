@@ -135,7 +135,10 @@ def table_bytes_per_rank(
 ) -> list[int]:
     """Bytes of table rows on each rank: its shards plus every replicated table, a row
     of width w costing ``row_bytes_of(w)``; ``keep(feature)`` selects the tables."""
-    dp = sum(layout.num_rows[f] * row_bytes_of(layout.dims[f])
-             for f in layout.dp_features if keep(f))  # fmt: skip
-    return [dp + sum(s.num_rows * row_bytes_of(s.width) for s in rs.shards if keep(s.feature))
-            for rs in layout.per_rank]  # fmt: skip
+    dp = sum(
+        layout.num_rows[f] * row_bytes_of(layout.dims[f]) for f in layout.dp_features if keep(f)
+    )
+    return [
+        dp + sum(s.num_rows * row_bytes_of(s.width) for s in rs.shards if keep(s.feature))
+        for rs in layout.per_rank
+    ]

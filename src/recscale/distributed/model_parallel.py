@@ -32,8 +32,9 @@ from recscale.planner import ShardingPlan, TablePlacement
 
 def one_rank_plan(names: list[str]) -> ShardingPlan:
     """World size 1: every table whole on rank 0 (the identity layout)."""
-    return ShardingPlan(1, [TablePlacement(n, "table_wise", [0], {}, {}) for n in names],
-                        [0], [0.0])  # fmt: skip
+    return ShardingPlan(
+        1, [TablePlacement(n, "table_wise", [0], {}, {}) for n in names], [0], [0.0]
+    )
 
 
 def shard(
@@ -56,15 +57,23 @@ def shard(
     if make_storage is None and any(
         t.placement != "device" or t.compression != "none" for t in tables
     ):
-        raise ValueError("host/ssd and compressed tables need make_storage "
-                         "(embedding.placement.storage_factory)")  # fmt: skip
-    layout = build_layout([t.name for t in tables], [t.num_rows for t in tables],
-                          [t.dim for t in tables], plan)  # fmt: skip
+        raise ValueError(
+            "host/ssd and compressed tables need make_storage (embedding.placement.storage_factory)"
+        )
+    layout = build_layout(
+        [t.name for t in tables], [t.num_rows for t in tables], [t.dim for t in tables], plan
+    )
     model.embeddings = ShardedEmbeddingBagCollection(
-        tables, ebc.pooling, ebc.make_optimizer, layout, ctx,
-        seed=ebc.seed, validate_ids=ebc.validate_ids, kernel=ebc.kernel,
+        tables,
+        ebc.pooling,
+        ebc.make_optimizer,
+        layout,
+        ctx,
+        seed=ebc.seed,
+        validate_ids=ebc.validate_ids,
+        kernel=ebc.kernel,
         make_storage=make_storage,
-    )  # fmt: skip
+    )
     model.to(ctx.device)
     if not ctx.distributed:
         return model

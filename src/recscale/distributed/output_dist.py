@@ -92,8 +92,9 @@ class OutputDist:
         send_flat = torch.cat(blocks) if blocks else grad_out.new_zeros(0)
         recv = torch.empty(w * b * self.my_width, device=grad_out.device, dtype=grad_out.dtype)
         if group is not None:
-            dist.all_to_all_single(recv, send_flat, [b * self.my_width] * w,
-                                   [b * x for x in self.widths], group=group)  # fmt: skip
+            dist.all_to_all_single(
+                recv, send_flat, [b * self.my_width] * w, [b * x for x in self.widths], group=group
+            )
         else:
             recv.copy_(send_flat)
         grad_local = recv.view(w * b, self.my_width).div_(w)

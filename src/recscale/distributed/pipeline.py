@@ -60,8 +60,9 @@ class EmbeddingPipeline:
                     self._queue.put(_DONE)
                     return
                 batch = batch.to(self._device, non_blocking=True)
-                local = self._ebc.distribute_input(batch.values, batch.offsets,
-                                                   batch.batch_size, batch.weights)  # fmt: skip
+                local = self._ebc.distribute_input(
+                    batch.values, batch.offsets, batch.batch_size, batch.weights
+                )
                 t = time.perf_counter()
                 self._ebc.prefetch(local)
                 self.prefetch_seconds += time.perf_counter() - t

@@ -136,10 +136,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"table {t.name} is compressed ({t.compression}): it is placed whole "
                     f"(table_wise), not {s.kind}"
                 )
-            specs.append(TableSpec(name, s.num_rows, s.width, t.placement, cache,
-                                   t.compression, t.small_dim))  # fmt: skip
-            parts.append(TablePart(s.feature, s.kind, s.row_lo, s.row_hi, s.col_lo, s.col_hi,
-                                   t.num_rows, t.dim))  # fmt: skip
+            specs.append(
+                TableSpec(name, s.num_rows, s.width, t.placement, cache, t.compression, t.small_dim)
+            )
+            parts.append(
+                TablePart(
+                    s.feature, s.kind, s.row_lo, s.row_hi, s.col_lo, s.col_hi, t.num_rows, t.dim
+                )
+            )
         # The compute stage. Identity: it pools as the model (mean pooling, id checks);
         # else the senders did both, and it sum-pools the weights they sent.
         self.compute = (
@@ -153,7 +157,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 kernel=kernel,
                 make_storage=make_storage,
                 parts=parts,
-            )  # fmt: skip
+            )
             if mine
             else None
         )
@@ -161,13 +165,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.dp = None
         if self.dp_features:
             self.dp = EmbeddingBagCollection(
-                [tables[f] for f in self.dp_features], pooling, make_optimizer,
-                validate_ids=False, device=dev, seed=seed, kernel=kernel,
+                [tables[f] for f in self.dp_features],
+                pooling,
+                make_optimizer,
+                validate_ids=False,
+                device=dev,
+                seed=seed,
+                kernel=kernel,
                 make_storage=lambda n, d, opt, _tables: AllReducedStorage(
-                    n, d, opt, dev, kernel, ctx.embed, ctx.world_size),
-                parts=[TablePart(f, "data_parallel", 0, tables[f].num_rows, 0, tables[f].dim,
-                                 tables[f].num_rows, tables[f].dim) for f in self.dp_features],
-            )  # fmt: skip
+                    n, d, opt, dev, kernel, ctx.embed, ctx.world_size
+                ),
+                parts=[
+                    TablePart(
+                        f,
+                        "data_parallel",
+                        0,
+                        tables[f].num_rows,
+                        0,
+                        tables[f].dim,
+                        tables[f].num_rows,
+                        tables[f].dim,
+                    )
+                    for f in self.dp_features
+                ],
+            )
         self.input_dist = InputDist(layout, ctx.rank, dev)
         self.output_dist = OutputDist(layout, ctx.rank, dev)
         self._ready: deque[LocalBatch] = deque()
@@ -250,8 +271,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         output, without copies; else a view of ``[B, F*D]``)."""
         local = self._local_batch(values, offsets, batch_size, weights)
         if self.identity:
-            return self.compute.pooled_by_feature(local.values, local.offsets,
-                                                  local.batch_size, local.weights)  # fmt: skip
+            return self.compute.pooled_by_feature(
+                local.values, local.offsets, local.batch_size, local.weights
+            )
         out = self._distributed(local, values, offsets, batch_size, weights)
         return out.view(batch_size, self.num_features, -1)
 

@@ -43,9 +43,14 @@ def _worker(rank, world, port, fn, args, queue, environ) -> None:
     # The server's environment is the one it started with: the ranks see the caller's now.
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         # Results travel as bytes: tensors shared through file descriptors would vanish
         # with the process that made them.
@@ -68,8 +73,10 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
-             for r in range(world_size)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -95,8 +95,10 @@ def _claim_file(path: Path, nbytes: int) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise TierFileError(f"cannot create the ssd tier's file {path}: {e.strerror} "
-                            "(set --embedding.ssd_dir to a writable directory)") from e  # fmt: skip
+        raise TierFileError(
+            f"cannot create the ssd tier's file {path}: {e.strerror} "
+            "(set --embedding.ssd_dir to a writable directory)"
+        ) from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -140,9 +142,15 @@ class CacheStats:
         return self.hits / self.lookups if self.lookups else 1.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"lookups": self.lookups, "hits": self.hits, "hit_rate": self.hit_rate,
-                "prefetched": self.prefetched, "bytes_read": self.bytes_read,
-                "bytes_written": self.bytes_written, "evictions": self.evictions}  # fmt: skip
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+            "prefetched": self.prefetched,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "evictions": self.evictions,
+        }
 
 
 @dataclass
@@ -353,8 +361,10 @@ class CachedStorage(RowStorage):
                 self._prefetch_off = True
                 warnings.warn(
                     f"{e}; prefetching ahead is off for this table group (lookups now wait "
-                    "for their misses)", RuntimeWarning, stacklevel=2,
-                )  # fmt: skip
+                    "for their misses)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 return
             generation = self._write_backs
         data = self.file[missing.numpy()] if missing.numel() else None  # unlocked: the slow part
@@ -388,21 +398,39 @@ class CachedStorage(RowStorage):
             ):
                 # the oldest prefetched batch is this one: resident, pinned, counted
                 self._update_pins.append(entry.slots)
-                return F.embedding_bag(entry.slot_ids, self.cache_weight, offsets, mode="sum",
-                                       per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+                return F.embedding_bag(
+                    entry.slot_ids,
+                    self.cache_weight,
+                    offsets,
+                    mode="sum",
+                    per_sample_weights=per_sample_weights,
+                    include_last_offset=True,
+                )
             uniq, inverse = torch.unique(rows, return_inverse=True)
             if not for_update:  # evaluation: read misses straight from the file, admit nothing
                 table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
-                return F.embedding_bag(inverse.to(dev), table, offsets, mode="sum",
-                                       per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+                return F.embedding_bag(
+                    inverse.to(dev),
+                    table,
+                    offsets,
+                    mode="sum",
+                    per_sample_weights=per_sample_weights,
+                    include_last_offset=True,
+                )
             self.stats.lookups += uniq.numel()
             self.stats.hits += int((self.slot_of_row[uniq] >= 0).sum())
             slots = self._make_resident(uniq)
             self._touch(slots)
             self._update_pins.append(slots)
             slot_ids = slots[inverse].to(dev)
-            return F.embedding_bag(slot_ids, self.cache_weight, offsets, mode="sum",
-                                   per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+            return F.embedding_bag(
+                slot_ids,
+                self.cache_weight,
+                offsets,
+                mode="sum",
+                per_sample_weights=per_sample_weights,
+                include_last_offset=True,
+            )
 
     def track_dirty(self, enabled: bool) -> None:
         self.dirty = torch.zeros(self.num_rows, dtype=torch.bool) if enabled else None
@@ -422,17 +450,34 @@ class CachedStorage(RowStorage):
             kernel = kernels.choose(self.kernel, "backward", self.cache_weight, self.dim)
             if kernel in ("native", "numba"):
                 self.step += 1
-                fused_update_cpu(self.optimizer, self.cache_weight, self.cache_state, slots, segments,
-                                 bag_of_id, per_sample_weights, grad_pooled, int(self.step),
-                                 self.cache_dirty, allow_native=kernel == "native")  # fmt: skip
+                fused_update_cpu(
+                    self.optimizer,
+                    self.cache_weight,
+                    self.cache_state,
+                    slots,
+                    segments,
+                    bag_of_id,
+                    per_sample_weights,
+                    grad_pooled,
+                    int(self.step),
+                    self.cache_dirty,
+                    allow_native=kernel == "native",
+                )
             elif kernel == "triton":  # the host tier's cache in GPU memory
                 from recscale.embedding import triton_kernels
 
                 self.step += 1
                 slots_dev = slots.to(self.device)
-                triton_kernels.fused_update(self.optimizer, self.cache_weight, self.cache_state,
-                                            slots_dev, bag_of_id, per_sample_weights, grad_pooled,
-                                            int(self.step))  # fmt: skip
+                triton_kernels.fused_update(
+                    self.optimizer,
+                    self.cache_weight,
+                    self.cache_state,
+                    slots_dev,
+                    bag_of_id,
+                    per_sample_weights,
+                    grad_pooled,
+                    int(self.step),
+                )
                 self.cache_dirty[slots] = True
             else:
                 grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
@@ -453,8 +498,13 @@ class CachedStorage(RowStorage):
             slots = self._make_resident(uniq)
             order = torch.searchsorted(uniq, rows)
             self.step += 1
-            self.optimizer.update_(self.cache_weight, self.cache_state,
-                                   slots[order].to(self.device), grad, int(self.step))  # fmt: skip
+            self.optimizer.update_(
+                self.cache_weight,
+                self.cache_state,
+                slots[order].to(self.device),
+                grad,
+                int(self.step),
+            )
             self.cache_dirty[slots] = True
             if self.dirty is not None:
                 self.dirty[rows] = True
@@ -482,8 +532,10 @@ class CachedStorage(RowStorage):
     def read_state(self, rows):
         with self._lock:
             data = torch.from_numpy(self._gather(rows.cpu()))
-            return {name: data[:, lo:hi].reshape(-1, *shape).clone()
-                    for name, shape, lo, hi in self._state_cols}  # fmt: skip
+            return {
+                name: data[:, lo:hi].reshape(-1, *shape).clone()
+                for name, shape, lo, hi in self._state_cols
+            }
 
     @torch.no_grad()
     def write_rows(self, rows, values):

@@ -90,9 +90,16 @@ class FactoredStorage(RowStorage):
 
     derived_rows = True  # rows are computed: init and checkpoints go through the factors
 
-    def __init__(self, num_rows: int, dim: int, factor_shapes: dict[str, tuple[int, int]],
-                 optimizer: SparseOptimizer, device: torch.device | None = None,
-                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        factor_shapes: dict[str, tuple[int, int]],
+        optimizer: SparseOptimizer,
+        device: torch.device | None = None,
+        precision: str = "fp32",
+        hot_rows: int = 0,
+    ) -> None:
         super().__init__()
         self.num_rows, self.dim, self.precision = num_rows, dim, precision
         # one optimizer object for every factor: the LR schedule sets ``storage.optimizer.lr``
@@ -108,9 +115,15 @@ class FactoredStorage(RowStorage):
         self.hot_rows = hot_rows
         if hot_rows:
             self.hot = factor("hot", hot_rows, dim)
-            self.register_buffer("hot_ids", torch.arange(
-                num_rows, num_rows + hot_rows, dtype=hot_id_dtype(num_rows, hot_rows), device=device
-            ))  # fmt: skip
+            self.register_buffer(
+                "hot_ids",
+                torch.arange(
+                    num_rows,
+                    num_rows + hot_rows,
+                    dtype=hot_id_dtype(num_rows, hot_rows),
+                    device=device,
+                ),
+            )
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
     # -- what a method defines (QRStorage, MixedDimStorage, TTStorage) ---------------
@@ -141,8 +154,9 @@ class FactoredStorage(RowStorage):
 
         stores = [*self.factors.values(), *([self.hot] if self.hot_rows else [])]
         ids = size(self.hot_ids) if self.hot_rows else 0
-        return ids + sum(size(f.weight) + (size(f.qparams) if hasattr(f, "qparams") else 0)
-                         for f in stores)  # fmt: skip
+        return ids + sum(
+            size(f.weight) + (size(f.qparams) if hasattr(f, "qparams") else 0) for f in stores
+        )
 
     def _gather(self, rows: torch.Tensor, leaves: bool = False):
         idx = self._index(rows)
@@ -181,8 +195,9 @@ class FactoredStorage(RowStorage):
             ids.numel() and (ids[0] < 0 or ids[-1] >= self.num_rows)
         ):
             raise ValueError(f"hot ids must be at most {self.hot_rows} ids in [0, {self.num_rows})")
-        free = torch.arange(self.num_rows, self.num_rows + self.hot_rows - ids.numel(),
-                            device=ids.device)  # fmt: skip
+        free = torch.arange(
+            self.num_rows, self.num_rows + self.hot_rows - ids.numel(), device=ids.device
+        )
         self.hot.write_rows(torch.arange(ids.numel(), device=ids.device), self._computed(ids))
         self.hot_ids.copy_(torch.cat([ids, free]).to(self.hot_ids.dtype))
 
@@ -280,9 +295,17 @@ def _generator(seed: int, feature: int) -> torch.Generator:
 
 
 class QRStorage(FactoredStorage):
-    def __init__(self, num_rows: int, dim: int, buckets: int, op: str,
-                 optimizer: SparseOptimizer, device: torch.device | None = None,
-                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        buckets: int,
+        op: str,
+        optimizer: SparseOptimizer,
+        device: torch.device | None = None,
+        precision: str = "fp32",
+        hot_rows: int = 0,
+    ) -> None:
         if op not in QR_OPS:
             raise ValueError(f"qr op must be one of {QR_OPS}, got {op!r}")
         shapes = factor_shapes("qr", num_rows, dim, qr_buckets=buckets, qr_op=op)
@@ -290,8 +313,10 @@ class QRStorage(FactoredStorage):
         self.buckets, self.op = shapes["r"][0], op
 
     def _index(self, rows):
-        return {"q": torch.div(rows, self.buckets, rounding_mode="floor"),
-                "r": torch.remainder(rows, self.buckets)}  # fmt: skip
+        return {
+            "q": torch.div(rows, self.buckets, rounding_mode="floor"),
+            "r": torch.remainder(rows, self.buckets),
+        }
 
     def _combine(self, parts):
         q, r = parts["q"], parts["r"]
@@ -315,9 +340,16 @@ class QRStorage(FactoredStorage):
 
 
 class MixedDimStorage(FactoredStorage):
-    def __init__(self, num_rows: int, dim: int, small_dim: int,
-                 optimizer: SparseOptimizer, device: torch.device | None = None,
-                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        small_dim: int,
+        optimizer: SparseOptimizer,
+        device: torch.device | None = None,
+        precision: str = "fp32",
+        hot_rows: int = 0,
+    ) -> None:
         shapes = factor_shapes("mixed_dim", num_rows, dim, small_dim=small_dim)
         super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
         self.small_dim = small_dim
@@ -338,9 +370,16 @@ class MixedDimStorage(FactoredStorage):
 
 
 class TTStorage(FactoredStorage):
-    def __init__(self, num_rows: int, dim: int, rank: int,
-                 optimizer: SparseOptimizer, device: torch.device | None = None,
-                 precision: str = "fp32", hot_rows: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        rank: int,
+        optimizer: SparseOptimizer,
+        device: torch.device | None = None,
+        precision: str = "fp32",
+        hot_rows: int = 0,
+    ) -> None:
         (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
         shapes = factor_shapes("tt", num_rows, dim, tt_rank=rank)
         super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
@@ -348,9 +387,11 @@ class TTStorage(FactoredStorage):
 
     def _index(self, rows):
         _, n2, n3 = self.n
-        return {"g1": torch.div(rows, n2 * n3, rounding_mode="floor"),
-                "g2": torch.remainder(torch.div(rows, n3, rounding_mode="floor"), n2),
-                "g3": torch.remainder(rows, n3)}  # fmt: skip
+        return {
+            "g1": torch.div(rows, n2 * n3, rounding_mode="floor"),
+            "g2": torch.remainder(torch.div(rows, n3, rounding_mode="floor"), n2),
+            "g3": torch.remainder(rows, n3),
+        }
 
     def _combine(self, parts):
         (d1, d2, d3), r = self.d, self.rank
@@ -380,8 +421,15 @@ def factor_precision(name: str, row_precision: str) -> str:
     return "fp32" if name in WHOLE_FACTORS else row_precision
 
 
-def factor_shapes(method: str, num_rows: int, dim: int, qr_buckets: int = 1,
-                  qr_op: str = "mult", tt_rank: int = 1, small_dim: int = 1) -> dict[str, tuple[int, int]]:  # fmt: skip
+def factor_shapes(
+    method: str,
+    num_rows: int,
+    dim: int,
+    qr_buckets: int = 1,
+    qr_op: str = "mult",
+    tt_rank: int = 1,
+    small_dim: int = 1,
+) -> dict[str, tuple[int, int]]:
     """Factor name -> (rows, width) of a compressed table: what the storages allocate
     and what the planner counts."""
     if method == "qr":
@@ -396,8 +444,15 @@ def factor_shapes(method: str, num_rows: int, dim: int, qr_buckets: int = 1,
     raise ValueError(f"unknown compression {method!r}")
 
 
-def compressed_rows(method: str, num_rows: int, dim: int, qr_buckets: int = 1,
-                    qr_op: str = "mult", tt_rank: int = 1, small_dim: int = 1) -> int:  # fmt: skip
+def compressed_rows(
+    method: str,
+    num_rows: int,
+    dim: int,
+    qr_buckets: int = 1,
+    qr_op: str = "mult",
+    tt_rank: int = 1,
+    small_dim: int = 1,
+) -> int:
     """fp32 values a compressed table stores (its factors), without building it."""
     shapes = factor_shapes(method, num_rows, dim, qr_buckets, qr_op, tt_rank, small_dim)
     return sum(rows * width for rows, width in shapes.values())
@@ -411,8 +466,10 @@ def table_compressions(table_sizes: list[int], dims: list[int], cfg) -> list[tup
     names = [f"C{i + 1}" for i in range(len(table_sizes))]
     methods = dict(str(x).split("=", 1) for x in cfg.table_compression)
     # the global method skips tables under compress_min_rows; a named override does not
-    chosen = [methods.get(n, cfg.compression if rows >= cfg.compress_min_rows else "none")
-              for n, rows in zip(names, table_sizes)]  # fmt: skip
+    chosen = [
+        methods.get(n, cfg.compression if rows >= cfg.compress_min_rows else "none")
+        for n, rows in zip(names, table_sizes)
+    ]
     md = [i for i, m in enumerate(chosen) if m == "mixed_dim"]
     small = (
         dict(zip(md, mixed_dims([table_sizes[i] for i in md], max(dims), cfg.md_alpha)))
@@ -443,8 +500,15 @@ def hot_count(num_rows: int, fraction: float) -> int:
     return min(num_rows, math.ceil(fraction * num_rows)) if fraction > 0 else 0
 
 
-def build_compressed(method: str, num_rows: int, dim: int, small_dim: int, cfg,
-                     optimizer: SparseOptimizer, device: torch.device | None) -> FactoredStorage:  # fmt: skip
+def build_compressed(
+    method: str,
+    num_rows: int,
+    dim: int,
+    small_dim: int,
+    cfg,
+    optimizer: SparseOptimizer,
+    device: torch.device | None,
+) -> FactoredStorage:
     """The storage of one compressed table (``cfg``: the ``EmbeddingConfig``)."""
     p, k = cfg.row_precision, hot_count(num_rows, cfg.hot_fraction)
     if method == "qr":
@@ -454,38 +518,3 @@ def build_compressed(method: str, num_rows: int, dim: int, small_dim: int, cfg,
     if method == "tt":
         return TTStorage(num_rows, dim, cfg.tt_rank, optimizer, device, p, k)
     raise ValueError(f"unknown compression {method!r}")
-
-
-def compression_summary(cfg) -> list[str]:
-    """What ``embedding.compression`` / ``row_precision`` make of the tables (``cfg``: the
-    root ``Config``), a line each - printed at the start of training and by ``plan``."""
-    e, m = cfg.embedding, cfg.model
-    lines = []
-    comp = table_compressions(m.table_sizes, m.dims(), e)
-    if e.row_precision != "fp32":
-        what = (
-            "embedding rows" if all(c == "none" for c, _ in comp) else "rows and gathered factors"
-        )
-        lines.append(f"{what} stored as {e.row_precision} (optimizer state fp32)")
-    if all(c == "none" for c, _ in comp):
-        return [*lines, memory_line(cfg)] if lines else lines
-    parts = []
-    for i, (c, sd) in enumerate(comp):
-        if c != "none":
-            what = {"qr": f"qr/{e.qr_buckets}", "tt": f"tt r{e.tt_rank}",
-                    "mixed_dim": f"dim {sd}"}[c]  # fmt: skip
-            parts.append(f"C{i + 1} {what}")
-    lines.append(f"compressed tables ({len(parts)} of {len(comp)}): {', '.join(parts)}")
-    lines.append(memory_line(cfg))
-    return lines
-
-
-def memory_line(cfg) -> str:
-    """The tables' bytes against plain fp32 tables, weights alone and in training."""
-    from recscale.planner.from_config import table_memory
-
-    mem = table_memory(cfg)
-    return (f"tables: weights {mem['weights'] / 1e6:.2f} MB, "
-            f"{mem['plain_weights'] / max(mem['weights'], 1):.1f}x smaller than plain fp32; "
-            f"with optimizer state {mem['total'] / 1e6:.2f} MB, "
-            f"{mem['plain_total'] / max(mem['total'], 1):.1f}x")  # fmt: skip

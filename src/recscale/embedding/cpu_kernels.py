@@ -41,9 +41,24 @@ if HAVE_NUMBA:
 
     @nb.njit(parallel=True, cache=True, nogil=True)
     def _fused_update(
-        kind, weight, state1, state2, rows, seg_starts, bag_of_id, psw, has_psw, grad_pooled,
-        lr, eps, beta1, beta2, step_size, dirty, track_dirty,
-    ):  # fmt: skip
+        kind,
+        weight,
+        state1,
+        state2,
+        rows,
+        seg_starts,
+        bag_of_id,
+        psw,
+        has_psw,
+        grad_pooled,
+        lr,
+        eps,
+        beta1,
+        beta2,
+        step_size,
+        dirty,
+        track_dirty,
+    ):
         num_seg = seg_starts.shape[0] - 1
         dim = weight.shape[1]
         touched = np.zeros(num_seg, np.float32)  # keeps the touch loads from being optimised away
@@ -144,27 +159,72 @@ def fused_update_cpu(
         and weight.is_contiguous()
         and native.applies(weight, weight.shape[1], rows=True)
     ):
-        _native_update(kind, weight, state, rows, segments, bag_of_id, per_sample_weights,
-                       grad_pooled, lr, eps, b1, b2, step_size, dirty, step)  # fmt: skip
+        _native_update(
+            kind,
+            weight,
+            state,
+            rows,
+            segments,
+            bag_of_id,
+            per_sample_weights,
+            grad_pooled,
+            lr,
+            eps,
+            b1,
+            b2,
+            step_size,
+            dirty,
+            step,
+        )
         return
     if weight.dtype != torch.float32:
-        raise ValueError(f"the fused CPU update of {weight.dtype} rows needs the native kernels "
-                         f"({native.status()})")  # fmt: skip
+        raise ValueError(
+            f"the fused CPU update of {weight.dtype} rows needs the native kernels "
+            f"({native.status()})"
+        )
     empty = np.zeros((1, 1), np.float32)
     s1, s2 = ([state[n].numpy() for n in fp.state_names] + [empty, empty])[:2]
     # The kernel is typed once for 2-D state: row-wise Adagrad's [R] accumulator goes in as [R, 1].
     s1_arg = s1.reshape(-1, 1) if s1.ndim == 1 else s1
     psw = per_sample_weights.numpy() if per_sample_weights is not None else np.zeros(1, np.float32)
     _fused_update(
-        kind, weight.numpy(), s1_arg, s2, rows.numpy(), segments.contiguous().numpy(), bag_of_id.numpy(),
-        psw, per_sample_weights is not None, grad_pooled.contiguous().numpy(),
-        np.float32(lr), np.float32(eps), np.float32(b1), np.float32(b2), np.float32(step_size),
-        dirty.view(torch.uint8).numpy() if dirty is not None else np.zeros(1, np.uint8), dirty is not None,
-    )  # fmt: skip
+        kind,
+        weight.numpy(),
+        s1_arg,
+        s2,
+        rows.numpy(),
+        segments.contiguous().numpy(),
+        bag_of_id.numpy(),
+        psw,
+        per_sample_weights is not None,
+        grad_pooled.contiguous().numpy(),
+        np.float32(lr),
+        np.float32(eps),
+        np.float32(b1),
+        np.float32(b2),
+        np.float32(step_size),
+        dirty.view(torch.uint8).numpy() if dirty is not None else np.zeros(1, np.uint8),
+        dirty is not None,
+    )
 
 
-def _native_update(kind, weight, state, rows, segments, bag_of_id, psw, grad, lr, eps, b1, b2,
-                   step_size, dirty, step) -> None:  # fmt: skip
+def _native_update(
+    kind,
+    weight,
+    state,
+    rows,
+    segments,
+    bag_of_id,
+    psw,
+    grad,
+    lr,
+    eps,
+    b1,
+    b2,
+    step_size,
+    dirty,
+    step,
+) -> None:
     lib = native.library()
     names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[
         kind
@@ -185,11 +245,19 @@ def _native_update(kind, weight, state, rows, segments, bag_of_id, psw, grad, lr
         seg.data_ptr(),
     )
     tail = (
-        bag_of_id.data_ptr(), psw.data_ptr() if psw is not None else None, grad.data_ptr(),
-        grad.stride(0), lr, eps, b1, b2, step_size,
+        bag_of_id.data_ptr(),
+        psw.data_ptr() if psw is not None else None,
+        grad.data_ptr(),
+        grad.stride(0),
+        lr,
+        eps,
+        b1,
+        b2,
+        step_size,
         dirty.view(torch.uint8).data_ptr() if dirty is not None else None,
-        native.ROW_FORMATS[weight.dtype], step,
-    )  # fmt: skip
+        native.ROW_FORMATS[weight.dtype],
+        step,
+    )
     # Split the segments over threads by id count (multi-hot features differ in length):
     # a part's share of the ids [lo, hi) takes the segments that start in it.
     starts = seg.numpy()

@@ -37,8 +37,11 @@ _IMPLEMENTS = {
 
 # Asked for by name, these must run (else an error); the others fall back down the order
 # for the tables they cannot take (the native lookup and update need a dim % 8 == 0).
-_STRICT = {"interaction": ("native", "numba"), "backward": ("numba", "triton"),
-           "lookup": ("triton",)}  # fmt: skip
+_STRICT = {
+    "interaction": ("native", "numba"),
+    "backward": ("numba", "triton"),
+    "lookup": ("triton",),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,8 +75,10 @@ def _applies(kernel: str, op: str, t: torch.Tensor, dim: int, max_dim: int | Non
     if kernel == "native":
         if native.applies(t, dim, max_dim, rows=op != "interaction") and contiguous:
             return None
-        return (f"the native kernels need recscale.native ({native.status()}), contiguous "
-                "fp32 CPU tensors and a dim that is a multiple of 8")  # fmt: skip
+        return (
+            f"the native kernels need recscale.native ({native.status()}), contiguous "
+            "fp32 CPU tensors and a dim that is a multiple of 8"
+        )
     if kernel == "triton":
         if not triton_available():
             return _triton_import()

@@ -100,9 +100,14 @@ def native_pooled_lookup(
     bag_of_id = torch.empty(n, dtype=torch.int64)
     head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size, num_f)
     tail = (
-        row_offset.data_ptr(), table_sizes.data_ptr(), psw.data_ptr() if psw is not None else None,
-        pooled.data_ptr(), rows.data_ptr(), bag_of_id.data_ptr(), native.ROW_FORMATS[table.dtype],
-    )  # fmt: skip
+        row_offset.data_ptr(),
+        table_sizes.data_ptr(),
+        psw.data_ptr() if psw is not None else None,
+        pooled.data_ptr(),
+        rows.data_ptr(),
+        bag_of_id.data_ptr(),
+        native.ROW_FORMATS[table.dtype],
+    )
 
     def part(_p: int, f0: int, f1: int) -> tuple:
         return (*head, f0, f1, *tail)

@@ -123,8 +123,15 @@ def quantize_rows(x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Te
 class LowPrecisionStorage(DeviceStorage):
     """A :class:`DeviceStorage` whose rows are stored at ``precision`` (module doc)."""
 
-    def __init__(self, num_rows: int, dim: int, optimizer: SparseOptimizer, precision: str,
-                 device: torch.device | None = None, kernel: str = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        optimizer: SparseOptimizer,
+        precision: str,
+        device: torch.device | None = None,
+        kernel: str = "auto",
+    ) -> None:
         """``kernel``: ``auto``/``native`` let fp16/bf16 rows take the native fused lookup
         and update where they apply; anything else (and int8) runs this file's torch path."""
         if precision not in _DTYPES:
@@ -201,8 +208,14 @@ class LowPrecisionStorage(DeviceStorage):
         self._encode(rows, values.to(self.weight.device, torch.float32), None)
 
 
-def device_rows(num_rows: int, dim: int, optimizer: SparseOptimizer, precision: str,
-                device: torch.device | None = None, kernel: str = "auto") -> DeviceStorage:  # fmt: skip
+def device_rows(
+    num_rows: int,
+    dim: int,
+    optimizer: SparseOptimizer,
+    precision: str,
+    device: torch.device | None = None,
+    kernel: str = "auto",
+) -> DeviceStorage:
     """Rows in device memory at ``precision``: a plain :class:`DeviceStorage` for fp32,
     else a :class:`LowPrecisionStorage` (plain tables and compressed factors alike)."""
     if precision == "fp32":

@@ -138,13 +138,15 @@ def fused_params(optimizer: SparseOptimizer, step: int) -> FusedParams:
     if isinstance(optimizer, SparseSGD):
         return FusedParams(SGD_KIND, float(optimizer.lr))
     if isinstance(optimizer, SparseRowwiseAdagrad):
-        return FusedParams(ROWWISE_ADAGRAD_KIND, float(optimizer.lr), optimizer.eps,
-                           state_names=("sum",))  # fmt: skip
+        return FusedParams(
+            ROWWISE_ADAGRAD_KIND, float(optimizer.lr), optimizer.eps, state_names=("sum",)
+        )
     if isinstance(optimizer, SparseAdam):
         b1, b2 = optimizer.beta1, optimizer.beta2
         size = optimizer.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-        return FusedParams(ADAM_KIND, float(optimizer.lr), optimizer.eps, b1, b2, size,
-                           ("exp_avg", "exp_avg_sq"))  # fmt: skip
+        return FusedParams(
+            ADAM_KIND, float(optimizer.lr), optimizer.eps, b1, b2, size, ("exp_avg", "exp_avg_sq")
+        )
     raise TypeError(f"no fused kernel for {type(optimizer).__name__}")
 
 

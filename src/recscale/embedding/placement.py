@@ -12,7 +12,6 @@ The planner decides placements (``planner/``); this module only builds storages.
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 
@@ -21,20 +20,8 @@ import torch
 from recscale.config.schema import EmbeddingConfig
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX, CachedStorage
 from recscale.embedding.compressed import build_compressed
-from recscale.embedding.low_precision import bytes_per_value, device_rows, row_overhead
-from recscale.embedding.optimizers import build_sparse_optimizer
-
-
-def state_bytes(cfg: EmbeddingConfig, dim: int) -> int:
-    """Bytes of one row's optimizer state (fp32)."""
-    shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
-    return 4 * sum(max(1, math.prod(s)) for s in shapes)
-
-
-def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
-    """Bytes of one row with its optimizer state, at ``cfg.row_precision``."""
-    p = cfg.row_precision
-    return int(dim * bytes_per_value(p)) + row_overhead(p) + state_bytes(cfg, dim)
+from recscale.embedding.low_precision import device_rows
+from recscale.embedding.sizing import row_bytes
 
 
 def storage_factory(
@@ -57,11 +44,27 @@ def storage_factory(
             return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kernel)
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
-            return CachedStorage(num_rows, dim, optimizer, None, rows, policy=cfg.cache_policy,
-                                 kernel=kernel, device=device)  # fmt: skip
+            return CachedStorage(
+                num_rows,
+                dim,
+                optimizer,
+                None,
+                rows,
+                policy=cfg.cache_policy,
+                kernel=kernel,
+                device=device,
+            )
         if root is None:
             root = Path(tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX))
-        return CachedStorage(num_rows, dim, optimizer, root / f"tables_dim{dim}.f32", rows,
-                             policy=cfg.cache_policy, kernel=kernel, device=device)  # fmt: skip
+        return CachedStorage(
+            num_rows,
+            dim,
+            optimizer,
+            root / f"tables_dim{dim}.f32",
+            rows,
+            policy=cfg.cache_policy,
+            kernel=kernel,
+            device=device,
+        )
 
     return make

@@ -64,8 +64,14 @@ def pool_rows(
     """Sum-pool already-gathered rows ``dense [N, D]`` (id n's row) into bags by
     ``offsets`` (``num_bags + 1``): storages that build their rows (decoded, composed)."""
     ids = torch.arange(dense.shape[0], device=dense.device)
-    return F.embedding_bag(ids, dense, offsets, mode="sum",
-                           per_sample_weights=per_sample_weights, include_last_offset=True)  # fmt: skip
+    return F.embedding_bag(
+        ids,
+        dense,
+        offsets,
+        mode="sum",
+        per_sample_weights=per_sample_weights,
+        include_last_offset=True,
+    )
 
 
 def per_id_gradients(
@@ -245,15 +251,30 @@ class DeviceStorage(RowStorage):
             from recscale.embedding import triton_kernels
 
             triton_kernels.fused_update(
-                self.optimizer, self.weight, self.optimizer_state(), rows, bag_of_id,
-                per_sample_weights, grad_pooled, int(self.step), self.dirty,
-            )  # fmt: skip
+                self.optimizer,
+                self.weight,
+                self.optimizer_state(),
+                rows,
+                bag_of_id,
+                per_sample_weights,
+                grad_pooled,
+                int(self.step),
+                self.dirty,
+            )
             return
         fused_update_cpu(
-            self.optimizer, self.weight, self.optimizer_state(), rows, segments, bag_of_id,
-            per_sample_weights, grad_pooled, int(self.step), self.dirty,
+            self.optimizer,
+            self.weight,
+            self.optimizer_state(),
+            rows,
+            segments,
+            bag_of_id,
+            per_sample_weights,
+            grad_pooled,
+            int(self.step),
+            self.dirty,
             allow_native=kernel == "native",
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):

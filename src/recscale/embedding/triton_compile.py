@@ -54,15 +54,33 @@ ARCHS = (90, 80)
 OPTIMIZERS = {"sgd": SGD_KIND, "rowwise_adagrad": ROWWISE_ADAGRAD_KIND, "adam": ADAM_KIND}
 
 _LOOKUP_SIG = {
-    "weight_ptr": "*fp32", "rows_ptr": "*i64", "offsets_ptr": "*i64", "psw_ptr": "*fp32",
-    "out_ptr": "*fp32", "num_bags": "i32", "D": "i32",
-}  # fmt: skip
+    "weight_ptr": "*fp32",
+    "rows_ptr": "*i64",
+    "offsets_ptr": "*i64",
+    "psw_ptr": "*fp32",
+    "out_ptr": "*fp32",
+    "num_bags": "i32",
+    "D": "i32",
+}
 _UPDATE_SIG = {
-    "weight_ptr": "*fp32", "s1_ptr": "*fp32", "s2_ptr": "*fp32", "unique_ptr": "*i64",
-    "seg_ptr": "*i64", "order_ptr": "*i64", "bag_ptr": "*i64", "psw_ptr": "*fp32",
-    "grad_ptr": "*fp32", "dirty_ptr": "*u8", "U": "i32", "D": "i32", "lr": "fp32",
-    "eps": "fp32", "b1": "fp32", "b2": "fp32", "step_size": "fp32",
-}  # fmt: skip
+    "weight_ptr": "*fp32",
+    "s1_ptr": "*fp32",
+    "s2_ptr": "*fp32",
+    "unique_ptr": "*i64",
+    "seg_ptr": "*i64",
+    "order_ptr": "*i64",
+    "bag_ptr": "*i64",
+    "psw_ptr": "*fp32",
+    "grad_ptr": "*fp32",
+    "dirty_ptr": "*u8",
+    "U": "i32",
+    "D": "i32",
+    "lr": "fp32",
+    "eps": "fp32",
+    "b1": "fp32",
+    "b2": "fp32",
+    "step_size": "fp32",
+}
 
 
 @dataclass(frozen=True)
@@ -119,8 +137,13 @@ def variants(dims=DIMS) -> list[Variant]:
                 sig["dirty_ptr"] = "*i64"
             if opt == SGD_KIND:  # no state: the wrapper passes the weight twice
                 sig["s1_ptr"] = sig["s2_ptr"] = "*fp32"
-            ce = {"OPT": opt, "HAS_PSW": has_psw, "HAS_DIRTY": has_dirty,
-                  "BLOCK_U": block_u, "BLOCK_D": block_d}  # fmt: skip
+            ce = {
+                "OPT": opt,
+                "HAS_PSW": has_psw,
+                "HAS_DIRTY": has_dirty,
+                "BLOCK_U": block_u,
+                "BLOCK_D": block_d,
+            }
             div = (("U",) if count16 else ()) + d16
             out.append(Variant("fused_update", dim, ce, sig, div))
     return out
@@ -146,8 +169,10 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
         sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
         res = subprocess.run(
             [ptxas, "-v", f"--gpu-name={sm}", str(src), "-o", str(Path(d) / "k.cubin")],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
@@ -165,8 +190,7 @@ def compile_variant(v: Variant, arch: int) -> Compiled:
         first = next((ln for ln in str(e).splitlines() if "error" in ln), str(e).splitlines()[0])
         return Compiled(v, arch, False, seconds=time.perf_counter() - t, error=first[:300])
     regs, spills = _ptxas_usage(k.asm["ptx"], arch)
-    return Compiled(v, arch, True, regs, spills, int(k.metadata.shared),
-                    time.perf_counter() - t)  # fmt: skip
+    return Compiled(v, arch, True, regs, spills, int(k.metadata.shared), time.perf_counter() - t)
 
 
 def _compile_job(job: tuple[Variant, int]) -> Compiled:
@@ -188,8 +212,10 @@ def compile_all(archs=ARCHS, dims=DIMS, echo=print, jobs: int | None = None) -> 
             v, arch = r.variant, r.arch
             results.append(r)
             if r.ok:
-                echo(f"sm_{arch} ok   {v.label}  regs={r.registers} spill={r.spills} "
-                     f"smem={r.shared_bytes}B  {r.seconds:.2f}s")  # fmt: skip
+                echo(
+                    f"sm_{arch} ok   {v.label}  regs={r.registers} spill={r.spills} "
+                    f"smem={r.shared_bytes}B  {r.seconds:.2f}s"
+                )
             else:
                 echo(f"sm_{arch} FAIL {v.label}  {r.error}")
     return results
@@ -206,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = compile_all(tuple(args.arch or ARCHS), tuple(args.dims), jobs=args.jobs or None)
     bad = [r for r in results if not r.ok]
-    print(f"triton {triton.__version__}: {len(results) - len(bad)} of {len(results)} "
-          f"variants compiled for {', '.join(f'sm_{a}' for a in (args.arch or ARCHS))}")  # fmt: skip
+    print(
+        f"triton {triton.__version__}: {len(results) - len(bad)} of {len(results)} "
+        f"variants compiled for {', '.join(f'sm_{a}' for a in (args.arch or ARCHS))}"
+    )
     return 1 if bad else 0
 
 

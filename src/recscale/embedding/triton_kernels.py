@@ -34,9 +34,17 @@ import triton.language as tl
 
 @triton.jit
 def _pooled_lookup_kernel(
-    weight_ptr, rows_ptr, offsets_ptr, psw_ptr, out_ptr, num_bags, D,
-    HAS_PSW: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    weight_ptr,
+    rows_ptr,
+    offsets_ptr,
+    psw_ptr,
+    out_ptr,
+    num_bags,
+    D,
+    HAS_PSW: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     bmask = bags < num_bags
     cols = tl.arange(0, BLOCK_D)
@@ -61,11 +69,29 @@ def _pooled_lookup_kernel(
 
 @triton.jit
 def _fused_update_kernel(
-    weight_ptr, s1_ptr, s2_ptr, unique_ptr, seg_ptr, order_ptr, bag_ptr, psw_ptr, grad_ptr,
-    dirty_ptr, U, D, lr, eps, b1, b2, step_size,
-    OPT: tl.constexpr, HAS_PSW: tl.constexpr, HAS_DIRTY: tl.constexpr,
-    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    weight_ptr,
+    s1_ptr,
+    s2_ptr,
+    unique_ptr,
+    seg_ptr,
+    order_ptr,
+    bag_ptr,
+    psw_ptr,
+    grad_ptr,
+    dirty_ptr,
+    U,
+    D,
+    lr,
+    eps,
+    b1,
+    b2,
+    step_size,
+    OPT: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    HAS_DIRTY: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     us = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     umask = us < U
     cols = tl.arange(0, BLOCK_D)
@@ -126,10 +152,17 @@ def pooled_lookup(
     block_b, block_d = _blocks(dim)
     psw = per_sample_weights
     _pooled_lookup_kernel[(triton.cdiv(num_bags, block_b),)](
-        weight, rows.contiguous(), offsets.contiguous(),
-        psw.contiguous() if psw is not None else rows, out, num_bags, dim,
-        HAS_PSW=psw is not None, BLOCK_B=block_b, BLOCK_D=block_d,
-    )  # fmt: skip
+        weight,
+        rows.contiguous(),
+        offsets.contiguous(),
+        psw.contiguous() if psw is not None else rows,
+        out,
+        num_bags,
+        dim,
+        HAS_PSW=psw is not None,
+        BLOCK_B=block_b,
+        BLOCK_D=block_d,
+    )
     return out
 
 
@@ -162,10 +195,26 @@ def fused_update(
     block_u, block_d = _blocks(dim)
     psw = per_sample_weights
     _fused_update_kernel[(triton.cdiv(u, block_u),)](
-        weight, s1, s2, unique, seg, order, bag_of_id.contiguous(),
-        psw.contiguous() if psw is not None else rows, grad_pooled.contiguous(),
-        dirty.view(torch.uint8) if dirty is not None else rows, u, dim,
-        fp.lr, fp.eps, fp.beta1, fp.beta2, fp.step_size,
-        OPT=fp.kind, HAS_PSW=psw is not None, HAS_DIRTY=dirty is not None,
-        BLOCK_U=block_u, BLOCK_D=block_d,
-    )  # fmt: skip
+        weight,
+        s1,
+        s2,
+        unique,
+        seg,
+        order,
+        bag_of_id.contiguous(),
+        psw.contiguous() if psw is not None else rows,
+        grad_pooled.contiguous(),
+        dirty.view(torch.uint8) if dirty is not None else rows,
+        u,
+        dim,
+        fp.lr,
+        fp.eps,
+        fp.beta1,
+        fp.beta2,
+        fp.step_size,
+        OPT=fp.kind,
+        HAS_PSW=psw is not None,
+        HAS_DIRTY=dirty is not None,
+        BLOCK_U=block_u,
+        BLOCK_D=block_d,
+    )

@@ -14,7 +14,8 @@ from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.optimizers import build_sparse_optimizer
-from recscale.embedding.placement import row_bytes, storage_factory
+from recscale.embedding.placement import storage_factory
+from recscale.embedding.sizing import row_bytes
 from recscale.modules.dcn import DCNv2Interaction
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.interaction import CatInteraction, DotInteraction
@@ -39,9 +40,14 @@ def table_specs(
         placements = [("device", 0)] * len(dims)
     comp = table_compressions(model_cfg.table_sizes, dims, embedding_cfg)
     # a compressed table is small by construction: its factors live in device memory
-    return [TableSpec(name, n, d, "device" if m != "none" else where, 0 if m != "none" else cache, m, sd)
-            for name, n, d, (where, cache), (m, sd)
-            in zip(names, model_cfg.table_sizes, dims, placements, comp)]  # fmt: skip
+    return [
+        TableSpec(
+            name, n, d, "device" if m != "none" else where, 0 if m != "none" else cache, m, sd
+        )
+        for name, n, d, (where, cache), (m, sd) in zip(
+            names, model_cfg.table_sizes, dims, placements, comp
+        )
+    ]
 
 
 class DLRM(nn.Module):
@@ -98,10 +104,15 @@ class DLRM(nn.Module):
                 kernel=model_cfg.kernels,
             )
         elif model_cfg.interaction == "dcnv2":
-            self.interaction = DCNv2Interaction(self.embeddings.output_dim, dense_dim,
-                                                model_cfg.dcn_layers, model_cfg.dcn_rank,
-                                                device=device, generator=gen,
-                                                fused=model_cfg.kernels != "torch")  # fmt: skip
+            self.interaction = DCNv2Interaction(
+                self.embeddings.output_dim,
+                dense_dim,
+                model_cfg.dcn_layers,
+                model_cfg.dcn_rank,
+                device=device,
+                generator=gen,
+                fused=model_cfg.kernels != "torch",
+            )
         else:
             self.interaction = CatInteraction(self.embeddings.output_dim, dense_dim)
         self.top = MLP(

@@ -147,8 +147,16 @@ class NativeDotInteraction(torch.autograd.Function):
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *strides)
 
         def part(_p: int, lo: int, hi: int) -> tuple:
-            return (d_ptr, emb3.data_ptr(), g.data_ptr(), gd_ptr, grad_emb.data_ptr(), lo, hi,
-                    *args)  # fmt: skip
+            return (
+                d_ptr,
+                emb3.data_ptr(),
+                g.data_ptr(),
+                gd_ptr,
+                grad_emb.data_ptr(),
+                lo,
+                hi,
+                *args,
+            )
 
         _check(native.parallel_call(lib, "recscale_dot_backward", b, part, torch.get_num_threads()))
         return grad_dense, grad_emb.view(emb_shape), None, None, None, None

@@ -121,7 +121,8 @@ def check_ids(
         n = int(bad.nonzero()[0, 0])
         f = int(feature[n])
         raise IdOutOfRangeError(
-            f"id {int(values[n])} of feature {tables[f].name} (sample {int(bag_of_id[n]) % batch_size} "
+            f"id {int(values[n])} of feature {tables[f].name} (sample "
+            f"{int(bag_of_id[n]) % batch_size} "
             f"of the batch) is outside its table of {tables[f].num_rows} rows"
         )
 
@@ -138,8 +139,13 @@ def pooling_weights(
 
 
 class _Group(nn.Module):
-    def __init__(self, features: list[int], tables: list[TableSpec], storage: RowStorage,
-                 device: torch.device | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        features: list[int],
+        tables: list[TableSpec],
+        storage: RowStorage,
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         self.features = features
         self.dim = tables[features[0]].dim
@@ -180,10 +186,14 @@ class EmbeddingBagCollection(nn.Module):
         self.pooling = pooling
         # Kept so that distributed.shard can build the same storages, shard by shard.
         self.make_optimizer, self.seed, self.kernel = make_optimizer, seed, kernel
-        self.parts = list(parts) if parts is not None else [
-            TablePart(f, "table_wise", 0, t.num_rows, 0, t.dim, t.num_rows, t.dim)
-            for f, t in enumerate(tables)
-        ]  # fmt: skip
+        self.parts = (
+            list(parts)
+            if parts is not None
+            else [
+                TablePart(f, "table_wise", 0, t.num_rows, 0, t.dim, t.num_rows, t.dim)
+                for f, t in enumerate(tables)
+            ]
+        )
         self.validate_ids = validate_ids
         # Index buffers live beside the ids they index (the compute device; a model built
         # with its tables on the meta device keeps them on the CPU).
@@ -215,8 +225,9 @@ class EmbeddingBagCollection(nn.Module):
             self.groups.append(group)
             for i, f in enumerate(features):
                 group_of_feature[f], local_index[f] = g, i
-        self.register_buffer("group_of_feature", torch.tensor(group_of_feature, device=idx_dev),
-                             persistent=False)  # fmt: skip
+        self.register_buffer(
+            "group_of_feature", torch.tensor(group_of_feature, device=idx_dev), persistent=False
+        )
         # Per-feature row offset into its group's storage.
         row_offset = [
             int(self.groups[group_of_feature[f]].row_offsets[local_index[f]])
@@ -242,14 +253,29 @@ class EmbeddingBagCollection(nn.Module):
             rect = (p.row_lo, p.row_hi, p.col_lo, p.col_hi)
             fp32 = isinstance(storage, DeviceStorage) and storage.weight.dtype == torch.float32
             if fp32 and storage.device.type == "cpu":
-                init_table_rows(storage.weight[start : start + n], seed, p.feature, p.table_rows,
-                                p.table_dim, *rect)  # fmt: skip
+                init_table_rows(
+                    storage.weight[start : start + n],
+                    seed,
+                    p.feature,
+                    p.table_rows,
+                    p.table_dim,
+                    *rect,
+                )
             else:  # a GPU or another tier: drawn on the CPU, written a chunk at a time
                 for lo in range(0, n, _INIT_CHUNK_ROWS):
                     hi = min(n, lo + _INIT_CHUNK_ROWS)
                     chunk = torch.empty(hi - lo, group.dim)
-                    init_table_rows(chunk, seed, p.feature, p.table_rows, p.table_dim,
-                                    p.row_lo + lo, p.row_lo + hi, p.col_lo, p.col_hi)  # fmt: skip
+                    init_table_rows(
+                        chunk,
+                        seed,
+                        p.feature,
+                        p.table_rows,
+                        p.table_dim,
+                        p.row_lo + lo,
+                        p.row_lo + hi,
+                        p.col_lo,
+                        p.col_hi,
+                    )
                     storage.write_rows(torch.arange(start + lo, start + hi), chunk)
             start += n
 
@@ -325,12 +351,21 @@ class EmbeddingBagCollection(nn.Module):
             group = self.groups[0]
             table = group.storage.native_lookup_table()
             if table is not None and values.device.type == "cpu":
-                done = native_pooled_lookup(table, values, offsets, b, self.feature_row_offset,
-                                            self.table_sizes, weights)  # fmt: skip
+                done = native_pooled_lookup(
+                    table, values, offsets, b, self.feature_row_offset, self.table_sizes, weights
+                )
                 if not isinstance(done, int):  # else an id is out of range: the path below raises
                     pooled, rows, bag_of_id = done
-                    pooled = pooled_lookup(group.storage, self.placeholder, rows, offsets,
-                                           bag_of_id, offsets[::b], weights, pooled)  # fmt: skip
+                    pooled = pooled_lookup(
+                        group.storage,
+                        self.placeholder,
+                        rows,
+                        offsets,
+                        bag_of_id,
+                        offsets[::b],
+                        weights,
+                        pooled,
+                    )
                     return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]

@@ -149,9 +149,19 @@ def _native_at_b(
         a_sums = sums.data_ptr() + 4 * r0 if sum_a else None
         b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
         return (
-            a.data_ptr() + 4 * r0, a.stride(0), b.data_ptr(), b.stride(0),
-            out.data_ptr() + 4 * r0 * n, n, a_sums, b_sums, r1 - r0, n, batch, _WGRAD_ISA,
-        )  # fmt: skip
+            a.data_ptr() + 4 * r0,
+            a.stride(0),
+            b.data_ptr(),
+            b.stride(0),
+            out.data_ptr() + 4 * r0 * n,
+            n,
+            a_sums,
+            b_sums,
+            r1 - r0,
+            n,
+            batch,
+            _WGRAD_ISA,
+        )
 
     rcs = native.parallel_call(
         lib, "recscale_weight_grad", tiles, args, threads, key=("wgrad/outputs", m, n, batch)
@@ -188,11 +198,19 @@ def _native_at_b_batch_split(
     def args(p: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
         s = part_sums[p].data_ptr() if part_sums is not None else None
         return (
-            a.data_ptr() + 4 * r0 * a.stride(0), a.stride(0),
-            b.data_ptr() + 4 * r0 * b.stride(0), b.stride(0),
-            outs[p].data_ptr(), n, s if sum_a else None, s if sum_b else None, m, n, r1 - r0,
+            a.data_ptr() + 4 * r0 * a.stride(0),
+            a.stride(0),
+            b.data_ptr() + 4 * r0 * b.stride(0),
+            b.stride(0),
+            outs[p].data_ptr(),
+            n,
+            s if sum_a else None,
+            s if sum_b else None,
+            m,
+            n,
+            r1 - r0,
             _WGRAD_ISA,
-        )  # fmt: skip
+        )
 
     # an even split: the partial sums are added, and must not depend on timing
     failed = any(
@@ -242,12 +260,19 @@ def narrow_weight_grad(
 
     def args(p: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
         return (
-            g.data_ptr() + 4 * r0 * g.stride(0), g.stride(0),
+            g.data_ptr() + 4 * r0 * g.stride(0),
+            g.stride(0),
             mask.data_ptr() + 4 * r0 * mask.stride(0) if mask is not None else None,
             mask.stride(0) if mask is not None else 0,
-            x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), dws[p].data_ptr(), inp,
-            dbs[p].data_ptr() if bias_grad else None, out, inp, r1 - r0,
-        )  # fmt: skip
+            x.data_ptr() + 4 * r0 * x.stride(0),
+            x.stride(0),
+            dws[p].data_ptr(),
+            inp,
+            dbs[p].data_ptr() if bias_grad else None,
+            out,
+            inp,
+            r1 - r0,
+        )
 
     # added up: an even split
     failed = any(
@@ -283,10 +308,18 @@ def narrow_forward(
 
     def args(_part: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
         return (
-            x.data_ptr() + 4 * r0 * x.stride(0), x.stride(0), w.data_ptr(), w.stride(0),
-            bias.data_ptr() if bias is not None else None, h.data_ptr() + 4 * r0 * out, out,
-            out, inp, r1 - r0, int(relu),
-        )  # fmt: skip
+            x.data_ptr() + 4 * r0 * x.stride(0),
+            x.stride(0),
+            w.data_ptr(),
+            w.stride(0),
+            bias.data_ptr() if bias is not None else None,
+            h.data_ptr() + 4 * r0 * out,
+            out,
+            out,
+            inp,
+            r1 - r0,
+            int(relu),
+        )
 
     threads = min(torch.get_num_threads(), max(1, batch // 64))
     failed = any(native.parallel_call(lib, "recscale_narrow_forward", batch, args, threads))
@@ -327,7 +360,16 @@ def logit_backward(
     dw, db = torch.empty(1, n), torch.empty(1)
     dh = torch.empty(batch, n) if input_grad else None
     native.library().recscale_logit_backward(
-        h.data_ptr(), h.stride(0), w.data_ptr(), dz.data_ptr(), dw.data_ptr(), db.data_ptr(),
-        dh.data_ptr() if dh is not None else None, n, batch, n, int(mask),
-    )  # fmt: skip
+        h.data_ptr(),
+        h.stride(0),
+        w.data_ptr(),
+        dz.data_ptr(),
+        dw.data_ptr(),
+        db.data_ptr(),
+        dh.data_ptr() if dh is not None else None,
+        n,
+        batch,
+        n,
+        int(mask),
+    )
     return dh, dw, db

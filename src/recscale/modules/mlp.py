@@ -138,7 +138,8 @@ class MLP(nn.Module):
         d = in_dim
         for i, w in enumerate(widths):
             linear = nn.Linear(d, w, device=device)
-            # Reference DLRM init: W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
+            # Reference DLRM init: W ~ N(0, sqrt(2 / (fan_in + fan_out))),
+            # b ~ N(0, sqrt(1 / fan_out)).
             with torch.no_grad():
                 linear.weight.copy_(
                     torch.randn(w, d, generator=generator) * math.sqrt(2.0 / (d + w))

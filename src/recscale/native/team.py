@@ -146,9 +146,13 @@ def parallel_call(
     buf = _buffers(parts)
     handed = time.perf_counter()
     rc = lib.recscale_team_run(
-        kid, parts, nargs, (ctypes.c_int64 * len(ints))(*ints),
-        (ctypes.c_float * len(floats))(*floats) if floats else None, *buf,
-    )  # fmt: skip
+        kid,
+        parts,
+        nargs,
+        (ctypes.c_int64 * len(ints))(*ints),
+        (ctypes.c_float * len(floats))(*floats) if floats else None,
+        *buf,
+    )
     if rc != 0:
         raise RuntimeError(f"the OpenMP team cannot run {kernel}")
     began, took = list(buf[1]), list(buf[2])

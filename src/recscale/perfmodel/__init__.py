@@ -1,20 +1,15 @@
-"""Predict a training step's time before training: calibrated per-op laws (``calibrate``)
-summed over a config's layers (``model``)."""
+"""Predict a training step's time before training: per-op cost laws measured on this
+machine (``bench/calibrate.py``, saved as a ``Calibration``) summed over a config's
+layers (``model``)."""
 
-from recscale.perfmodel.calibrate import (
-    Calibration,
-    Law,
-    calibrate,
-    default_path,
-    find_calibration,
-)
-from recscale.perfmodel.model import Prediction, predict
+from recscale.perfmodel.calibration import Calibration, Law, default_path, find_calibration
+from recscale.perfmodel.model import Prediction, calibrated_laws, predict
 
 __all__ = [
     "Calibration",
     "Law",
     "Prediction",
-    "calibrate",
+    "calibrated_laws",
     "default_path",
     "find_calibration",
     "predict",

@@ -21,16 +21,21 @@ the slowest rank (the collectives make every rank wait for it)::
                  the calibrated ``step_scale``)
 
 The ids per sample of a table are the synthetic data's: ``data.bag_sizes`` when set,
-else the mean pooling factor ((min + max ids per feature) / 2). Memory per rank: the plan's table bytes + the dense
-parameters with their gradients and Adam state + the activations kept for backward.
+else the mean pooling factor ((min + max ids per feature) / 2). Memory per rank: the plan's
+table bytes + the dense parameters with their gradients and Adam state + the activations
+kept for backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.perfmodel.calibrate import Calibration, Law
+from recscale.distributed.layout import build_layout, table_bytes_per_rank
+from recscale.embedding.sizing import row_bytes
+from recscale.modules.interaction import PAD_MULTIPLE
+from recscale.perfmodel.calibration import Calibration, Law, find_calibration
 from recscale.planner.costs import (
     ALL_REDUCE_CALLS,
     ALL_TO_ALL_CALLS,
@@ -39,6 +44,7 @@ from recscale.planner.costs import (
     rank_work,
     ring_bytes,
 )
+from recscale.planner.from_config import plan_for, table_infos
 from recscale.planner.types import ShardingPlan, Topology
 
 # No measured collective (a calibration of one process): 100 Gb/s, 20 us a call.
@@ -79,12 +85,19 @@ def planner_laws(cal: Calibration) -> CostLaws:
     )
 
 
+def calibrated_laws(cfg: Config) -> CostLaws | None:
+    """The planner's costs from ``distributed.calibration`` (None: the defaults)."""
+    try:
+        cal = find_calibration(cfg.distributed.calibration)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("distributed.calibration", str(e)) from e
+    return planner_laws(cal) if cal is not None else None
+
+
 def default_plan(cfg: Config, cal: Calibration, world_size: int) -> ShardingPlan:
     """The plan a job of ``cfg`` makes on ``world_size`` ranks of ample memory (a plan
     file or one sharding kind when the config names them; else the planner's, costed by
     this calibration's laws)."""
-    from recscale.planner.from_config import plan_for
-
     return plan_for(cfg, world_size, 1 << 62, laws=planner_laws(cal))
 
 
@@ -92,8 +105,14 @@ def _mlp(cal: Calibration, m: int, widths: list[int], k: int, first_needs_dgrad:
     fwd = bwd = 0.0
     params = 0
     for i, n in enumerate(widths):
-        x = {"flops2": 2.0 * m * k * n, "flops4": 4.0 * m * k * n, "mn": float(m * n),
-             "mk": float(m * k), "kn": float(k * n), "one": 1.0}  # fmt: skip
+        x = {
+            "flops2": 2.0 * m * k * n,
+            "flops4": 4.0 * m * k * n,
+            "mn": float(m * n),
+            "mk": float(m * k),
+            "kn": float(k * n),
+            "one": 1.0,
+        }
         fwd += cal.laws["mlp_forward"](**x)
         b = cal.laws["mlp_backward"](**x)
         if i == 0 and not first_needs_dgrad:  # no input gradient: one GEMM of two
@@ -104,13 +123,11 @@ def _mlp(cal: Calibration, m: int, widths: list[int], k: int, first_needs_dgrad:
     return fwd, bwd, params, k
 
 
-def predict(cfg: Config, cal: Calibration, world_size: int = 1,
-            plan: ShardingPlan | None = None) -> Prediction:  # fmt: skip
+def predict(
+    cfg: Config, cal: Calibration, world_size: int = 1, plan: ShardingPlan | None = None
+) -> Prediction:
     """The step time of ``cfg`` on ``world_size`` ranks under ``plan`` (default: the
     planner's, costed by ``cal``)."""
-    from recscale.modules.interaction import PAD_MULTIPLE
-    from recscale.planner.from_config import table_infos
-
     m = cfg.model
     w = world_size
     b = max(1, cfg.train.batch_size // w)
@@ -172,16 +189,23 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
         up = cal.laws["update"](ids_d=work.values, ids=work.ids, one=1.0) * cal.step_scale
         emb = {"lookup": lk, "sparse": up}
         if w > 1:
-            emb["all_to_all"] = (work.all_to_all_bytes * laws.all_to_all_per_byte
-                                 + ALL_TO_ALL_CALLS * laws.all_to_all_per_call)  # fmt: skip
+            emb["all_to_all"] = (
+                work.all_to_all_bytes * laws.all_to_all_per_byte
+                + ALL_TO_ALL_CALLS * laws.all_to_all_per_call
+            )
             dense_bytes = ring_bytes(params * VALUE_BYTES, w)
-            emb["all_reduce"] = ((dense_bytes + work.all_reduce_bytes) * laws.all_reduce_per_byte
-                                 + ALL_REDUCE_CALLS * laws.all_reduce_per_call)  # fmt: skip
+            emb["all_reduce"] = (
+                dense_bytes + work.all_reduce_bytes
+            ) * laws.all_reduce_per_byte + ALL_REDUCE_CALLS * laws.all_reduce_per_call
         if sum(emb.values()) > best[0]:
             best = (sum(emb.values()), r, emb)
     _, slowest, emb = best
-    st = {"lookup": emb["lookup"], **st, "sparse": emb["sparse"],
-          **{k: v for k, v in emb.items() if k not in ("lookup", "sparse")}}  # fmt: skip
+    st = {
+        "lookup": emb["lookup"],
+        **st,
+        "sparse": emb["sparse"],
+        **{k: v for k, v in emb.items() if k not in ("lookup", "sparse")},
+    }
     st["overhead"] = cal.step_overhead
     total = sum(st.values())
     # memory: tables + state (plan), dense fp32 params + grads + Adam's two moments, and
@@ -189,9 +213,14 @@ def predict(cfg: Config, cal: Calibration, world_size: int = 1,
     table_mem = _table_bytes(cfg, plan)
     act = b * VALUE_BYTES * (activations + sum(dims))
     mem = max(table_mem) + 4 * params * VALUE_BYTES + act
-    return Prediction(total, cfg.train.batch_size / total,
-                      {k: v * 1e3 for k, v in st.items()}, table_mem[slowest], int(mem),
-                      slowest)  # fmt: skip
+    return Prediction(
+        total,
+        cfg.train.batch_size / total,
+        {k: v * 1e3 for k, v in st.items()},
+        table_mem[slowest],
+        int(mem),
+        slowest,
+    )
 
 
 def _table_bytes(cfg: Config, plan: ShardingPlan) -> list[int]:
@@ -199,9 +228,6 @@ def _table_bytes(cfg: Config, plan: ShardingPlan) -> list[int]:
     count when it made the plan (tiers included), else the plan's shards counted."""
     if any(plan.memory_per_rank):
         return list(plan.memory_per_rank)
-    from recscale.distributed.layout import build_layout, table_bytes_per_rank
-    from recscale.embedding.placement import row_bytes
-
     m = cfg.model
     names = [f"C{i + 1}" for i in range(len(m.table_sizes))]
     layout = build_layout(names, list(m.table_sizes), m.dims(), plan)

@@ -10,7 +10,7 @@ Work of one table (B global batch, W ranks, p ids per sample, D the dim)::
                                                                           grads: ring bytes)
     table_wise     its owner        B p          B p D                  (B p 8 + 2 B D 4) (W-1)/W
     row_wise       every rank       B p / W      B p D / W              B p 8 / W + 2 B D 4 (W-1)/W
-    column_wise    k ranks          B p          B p D / k              (B p 8 + 2 B (D/k) 4) (W-1)/W
+    column_wise    k ranks          B p          B p D / k              (B p 8 + 2 B D/k 4) (W-1)/W
 
 ids travel as 8-byte ints to their shard (input dist), the pooled vectors forward and
 their gradients backward as fp32 (output dist); at W = 1 nothing travels.
@@ -49,9 +49,12 @@ class Work:
     all_reduce_bytes: float = 0.0
 
     def __add__(self, o: Work) -> Work:
-        return Work(self.ids + o.ids, self.values + o.values,
-                    self.all_to_all_bytes + o.all_to_all_bytes,
-                    self.all_reduce_bytes + o.all_reduce_bytes)  # fmt: skip
+        return Work(
+            self.ids + o.ids,
+            self.values + o.values,
+            self.all_to_all_bytes + o.all_to_all_bytes,
+            self.all_reduce_bytes + o.all_reduce_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,12 @@ class CostLaws:
 
     def seconds(self, w: Work) -> float:
         """The per-table part (no per-call constants)."""
-        return (w.values * self.per_value + w.ids * self.per_id
-                + w.all_to_all_bytes * self.all_to_all_per_byte
-                + w.all_reduce_bytes * self.all_reduce_per_byte)  # fmt: skip
+        return (
+            w.values * self.per_value
+            + w.ids * self.per_id
+            + w.all_to_all_bytes * self.all_to_all_per_byte
+            + w.all_reduce_bytes * self.all_reduce_per_byte
+        )
 
 
 def ring_bytes(nbytes: float, world_size: int) -> float:
@@ -101,8 +107,9 @@ def placement_work(
     if kind == "table_wise":
         return Work(b * p, b * p * d, (b * p * ID_BYTES + 2 * b * d * VALUE_BYTES) * spread)
     if kind == "row_wise":
-        return Work(b * p / w, b * p * d / w,
-                    b * p * ID_BYTES / w + 2 * b * d * VALUE_BYTES * spread)  # fmt: skip
+        return Work(
+            b * p / w, b * p * d / w, b * p * ID_BYTES / w + 2 * b * d * VALUE_BYTES * spread
+        )
     if kind == "column_wise":
         c = width if width is not None else d
         return Work(b * p, b * p * c, (b * p * ID_BYTES + 2 * b * c * VALUE_BYTES) * spread)

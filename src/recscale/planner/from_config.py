@@ -12,15 +12,9 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.embedding.compressed import (
-    factor_precision,
-    factor_shapes,
-    hot_count,
-    hot_id_dtype,
-    table_compressions,
-)
-from recscale.embedding.low_precision import bytes_per_value, row_overhead, table_bytes
-from recscale.embedding.placement import state_bytes
+from recscale.embedding.compressed import table_compressions
+from recscale.embedding.low_precision import bytes_per_value, row_overhead
+from recscale.embedding.sizing import compressed_table_bytes, state_bytes
 from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
     Constraints,
@@ -43,51 +37,20 @@ def table_infos(cfg: Config) -> list[TableInfo]:
     infos = []
     for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp)):
         total, weights = compressed_table_bytes(c, n, d, sd, e)
-        infos.append(TableInfo(
-            f"C{i + 1}", n, d, pooling[i],
-            state_bytes(e, d) + row_overhead(e.row_precision),
-            bytes_per_value(e.row_precision),
-            total,
-            row_overhead(e.row_precision),
-            weights,
-        ))  # fmt: skip
+        infos.append(
+            TableInfo(
+                f"C{i + 1}",
+                n,
+                d,
+                pooling[i],
+                state_bytes(e, d) + row_overhead(e.row_precision),
+                bytes_per_value(e.row_precision),
+                total,
+                row_overhead(e.row_precision),
+                weights,
+            )
+        )
     return infos
-
-
-def table_memory(cfg: Config) -> dict[str, int]:
-    """Bytes of the embedding tables as configured and as plain fp32 tables with the same
-    optimizer: ``weights`` / ``plain_weights`` (the rows alone) and ``total`` /
-    ``plain_total`` (with optimizer state, what training holds)."""
-    infos = table_infos(cfg)
-    e = cfg.embedding
-    return {
-        "weights": sum(t.weight_bytes for t in infos),
-        "total": sum(t.bytes for t in infos),
-        "plain_weights": sum(t.rows * t.dim * 4 for t in infos),
-        "plain_total": sum(t.rows * (t.dim * 4 + state_bytes(e, t.dim)) for t in infos),
-    }
-
-
-def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) -> tuple[int, int]:
-    """A compressed table's bytes in training and of its weights alone: the factors a
-    lookup gathers rows of at ``row_precision`` (int8: + scale and bias a row), whole
-    factors (mixed_dim's projection) in fp32, plus the optimizer state (row-wise: one
-    fp32 value per factor row; Adam: two per factor value) and the hot rows kept exact
-    (``embedding.hot_fraction``: rows, ids, state). ``(0, 0)`` for a plain table."""
-    if method == "none":
-        return 0, 0
-    shapes = factor_shapes(method, rows, dim, e.qr_buckets, e.qr_op, e.tt_rank, small_dim)
-    k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + an id
-    if k:
-        shapes = {**shapes, "hot": (k, dim)}
-    weights = sum(table_bytes(r, w, factor_precision(name, e.row_precision))
-                  for name, (r, w) in shapes.items())  # fmt: skip
-    weights += k * hot_id_dtype(rows, k).itemsize
-    values = sum(r * w for r, w in shapes.values())
-    if e.optimizer == "adam":
-        return weights + 2 * 4 * values, weights
-    state = 4 if e.optimizer == "rowwise_adagrad" else 0
-    return weights + state * sum(r for r, _ in shapes.values()), weights
 
 
 def uniform_plan(tables: list[TableInfo], world_size: int, kind: str) -> ShardingPlan:
@@ -118,18 +81,6 @@ def default_memory_per_rank(device: torch.device, local_world: int) -> int:
         return torch.cuda.get_device_properties(device).total_memory // 2
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // (2 * max(local_world, 1))
-
-
-def calibrated_laws(cfg: Config) -> CostLaws | None:
-    """The planner's costs from ``distributed.calibration`` (None: the defaults)."""
-    from recscale.perfmodel import find_calibration
-    from recscale.perfmodel.model import planner_laws
-
-    try:
-        cal = find_calibration(cfg.distributed.calibration)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError("distributed.calibration", str(e)) from e
-    return planner_laws(cal) if cal is not None else None
 
 
 def plan_for(
@@ -198,9 +149,12 @@ def auto_placements(
     moved = [p for p in plan.placements if p.placement != "device"]
     if moved:
         tiers = ", ".join(sorted({p.placement for p in moved}))
-        echo(f"recscale: placement auto: {len(moved)} tables on {tiers} "
-             f"({sum(p.ssd_bytes for p in moved) / 1e9:.2f} GB, cache {sum(p.cache_bytes for p in moved) / 1e9:.2f} GB), "
-             f"{len(plan.placements) - len(moved)} in device memory")  # fmt: skip
+        echo(
+            f"recscale: placement auto: {len(moved)} tables on {tiers} "
+            f"({sum(p.ssd_bytes for p in moved) / 1e9:.2f} GB, cache "
+            f"{sum(p.cache_bytes for p in moved) / 1e9:.2f} GB), "
+            f"{len(plan.placements) - len(moved)} in device memory"
+        )
     else:
         echo("recscale: placement auto: every table fits in memory")
     return [(p.placement, p.cache_bytes) for p in plan.placements]

@@ -41,8 +41,14 @@ class PlanError(ValueError):
     """No placement fits; the message says how much memory is missing."""
 
 
-def _candidates(t: TableInfo, topo: Topology, cons: Constraints, laws: CostLaws,
-                mem: list[int], cost: list[float]):  # fmt: skip
+def _candidates(
+    t: TableInfo,
+    topo: Topology,
+    cons: Constraints,
+    laws: CostLaws,
+    mem: list[int],
+    cost: list[float],
+):
     w, b, d = topo.world_size, cons.batch_size, t.dim
     cap = topo.memory_per_rank
 
@@ -60,8 +66,13 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, laws: CostLaws,
     if t.bytes <= cons.data_parallel_max_bytes and all(m + t.bytes <= cap for m in mem):
         # gradients ride in the dense all-reduce buckets: bandwidth, no extra latency
         c = secs("data_parallel")
-        yield TablePlacement(t.name, "data_parallel", list(range(w)), dict.fromkeys(range(w), t.bytes),
-                             dict.fromkeys(range(w), c))  # fmt: skip
+        yield TablePlacement(
+            t.name,
+            "data_parallel",
+            list(range(w)),
+            dict.fromkeys(range(w), t.bytes),
+            dict.fromkeys(range(w), c),
+        )
     if fits_one:
         room = [r for r in order if mem[r] + t.bytes <= cap]
         if room:
@@ -75,8 +86,14 @@ def _candidates(t: TableInfo, topo: Topology, cons: Constraints, laws: CostLaws,
             if len(room) == k:
                 c = secs("column_wise", d // k)
                 ranks = sorted(room)
-                yield TablePlacement(t.name, "column_wise", ranks, dict.fromkeys(ranks, shard_bytes),
-                                     dict.fromkeys(ranks, c), [d // k] * k)  # fmt: skip
+                yield TablePlacement(
+                    t.name,
+                    "column_wise",
+                    ranks,
+                    dict.fromkeys(ranks, shard_bytes),
+                    dict.fromkeys(ranks, c),
+                    [d // k] * k,
+                )
             k *= 2
     if w > 1 or not fits_one:
         per_rank = [t.rows // w + (1 if r < t.rows % w else 0) for r in range(w)]
@@ -100,9 +117,14 @@ def _place_on_slow_tiers(
     w, cap = topo.world_size, topo.memory_per_rank
     placed: dict[str, TablePlacement] = {}
     in_memory = sum(t.bytes for t in tables)
-    tiers = [(name, per_rank, bw, [0] * w) for name, per_rank, bw in
-             (("host", topo.host_per_rank, topo.host_bandwidth),
-              ("ssd", topo.ssd_per_rank, topo.ssd_bandwidth)) if per_rank > 0]  # fmt: skip
+    tiers = [
+        (name, per_rank, bw, [0] * w)
+        for name, per_rank, bw in (
+            ("host", topo.host_per_rank, topo.host_bandwidth),
+            ("ssd", topo.ssd_per_rank, topo.ssd_bandwidth),
+        )
+        if per_rank > 0
+    ]
     for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
         if not tiers or in_memory + sum(mem) <= w * cap:
             break
@@ -116,10 +138,20 @@ def _place_on_slow_tiers(
             r = min(room, key=lambda r: (used[r], mem[r], r))
             b, p = cons.batch_size, t.pooling
             row_bytes = t.bytes / max(t.rows, 1)
-            c = (laws.seconds(placement_work(t, "table_wise", w, b))
-                 + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / bandwidth)  # fmt: skip
-            placed[t.name] = TablePlacement(t.name, "table_wise", [r], {r: cache}, {r: c},
-                                            placement=tier, cache_bytes=cache, ssd_bytes=t.bytes)  # fmt: skip
+            c = (
+                laws.seconds(placement_work(t, "table_wise", w, b))
+                + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / bandwidth
+            )
+            placed[t.name] = TablePlacement(
+                t.name,
+                "table_wise",
+                [r],
+                {r: cache},
+                {r: c},
+                placement=tier,
+                cache_bytes=cache,
+                ssd_bytes=t.bytes,
+            )
             used[r] += t.bytes
             mem[r] += cache
             cost[r] += c
@@ -151,8 +183,10 @@ def plan_sharding(
             else ""
         )
         raise PlanError(
-            f"the tables need {total / GB:.2f} GB of memory (with optimizer state{', and caches' if placements else ''}) "
-            f"but {w} ranks x {cap / GB:.2f} GB = {w * cap / GB:.2f} GB{ssd}: {(total - w * cap) / GB:.2f} GB missing"
+            f"the tables need {total / GB:.2f} GB of memory (with optimizer "
+            f"state{', and caches' if placements else ''}) "
+            f"but {w} ranks x {cap / GB:.2f} GB = {w * cap / GB:.2f} GB{ssd}: "
+            f"{(total - w * cap) / GB:.2f} GB missing"
         )
     for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
         if t.name in placements:
@@ -181,7 +215,8 @@ def plan_sharding(
             raise PlanError(
                 f"table {t.name} ({t.bytes / GB:.2f} GB) fits nowhere: the emptiest rank has "
                 f"{free[0] / GB:.2f} GB free and all ranks together {sum(free) / GB:.2f} GB "
-                f"({max(0.0, (t.bytes - sum(free)) / GB):.2f} GB missing; memory is fragmented otherwise)"
+                f"({max(0.0, (t.bytes - sum(free)) / GB):.2f} GB missing; memory is fragmented "
+                "otherwise)"
             )
         for r, m in best.memory_per_rank.items():
             mem[r] += m

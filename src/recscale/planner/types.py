@@ -117,7 +117,7 @@ class ShardingPlan:
                 p.get("placement", "device"),
                 int(p.get("cache_bytes", 0)),
                 int(p.get("ssd_bytes", 0)),
-            )  # fmt: skip
+            )
             for p in d["placements"]
         ]
         return ShardingPlan(

@@ -34,7 +34,8 @@ def adopt_dataset_shapes(cfg: Config) -> str | None:
     if ds.num_dense != cfg.model.num_dense_features:
         raise ConfigError(
             "model.num_dense_features",
-            f"is {cfg.model.num_dense_features} but {cfg.data.path} has {ds.num_dense} dense features",
+            f"is {cfg.model.num_dense_features} but {cfg.data.path} has {ds.num_dense} dense "
+            "features",
         )
     # The split evaluated at the end is opened now: a bad data.eval_split fails in a
     # second, not after training.
@@ -56,7 +57,10 @@ def adopt_dataset_shapes(cfg: Config) -> str | None:
         )
     note = None
     if cfg.model.table_sizes != ds.table_sizes:
-        note = f"table sizes from {cfg.data.path}/metadata.json ({len(ds.table_sizes)} tables, {sum(ds.table_sizes):,} rows)"
+        note = (
+            f"table sizes from {cfg.data.path}/metadata.json "
+            f"({len(ds.table_sizes)} tables, {sum(ds.table_sizes):,} rows)"
+        )
         cfg.model.table_sizes = ds.table_sizes
     cfg.validate()
     return note
@@ -73,9 +77,15 @@ def train_batches(
     t = cfg.train
     if cfg.data.uses_dataset():
         ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
-        loader = BatchLoader(ds, t.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                             block_rows=cfg.data.block_rows, rank=rank,
-                             world_size=world_size)  # fmt: skip
+        loader = BatchLoader(
+            ds,
+            t.batch_size,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+            block_rows=cfg.data.block_rows,
+            rank=rank,
+            world_size=world_size,
+        )
         epoch, batch = divmod(start_step, loader.batches_per_epoch)
         loader.position = LoaderPosition(epoch, batch)
         return iter(loader)
@@ -87,7 +97,8 @@ def train_batches(
 
 
 def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:
-    """Every held-out sample once: the dataset's eval split, or ``data.eval_samples`` synthetic ones."""
+    """Every held-out sample once: the dataset's eval split, or ``data.eval_samples``
+    synthetic ones."""
     b = cfg.train.eval_batch_size
     if cfg.data.uses_dataset():
         ds = BinaryDataset(cfg.data.path, split or cfg.data.eval_split)

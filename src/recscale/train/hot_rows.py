@@ -57,6 +57,8 @@ def assign_hot_rows(model: torch.nn.Module, cfg: Config, echo: Callable[[str], N
         storage.set_hot_ids(torch.from_numpy(hot))
         covered.append(n[np.isin(ids, hot)].sum() / max(n.sum(), 1))
     k = sum(s.hot_rows for s in targets.values())
-    echo(f"recscale: hot rows: {k:,} kept exact in {len(targets)} compressed tables "
-         f"({100 * e.hot_fraction:g}% of each), "
-         f"{100 * float(np.mean(covered)):.0f}% of the sampled lookups on average")  # fmt: skip
+    echo(
+        f"recscale: hot rows: {k:,} kept exact in {len(targets)} compressed tables "
+        f"({100 * e.hot_fraction:g}% of each), "
+        f"{100 * float(np.mean(covered)):.0f}% of the sampled lookups on average"
+    )

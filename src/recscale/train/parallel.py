@@ -26,19 +26,17 @@ from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.distributed import DistContext, one_rank_plan, shard
 from recscale.distributed.layout import build_layout, table_bytes_per_rank
-from recscale.embedding.placement import row_bytes, storage_factory
+from recscale.embedding.placement import storage_factory
+from recscale.embedding.sizing import row_bytes
 from recscale.models.dlrm import DLRM, build_model
+from recscale.perfmodel import calibrated_laws
 from recscale.planner import PlanError, ShardingPlan
-from recscale.planner.from_config import (
-    auto_placements,
-    calibrated_laws,
-    default_memory_per_rank,
-    plan_for,
-)
+from recscale.planner.from_config import auto_placements, default_memory_per_rank, plan_for
 
 
-def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
-          ) -> tuple[DLRM, nn.Module, ShardingPlan]:  # fmt: skip
+def build(
+    cfg: Config, ctx: DistContext, echo: Callable[[str], None]
+) -> tuple[DLRM, nn.Module, ShardingPlan]:
     """The model every rank trains, at any world size: build it with its tables on the
     meta device, plan, and ``shard`` it (world size 1: the one-rank plan, whole tables,
     idle distribution stages - unless a plan or a sharding kind is asked for). Returns
@@ -67,10 +65,17 @@ def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
         except PlanError as err:
             raise ConfigError("distributed.memory_per_rank_gb", str(err)) from err
     check_memory(cfg, plan, placements, ctx)
-    model = build_model(cfg.model, cfg.embedding, device=ctx.device, seed=cfg.train.seed,
-                        materialize_embeddings=False, placements=placements)  # fmt: skip
-    make_storage = storage_factory(e, ctx.device, cfg.model.kernels,
-                                   subdir=f"rank{ctx.rank:05d}" if w > 1 else "")  # fmt: skip
+    model = build_model(
+        cfg.model,
+        cfg.embedding,
+        device=ctx.device,
+        seed=cfg.train.seed,
+        materialize_embeddings=False,
+        placements=placements,
+    )
+    make_storage = storage_factory(
+        e, ctx.device, cfg.model.kernels, subdir=f"rank{ctx.rank:05d}" if w > 1 else ""
+    )
     module = shard(model, plan, ctx, make_storage)
     if w > 1:
         kinds: dict[str, int] = {}
@@ -78,9 +83,16 @@ def build(cfg: Config, ctx: DistContext, echo: Callable[[str], None]
             kinds[p.kind] = kinds.get(p.kind, 0) + 1
         mem = plan.memory_per_rank
         tiers = sorted({p.placement for p in plan.placements} - {"device"})
-        echo(f"recscale: {w} ranks; sharding " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-             + (f"; planned embedding memory per rank {min(mem) / 1e9:.3f}-{max(mem) / 1e9:.3f} GB"
-                if any(mem) else "") + (f"; tiers {', '.join(tiers)}" if tiers else ""))  # fmt: skip
+        echo(
+            f"recscale: {w} ranks; sharding "
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + (
+                f"; planned embedding memory per rank {min(mem) / 1e9:.3f}-{max(mem) / 1e9:.3f} GB"
+                if any(mem)
+                else ""
+            )
+            + (f"; tiers {', '.join(tiers)}" if tiers else "")
+        )
     return model, module, plan
 
 
@@ -128,8 +140,9 @@ def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) 
             own = placements[i][0] if placements is not None else e.placement
             tier[n] = own if own in ("host", "ssd") else "device"
     dp = set(layout.dp_features)  # replicated tables always stay in memory
-    need = table_bytes_per_rank(layout, lambda w: row_bytes(e, w),
-                                lambda f: f in dp or tier[names[f]] == "device")[ctx.rank]  # fmt: skip
+    need = table_bytes_per_rank(
+        layout, lambda w: row_bytes(e, w), lambda f: f in dp or tier[names[f]] == "device"
+    )[ctx.rank]
     have = available_memory(ctx.device)
     if need > 0.9 * have:
         where = "GPU" if ctx.device.type == "cuda" else "host"
@@ -158,8 +171,9 @@ def reduce_step(
 
 
 @torch.no_grad()
-def predict(module: nn.Module, batches: Iterable[Batch], ctx: DistContext
-            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def predict(
+    module: nn.Module, batches: Iterable[Batch], ctx: DistContext
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All predictions and labels of the eval set, on every rank (each scores its slice
     of every batch; the slices are all-gathered)."""
     was_training = module.training

@@ -42,13 +42,13 @@ from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
-from recscale.embedding.compressed import compression_summary
+from recscale.embedding.sizing import compression_summary
+from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.host_memory import set_host_memory
 from recscale.train.hot_rows import assign_hot_rows
-from recscale.train.metrics import binary_metrics
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
 from recscale.train.precision import autocast, set_matmul_precision
@@ -94,8 +94,10 @@ def resolve_device(name: str) -> torch.device:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         why = "torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
-        raise ConfigError("train.device", f"cuda was asked for, but {why} "
-                          f"(torch {torch.__version__}); use cpu or auto")  # fmt: skip
+        raise ConfigError(
+            "train.device",
+            f"cuda was asked for, but {why} (torch {torch.__version__}); use cpu or auto",
+        )
     return torch.device(name)
 
 
@@ -106,8 +108,9 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def score(module: torch.nn.Module, batches: Iterable[Batch], ctx: DistContext,
-          precision: str = "fp32") -> dict[str, float]:  # fmt: skip
+def score(
+    module: torch.nn.Module, batches: Iterable[Batch], ctx: DistContext, precision: str = "fp32"
+) -> dict[str, float]:
     """Exact metrics over every batch (every rank scores its slice; see ``predict``)."""
     with autocast(precision, ctx.device):
         return binary_metrics(*predict(module, batches, ctx))
@@ -164,12 +167,16 @@ def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
         echo(f"recscale: {note}")
     if cfg.train.epochs > 0:  # steps from the data; the run's config records the steps
         if not cfg.data.uses_dataset():
-            raise ConfigError("train.epochs", "needs a dataset (data.path): synthetic data "
-                              "has no epochs; use train.steps")  # fmt: skip
+            raise ConfigError(
+                "train.epochs",
+                "needs a dataset (data.path): synthetic data has no epochs; use train.steps",
+            )
         rows = BinaryDataset(cfg.data.path, cfg.data.train_split).rows
         cfg.train.steps = max(1, math.ceil(cfg.train.epochs * rows / cfg.train.batch_size))
-        echo(f"recscale: {cfg.train.epochs:g} epochs of {rows:,} rows = {cfg.train.steps:,} steps "
-             f"of batch {cfg.train.batch_size}")  # fmt: skip
+        echo(
+            f"recscale: {cfg.train.epochs:g} epochs of {rows:,} rows = {cfg.train.steps:,} steps "
+            f"of batch {cfg.train.batch_size}"
+        )
         cfg.train.epochs = 0.0
     if cfg.embedding.placement != "device" and not cfg.embedding.ssd_dir:
         cfg.embedding.ssd_dir = (
@@ -187,8 +194,11 @@ def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
     torch.set_num_threads(threads)
     if ctx is None:
         device = resolve_device(t.device)
-        ctx = (init_distributed(device, cfg.distributed.timeout_s) if launched_by_torchrun()
-               else DistContext(device=device))  # fmt: skip
+        ctx = (
+            init_distributed(device, cfg.distributed.timeout_s)
+            if launched_by_torchrun()
+            else DistContext(device=device)
+        )
     return ctx, threads
 
 
@@ -211,11 +221,13 @@ def build_job(
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     plan_meta = plan.to_dict()
     ckpt = None
-    if ckpt_root is not None and (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes
-                                  or cfg.train.save_model):  # fmt: skip
+    if ckpt_root is not None and (
+        cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes or cfg.train.save_model
+    ):
         meta = {"config": config_to_toml(cfg), "plan": plan_meta}
-        ckpt = CheckpointManager(cfg.checkpoint, ckpt_root, model, dense_opt, meta, ctx,
-                                 cfg.distributed.timeout_s)  # fmt: skip
+        ckpt = CheckpointManager(
+            cfg.checkpoint, ckpt_root, model, dense_opt, meta, ctx, cfg.distributed.timeout_s
+        )
     return Job(cfg, ctx, threads, model, module, dense_opt, ckpt, plan_meta, run_dir, echo)
 
 
@@ -243,8 +255,11 @@ def _announce(job: Job) -> None:
     )
     for line in compression_summary(cfg):
         job.echo(f"recscale: {line}")
-    if (ctx.device.type == "cpu" and cfg.model.kernels in ("auto", "native")
-            and native.library() is None):  # fmt: skip
+    if (
+        ctx.device.type == "cpu"
+        and cfg.model.kernels in ("auto", "native")
+        and native.library() is None
+    ):
         job.echo(
             f"recscale: native CPU kernels unavailable ({native.status()}); using numba (slower)"
         )
@@ -258,8 +273,11 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     if job.run_dir is not None:
         log_file = (job.run_dir / "train_log.jsonl").open("a" if resumed else "w")
     progress = Progress(t.steps, t.batch_size, t.progress and ctx.is_main, initial=start_step)
-    stream = Prefetcher(train_batches(cfg, start_step, ctx.rank, ctx.world_size),
-                        depth=cfg.data.prefetch_batches, pin=ctx.device.type == "cuda")  # fmt: skip
+    stream = Prefetcher(
+        train_batches(cfg, start_step, ctx.rank, ctx.world_size),
+        depth=cfg.data.prefetch_batches,
+        pin=ctx.device.type == "cuda",
+    )
     stream = DeviceFeeder(stream, ctx.device)  # CUDA: pinned, copied ahead on a side stream
     pipeline = None
     # A thread runs ahead when there is something to overlap: an input all-to-all, or
@@ -320,8 +338,10 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                     evals.append(ev)
                     if t.target_auc and ev["auc"] >= t.target_auc:  # the same on every rank
                         reached_at = ev
-                        job.echo(f"recscale: target AUC {t.target_auc} reached at step {step} "
-                                 f"({ev['elapsed_s']:.1f}s)")  # fmt: skip
+                        job.echo(
+                            f"recscale: target AUC {t.target_auc} reached at step {step} "
+                            f"({ev['elapsed_s']:.1f}s)"
+                        )
                         break
                 if step % t.log_every == 0 or step == t.steps:
                     now = time.perf_counter()
@@ -335,8 +355,12 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                     window_wait = wait_s
                     progress.update(window_steps, last_loss, sps, extra)
                     if log_file is not None:
-                        rec = {"step": step, "loss": last_loss, "samples_per_s": sps,
-                               "elapsed_s": now - start}  # fmt: skip
+                        rec = {
+                            "step": step,
+                            "loss": last_loss,
+                            "samples_per_s": sps,
+                            "elapsed_s": now - start,
+                        }
                         log_file.write(json.dumps(rec) + "\n")
                         log_file.flush()
                     window_loss, window_steps, window_start = 0.0, 0, now
@@ -353,9 +377,18 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     stop_signal = None
     if signals is not None and signals.signum is not None:
         stop_signal = signal.Signals(signals.signum).name
-    return LoopResult(step, saved_step, interrupted, last_loss, time.perf_counter() - start,
-                      wait_s, pipeline.prefetch_seconds if pipeline is not None else 0.0,
-                      evals, reached_at, stop_signal)  # fmt: skip
+    return LoopResult(
+        step,
+        saved_step,
+        interrupted,
+        last_loss,
+        time.perf_counter() - start,
+        wait_s,
+        pipeline.prefetch_seconds if pipeline is not None else 0.0,
+        evals,
+        reached_at,
+        stop_signal,
+    )
 
 
 def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, Any]:
@@ -366,8 +399,17 @@ def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, 
     ev = {"step": step, "elapsed_s": elapsed, "auc": m["auc"], "logloss": m["logloss"]}
     job.echo(f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}")
     if log_file is not None:
-        log_file.write(json.dumps({"step": step, "val_auc": m["auc"], "val_logloss": m["logloss"],
-                                   "elapsed_s": elapsed}) + "\n")  # fmt: skip
+        log_file.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "val_auc": m["auc"],
+                    "val_logloss": m["logloss"],
+                    "elapsed_s": elapsed,
+                }
+            )
+            + "\n"
+        )
         log_file.flush()
     return ev
 
@@ -383,8 +425,15 @@ def save_final(job: Job, loop: LoopResult) -> None:
         if not t.save_model or loop.interrupted:
             return
         final = replace(job.cfg.checkpoint, every_steps=1, async_write=False)
-        ckpt = job.ckpt = CheckpointManager(final, ckpt.root, job.model, job.dense_opt, ckpt.meta,
-                                            job.ctx, job.cfg.distributed.timeout_s)  # fmt: skip
+        ckpt = job.ckpt = CheckpointManager(
+            final,
+            ckpt.root,
+            job.model,
+            job.dense_opt,
+            ckpt.meta,
+            job.ctx,
+            job.cfg.distributed.timeout_s,
+        )
     if loop.step != loop.saved_step:  # the same on every rank: they stop at the same step
         ckpt.save(loop.step, {"step": loop.step})
     ckpt.wait()
@@ -453,8 +502,10 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
     if cache is not None:
         metrics["embedding_cache"] = cache
         echo(
-            f"embedding cache: hit rate {cache['hit_rate']:.1%} over {cache['lookups']:,} row lookups; "
-            f"{cache['bytes_read'] / 1e6:,.1f} MB read, {cache['bytes_written'] / 1e6:,.1f} MB written back"
+            f"embedding cache: hit rate {cache['hit_rate']:.1%} over {cache['lookups']:,} row "
+            "lookups; "
+            f"{cache['bytes_read'] / 1e6:,.1f} MB read, {cache['bytes_written'] / 1e6:,.1f} MB "
+            "written back"
         )
     ev = None if loop.interrupted else evaluate_job(job)
     if ev is None:
@@ -464,14 +515,22 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
     else:
         metrics.update(ev)
         echo(
-            f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss {ev['logloss']:.4f}  "
+            f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss "
+            f"{ev['logloss']:.4f}  "
             f"NE {ev['ne']:.4f}  calibration {ev['calibration']:.3f}"
         )
     if job.ckpt is not None and job.ckpt.stats.saved:
         st = job.ckpt.stats
-        metrics["checkpoints"] = {"saved": st.saved, "full": st.full, "incremental": st.incremental,
-                                  "bytes": st.bytes, "stall_s": st.stall_seconds, "write_s": st.write_seconds,
-                                  "last": st.last, "history": st.history}  # fmt: skip
+        metrics["checkpoints"] = {
+            "saved": st.saved,
+            "full": st.full,
+            "incremental": st.incremental,
+            "bytes": st.bytes,
+            "stall_s": st.stall_seconds,
+            "write_s": st.write_seconds,
+            "last": st.last,
+            "history": st.history,
+        }
     echo(
         f"trained {trained} steps in {loop.seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
     )

@@ -15,8 +15,34 @@ import numpy as np
 
 from recscale.data.synthetic import zipf_ranks
 
-_CARDINALITIES = [1460, 583, 100_000, 50_000, 305, 24, 12_517, 633, 3, 9_314, 5_683, 80_000, 3_194,
-                  27, 14_992, 60_000, 10, 5_652, 2_173, 4, 70_000, 18, 15, 28_618, 105, 14_257]  # fmt: skip
+_CARDINALITIES = [
+    1460,
+    583,
+    100_000,
+    50_000,
+    305,
+    24,
+    12_517,
+    633,
+    3,
+    9_314,
+    5_683,
+    80_000,
+    3_194,
+    27,
+    14_992,
+    60_000,
+    10,
+    5_652,
+    2_173,
+    4,
+    70_000,
+    18,
+    15,
+    28_618,
+    105,
+    14_257,
+]
 
 
 def synthetic_lines(count: int, seed: int = 0) -> list[str]:
@@ -52,13 +78,15 @@ def write_optimum(path: Path, logits: np.ndarray, labels: np.ndarray) -> dict:
     the last seventh)."""
     import torch
 
-    from recscale.train.metrics import binary_metrics
+    from recscale.metrics import binary_metrics
 
     n = len(labels)
     train_end = n * 6 // 7
     test_lo = train_end + (n - train_end) // 2
-    out = {"note": "metrics of the generator's true click probabilities (the Bayes-optimal "
-                   "predictor given everything the generator knows)"}  # fmt: skip
+    out = {
+        "note": "metrics of the generator's true click probabilities (the Bayes-optimal "
+        "predictor given everything the generator knows)"
+    }
     for name, lo in (("all", 0), ("kaggle_test", test_lo)):
         m = binary_metrics(torch.from_numpy(logits[lo:]), torch.from_numpy(labels[lo:]).double())
         out[name] = {"lines": n - lo, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"]}
@@ -80,8 +108,10 @@ def write_tsv(
     (:func:`write_optimum`): the best AUC and logloss any model can reach on the lines.
     """
     needed = -(-lines // block)
-    made = [synthetic_lines_and_logits(min(block, lines - i * block), seed + i)
-            for i in range(min(distinct_blocks or needed, needed))]  # fmt: skip
+    made = [
+        synthetic_lines_and_logits(min(block, lines - i * block), seed + i)
+        for i in range(min(distinct_blocks or needed, needed))
+    ]
     blocks = [("\n".join(ls) + "\n").encode() for ls, _ in made]
     order = [(i % len(made), min(block, lines - w)) for i, w in enumerate(range(0, lines, block))]
     all_logits = np.concatenate([made[b][1][:n] for b, n in order])

@@ -26,78 +26,14 @@ step vs alone) and ``step_overhead`` (dispatch, the loss).
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
 
-FORMAT = 3
-
-
-@dataclass
-class Law:
-    """``t = sum(coef_i * feature_i)`` seconds; ``features`` names them (see module doc)."""
-
-    features: list[str]
-    coef: list[float]
-    fit_error: float = 0.0  # median relative error on the calibration points
-
-    def __call__(self, **x: float) -> float:
-        return sum(c * x[f] for f, c in zip(self.features, self.coef))
-
-
-@dataclass
-class Calibration:
-    machine: str
-    threads: int
-    laws: dict[str, Law] = field(default_factory=dict)
-    step_scale: float = 1.0
-    step_overhead: float = 0.0
-    world_size: int = 1  # local ranks the whole steps of the fit ran on
-    format: int = FORMAT
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> Calibration:
-        d = json.loads(Path(path).read_text())
-        if d.get("format") != FORMAT:
-            raise ValueError(
-                f"{path}: calibration format {d.get('format')}; run `recscale bench calibrate` again"
-            )
-        laws = {k: Law(**v) for k, v in d.pop("laws").items()}
-        return cls(**{**d, "laws": laws})
-
-
-def default_path() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "recscale" / f"calibration-{platform.node() or 'host'}.json"
-
-
-def find_calibration(spec: str = "auto") -> Calibration | None:
-    """``auto``: this host's saved calibration, None when there is none or it is of an
-    older format; ``none``: None; else a file path (missing or unreadable: an error)."""
-    if spec == "none":
-        return None
-    path = default_path() if spec == "auto" else Path(spec)
-    if not path.exists():
-        if spec == "auto":
-            return None
-        raise FileNotFoundError(f"{path}: no such file")
-    try:
-        return Calibration.load(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        if spec == "auto":  # a stale file: as without one
-            return None
-        raise
+from recscale.perfmodel.calibration import Calibration, Law
+from recscale.perfmodel.fit import fit_law, fit_step_constants, step_configs
 
 
 def _time(fn, repeats: int = 7, warmup: int = 2) -> float:
@@ -111,43 +47,43 @@ def _time(fn, repeats: int = 7, warmup: int = 2) -> float:
     return statistics.median(ts)
 
 
-def _fit(features: list[str], rows: list[dict[str, float]], times: list[float]) -> Law:
-    """Non-negative least squares on relative error (drop a negative coefficient, refit)."""
-    keep = list(range(len(features)))
-    t = np.maximum(np.array(times), 5e-6)  # below timer noise, a point would dominate
-    while True:
-        a = np.array([[r[features[i]] for i in keep] for r in rows]) / t[:, None]
-        coef, *_ = np.linalg.lstsq(a, np.ones(len(t)), rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep = [k for k, c in zip(keep, coef) if c >= 0]
-    full = [0.0] * len(features)
-    for k, c in zip(keep, coef):
-        full[k] = max(0.0, float(c))
-    law = Law(features, full)
-    pred = np.array([law(**r) for r in rows])
-    law.fit_error = float(np.median(np.abs(pred - t) / t))
-    return law
-
-
 def _mlp_layer(echo) -> tuple[Law, Law]:
     from recscale.modules.mlp import MLP
 
     rows, fwd, bwd = [], [], []
     for m in (256, 1024, 4096):
-        for k, n in ((13, 512), (512, 256), (256, 64), (64, 16), (512, 512), (1024, 1024),
-                     (400, 512), (256, 1), (128, 1024)):  # fmt: skip
+        for k, n in (
+            (13, 512),
+            (512, 256),
+            (256, 64),
+            (64, 16),
+            (512, 512),
+            (1024, 1024),
+            (400, 512),
+            (256, 1),
+            (128, 1024),
+        ):
             mlp = MLP(k, [n], final_activation=n > 1)
             x = torch.randn(m, k, requires_grad=True)
             g = torch.randn(m, n)
             fwd.append(_time(lambda mlp=mlp, x=x: mlp(x)))
             out = mlp(x)
             bwd.append(_time(lambda out=out, g=g: out.backward(g, retain_graph=True)))
-            rows.append({"flops2": 2.0 * m * k * n, "flops4": 4.0 * m * k * n, "mn": float(m * n),
-                         "mk": float(m * k), "kn": float(k * n), "one": 1.0})  # fmt: skip
+            rows.append(
+                {
+                    "flops2": 2.0 * m * k * n,
+                    "flops4": 4.0 * m * k * n,
+                    "mn": float(m * n),
+                    "mk": float(m * k),
+                    "kn": float(k * n),
+                    "one": 1.0,
+                }
+            )
     echo(f"  MLP layers: {len(rows)} shapes")
-    return (_fit(["flops2", "mn", "mk", "kn", "one"], rows, fwd),
-            _fit(["flops4", "mn", "mk", "kn", "one"], rows, bwd))  # fmt: skip
+    return (
+        fit_law(["flops2", "mn", "mk", "kn", "one"], rows, fwd),
+        fit_law(["flops4", "mn", "mk", "kn", "one"], rows, bwd),
+    )
 
 
 def _interaction(echo) -> Law:
@@ -169,7 +105,7 @@ def _interaction(echo) -> Law:
             k = f + 1
             rows.append({"bkkd": float(b * k * k * d), "bkk": float(b * k * k), "one": 1.0})
     echo(f"  dot interaction: {len(rows)} shapes")
-    return _fit(["bkkd", "bkk", "one"], rows, ts)
+    return fit_law(["bkkd", "bkk", "one"], rows, ts)
 
 
 def _embedding(echo) -> tuple[Law, Law]:
@@ -198,7 +134,7 @@ def _embedding(echo) -> tuple[Law, Law]:
                 )
                 rows.append({"ids_d": float(n * d), "ids": float(n), "one": 1.0})
     echo(f"  embeddings: {len(rows)} shapes")
-    return _fit(["ids_d", "ids", "one"], rows, look), _fit(["ids_d", "ids", "one"], rows, upd)
+    return fit_law(["ids_d", "ids", "one"], rows, look), fit_law(["ids_d", "ids", "one"], rows, upd)
 
 
 def _elementwise(echo) -> Law:
@@ -218,7 +154,7 @@ def _elementwise(echo) -> Law:
             ts.append(_time(fb))
             rows.append({"bw": float(b * width), "one": 1.0})
     echo(f"  concat / cross-layer element-wise: {len(rows)} shapes")
-    return _fit(["bw", "one"], rows, ts)
+    return fit_law(["bw", "one"], rows, ts)
 
 
 def _dense_optimizer(echo) -> Law:
@@ -230,7 +166,7 @@ def _dense_optimizer(echo) -> Law:
         ts.append(_time(opt.step))
         rows.append({"params": float(p), "one": 1.0})
     echo(f"  dense optimizer: {len(rows)} sizes")
-    return _fit(["params", "one"], rows, ts)
+    return fit_law(["params", "one"], rows, ts)
 
 
 COLLECTIVE_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # fp32 elements a rank sends
@@ -275,26 +211,18 @@ def _collectives(echo, world_size: int) -> tuple[Law, Law]:
     spread = (world_size - 1) / world_size
     rows_a2a = [{"bytes": 4.0 * n * spread, "one": 1.0} for n in COLLECTIVE_SIZES]
     rows_ar = [{"bytes": ring_bytes(4.0 * n, world_size), "one": 1.0} for n in COLLECTIVE_SIZES]
-    echo(f"  collectives: all-to-all and all-reduce on {world_size} local ranks, "
-         f"{len(COLLECTIVE_SIZES)} sizes")  # fmt: skip
-    return _fit(["bytes", "one"], rows_a2a, a2a), _fit(["bytes", "one"], rows_ar, ar)
+    echo(
+        f"  collectives: all-to-all and all-reduce on {world_size} local ranks, "
+        f"{len(COLLECTIVE_SIZES)} sizes"
+    )
+    return fit_law(["bytes", "one"], rows_a2a, a2a), fit_law(["bytes", "one"], rows_ar, ar)
 
 
 # Whole steps the step-level fit uses; none is among the validation configurations
 # (benchmarks/perfmodel_validation.py).
-STEP_CONFIGS = (
-    ("debug", []),
-    ("default", ["--train.batch_size=128"]),
-    ("default", ["--train.batch_size=8192"]),
-    (
-        "default",
-        ["--model.embedding_dim=24", "--model.bottom_mlp=512,256,24", "--train.batch_size=2048"],
-    ),
-)
-
-
-def calibrate(echo=print, threads: int | None = None, collective_ranks: int = 2,
-              world_size: int = 1) -> Calibration:  # fmt: skip
+def calibrate(
+    echo=print, threads: int | None = None, collective_ranks: int = 2, world_size: int = 1
+) -> Calibration:
     """Measure and fit every law, then the step-level fit from whole steps: a step takes
     ``step_scale`` x the sum of its ops (ops run back to back share caches and cores
     differently than alone) plus ``step_overhead`` (dispatch, the loss).
@@ -323,14 +251,6 @@ def calibrate(echo=print, threads: int | None = None, collective_ranks: int = 2,
     return cal
 
 
-def step_configs(threads: int) -> list:
-    """The configs of ``STEP_CONFIGS`` on ``threads`` torch threads (the ops' threads)."""
-    from recscale.config import load_config
-
-    return [load_config(name, ["--train.device=cpu", f"--train.threads={threads}", *over])
-            for name, over in STEP_CONFIGS]  # fmt: skip
-
-
 def measure_step(cfg, threads: int, world_size: int) -> float:
     """Milliseconds of one whole step of ``cfg`` (the median of 15 after 5 warm-up): in
     this process, or on ``world_size`` local ranks (the training path's sequential step,
@@ -345,34 +265,11 @@ def measure_step(cfg, threads: int, world_size: int) -> float:
     return run_pipeline_bench(cfg, world_size, 15, 5, threads)["sequential_step_ms"]
 
 
-def fit_step_constants(cal: Calibration, measured_ms: list[float], echo=print) -> None:
-    """Set ``step_scale`` and ``step_overhead`` from whole steps of the ``STEP_CONFIGS``
-    (``measured_ms[i]`` for config i, measured on ``cal.world_size`` ranks)."""
-    from dataclasses import replace
-
-    from recscale.perfmodel.model import predict
-    from recscale.planner.from_config import plan_for
-
-    w = cal.world_size
-    bare = replace(cal, step_scale=1.0, step_overhead=0.0)  # the sum of the ops alone
-    sums, measured = [], []
-    for cfg, t in zip(step_configs(cal.threads), measured_ms):
-        p = predict(cfg, bare, w, plan_for(cfg, w, 1 << 40) if w > 1 else None)
-        comm = sum(p.stages_ms.get(k, 0.0) for k in ("all_to_all", "all_reduce")) / 1e3
-        sums.append(p.step_seconds - comm)
-        measured.append(max(t / 1e3 - comm, 1e-5))
-    law = _fit(["sum", "one"], [{"sum": s_, "one": 1.0} for s_ in sums], measured)
-    cal.step_scale, cal.step_overhead = law.coef[0] or 1.0, law.coef[1]
-    echo(
-        f"  whole steps{f' on {w} ranks' if w > 1 else ''}: "
-        f"{cal.step_scale:.3f} x the ops + {cal.step_overhead * 1e3:.2f} ms "
-        f"(fit error {law.fit_error:.1%})"
-    )
-
-
 def _fit_steps(cal: Calibration, threads: int, world_size: int, echo) -> None:
     # the median of three runs: one run of a few-ms step can be 30% off on a shared VM,
     # and four whole-step points carry the two constants
-    ms = [statistics.median(measure_step(cfg, threads, world_size) for _ in range(3))
-          for cfg in step_configs(threads)]  # fmt: skip
+    ms = [
+        statistics.median(measure_step(cfg, threads, world_size) for _ in range(3))
+        for cfg in step_configs(threads)
+    ]
     fit_step_constants(cal, ms, echo)

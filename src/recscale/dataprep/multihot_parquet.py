@@ -23,8 +23,17 @@ import numpy as np
 
 from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
 from recscale.data.dataset import segment_gather
-from recscale.data.multihot import MultiHotWriter, open_split
+from recscale.data.multihot import open_split
 from recscale.data.sources import parquet_dense
+from recscale.dataprep.common import (
+    HASH_CAP,
+    BadLineReport,
+    check_bad_lines,
+    fresh_tmp_dir,
+    split_ranges,
+    swap_into_place,
+)
+from recscale.dataprep.multihot import MultiHotWriter
 
 BLOCK_ROWS = 1 << 18
 BAD_LABEL, BAD_ID = 2, 4  # criteo_parse.BAD_KINDS codes
@@ -36,10 +45,11 @@ def is_multi_hot_parquet(path: Path) -> bool:
 
     schema = pq.read_schema(path)
     return any(
-        pa.types.is_list(schema.field(f"C{k + 1}").type) or
-        pa.types.is_large_list(schema.field(f"C{k + 1}").type)
-        for k in range(NUM_CAT) if f"C{k + 1}" in schema.names
-    )  # fmt: skip
+        pa.types.is_list(schema.field(f"C{k + 1}").type)
+        or pa.types.is_large_list(schema.field(f"C{k + 1}").type)
+        for k in range(NUM_CAT)
+        if f"C{k + 1}" in schema.names
+    )
 
 
 def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -107,23 +117,15 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
         starts = np.cumsum(lengths, axis=0) - lengths + base
         good = status == 0
         idx = segment_gather(starts[good].reshape(-1), lengths[good].reshape(-1))
-        raw.append(dense[good], lengths[good], flat[idx].view(np.int32),
-                   label[good].astype(np.uint8))  # fmt: skip
+        raw.append(
+            dense[good], lengths[good], flat[idx].view(np.int32), label[good].astype(np.uint8)
+        )
         rows += int(good.sum())
         first += n
     return rows
 
 
 def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, Any]:
-    from recscale.data.preprocess import (
-        HASH_CAP,
-        BadLineReport,
-        _split_ranges,
-        check_bad_lines,
-        fresh_tmp_dir,
-        swap_into_place,
-    )
-
     if opts.id_mode != "hash":
         raise ValueError("multi-hot Parquet (list columns) is preprocessed in --mode hash only")
     out = Path(opts.out)
@@ -141,7 +143,7 @@ def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, 
     info = raw.close()
     check_bad_lines(report, raw.rows, opts, tmp, echo)
     m = open_split(tmp / "raw", raw.rows, NUM_DENSE, NUM_CAT, info["ids"])
-    ranges = _split_ranges(opts, file_rows, raw.rows)
+    ranges = split_ranges(opts, file_rows, raw.rows)
 
     def blocks(rng):
         for a0, b0 in rng:
@@ -161,8 +163,10 @@ def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, 
             for k in range(NUM_CAT):
                 seen[k] = np.union1d(seen[k], vals[feat == k])
         sizes = [min(HASH_CAP, max(16, 4 * s.shape[0])) for s in seen]
-        echo(f"hash sizes from the data (4 x distinct values, at most {HASH_CAP:,}): "
-             f"{sum(sizes):,} rows in all")  # fmt: skip
+        echo(
+            f"hash sizes from the data (4 x distinct values, at most {HASH_CAP:,}): "
+            f"{sum(sizes):,} rows in all"
+        )
     size_arr = np.array(sizes, np.uint64)
     splits: dict[str, Any] = {}
     for name, rng in ranges.items():
@@ -191,11 +195,14 @@ def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, 
             "bad": report.bad,
             "counts": report.counts,
             "examples": report.examples,
-        },  # fmt: skip
+        },
         "seconds": seconds,
     }
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     swap_into_place(tmp, out)
-    echo(f"wrote {out} (multi-hot): " + ", ".join(
-        f"{k} {v['rows']:,} rows, {v['ids']:,} ids" for k, v in splits.items()) + f" in {seconds:.1f}s")  # fmt: skip
+    echo(
+        f"wrote {out} (multi-hot): "
+        + ", ".join(f"{k} {v['rows']:,} rows, {v['ids']:,} ids" for k, v in splits.items())
+        + f" in {seconds:.1f}s"
+    )
     return meta

@@ -1,0 +1,62 @@
+"""The files of a preprocessed dataset, opened checked: ``metadata.json`` and each column
+as a read-only memory map of the shape the metadata gives it (a wrong size is a
+truncated copy, another dataset's file or another dtype, named with what to do)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class DatasetError(ValueError):
+    pass
+
+
+_FINITE_CHECKED: set[tuple[str, int, int]] = set()
+
+
+def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> None:
+    """Raise naming the first row whose dense features hold NaN or inf (they would turn
+    every metric into NaN). Once per file version per process: a scan reads the file."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _FINITE_CHECKED:
+        return
+    for lo in range(0, dense.shape[0], chunk_rows):
+        block = np.asarray(dense[lo : lo + chunk_rows])
+        ok = np.isfinite(block).all(axis=1)
+        if not ok.all():
+            row = lo + int(np.argmin(ok))
+            raise DatasetError(
+                f"{path}: row {row} has a non-finite dense value ({block[row - lo].tolist()})"
+            )
+    _FINITE_CHECKED.add(key)
+
+
+def read_metadata(root: str | Path) -> dict[str, Any]:
+    """A dataset's ``metadata.json``; a directory without one is not a dataset."""
+    path = Path(root) / "metadata.json"
+    if not path.exists():
+        raise DatasetError(f"{root} is not a recscale dataset (no metadata.json)")
+    return json.loads(path.read_text())
+
+
+def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only memory map of a column file, checked against the shape metadata.json
+    gives it first: a wrong size means a truncated copy, another dataset's file or
+    another dtype (float64 dense)."""
+    item = np.dtype(dtype).itemsize
+    want = int(np.prod(shape)) * item
+    have = path.stat().st_size if path.exists() else None
+    if have != want:
+        raise DatasetError(
+            f"{path}: {'missing' if have is None else f'{have:,} bytes'}, but metadata.json "
+            f"({' x '.join(f'{n:,}' for n in shape)} x {item} bytes) needs {want:,}: rewrite "
+            "the dataset (`recscale data preprocess`)"
+        )
+    if want == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype, "r", shape=shape)

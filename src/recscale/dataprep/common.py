@@ -1,0 +1,222 @@
+"""What the one-hot and multi-hot preprocessors share: their options, the bad-line
+report (counts by kind with ``file:line`` examples), the split of rows into train /
+val / test, and the output directory's rules (refuse to destroy anything; build under
+``OUT.tmp``; swap into place with no moment where a half dataset reads as whole)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val", "test")
+HASH_CAP = 40_000_000  # MLPerf's rows per table
+BLOCK_ROWS = 1 << 18
+
+
+class BadDataError(ValueError):
+    """Too many malformed lines; the message has the counts and examples."""
+
+
+@dataclass
+class PreprocessOptions:
+    inputs: list[Path]
+    out: Path
+    input_format: str = "criteo"  # criteo (TSV, plain or .gz) | parquet
+    id_mode: str = "hash"  # hash | vocab
+    # hash mode: one size, one per feature, or [] = auto: 4 x the feature's distinct values
+    # in the train split, at most 40M (MLPerf's cap) - tables that fit the data
+    hash_sizes: list[int] = field(default_factory=list)
+    min_count: int = 1
+    split: str = "kaggle"  # kaggle | by-file | none
+    test_files: list[Path] = field(default_factory=list)
+    val_files: list[Path] = field(default_factory=list)
+    max_bad_fraction: float = 0.001
+    chunk_bytes: int = 32 << 20
+    threads: int = 0
+    parquet_out: bool = False
+    examples_per_kind: int = 5
+
+    def all_inputs(self) -> list[Path]:
+        """Every input once, in order: the train inputs, then validation, then test files."""
+        return list(dict.fromkeys([*self.inputs, *self.val_files, *self.test_files]))
+
+    def validate(self) -> None:
+        if not self.inputs:
+            raise ValueError("no input files")
+        for p in [*self.inputs, *self.test_files, *self.val_files]:
+            if not Path(p).exists():
+                raise ValueError(f"input file not found: {p}")
+        if self.id_mode not in ("hash", "vocab"):
+            raise ValueError(f"--mode must be hash or vocab, got {self.id_mode!r}")
+        if self.split not in ("kaggle", "by-file", "none"):
+            raise ValueError(f"--split must be kaggle, by-file or none, got {self.split!r}")
+        if self.hash_sizes and (
+            len(self.hash_sizes) not in (1, NUM_CAT) or min(self.hash_sizes) <= 0
+        ):
+            raise ValueError(
+                f"--hash-size takes 1 or {NUM_CAT} positive sizes, got {self.hash_sizes}"
+            )
+        if self.min_count < 1:
+            raise ValueError("--min-count must be >= 1")
+        if self.input_format not in ("criteo", "parquet"):
+            raise ValueError(f"--format must be criteo or parquet, got {self.input_format!r}")
+        if (self.test_files or self.val_files) and self.split != "by-file":
+            raise ValueError(
+                f"--test/--val name the files of each split, which only --split by-file uses "
+                f"(this is --split {self.split}): add --split by-file"
+            )
+        if self.split == "by-file":
+            held_out = {Path(p).resolve() for p in (self.test_files or [self.inputs[-1]])}
+            held_out |= {Path(p).resolve() for p in self.val_files}
+            if all(Path(p).resolve() in held_out for p in self.inputs):
+                raise ValueError(
+                    "--split by-file leaves no input for training (the test split defaults to "
+                    "the last input): give more inputs, or name the test files with --test"
+                )
+        check_output_dir(Path(self.out), [*self.inputs, *self.test_files, *self.val_files])
+
+
+def _is_dataset_dir(path: Path) -> bool:
+    return (path / "metadata.json").is_file()
+
+
+def check_output_dir(out: Path, inputs: list[Path]) -> None:
+    """Refuse an output that would destroy something: a non-empty directory that is not
+    a dataset, one that holds an input, or the working directory or one of its parents."""
+    o = out.resolve()
+    cwd = Path.cwd().resolve()
+    if o == cwd or o in cwd.parents:
+        raise ValueError(
+            f"--out {out} is the working directory or one of its parents; "
+            "name a new directory for the dataset"
+        )
+    for p in inputs:
+        if o in Path(p).resolve().parents:
+            raise ValueError(f"--out {out} holds the input {p}; write the dataset elsewhere")
+    if o.exists() and not o.is_dir():
+        raise ValueError(f"--out {out} is a file; name a directory for the dataset")
+    if o.is_dir() and any(o.iterdir()) and not _is_dataset_dir(o):
+        raise ValueError(
+            f"--out {out} is a non-empty directory that is not a recscale dataset "
+            "(no metadata.json); it is left alone: name a new or empty directory"
+        )
+    tmp = o.with_name(o.name + ".tmp")
+    leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt"}
+    if tmp.exists() and not {c.name for c in tmp.iterdir()} <= leftovers:
+        raise ValueError(f"{tmp} exists and is not a leftover of an earlier preprocess; move it")
+
+
+def fresh_tmp_dir(out: Path) -> Path:
+    """``OUT.tmp``, emptied: everything is built there and renamed into place at the end."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Replace an old dataset without a moment where a half one could be read as whole:
+    move the old one aside, rename the new one in, then delete the old one."""
+    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, aside)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if aside.exists() and not out.exists():
+            os.replace(aside, out)  # the old dataset back where it was
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@dataclass
+class BadLineReport:
+    lines: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def bad(self) -> int:
+        return sum(self.counts.values())
+
+    def add_statuses(self, status: np.ndarray, path: Path, first_line: int, limit: int) -> None:
+        """Count one chunk's line statuses (0 = good) and keep the first examples per kind."""
+        self.lines += status.shape[0]
+        bad_idx = np.nonzero(status)[0]
+        if bad_idx.size == 0:
+            return
+        kinds, counts = np.unique(status[bad_idx], return_counts=True)
+        for code, n in zip(kinds.tolist(), counts.tolist()):
+            kind = BAD_KINDS[code]
+            self.counts[kind] = self.counts.get(kind, 0) + n
+            ex = self.examples.setdefault(kind, [])
+            if len(ex) < limit:
+                where = bad_idx[status[bad_idx] == code][: limit - len(ex)]
+                ex.extend(f"{path}:{first_line + int(i)}" for i in where)
+
+    def add(self, kind: str, where: str, limit: int) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        ex = self.examples.setdefault(kind, [])
+        if len(ex) < limit:
+            ex.append(where)
+
+    def describe(self) -> str:
+        if not self.counts:
+            return f"0 bad lines of {self.lines:,}"
+        parts = [f"{self.bad:,} bad lines of {self.lines:,} ({self.bad / max(self.lines, 1):.4%}):"]
+        for kind, n in sorted(self.counts.items(), key=lambda kv: -kv[1]):
+            parts.append(f"  {kind}: {n:,} (e.g. {', '.join(self.examples[kind])})")
+        return "\n".join(parts)
+
+
+def check_bad_lines(
+    report: BadLineReport,
+    rows: int,
+    opts: PreprocessOptions,
+    tmp: Path,
+    echo: Callable[[str], None],
+) -> None:
+    """Print the bad-line report; stop (removing ``tmp``, nothing written) when bad lines
+    exceed ``--max-bad-fraction`` or no row is valid."""
+    echo(report.describe())
+    if report.lines and report.bad / report.lines > opts.max_bad_fraction:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BadDataError(
+            f"{report.describe()}\nthat is more than --max-bad-fraction={opts.max_bad_fraction:g}; "
+            "nothing was written (fix the inputs or raise the limit)"
+        )
+    if rows == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BadDataError("no valid rows in the inputs")
+
+
+def split_ranges(
+    opts: PreprocessOptions, file_rows: list[tuple[Path, int, int]], total: int
+) -> dict[str, list[tuple[int, int]]]:
+    """Row ranges of each split in the raw columns."""
+    if opts.split == "none":
+        return {"train": [(0, total)]}
+    if opts.split == "kaggle":
+        # Reference DLRM: 7 "days" of equal size; days 0-5 train, day 6 halved into val and test.
+        train_end = total * 6 // 7
+        val_end = train_end + (total - train_end) // 2
+        return {
+            "train": [(0, train_end)],
+            "val": [(train_end, val_end)],
+            "test": [(val_end, total)],
+        }
+    test = {Path(p).resolve() for p in (opts.test_files or [opts.inputs[-1]])}
+    val = {Path(p).resolve() for p in opts.val_files}
+    out: dict[str, list[tuple[int, int]]] = {"train": [], "val": [], "test": []}
+    for path, lo, hi in file_rows:
+        name = "test" if path.resolve() in test else "val" if path.resolve() in val else "train"
+        out[name].append((lo, hi))
+    return {k: v for k, v in out.items() if v}

@@ -1,0 +1,115 @@
+"""Bytes of the embedding tables, one place for every tier, the planner and the reports:
+a row at ``row_precision`` with its optimizer state, a compressed table's factors, the
+whole model's tables against plain fp32 ones.
+
+    plain row      dim * bytes_per_value(row_precision) + row_overhead (int8: scale, bias)
+                   + state_bytes (row-wise Adagrad 4; Adam 8 * dim; SGD 0)
+    compressed     its factors at row_precision (whole projections fp32), their state,
+                   and the exact hot rows (``compressed_table_bytes``)
+"""
+
+from __future__ import annotations
+
+import math
+
+from recscale.config.schema import Config, EmbeddingConfig
+from recscale.embedding.compressed import (
+    factor_precision,
+    factor_shapes,
+    hot_count,
+    hot_id_dtype,
+    table_compressions,
+)
+from recscale.embedding.low_precision import bytes_per_value, row_overhead, table_bytes
+from recscale.embedding.optimizers import build_sparse_optimizer
+
+
+def state_bytes(cfg: EmbeddingConfig, dim: int) -> int:
+    """Bytes of one row's optimizer state (fp32)."""
+    shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
+    return 4 * sum(max(1, math.prod(s)) for s in shapes)
+
+
+def row_bytes(cfg: EmbeddingConfig, dim: int) -> int:
+    """Bytes of one row with its optimizer state, at ``cfg.row_precision``."""
+    p = cfg.row_precision
+    return int(dim * bytes_per_value(p)) + row_overhead(p) + state_bytes(cfg, dim)
+
+
+def table_memory(cfg: Config) -> dict[str, int]:
+    """Bytes of the embedding tables as configured and as plain fp32 tables with the same
+    optimizer: ``weights`` / ``plain_weights`` (the rows alone) and ``total`` /
+    ``plain_total`` (with optimizer state, what training holds)."""
+    e, m = cfg.embedding, cfg.model
+    comp = table_compressions(m.table_sizes, m.dims(), e)
+    out = dict.fromkeys(("weights", "total", "plain_weights", "plain_total"), 0)
+    for (rows, dim), (method, small_dim) in zip(zip(m.table_sizes, m.dims()), comp):
+        total, weights = compressed_table_bytes(method, rows, dim, small_dim, e)
+        if method == "none":
+            row = dim * bytes_per_value(e.row_precision) + row_overhead(e.row_precision)
+            total, weights = rows * (row + state_bytes(e, dim)), rows * row
+        out["weights"] += weights
+        out["total"] += total
+        out["plain_weights"] += rows * dim * 4
+        out["plain_total"] += rows * (dim * 4 + state_bytes(e, dim))
+    return out
+
+
+def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) -> tuple[int, int]:
+    """A compressed table's bytes in training and of its weights alone: the factors a
+    lookup gathers rows of at ``row_precision`` (int8: + scale and bias a row), whole
+    factors (mixed_dim's projection) in fp32, plus the optimizer state (row-wise: one
+    fp32 value per factor row; Adam: two per factor value) and the hot rows kept exact
+    (``embedding.hot_fraction``: rows, ids, state). ``(0, 0)`` for a plain table."""
+    if method == "none":
+        return 0, 0
+    shapes = factor_shapes(method, rows, dim, e.qr_buckets, e.qr_op, e.tt_rank, small_dim)
+    k = hot_count(rows, e.hot_fraction)  # exact hot rows: rows at row_precision + an id
+    if k:
+        shapes = {**shapes, "hot": (k, dim)}
+    weights = sum(
+        table_bytes(r, w, factor_precision(name, e.row_precision))
+        for name, (r, w) in shapes.items()
+    )
+    weights += k * hot_id_dtype(rows, k).itemsize
+    values = sum(r * w for r, w in shapes.values())
+    if e.optimizer == "adam":
+        return weights + 2 * 4 * values, weights
+    state = 4 if e.optimizer == "rowwise_adagrad" else 0
+    return weights + state * sum(r for r, _ in shapes.values()), weights
+
+
+def compression_summary(cfg) -> list[str]:
+    """What ``embedding.compression`` / ``row_precision`` make of the tables (``cfg``: the
+    root ``Config``), a line each - printed at the start of training and by ``plan``."""
+    e, m = cfg.embedding, cfg.model
+    lines = []
+    comp = table_compressions(m.table_sizes, m.dims(), e)
+    if e.row_precision != "fp32":
+        what = (
+            "embedding rows" if all(c == "none" for c, _ in comp) else "rows and gathered factors"
+        )
+        lines.append(f"{what} stored as {e.row_precision} (optimizer state fp32)")
+    if all(c == "none" for c, _ in comp):
+        return [*lines, memory_line(cfg)] if lines else lines
+    parts = []
+    for i, (c, sd) in enumerate(comp):
+        if c != "none":
+            what = {"qr": f"qr/{e.qr_buckets}", "tt": f"tt r{e.tt_rank}", "mixed_dim": f"dim {sd}"}[
+                c
+            ]
+            parts.append(f"C{i + 1} {what}")
+    lines.append(f"compressed tables ({len(parts)} of {len(comp)}): {', '.join(parts)}")
+    lines.append(memory_line(cfg))
+    return lines
+
+
+def memory_line(cfg) -> str:
+    """The tables' bytes against plain fp32 tables, weights alone and in training."""
+    mem = table_memory(cfg)
+    return (
+        f"tables: weights {mem['weights'] / 1e6:.2f} MB, "
+        f"{mem['plain_weights'] / max(mem['weights'], 1):.1f}x smaller than plain fp32; "
+        f"with optimizer state {mem['total'] / 1e6:.2f} MB, "
+        f"{mem['plain_total'] / max(mem['total'], 1):.1f}x"
+    )

@@ -1,0 +1,81 @@
+"""A calibration: this machine's per-op cost laws and step constants, as saved by
+``recscale bench calibrate`` (``bench/calibrate.py`` measures them; ``fit.py`` fits
+them) and read by the performance model (``model.py``). Plain JSON::
+
+    {"machine": ..., "threads": T, "laws": {"mlp_forward": {"features": [...],
+     "coef": [...], "fit_error": e}, ...}, "step_scale": s, "step_overhead": o,
+     "world_size": W, "format": 3}
+
+The laws and their features are listed in ``bench/calibrate.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT = 3
+
+
+@dataclass
+class Law:
+    """``t = sum(coef_i * feature_i)`` seconds; ``features`` names them (see module doc)."""
+
+    features: list[str]
+    coef: list[float]
+    fit_error: float = 0.0  # median relative error on the calibration points
+
+    def __call__(self, **x: float) -> float:
+        return sum(c * x[f] for f, c in zip(self.features, self.coef))
+
+
+@dataclass
+class Calibration:
+    machine: str
+    threads: int
+    laws: dict[str, Law] = field(default_factory=dict)
+    step_scale: float = 1.0
+    step_overhead: float = 0.0
+    world_size: int = 1  # local ranks the whole steps of the fit ran on
+    format: int = FORMAT
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        d = json.loads(Path(path).read_text())
+        if d.get("format") != FORMAT:
+            raise ValueError(
+                f"{path}: calibration format {d.get('format')}; run `recscale bench calibrate` "
+                "again"
+            )
+        laws = {k: Law(**v) for k, v in d.pop("laws").items()}
+        return cls(**{**d, "laws": laws})
+
+
+def default_path() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "recscale" / f"calibration-{platform.node() or 'host'}.json"
+
+
+def find_calibration(spec: str = "auto") -> Calibration | None:
+    """``auto``: this host's saved calibration, None when there is none or it is of an
+    older format; ``none``: None; else a file path (missing or unreadable: an error)."""
+    if spec == "none":
+        return None
+    path = default_path() if spec == "auto" else Path(spec)
+    if not path.exists():
+        if spec == "auto":
+            return None
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return Calibration.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        if spec == "auto":  # a stale file: as without one
+            return None
+        raise
