@@ -21,9 +21,11 @@ setup(
                 "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/logit.c",
                 "src/recscale/native/team.c",
+                "src/recscale/native/cpu_features.c",
             ],
             # headers: a change to one rebuilds the extension (and ships them in an sdist)
             depends=[
+                "src/recscale/native/recscale_native.h",
                 "src/recscale/native/row_format.h",
                 "src/recscale/native/weight_grad_driver.h",
             ],

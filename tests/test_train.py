@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,10 +151,16 @@ def test_sigint_to_cli_exits_cleanly(tmp_path):
 
 
 def test_python_m_and_console_script_agree():
-    r = subprocess.run(
-        [sys.executable, "-m", "recscale", "--help"], capture_output=True, text=True, check=True
-    )
-    assert "train" in r.stdout
+    """``python -m recscale`` (how torchrun launches it) and the installed ``recscale``
+    script beside this interpreter print the same help."""
+    script = Path(sys.executable).parent / "recscale"
+    assert script.exists(), f"no console script at {script}: is recscale installed here?"
+    outs = [
+        subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout
+        for cmd in ([sys.executable, "-m", "recscale", "--help"], [str(script), "--help"])
+    ]
+    assert "train" in outs[0]
+    assert outs[0].replace("__main__.py", "recscale") == outs[1]
 
 
 def test_cpu_threads_respected(tmp_path):

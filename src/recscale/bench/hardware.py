@@ -149,20 +149,20 @@ class OtherLoad:
     process's own): a probe taken while the machine was busy reads low, and a bound
     that reads low can be beaten - so the benchmark re-takes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, stat: str = "/proc/stat", self_stat: str = "/proc/self/stat") -> None:
+        self._paths = (stat, self_stat)
         self._start = self._read()
 
-    @staticmethod
-    def _read() -> tuple[float, float, float] | None:
+    def _read(self) -> tuple[float, float, float] | None:
         try:
-            with open("/proc/stat") as f:
+            with open(self._paths[0]) as f:
                 fields = [float(x) for x in f.readline().split()[1:]]
-            with open("/proc/self/stat") as f:
+            with open(self._paths[1]) as f:
                 own = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)
+            return busy, sum(fields), float(own[11]) + float(own[12])  # utime + stime (ticks)
+        except (OSError, ValueError, IndexError):  # no /proc, or not the format it has
             return None
-        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)
-        return busy, sum(fields), float(own[11]) + float(own[12])  # utime + stime (ticks)
 
     def cores_busy(self) -> float | None:
         """Average number of cores other processes kept busy since the last call."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -30,7 +31,6 @@ import torch
 from recscale.native.parallel import parallel_for, parallel_parts  # noqa: F401
 from recscale.native.team import parallel_call  # noqa: F401
 
-_ABI = 12
 _lock = threading.Lock()
 _loaded = False
 _lib: ctypes.CDLL | None = None
@@ -46,42 +46,56 @@ def _find() -> Path | None:
     return None
 
 
+HEADER = Path(__file__).with_name("recscale_native.h")
+_CTYPES = {
+    "int64_t": ctypes.c_int64,
+    "int": ctypes.c_int,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "void": None,
+}
+
+
+def _ctype(decl: str):
+    """The ctypes type of a C parameter or return type in the header's subset."""
+    decl = decl.strip()
+    if "*" in decl:
+        return (
+            ctypes.c_char_p if re.match(r"(const\s+)?char\s*\*\s*\w*$", decl) else ctypes.c_void_p
+        )
+    base = re.sub(r"\bconst\b", "", decl).split()[0]
+    if base not in _CTYPES:
+        raise ValueError(f"{HEADER.name}: no ctypes type for {decl!r}")
+    return _CTYPES[base]
+
+
+def header_signatures(text: str | None = None) -> dict[str, tuple[object, list]]:
+    """``name -> (restype, argtypes)`` of the functions between the header's python
+    markers: the library's Python interface, declared once (``recscale_native.h``)."""
+    text = HEADER.read_text() if text is None else text
+    block = text.split("/* @python-begin */", 1)[1].split("/* @python-end */", 1)[0]
+    block = re.sub(r"/\*.*?\*/", "", block, flags=re.S)
+    out = {}
+    for ret, name, params in re.findall(
+        r"([\w\s\*]+?)\s*\b(recscale_\w+)\s*\(([^)]*)\)\s*;", block
+    ):
+        args = [] if params.strip() == "void" else [_ctype(x) for x in params.split(",")]
+        out[name] = (_ctype(ret), args)
+    return out
+
+
+def header_abi() -> int:
+    return int(re.search(r"#define RECSCALE_NATIVE_ABI (\d+)", HEADER.read_text()).group(1))
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.recscale_native_abi.restype = ctypes.c_int
-    lib.recscale_cpu_supported.restype = ctypes.c_int
-    lib.recscale_dot_forward.restype = ctypes.c_int
-    lib.recscale_dot_forward.argtypes = [ptr, ptr, ptr] + [i64] * 10
-    lib.recscale_dot_backward.restype = ctypes.c_int
-    lib.recscale_dot_backward.argtypes = [ptr, ptr, ptr, ptr, ptr] + [i64] * 12
-    f32 = ctypes.c_float
-    lib.recscale_sparse_update.restype = ctypes.c_int
-    lib.recscale_sparse_update.argtypes = (
-        [i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64]
-        + [f32] * 5
-        + [ptr, i64, i64]
-    )
-    lib.recscale_avx512_supported.restype = ctypes.c_int
-    lib.recscale_weight_grad.restype = ctypes.c_int
-    lib.recscale_weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4
-    lib.recscale_narrow_weight_grad.restype = ctypes.c_int
-    lib.recscale_narrow_weight_grad.argtypes = [ptr, i64] * 4 + [ptr] + [i64] * 3
-    lib.recscale_narrow_forward.restype = ctypes.c_int
-    lib.recscale_narrow_forward.argtypes = [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5
-    lib.recscale_logit_forward.restype = None
-    lib.recscale_logit_forward.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
-    lib.recscale_logit_backward.restype = None
-    lib.recscale_logit_backward.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 3 + [ctypes.c_int]
-    lib.recscale_pooled_lookup.restype = i64
-    lib.recscale_pooled_lookup.argtypes = (
-        [ptr, i64, ptr, ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64]
-    )
-    lib.recscale_team_init.restype = ctypes.c_int
-    lib.recscale_team_init.argtypes = [ctypes.c_char_p]
-    lib.recscale_team_kernel_id.restype = i64
-    lib.recscale_team_kernel_id.argtypes = [ctypes.c_char_p]
-    lib.recscale_team_run.restype = ctypes.c_int
-    lib.recscale_team_run.argtypes = [i64, i64, i64] + [ptr] * 6
+    for name, (restype, argtypes) in header_signatures().items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+# recscale_cpu_features()'s bits (recscale_native.h)
+CPU_AVX2, CPU_AVX512F, CPU_AVX512_BF16, CPU_AMX_BF16 = 1, 2, 4, 8
 
 
 def library() -> ctypes.CDLL | None:
@@ -104,14 +118,24 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "not built (pip install compiles it; needs a C compiler)"
     try:
         lib = ctypes.CDLL(str(path))
+        abi = lib.recscale_native_abi()
+        if abi != header_abi():
+            return None, f"{path.name} is from another version (reinstall: pip install -e .)"
         _declare(lib)
-    except (OSError, AttributeError) as e:
+    except (OSError, AttributeError, ValueError) as e:
         return None, f"could not load {path.name}: {e}"
-    if lib.recscale_native_abi() != _ABI:
-        return None, f"{path.name} is from another version (reinstall: pip install -e .)"
-    if not lib.recscale_cpu_supported():
+    features = lib.recscale_cpu_features()
+    if not features & CPU_AVX2:
         return None, "this CPU lacks AVX2/FMA/F16C"
-    isa = "AVX2 + FMA + F16C" + (", AVX-512" if lib.recscale_avx512_supported() else "")
+    isa = "AVX2 + FMA + F16C" + "".join(
+        f", {n}"
+        for bit, n in (
+            (CPU_AVX512F, "AVX-512"),
+            (CPU_AVX512_BF16, "AVX512-BF16"),
+            (CPU_AMX_BF16, "AMX-BF16"),
+        )
+        if features & bit
+    )
     return lib, f"loaded ({path.name}, {isa})"
 
 
@@ -135,17 +159,15 @@ def applies(t: torch.Tensor, dim: int, max_dim: int | None = None, rows: bool = 
     )
 
 
-_avx512: bool | None = None
+def cpu_features() -> int:
+    """``CPU_*`` bits of this CPU as its OS and hypervisor show it (0 without the library)."""
+    lib = library()
+    return lib.recscale_cpu_features() if lib is not None else 0
 
 
 def has_avx512() -> bool:
-    """Whether the library is loaded and this CPU (as its OS and hypervisor show it) runs
-    its AVX-512 kernels. Asked once per process."""
-    global _avx512
-    if _avx512 is None:
-        lib = library()
-        _avx512 = lib is not None and bool(lib.recscale_avx512_supported())
-    return _avx512
+    """Whether the library is loaded and this CPU runs its AVX-512 kernels."""
+    return bool(cpu_features() & CPU_AVX512F)
 
 
 def status() -> str:

@@ -28,27 +28,18 @@
  * and 10.6 ms backward for a 2048 x 27 x 16 batch on one core, against 0.7 and 1.4 ms here.
  */
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <stdlib.h>
 #include <string.h>
 
 #define RS_AHEAD 4 /* samples */
 
-int recscale_native_abi(void) { return 12; } /* bump with any signature change */
-
-int recscale_tile_scratch(int64_t k, int64_t d, float **zero, const float ***rows, int64_t **start);
-void recscale_tile_scratch_free(float *zero, const float **rows, int64_t *start);
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define RS_HAVE_X86 1
 #define RS_AVX2 __attribute__((target("avx2,fma")))
-
-/* 1 when this CPU can run the kernels below. */
-int recscale_cpu_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c"); /* fp16 rows (row_format.h) */
-}
 
 /* Lane u of the result = horizontal sum of v[u]. */
 RS_AVX2 static inline __m256 hsum8(const __m256 *v) {
@@ -356,17 +347,8 @@ RS_AVX2 static void backward_range(const float *dense, const float *emb, const f
     RS_BY_DIM(d, RS_BWD)
 #undef RS_BWD
 }
-#else
-int recscale_cpu_supported(void) { return 0; }
 #endif
 
-int recscale_dot_forward_wide(const float *dense, const float *emb, float *out, int64_t b0,
-                              int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
-                              int64_t width, int64_t dsb, int64_t esb, int64_t esf);
-int recscale_dot_backward_wide(const float *dense, const float *emb, const float *g,
-                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
-                               int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
-                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf);
 /* 1: d >= 64 (a multiple of 16) runs the AVX-512 tiles of dot_interaction_avx512.c where
  * the CPU has AVX-512 (config B's d = 128: forward 3.2 -> 1.8 ms, backward 4.8-6.6 ->
  * 3.4-4.8 ms on 2 threads; B's step 167.9 -> 163.9 ms), else the forward in the AVX2

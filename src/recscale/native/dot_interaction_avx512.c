@@ -14,6 +14,8 @@
  * row), and the next sample's rows are prefetched over the current sample's tiles.
  */
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,10 +24,6 @@
 
 #define RS_AVX512 __attribute__((target("avx512f")))
 
-int recscale_avx512_supported(void);
-/* dot_interaction.c: the tiled forwards' scratch */
-int recscale_tile_scratch(int64_t k, int64_t d, float **zero, const float ***rows, int64_t **start);
-void recscale_tile_scratch_free(float *zero, const float **rows, int64_t *start);
 
 /* Share `part` of `parts` of the 64-byte lines of a sample's embedding rows (row f at
  * e + f * esf, d floats each: `lines` in all) into the L1: spread over a sample's work,
@@ -111,7 +109,7 @@ RS_AVX512 int recscale_dot_forward_wide(const float *dense, const float *emb, fl
                                         int64_t b0, int64_t b1, int64_t k, int64_t d,
                                         int64_t e0, int64_t offset, int64_t width, int64_t dsb,
                                         int64_t esb, int64_t esf) {
-    if (d % 16 != 0 || d < 64 || !recscale_avx512_supported()) return -1;
+    if (d % 16 != 0 || d < 64 || !(recscale_cpu_features() & RS_CPU_AVX512F)) return -1;
     float *zero;
     const float **rows;
     int64_t *start;
@@ -209,7 +207,7 @@ RS_AVX512 int recscale_dot_backward_wide(const float *dense, const float *emb, c
                                          int64_t b1, int64_t k, int64_t d, int64_t e0,
                                          int64_t offset, int64_t width, int64_t dsb, int64_t esb,
                                          int64_t esf, int64_t gsb, int64_t gsf) {
-    if (d % 16 != 0 || d < 64 || !recscale_avx512_supported()) return -1;
+    if (d % 16 != 0 || d < 64 || !(recscale_cpu_features() & RS_CPU_AVX512F)) return -1;
     const int64_t kp = (k + 3) & ~(int64_t)3;
     float *G = calloc((size_t)(kp * kp), sizeof(float)); /* past k: zero, never written */
     const float **rows = malloc((size_t)kp * sizeof(float *));

@@ -22,6 +22,8 @@
  * offsets) plus embedding_bag.
  */
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <string.h>
 
 #include "row_format.h"

@@ -14,6 +14,8 @@
  */
 #include <stdint.h>
 
+#include "recscale_native.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
@@ -71,7 +73,7 @@ RS_AVX2 void recscale_logit_backward(const float *h, int64_t ldh, const float *w
     *db = bsum;
 }
 
-#else /* not x86-64: the library does not load there (recscale_cpu_supported) */
+#else /* not x86-64: the library does not load there (recscale_cpu_features) */
 void recscale_logit_forward(const float *h, int64_t ldh, const float *w, float bias, float *z,
                             int64_t batch, int64_t n) {
     for (int64_t b = 0; b < batch; ++b) {

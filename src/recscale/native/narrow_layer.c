@@ -26,6 +26,8 @@
  * broadcast, each) and they are stored back to a per-call buffer of dw^T [in][out].
  */
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,8 +43,6 @@
 #ifndef R
 #define R 16 /* samples per block: buf is R * out floats (32 KB at out = 512) */
 #endif
-
-int recscale_avx512_supported(void);
 
 /* lanes of a 16-float vector at column j that are below `cols` */
 static inline __mmask16 lanes(int64_t j, int64_t cols) {
@@ -300,7 +300,7 @@ int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask, 
                                 const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
                                 int64_t out, int64_t in, int64_t batch) {
     if (in < 1 || in > NARROW_MAX_IN) return -1;
-    if (recscale_narrow_isa == 0 && recscale_avx512_supported())
+    if (recscale_narrow_isa == 0 && (recscale_cpu_features() & RS_CPU_AVX512F))
         return wgrad512(g, ldg, mask, ldm, x, ldx, dw, lddw, db, out, in, batch);
     return wgrad256(g, ldg, mask, ldm, x, ldx, dw, lddw, db, out, in, batch);
 }
@@ -311,7 +311,7 @@ int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask, 
 int recscale_narrow_forward(const float *x, int64_t ldx, const float *w, int64_t ldw,
                             const float *bias, float *h, int64_t ldh, int64_t out, int64_t in,
                             int64_t batch, int64_t relu) {
-    if (in < 1 || in > NARROW_MAX_IN || !recscale_avx512_supported()) return -1;
+    if (in < 1 || in > NARROW_MAX_IN || !(recscale_cpu_features() & RS_CPU_AVX512F)) return -1;
     return forward512(x, ldx, w, ldw, bias, h, ldh, out, in, batch, relu);
 }
 

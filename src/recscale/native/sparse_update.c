@@ -26,6 +26,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <stdlib.h>
 #include <string.h>
 

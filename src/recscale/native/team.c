@@ -28,6 +28,8 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <string.h>
 #include <time.h>
 
@@ -46,26 +48,6 @@ int recscale_team_init(const char *path) {
     if (!gomp_parallel || !omp_thread_num) gomp_parallel = NULL, omp_thread_num = NULL;
     return gomp_parallel != NULL;
 }
-
-/* The kernels a team runs (their prototypes are in their own files). */
-int64_t recscale_pooled_lookup(const void *, int64_t, const int64_t *, const int64_t *, int64_t,
-                               int64_t, int64_t, int64_t, const int64_t *, const int64_t *,
-                               const float *, float *, int64_t *, int64_t *, int64_t);
-int recscale_sparse_update(int64_t, void *, int64_t, float *, float *, const int64_t *,
-                           const int64_t *, int64_t, int64_t, const int64_t *, const float *,
-                           const float *, int64_t, float, float, float, float, float, uint8_t *,
-                           int64_t, int64_t);
-int recscale_weight_grad(const float *, int64_t, const float *, int64_t, float *, int64_t, float *,
-                         float *, int64_t, int64_t, int64_t, int64_t);
-int recscale_narrow_weight_grad(const float *, int64_t, const float *, int64_t, const float *,
-                                int64_t, float *, int64_t, float *, int64_t, int64_t, int64_t);
-int recscale_narrow_forward(const float *, int64_t, const float *, int64_t, const float *, float *,
-                            int64_t, int64_t, int64_t, int64_t, int64_t);
-int recscale_dot_forward(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-int recscale_dot_backward(const float *, const float *, const float *, float *, float *, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t);
 
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
        K_DOT_FORWARD, K_DOT_BACKWARD, N_KERNELS };

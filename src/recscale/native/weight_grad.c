@@ -42,6 +42,8 @@
  * (weight_grad_driver.h, included once per width).
  */
 #include <stdint.h>
+
+#include "recscale_native.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,13 +58,6 @@
 #ifndef KC
 #define KC 64
 #endif
-
-/* 1 when this CPU has AVX-512F (Zen 4, Skylake-X and later Xeons) and its OS and
- * hypervisor expose it. */
-int recscale_avx512_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-}
 
 /* c[r, j] (row stride ldc; rows x cols valid) = or += the 6 x (16 nq) tile
  * sum_k gp[k, r] xp[k, j] (xp rows of 64); nq is a constant at each call site. */
@@ -165,7 +160,7 @@ micro256(const int nq, int64_t kc, const float *restrict gp, const float *restri
 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
                          int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
                          int64_t batch, int64_t isa) {
-    const int wide = recscale_avx512_supported();
+    const int wide = (recscale_cpu_features() & RS_CPU_AVX512F) != 0;
     if (isa == 2 && !wide) return -1;
     if (isa == 2 || (isa == 0 && wide))
         return weight_grad_avx512(g, ldg, x, ldx, dw, lddw, db, xs, out, in, batch);
@@ -173,7 +168,6 @@ int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ld
 }
 
 #else /* not x86-64: callers keep torch's GEMM */
-int recscale_avx512_supported(void) { return 0; }
 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
                          int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
                          int64_t batch, int64_t isa) {

@@ -1,0 +1,89 @@
+/*
+ * Every function the native library exports, declared once. Each .c file includes this
+ * header, so the compiler holds its definitions to these declarations; the Python
+ * bindings (native/__init__.py) are made from the block between the two "python"
+ * markers, and tests/test_native_header.py checks that every exported symbol is here.
+ *
+ * Types the bindings understand: int64_t, int, float, double, void, and pointers (any
+ * pointer is passed as an address; `const char *` as bytes).
+ */
+#ifndef RECSCALE_NATIVE_H
+#define RECSCALE_NATIVE_H
+
+#include <stdint.h>
+
+/* Bump with any change of a signature below (Python refuses a library of another ABI). */
+#define RECSCALE_NATIVE_ABI 13
+
+/* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
+#define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
+#define RS_CPU_AVX512F 2     /* the wider weight-gradient, narrow-layer, interaction tiles */
+#define RS_CPU_AVX512_BF16 4 /* vdpbf16ps */
+#define RS_CPU_AMX_BF16 8    /* AMX tiles in bf16 */
+
+/* @python-begin */
+int recscale_native_abi(void);
+int recscale_cpu_features(void);
+
+int64_t recscale_pooled_lookup(const void *weight, int64_t dim, const int64_t *values,
+                               const int64_t *offsets, int64_t batch_size, int64_t num_features,
+                               int64_t f0, int64_t f1, const int64_t *row_offset,
+                               const int64_t *table_size, const float *psw, float *out,
+                               int64_t *rows, int64_t *bag_of_id, int64_t wt);
+int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state1, float *state2,
+                           const int64_t *rows, const int64_t *seg_starts, int64_t s0, int64_t s1,
+                           const int64_t *bag_of_id, const float *psw, const float *grad,
+                           int64_t grad_stride, float lr, float eps, float beta1, float beta2,
+                           float step_size, uint8_t *dirty, int64_t wt, int64_t step);
+int recscale_dot_forward(const float *dense, const float *emb, float *out, int64_t b0, int64_t b1,
+                         int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
+                         int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
+                         int64_t emb_feature_stride);
+int recscale_dot_backward(const float *dense, const float *emb, const float *grad_out,
+                          float *grad_dense, float *grad_emb, int64_t b0, int64_t b1, int64_t k,
+                          int64_t d, int64_t has_dense, int64_t self_interaction, int64_t width,
+                          int64_t dense_stride, int64_t emb_sample_stride,
+                          int64_t emb_feature_stride, int64_t grad_sample_stride,
+                          int64_t grad_feature_stride);
+int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
+                         int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
+                         int64_t batch, int64_t isa);
+int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask, int64_t ldm,
+                                const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
+                                int64_t out, int64_t in, int64_t batch);
+int recscale_narrow_forward(const float *x, int64_t ldx, const float *w, int64_t ldw,
+                            const float *bias, float *h, int64_t ldh, int64_t out, int64_t in,
+                            int64_t batch, int64_t relu);
+void recscale_logit_forward(const float *h, int64_t ldh, const float *w, float bias, float *z,
+                            int64_t batch, int64_t n);
+void recscale_logit_backward(const float *h, int64_t ldh, const float *w, const float *dz,
+                             float *dw, float *db, float *dh, int64_t lddh, int64_t batch,
+                             int64_t n, int mask);
+
+int recscale_team_init(const char *path);
+int64_t recscale_team_kernel_id(const char *name);
+int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_t *ints,
+                      const float *floats, int64_t *rc, double *began, double *took,
+                      int64_t *done);
+/* @python-end */
+
+/* Between the C files only. */
+int recscale_dot_forward_wide(const float *dense, const float *emb, float *out, int64_t b0,
+                              int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
+                              int64_t width, int64_t dsb, int64_t esb, int64_t esf);
+int recscale_dot_backward_wide(const float *dense, const float *emb, const float *g,
+                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                               int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
+                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf);
+__attribute__((visibility("hidden"))) int recscale_tile_scratch(int64_t k, int64_t d, float **zero,
+                                                                const float ***rows,
+                                                                int64_t **start);
+__attribute__((visibility("hidden"))) void recscale_tile_scratch_free(float *zero,
+                                                                      const float **rows,
+                                                                      int64_t *start);
+
+/* Test hooks (set through ctypes): which kernel width runs. */
+extern int recscale_dot_wide;   /* dot_interaction.c */
+extern int recscale_narrow_isa; /* narrow_layer.c */
+
+#endif
