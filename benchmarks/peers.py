@@ -47,7 +47,7 @@ from recscale.config.loader import load_config
 from recscale.config.schema import Config
 from recscale.embedding.sizing import row_bytes
 from recscale.train.data_source import make_synthetic
-from recscale.train.run import available_cores
+from recscale.train.step import available_cores
 
 HERE = Path(__file__).resolve().parent
 DISTINCT_BATCHES = 8  # as recscale bench throughput cycles

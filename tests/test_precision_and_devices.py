@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from recscale.config import ConfigError, load_config
-from recscale.train.run import resolve_device, train
+from recscale.train.run import train
+from recscale.train.step import resolve_device
 
 QUIET = dict(echo=lambda *_: None)
 FAST = ["--train.progress=false", "--train.steps=200", "--data.eval_samples=8192"]

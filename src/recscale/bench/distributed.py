@@ -20,9 +20,7 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from recscale.bench.throughput import backward_and_step
 from recscale.config.schema import Config
 from recscale.distributed import init_distributed, plan_for
 from recscale.distributed.pipeline import EmbeddingPipeline
@@ -31,6 +29,7 @@ from recscale.planner.from_config import default_memory_per_rank
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
+from recscale.train.step import backward_and_step, forward_loss
 
 STAGES = ("input_dist", "forward", "backward", "dense_opt")
 
@@ -46,11 +45,10 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
     batches = [data.batch(i, b).slice(ctx.rank * n, (ctx.rank + 1) * n) for i in range(8)]
     ebc = model.embeddings
 
-    def step(batch) -> None:
-        loss = F.binary_cross_entropy_with_logits(module(batch), batch.labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    precision, device = cfg.train.precision, ctx.device
+
+    def step(batch) -> None:  # training's step (train/step.py)
+        backward_and_step(forward_loss(module, batch, precision, device), opt)
 
     stages: dict[str, list[float]] = {s: [] for s in STAGES}
     seq = []
@@ -59,7 +57,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
         t0 = time.perf_counter()
         ebc.enqueue(ebc.distribute_input(batch.values, batch.offsets, n, batch.weights))
         t1 = time.perf_counter()
-        loss = F.binary_cross_entropy_with_logits(module(batch), batch.labels)
+        loss = forward_loss(module, batch, precision, device)
         t2 = time.perf_counter()
         t3, t4 = backward_and_step(loss, opt)
         if i >= warmup:

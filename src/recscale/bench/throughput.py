@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from recscale import native
 from recscale.bench.hardware import (
@@ -41,11 +40,9 @@ from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
 from recscale.train.cache_prefetch import cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
-from recscale.train.host_memory import set_host_memory
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
-from recscale.train.precision import autocast, set_matmul_precision
-from recscale.train.run import available_cores, resolve_device
+from recscale.train.step import backward_and_step, forward_loss, setup_process
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
 
@@ -88,17 +85,6 @@ class _SparseTimer:
             storage.apply_pooled_gradients = timed
 
 
-def backward_and_step(loss: torch.Tensor, opt: torch.optim.Optimizer, clock: Clock | None = None):
-    """Backward (the fused sparse update runs inside it) then the dense step; returns
-    a timestamp after each (``clock.mark()``; ``perf_counter`` without a clock)."""
-    mark = clock.mark if clock is not None else time.perf_counter
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    t3 = mark()
-    opt.step()
-    return t3, mark()
-
-
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -121,13 +107,8 @@ def run_throughput(
     iterator is first advanced after the warm-up and may wait (e.g. on stdin) between
     turns: only the turns' own time counts.
     """
-    threads = cfg.train.threads or available_cores()
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg.train.seed)
-    device = resolve_device(cfg.train.device)
+    device, threads, retain = setup_process(cfg)  # as training sets its process up
     precision = cfg.train.precision
-    set_matmul_precision(precision)
-    retain = set_host_memory(cfg.train.host_memory)  # as training does, before the build
     clock = Clock(device)
     b = cfg.train.batch_size
     echo(
@@ -157,20 +138,17 @@ def run_throughput(
     marks: list[tuple] = []
 
     def step(batch, record: bool) -> None:
+        """Training's step (train/step.py), with the clock marking the model's stages."""
         t0 = clock.mark()
         n_sparse = len(timer.spans)
-        with autocast(precision, device):
-            pooled = model.embed(batch)
-            t1 = clock.mark()
-            x = model.bottom(batch.dense) if model.bottom is not None else None
-            tb = clock.mark()
-            z = model.interaction(x, pooled)
-            ti = clock.mark()
-            logits = model.top(z).squeeze(1)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        stages: list = []
+        loss = forward_loss(
+            model, batch, precision, device, mark=lambda: stages.append(clock.mark())
+        )
         t2 = clock.mark()
-        t3, t4 = backward_and_step(loss, opt, clock)
+        t3, t4 = backward_and_step(loss, opt, clock.mark)
         if record:
+            t1, tb, ti = stages
             marks.append((t0, t1, t2, t3, t4, timer.spans[n_sparse:], (t1, tb, ti, t2)))
         else:
             timer.spans.clear()

@@ -15,7 +15,8 @@ from recscale.checkpoint.state import restore
 from recscale.config.loader import load_config
 from recscale.models.dlrm import build_model
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches
-from recscale.train.run import evaluate, resolve_device
+from recscale.train.run import evaluate
+from recscale.train.step import resolve_device
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

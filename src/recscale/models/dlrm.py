@@ -136,11 +136,19 @@ class DLRM(nn.Module):
             return self.embeddings.pooled_by_feature(*args)
         return self.embeddings(*args)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Click logits ``[B]``."""
+    def forward(self, batch: Batch, mark=None) -> torch.Tensor:
+        """Click logits ``[B]``. ``mark`` (a benchmark's clock) is called after each stage:
+        the embedding lookup, the bottom MLP, the interaction (the top MLP ends it)."""
         pooled = self.embed(batch)
+        if mark is not None:
+            mark()
         x = self.bottom(batch.dense) if self.bottom is not None else None
-        return self.top(self.interaction(x, pooled)).squeeze(1)
+        if mark is not None:
+            mark()
+        z = self.interaction(x, pooled)
+        if mark is not None:
+            mark()
+        return self.top(z).squeeze(1)
 
 
 def build_model(

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from recscale import native
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain
@@ -47,13 +46,17 @@ from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
-from recscale.train.host_memory import set_host_memory
 from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
-from recscale.train.precision import autocast, set_matmul_precision
+from recscale.train.precision import autocast
 from recscale.train.progress import Progress
 from recscale.train.schedule import LRSchedule, scheduled
+from recscale.train.step import (
+    backward_and_step,
+    forward_loss,
+    setup_process,
+)
 from recscale.train.stop import stop_at_step_boundary
 
 
@@ -80,32 +83,6 @@ def check_run_dir(run_dir: Path, resume: Path | None) -> None:
         f"{run_dir} holds another run ({', '.join(marks)}); continue it with --resume {run_dir}, "
         "or choose another --run-dir"
     )
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto``: CUDA when present, else the CPU. The test suite pins ``auto`` with
-    ``RECSCALE_TEST_DEVICE`` (cpu by default), so ``RECSCALE_TEST_DEVICE=cuda pytest``
-    runs every training test on the GPU and a plain ``pytest`` stays on the CPU."""
-    if name == "auto":
-        pinned = os.environ.get("RECSCALE_TEST_DEVICE")
-        if pinned:
-            name = pinned
-        else:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        why = "torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
-        raise ConfigError(
-            "train.device",
-            f"cuda was asked for, but {why} (torch {torch.__version__}); use cpu or auto",
-        )
-    return torch.device(name)
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def score(
@@ -186,14 +163,8 @@ def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
 
 
 def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    set_matmul_precision(t.precision)
-    set_host_memory(t.host_memory)  # before the model and its tables are allocated
-    threads = t.threads or available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
-    torch.set_num_threads(threads)
+    device, threads, _retained = setup_process(cfg)
     if ctx is None:
-        device = resolve_device(t.device)
         ctx = (
             init_distributed(device, cfg.distributed.timeout_s)
             if launched_by_torchrun()
@@ -310,9 +281,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 if schedule is not None:
                     schedule.step(step)
                 batch = batch.to(ctx.device, non_blocking=True)
-                with autocast(t.precision, ctx.device):
-                    logits = job.module(batch)
-                loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+                loss = forward_loss(job.module, batch, t.precision, ctx.device)
                 # the global mean loss; every rank stops together (see parallel.py)
                 loss_value, stop, interrupted = reduce_step(
                     float(loss.detach()), out_of_time, signals.requested, ctx
@@ -325,9 +294,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                     raise TrainingDiverged(
                         f"loss became {loss_value} at step {step}; stopping (no update applied)"
                     )
-                job.dense_opt.zero_grad(set_to_none=True)
-                loss.backward()  # also applies the embedding optimizer to the touched rows
-                job.dense_opt.step()
+                backward_and_step(loss, job.dense_opt)  # + the embeddings' fused update
                 window_loss += loss_value
                 window_steps += 1
                 if job.ckpt is not None and job.ckpt.enabled and job.ckpt.due(step):

@@ -1,0 +1,94 @@
+"""The training step and the process set-up, shared by ``recscale train``, ``recscale
+bench throughput`` and the calibration's whole steps (``bench/calibrate.py``), so the
+benchmark times exactly what training runs.
+
+One step::
+
+    forward_loss      autocast(precision): model(batch) -> logits; fp32 BCE loss
+    (the caller)      training: the global loss across ranks, NaN check, stop requests
+    backward_and_step zero_grad; backward (the fused sparse optimizer updates the touched
+                      embedding rows inside it); the dense optimizer's step
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from recscale.config.errors import ConfigError
+from recscale.config.schema import Config
+from recscale.data.batch import Batch
+from recscale.train.host_memory import set_host_memory
+from recscale.train.precision import autocast, set_matmul_precision
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU. The test suite pins ``auto`` with
+    ``RECSCALE_TEST_DEVICE`` (cpu by default), so ``RECSCALE_TEST_DEVICE=cuda pytest``
+    runs every training test on the GPU and a plain ``pytest`` stays on the CPU."""
+    if name == "auto":
+        pinned = os.environ.get("RECSCALE_TEST_DEVICE")
+        if pinned:
+            name = pinned
+        else:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = "torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(
+            "train.device",
+            f"cuda was asked for, but {why} (torch {torch.__version__}); use cpu or auto",
+        )
+    return torch.device(name)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def setup_process(cfg: Config) -> tuple[torch.device, int, bool]:
+    """Seed, matmul precision, host-memory mode (before any table is allocated) and
+    torch threads (the cores shared among this host's ranks); returns ``(device,
+    threads, freed host memory retained)``."""
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    set_matmul_precision(t.precision)
+    retained = set_host_memory(t.host_memory)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = t.threads or available_cores() // local or 1
+    torch.set_num_threads(threads)
+    return resolve_device(t.device), threads, retained
+
+
+def forward_loss(
+    module: torch.nn.Module,
+    batch: Batch,
+    precision: str,
+    device: torch.device,
+    mark: Callable[[], Any] | None = None,
+) -> torch.Tensor:
+    """The step's forward: logits under ``precision``'s autocast, the loss in fp32.
+    ``mark`` (a benchmark's clock) is called between the model's stages."""
+    with autocast(precision, device):
+        logits = module(batch) if mark is None else module(batch, mark=mark)
+    return F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+
+
+def backward_and_step(
+    loss: torch.Tensor, opt: torch.optim.Optimizer, mark: Callable[[], Any] | None = None
+) -> tuple[Any, Any]:
+    """Backward (the fused sparse update runs inside it) then the dense step; returns a
+    ``mark()`` after each (``perf_counter`` without one)."""
+    mark = mark or time.perf_counter
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    t = mark()
+    opt.step()
+    return t, mark()
