@@ -15,17 +15,24 @@ import torch
 import torch.nn.functional as F
 
 from recscale.config import load_config
+from recscale.distributed import DistContext
 from recscale.embedding.cached_storage import (
     CachedStorage,
     CacheTooSmallError,
     remove_empty_temp_dirs,
 )
 from recscale.embedding.optimizers import SparseSGD
-from recscale.models.dlrm import build_model
 from recscale.train.cache_prefetch import CachePrefetcher
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.parallel import build
 from recscale.train.run import train
+
+
+def _built(cfg):
+    """The model as training builds it (the plan places the tiers), in one process."""
+    model, _module, _plan = build(cfg, DistContext(device=torch.device("cpu")), lambda _m: None)
+    return model
 
 
 def _train_tables(
@@ -41,18 +48,18 @@ def _train_tables(
             "--data.max_ids_per_feature=3",
         ],
     )
-    model = build_model(cfg.model, cfg.embedding, seed=0)
+    model = _built(cfg)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     batches = [data.batch(i, 256) for i in range(12)]
     if prefetch:  # consecutive batches share most hot ids: collisions on every step
-        batches = CachePrefetcher(batches, model.embeddings)
+        batches = CachePrefetcher(batches, model.embeddings.compute)
     for b in batches:
         loss = F.binary_cross_entropy_with_logits(model(b), b.labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    st = model.embeddings.groups[0].storage
+    st = model.embeddings.compute.groups[0].storage
     rows = torch.arange(st.num_rows)
     with torch.no_grad():
         preds = model(data.batch(0, 512, "eval"))
@@ -248,11 +255,11 @@ def test_checkpoint_writes_dirty_rows_back_to_the_file(tmp_path):
             f"--embedding.ssd_dir={tmp_path / 'ssd'}",
         ],
     )
-    model = build_model(cfg.model, cfg.embedding, seed=0)
+    model = _built(cfg)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     b = make_synthetic(cfg).batch(0, 256)
     F.binary_cross_entropy_with_logits(model(b), b.labels).backward()
-    st = model.embeddings.groups[0].storage
+    st = model.embeddings.compute.groups[0].storage
     assert bool(st.cache_dirty.any())
     mgr = CheckpointManager(
         CheckpointConfig(every_steps=1, async_write=False), tmp_path / "ck", model, opt

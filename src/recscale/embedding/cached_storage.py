@@ -447,7 +447,7 @@ class CachedStorage(RowStorage):
                 raise RuntimeError("a row was evicted between its lookup and its update")
             if self.dirty is not None:
                 self.dirty[rows] = True
-            kernel = kernels.choose(self.kernel, "backward", self.cache_weight, self.dim)
+            kernel = kernels.choose_once(self, self.kernel, "backward", self.cache_weight, self.dim)
             if kernel in ("native", "numba"):
                 self.step += 1
                 fused_update_cpu(

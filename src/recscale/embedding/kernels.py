@@ -26,7 +26,7 @@ import torch
 from recscale import native
 from recscale.config.schema import KERNELS
 
-__all__ = ["KERNELS", "choose", "triton_available", "triton_interpreting"]
+__all__ = ["KERNELS", "choose", "choose_once", "triton_available", "triton_interpreting"]
 
 # Which ops each kernel family implements.
 _IMPLEMENTS = {
@@ -116,3 +116,17 @@ def choose(requested: str, op: str, t: torch.Tensor, dim: int, max_dim: int | No
         if _applies(kernel, op, t, dim, max_dim) is None:
             return kernel
     return "torch"
+
+
+def choose_once(
+    owner: object, requested: str, op: str, t: torch.Tensor, dim: int, max_dim: int | None = None
+) -> str:
+    """:func:`choose`, decided once per ``owner`` (a storage, an interaction) and per
+    (op, device, dtype) - what the decision depends on for a given owner - instead of at
+    every call of a step."""
+    memo = owner.__dict__.setdefault("_kernel_choices", {})
+    key = (op, t.device, t.dtype, max_dim)
+    kernel = memo.get(key)
+    if kernel is None:
+        kernel = memo[key] = choose(requested, op, t, dim, max_dim)
+    return kernel

@@ -24,24 +24,41 @@ from recscale.embedding.low_precision import device_rows
 from recscale.embedding.sizing import row_bytes
 
 
-def storage_factory(
-    cfg: EmbeddingConfig, device: torch.device | None, kernel: str, subdir: str = ""
-):
-    """Device tables in a :class:`DeviceStorage`; ssd tables in a :class:`CachedStorage`
-    (one file per dim under ``cfg.ssd_dir``/``subdir`` - each rank its own - or a temp
-    dir when empty) whose cache holds the group's tables' ``cache_bytes``. Returns
-    ``make(num_rows, dim, optimizer, tables)``."""
-    root = Path(cfg.ssd_dir) / subdir if cfg.ssd_dir else None
+def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, kernel: str):
+    """Storages in the compute device's memory: a compressed table's factors, or rows at
+    ``row_precision``. Returns ``make(num_rows, dim, optimizer, tables)``."""
 
     def make(num_rows: int, dim: int, optimizer, tables: list):
-        nonlocal root
         if tables[0].compression != "none":  # a group of one compressed table
             t = tables[0]
             return build_compressed(
                 t.compression, num_rows, dim, t.small_dim, cfg, optimizer, device
             )
-        if tables[0].placement == "device":
-            return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kernel)
+        if tables[0].placement != "device":
+            raise ValueError(
+                f"table {tables[0].name} is planned on the {tables[0].placement} tier: build it "
+                "through the plan (train.parallel.build), not as a single-device model"
+            )
+        return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kernel)
+
+    return make
+
+
+def storage_factory(
+    cfg: EmbeddingConfig, device: torch.device | None, kernel: str, subdir: str = ""
+):
+    """What the plan placed where: device tables as :func:`device_storage_factory`; host
+    and ssd tables in a :class:`CachedStorage` (ssd: one file per dim under
+    ``cfg.ssd_dir``/``subdir`` - each rank its own - or a temp dir when empty) whose cache,
+    on ``device``, holds the group's tables' ``cache_bytes``. Returns ``make(num_rows,
+    dim, optimizer, tables)``."""
+    root = Path(cfg.ssd_dir) / subdir if cfg.ssd_dir else None
+    on_device = device_storage_factory(cfg, device, kernel)
+
+    def make(num_rows: int, dim: int, optimizer, tables: list):
+        nonlocal root
+        if tables[0].compression != "none" or tables[0].placement == "device":
+            return on_device(num_rows, dim, optimizer, tables)
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
             return CachedStorage(

@@ -217,10 +217,14 @@ class DeviceStorage(RowStorage):
 
     def native_lookup_table(self) -> torch.Tensor | None:
         w = self.weight
-        return w if kernels.choose(self.kernel, "lookup", w, self.dim, 128) == "native" else None
+        return (
+            w
+            if kernels.choose_once(self, self.kernel, "lookup", w, self.dim, 128) == "native"
+            else None
+        )
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        if kernels.choose(self.kernel, "lookup", self.weight, self.dim) == "triton":
+        if kernels.choose_once(self, self.kernel, "lookup", self.weight, self.dim) == "triton":
             from recscale.embedding import triton_kernels
 
             return triton_kernels.pooled_lookup(self.weight, rows, offsets, per_sample_weights)
@@ -235,7 +239,7 @@ class DeviceStorage(RowStorage):
 
     def backward_kernel(self) -> str:
         """Which kernel runs the fused backward (see ``embedding/kernels.py``)."""
-        return kernels.choose(self.kernel, "backward", self.weight, self.dim)
+        return kernels.choose_once(self, self.kernel, "backward", self.weight, self.dim)
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):

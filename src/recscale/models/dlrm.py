@@ -14,39 +14,21 @@ from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.optimizers import build_sparse_optimizer
-from recscale.embedding.placement import storage_factory
-from recscale.embedding.sizing import row_bytes
+from recscale.embedding.placement import device_storage_factory
 from recscale.modules.dcn import DCNv2Interaction
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.interaction import CatInteraction, DotInteraction
 from recscale.modules.mlp import MLP
 
 
-def table_specs(
-    model_cfg: ModelConfig, embedding_cfg: EmbeddingConfig, placements: list[tuple[str, int]] | None
-) -> list[TableSpec]:
-    """Per-table specs; ``placements`` (placement, cache bytes) per table, else from
-    ``embedding.placement`` (ssd: every table, with cache_bytes split by table bytes;
-    default 10% of them)."""
+def table_specs(model_cfg: ModelConfig, embedding_cfg: EmbeddingConfig) -> list[TableSpec]:
+    """Per-table specs: name, rows, dim and compression. Every table is a device table
+    here; the plan decides tiers (``shard`` builds host/ssd storages from it)."""
     dims = model_cfg.dims()
-    names = [f"C{i + 1}" for i in range(len(dims))]
-    if placements is None and embedding_cfg.placement in ("ssd", "host"):
-        sizes = [n * row_bytes(embedding_cfg, d) for n, d in zip(model_cfg.table_sizes, dims)]
-        budget = embedding_cfg.cache_bytes or sum(sizes) // 10
-        placements = [
-            (embedding_cfg.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes
-        ]
-    if placements is None:
-        placements = [("device", 0)] * len(dims)
     comp = table_compressions(model_cfg.table_sizes, dims, embedding_cfg)
-    # a compressed table is small by construction: its factors live in device memory
     return [
-        TableSpec(
-            name, n, d, "device" if m != "none" else where, 0 if m != "none" else cache, m, sd
-        )
-        for name, n, d, (where, cache), (m, sd) in zip(
-            names, model_cfg.table_sizes, dims, placements, comp
-        )
+        TableSpec(f"C{i + 1}", n, d, "device", 0, m, sd)
+        for i, (n, d, (m, sd)) in enumerate(zip(model_cfg.table_sizes, dims, comp))
     ]
 
 
@@ -58,16 +40,15 @@ class DLRM(nn.Module):
         device: torch.device | None = None,
         seed: int = 0,
         materialize_embeddings: bool = True,
-        placements: list[tuple[str, int]] | None = None,
     ) -> None:
         """``materialize_embeddings=False`` leaves the tables on the meta device (no
-        memory): for ``recscale.distributed.shard``, which builds each rank's shards.
-        ``placements``: (device|ssd, cache bytes) per table (see :func:`table_specs`)."""
+        memory): for ``recscale.distributed.shard``, which builds each rank's shards and
+        their tiers from the plan (``train.parallel.build``)."""
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.num_dense = model_cfg.num_dense_features
         dims = model_cfg.dims()
-        tables = table_specs(model_cfg, embedding_cfg, placements)
+        tables = table_specs(model_cfg, embedding_cfg)
         self.embeddings = EmbeddingBagCollection(
             tables,
             model_cfg.pooling,
@@ -77,7 +58,7 @@ class DLRM(nn.Module):
             seed=seed,
             kernel=model_cfg.kernels,
             make_storage=(
-                storage_factory(embedding_cfg, device, model_cfg.kernels)
+                device_storage_factory(embedding_cfg, device, model_cfg.kernels)
                 if materialize_embeddings
                 else None
             ),
@@ -157,9 +138,8 @@ def build_model(
     device: torch.device | None = None,
     seed: int = 0,
     materialize_embeddings: bool = True,
-    placements: list[tuple[str, int]] | None = None,
 ) -> DLRM:
-    model = DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings, placements)
+    model = DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings)
     if device is not None and materialize_embeddings:
         model.to(device)  # the index buffers of the interaction too
     return model

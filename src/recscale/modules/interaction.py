@@ -54,7 +54,7 @@ class DotInteraction(nn.Module):
         picks: native C where it applies, else numba, else torch)."""
         if torch.is_autocast_enabled(x.device.type):
             return None  # under autocast the torch ops, which autocast casts to bf16
-        kernel = kernels.choose(self.kernel, "interaction", x, self.dim)
+        kernel = kernels.choose_once(self, self.kernel, "interaction", x, self.dim)
         if kernel == "native":
             return dot_interaction_cpu.NativeDotInteraction
         if kernel == "numba":

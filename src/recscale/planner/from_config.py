@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
-from recscale.embedding.sizing import compressed_table_bytes, state_bytes
+from recscale.embedding.sizing import compressed_table_bytes, row_bytes, state_bytes
 from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
     Constraints,
@@ -136,6 +137,38 @@ def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None
     return plan_sharding(tables, topo, cons)
 
 
+def configured_tiers(
+    cfg: Config, echo: Callable[[str], None], device: torch.device | None, world_size: int
+) -> list[tuple[str, int]] | None:
+    """Each table's (tier, cache bytes) that ``embedding.placement`` asks for, or None
+    for none beyond the plan's own: ``ssd`` / ``host`` put every plain table there, the
+    cache (``cache_bytes``, default 10% of the tables) split by table bytes; ``auto`` at
+    world size 1 asks the planner (at several ranks ``plan_for`` places tiers itself).
+    A compressed table is small by construction: it stays in device memory."""
+    e, m = cfg.embedding, cfg.model
+    comp = table_compressions(m.table_sizes, m.dims(), e)
+    if e.placement == "auto" and world_size == 1:
+        tiers = auto_placements(cfg, echo, device)
+    elif e.placement in ("ssd", "host"):
+        sizes = [n * row_bytes(e, d) for n, d in zip(m.table_sizes, m.dims())]
+        budget = e.cache_bytes or sum(sizes) // 10
+        tiers = [(e.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes]
+    else:
+        return None
+    return [("device", 0) if c != "none" else t for t, (c, _) in zip(tiers, comp)]
+
+
+def with_tiers(plan: ShardingPlan, tiers: list[tuple[str, int]] | None) -> ShardingPlan:
+    """``plan`` with each table's tier and cache set from ``tiers`` (in table order)."""
+    if tiers is None:
+        return plan
+    placements = [
+        replace(p, placement=t, cache_bytes=c) if t != "device" else p
+        for p, (t, c) in zip(plan.placements, tiers)
+    ]
+    return replace(plan, placements=placements)
+
+
 def auto_placements(
     cfg: Config, echo: Callable[[str], None], device: torch.device | None = None
 ) -> list[tuple[str, int]]:
@@ -149,10 +182,11 @@ def auto_placements(
     moved = [p for p in plan.placements if p.placement != "device"]
     if moved:
         tiers = ", ".join(sorted({p.placement for p in moved}))
+        gb = sum(p.ssd_bytes for p in moved) / 1e9
+        cache = sum(p.cache_bytes for p in moved) / 1e9
         echo(
             f"recscale: placement auto: {len(moved)} tables on {tiers} "
-            f"({sum(p.ssd_bytes for p in moved) / 1e9:.2f} GB, cache "
-            f"{sum(p.cache_bytes for p in moved) / 1e9:.2f} GB), "
+            f"({gb:.2f} GB, cache {cache:.2f} GB), "
             f"{len(plan.placements) - len(moved)} in device memory"
         )
     else:

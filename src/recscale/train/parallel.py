@@ -31,7 +31,12 @@ from recscale.embedding.sizing import row_bytes
 from recscale.models.dlrm import DLRM, build_model
 from recscale.perfmodel import calibrated_laws
 from recscale.planner import PlanError, ShardingPlan
-from recscale.planner.from_config import auto_placements, default_memory_per_rank, plan_for
+from recscale.planner.from_config import (
+    configured_tiers,
+    default_memory_per_rank,
+    plan_for,
+    with_tiers,
+)
 
 
 def build(
@@ -47,9 +52,6 @@ def build(
             "train.batch_size", f"{cfg.train.batch_size} does not divide across {w} ranks"
         )
     e, d = cfg.embedding, cfg.distributed
-    placements = None
-    if e.placement == "auto" and w == 1:  # the planner's tiers for one process
-        placements = auto_placements(cfg, echo, ctx.device)
     if w == 1 and not d.plan and d.sharding == "auto":
         plan = one_rank_plan([f"C{i + 1}" for i in range(len(cfg.model.table_sizes))])
     else:
@@ -64,14 +66,15 @@ def build(
             plan = plan_for(cfg, w, memory, ssd_per_rank=ssd, laws=laws)
         except PlanError as err:
             raise ConfigError("distributed.memory_per_rank_gb", str(err)) from err
-    check_memory(cfg, plan, placements, ctx)
+    # The plan is where each table's tier is decided, at every world size.
+    plan = with_tiers(plan, configured_tiers(cfg, echo, ctx.device, w))
+    check_memory(cfg, plan, ctx)
     model = build_model(
         cfg.model,
         cfg.embedding,
         device=ctx.device,
         seed=cfg.train.seed,
         materialize_embeddings=False,
-        placements=placements,
     )
     make_storage = storage_factory(
         e, ctx.device, cfg.model.kernels, subdir=f"rank{ctx.rank:05d}" if w > 1 else ""
@@ -126,7 +129,7 @@ def _shared_laws(cfg: Config, ctx: DistContext):
     return value
 
 
-def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) -> None:
+def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
     """Fail in a second, naming the fixes, when this rank's in-memory tables (rows,
     optimizer state) cannot fit the memory there is - instead of a raw allocator error
     minutes later (a 40M-row hash space per table, a 10^12-row table)."""
@@ -134,11 +137,7 @@ def check_memory(cfg: Config, plan: ShardingPlan, placements, ctx: DistContext) 
     names = [f"C{i + 1}" for i in range(len(cfg.model.table_sizes))]
     dims = cfg.model.dims()
     layout = build_layout(names, list(cfg.model.table_sizes), dims, plan)
-    tier = {p.table: p.placement for p in plan.placements}
-    for i, n in enumerate(names):
-        if tier.get(n, "device") == "device":
-            own = placements[i][0] if placements is not None else e.placement
-            tier[n] = own if own in ("host", "ssd") else "device"
+    tier = {n: "device" for n in names} | {p.table: p.placement for p in plan.placements}
     dp = set(layout.dp_features)  # replicated tables always stay in memory
     need = table_bytes_per_rank(
         layout, lambda w: row_bytes(e, w), lambda f: f in dp or tier[names[f]] == "device"
