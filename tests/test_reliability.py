@@ -61,6 +61,7 @@ def test_planted_pickle_is_refused_not_run(tmp_path):
     (ck / "dense.pt").write_bytes(payload)
     manifest = json.loads((ck / "manifest.json").read_text())  # an attacker fixes the CRC too
     manifest["files"]["dense.pt"] = {"bytes": len(payload), "crc32": zlib.crc32(payload)}
+    manifest["manifest_crc32"] = manifest_crc(manifest)
     (ck / "manifest.json").write_text(json.dumps(manifest))
     r = _cli("train", "--resume", str(ck), "--run-dir", str(run), "--train.steps=30")
     assert r.returncode == 1 and "refused to load" in _one_line_error(r.stderr)
@@ -209,6 +210,7 @@ def test_a_manifest_whose_parent_is_itself_does_not_loop(tmp_path):
     assert inc.name.endswith(".inc")
     manifest = json.loads((inc / "manifest.json").read_text())
     manifest["parent"] = inc.name
+    manifest["manifest_crc32"] = manifest_crc(manifest)  # a forger recomputes the CRC too
     (inc / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="loops back"):
         resolve_chain(inc)

@@ -36,7 +36,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import stat
 import time
 import zlib
 from collections.abc import Iterable
@@ -46,7 +48,14 @@ from typing import Any
 import numpy as np
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the manifest carries its own CRC (manifest_crc32)
+_CKPT_NAME = re.compile(r"^step_\d{8}(\.inc)?$")
+PRECISIONS = {
+    "fp32": (".weight.f32",),
+    "fp16": (".weight.f16",),
+    "int8": (".weight.q8", ".qparams.f32"),
+}
+_ITEM = {".weight.f32": 4, ".weight.f16": 2, ".weight.q8": 1}
 
 
 class CheckpointError(RuntimeError):
@@ -132,6 +141,7 @@ class CheckpointWriter:
             "format_version": FORMAT_VERSION,
             "files": files,
         }
+        manifest["manifest_crc32"] = manifest_crc(manifest)
         data = json.dumps(manifest, indent=1).encode()
         with open(self.tmp / MANIFEST, "wb") as f:
             f.write(data)
@@ -170,10 +180,152 @@ def recover(root: Path) -> None:
             os.rename(backup, final)
 
 
+def manifest_crc(manifest: dict[str, Any]) -> int:
+    """CRC32 of the manifest's canonical JSON without its own CRC field."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _inside(name: object) -> bool:
+    """A plain relative path with no ``..`` (what every file a manifest names must be)."""
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and not name.startswith("/")
+        and "\\" not in name
+        and all(p not in ("", ".", "..") for p in name.split("/"))
+    )
+
+
+def checked_file(ckpt: Path, name: object) -> Path:
+    """``ckpt / name`` when ``name`` is a plain relative path inside the checkpoint that
+    names a regular file (no ``..``, no absolute path, no symbolic link on the way, no
+    FIFO or device): a forged manifest cannot make a restore read anything else."""
+    if not _inside(name):
+        raise CheckpointError(f"{ckpt}: the manifest names a file {name!r} outside it")
+    parts = name.split("/")
+    cur = ckpt
+    for i, part in enumerate(parts):
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise CheckpointError(f"{cur}: missing") from None
+        except OSError as e:
+            raise CheckpointError(f"{cur}: unreadable ({e.strerror})") from None
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointError(f"{cur}: a symbolic link in a checkpoint; refused")
+        if last and not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{cur}: not a regular file; refused")
+        if not last and not stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(f"{cur}: not a directory")
+    return cur
+
+
+def _int(v: object, what: str, lo: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{what} is {v!r}")
+    return v
+
+
+def check_manifest(manifest: dict[str, Any]) -> None:
+    """The manifest's own consistency, as for any data read from disk: its CRC, the
+    kinds and names it uses, each table's parts inside the table and (full checkpoints)
+    tiling it exactly, and every file a part needs listed with the size its shape
+    implies. Raises ValueError naming what is wrong."""
+    if "manifest_crc32" in manifest:
+        if manifest["manifest_crc32"] != manifest_crc(manifest):
+            raise ValueError("manifest checksum mismatch (edited or damaged)")
+    elif _int(manifest.get("format_version", 1), "format_version", 1) >= 3:
+        raise ValueError("no manifest_crc32 in a format-3 manifest")
+    kind, precision = manifest["kind"], manifest.get("precision", "fp32")
+    if kind not in ("full", "incremental"):
+        raise ValueError(f"kind is {kind!r}")
+    if kind == "incremental" and not _CKPT_NAME.match(str(manifest.get("parent"))):
+        raise ValueError(f"parent is {manifest.get('parent')!r}, not a checkpoint name")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision is {precision!r}")
+    _int(manifest["step"], "step")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not isinstance(manifest["tables"], list):
+        raise ValueError("files or tables are not a mapping and a list")
+    for name, info in files.items():
+        if not _inside(name):
+            raise ValueError(f"it names a file {name!r} outside the checkpoint")
+        if not isinstance(info, dict):
+            raise ValueError(f"file {name!r} has no size and checksum")
+        _int(info.get("bytes"), f"{name}'s bytes")
+        _int(info.get("crc32"), f"{name}'s crc32")
+    seen = set()
+    for t in manifest["tables"]:
+        name = t.get("name") if isinstance(t, dict) else None
+        if not isinstance(name, str) or name in seen:
+            raise ValueError(f"a table entry without a name of its own ({name!r})")
+        seen.add(name)
+        rows, dim = (
+            _int(t.get("num_rows"), f"{name}'s num_rows"),
+            _int(t.get("dim"), f"{name}'s dim", 1),
+        )
+        if "parts" not in t:
+            continue  # version 1: one whole part, checked by its files' sizes at restore
+        area = 0
+        boxes = []
+        for sp in t["parts"]:
+            r0, r1 = _int(sp.get("row_lo"), "row_lo"), _int(sp.get("row_hi"), "row_hi")
+            c0, c1 = _int(sp.get("col_lo"), "col_lo"), _int(sp.get("col_hi"), "col_hi")
+            if not (r0 < r1 <= rows and c0 < c1 <= dim):
+                raise ValueError(
+                    f"{name}: part rows {r0}-{r1} x cols {c0}-{c1} outside {rows} x {dim}"
+                )
+            n = _int(sp.get("stored_rows"), f"{name}'s stored_rows")
+            if kind == "full" and n != r1 - r0:
+                raise ValueError(f"{name}: a full part of rows {r0}-{r1} stores {n} rows")
+            if n > r1 - r0:
+                raise ValueError(f"{name}: {n} rows stored of a part of {r1 - r0}")
+            prefix = sp.get("prefix")
+            if not _inside(prefix):
+                raise ValueError(f"{name}: a part's files {prefix!r} are outside the checkpoint")
+            need = {
+                prefix + suffix: n * (c1 - c0) * _ITEM.get(suffix, 4)
+                for suffix in PRECISIONS[precision]
+            }
+            if precision == "int8":
+                need[prefix + ".qparams.f32"] = n * 2 * 4
+            state = sp.get("state", {})
+            if not isinstance(state, dict):
+                raise ValueError(f"{name}: state is not a mapping")
+            for sname, tail in state.items():
+                if not isinstance(tail, list) or not all(
+                    isinstance(x, int) and x >= 0 for x in tail
+                ):
+                    raise ValueError(f"{name}: state {sname!r} has shape {tail!r}")
+                need[f"{prefix}.state_{sname}.f32"] = 4 * n * math.prod(tail)
+            if kind == "incremental":
+                need[prefix + ".rows.i64"] = 8 * n
+            for fname, nbytes in need.items():
+                if fname not in files:
+                    raise ValueError(f"{name}: {fname} is not among the checkpoint's files")
+                if files[fname]["bytes"] != nbytes:
+                    raise ValueError(
+                        f"{fname}: {files[fname]['bytes']} bytes listed, its shape needs {nbytes}"
+                    )
+            for b in boxes:
+                if r0 < b[1] and b[0] < r1 and c0 < b[3] and b[2] < c1:
+                    raise ValueError(f"{name}: parts overlap")
+            boxes.append((r0, r1, c0, c1))
+            area += (r1 - r0) * (c1 - c0)
+        if kind == "full" and area != rows * dim:
+            raise ValueError(f"{name}: its parts cover {area} of {rows * dim} values")
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST
     if not mpath.exists():
         raise CheckpointError(f"{path}: no {MANIFEST} (incomplete or not a checkpoint)")
+    checked_file(path, MANIFEST)
+    if mpath.stat().st_size > 64 << 20:
+        raise CheckpointError(f"{mpath}: {mpath.stat().st_size:,} bytes, not a manifest")
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -185,6 +337,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     ]
     if missing:
         raise CheckpointError(f"{mpath}: not a complete manifest (no {', '.join(missing)})")
+    try:
+        check_manifest(manifest)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{mpath}: inconsistent manifest: {e}") from None
     return manifest
 
 
@@ -192,9 +348,7 @@ def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
     """Check every file against the manifest; returns the manifest or raises naming the file."""
     manifest = read_manifest(path)
     for name, info in manifest["files"].items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{f}: missing")
+        f = checked_file(path, name)
         size = f.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(
@@ -206,7 +360,12 @@ def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
 
 
 def read_array(path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A stored array, memory-mapped (slices read only what they touch)."""
+    """A stored array, memory-mapped (slices read only what they touch): a regular file
+    inside the checkpoint, of exactly the size its shape needs."""
     if math.prod(shape) == 0:
         return np.zeros(shape, dtype)
-    return np.memmap(path / name, dtype=dtype, mode="r", shape=shape)
+    f = checked_file(path, name)
+    want = math.prod(shape) * np.dtype(dtype).itemsize
+    if f.stat().st_size != want:
+        raise CheckpointError(f"{f}: {f.stat().st_size:,} bytes, its shape needs {want:,}")
+    return np.memmap(f, dtype=dtype, mode="r", shape=shape)

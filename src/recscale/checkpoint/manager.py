@@ -23,7 +23,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,15 +68,17 @@ def chain_of(path: Path) -> list[Path]:
     return chain[::-1]
 
 
-def resolve_chain(path: Path, echo: Callable[[str], None] = print) -> list[Path]:
-    """``path`` is a checkpoint or a run directory / checkpoints folder: return the chain of
-    the newest checkpoint whose whole chain verifies, saying which ones were skipped."""
+def valid_chains(path: Path, echo: Callable[[str], None] = print) -> Iterator[list[Path]]:
+    """``path`` is a checkpoint or a run directory / checkpoints folder: the chains of its
+    checkpoints whose every link verifies, newest first, saying which ones were skipped
+    and why (one line each). A caller that finds a chain unusable takes the next."""
     path = Path(path)
     if (path / "manifest.json").exists() or _NAME.match(path.name):
         chain = chain_of(path)
         for p in chain:
             verify(p)
-        return chain
+        yield chain
+        return
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     recover(root)
     candidates = checkpoint_dirs(root)
@@ -87,12 +89,16 @@ def resolve_chain(path: Path, echo: Callable[[str], None] = print) -> list[Path]
             chain = chain_of(cand)
             for p in chain:
                 verify(p)
-            return chain
         except CheckpointError as e:
             echo(f"recscale: skipping checkpoint {cand.name}: {e}")
-    raise CheckpointError(
-        f"no valid checkpoint in {root} (all {len(candidates)} failed verification)"
-    )
+            continue
+        yield chain
+    raise CheckpointError(f"no usable checkpoint in {root} (all {len(candidates)} were skipped)")
+
+
+def resolve_chain(path: Path, echo: Callable[[str], None] = print) -> list[Path]:
+    """The newest chain under ``path`` that verifies (see :func:`valid_chains`)."""
+    return next(valid_chains(path, echo))
 
 
 @dataclass

@@ -35,7 +35,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from recscale.checkpoint.format import CheckpointError, CheckpointWriter, read_array, verify
+from recscale.checkpoint.format import (
+    CheckpointError,
+    CheckpointWriter,
+    checked_file,
+    read_array,
+    verify,
+)
 from recscale.config.schema import CHECKPOINT_PRECISIONS as PRECISIONS
 from recscale.embedding.storage import RowStorage
 from recscale.modules.embedding_bag_collection import TablePart, TableSpec
@@ -307,7 +313,9 @@ def load_dense(path: Path) -> dict[str, Any]:
     planted pickle is refused, never run."""
     try:
         return torch.load(
-            io.BytesIO((path / "dense.pt").read_bytes()), map_location="cpu", weights_only=True
+            io.BytesIO(checked_file(path, "dense.pt").read_bytes()),
+            map_location="cpu",
+            weights_only=True,
         )
     except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -412,6 +420,7 @@ def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -
     the names found. A table stored as factors that the model keeps as rows is an error."""
     found = set()
     for f in sorted(path.glob("parts/rank*/factors.pt")):
+        f = checked_file(path, str(f.relative_to(path)))
         try:
             saved = torch.load(io.BytesIO(f.read_bytes()), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
@@ -453,6 +462,10 @@ def restore(
         manifest = verify(path)
         incremental = manifest["kind"] == "incremental"
         found = _load_factors(path, derived, set(mine_by_name) - set(derived))
+        stored = {tm["name"] for tm in manifest["tables"]}
+        absent = sorted(set(mine_by_name) - set(derived) - stored)
+        if absent and not incremental:  # it would keep its random initial rows
+            raise CheckpointError(f"{path}: table {absent[0]} of the model is not in it")
         for tm in manifest["tables"]:
             spec = specs.get(tm["name"])
             if spec is None:
@@ -506,7 +519,7 @@ def restore(
                     f"{type(dense_opt).__name__} ({e}): resume with the optimizer.name it was "
                     "written with"
                 ) from e
-        trainer = json.loads((path / "trainer.json").read_text())
+        trainer = json.loads(checked_file(path, "trainer.json").read_text())
     if "torch_rng" in trainer:
         rng = np.frombuffer(base64.b64decode(trainer["torch_rng"]), dtype=np.uint8).copy()
         torch.set_rng_state(torch.from_numpy(rng))

@@ -31,11 +31,13 @@ it may be, and ``--resume`` rewrites every row from the last checkpoint.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import warnings
@@ -93,12 +95,26 @@ def _claim_file(path: Path, nbytes: int) -> int:
     Returns the locked file descriptor (held until the storage is gone)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link (a planted one would have us truncate its target), and
+        # only a regular file (a FIFO or device would hang or be overwritten)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError as e:
+        why = (
+            "it is a symbolic link, which recscale never writes through"
+            if e.errno == errno.ELOOP
+            else e.strerror
+        )
         raise TierFileError(
-            f"cannot create the ssd tier's file {path}: {e.strerror} "
-            "(set --embedding.ssd_dir to a writable directory)"
+            f"cannot create the ssd tier's file {path}: {why} "
+            "(set --embedding.ssd_dir to a directory of this run's own)"
         ) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TierFileError(
+            f"{path} exists and is not a regular file: recscale leaves it alone; "
+            "set --embedding.ssd_dir to a directory of this run's own"
+        )
+    os.set_blocking(fd, True)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -208,7 +224,9 @@ class CachedStorage(RowStorage):
         else:
             self.path = Path(path)
             lock_fd = _claim_file(self.path, num_rows * col * 4)
-            self.file = np.memmap(self.path, dtype=np.float32, mode="r+", shape=(num_rows, col))
+            # mapped through the descriptor just checked, not by name again
+            with open(lock_fd, "r+b", closefd=False) as f:
+                self.file = np.memmap(f, dtype=np.float32, mode="r+", shape=(num_rows, col))
             # Rows are read at random: without this each miss would fault in the kernel's
             # readahead window (128 KB+) for a 68-byte row (measured: ~1 GB/s of reads).
             if hasattr(mmap, "MADV_RANDOM") and getattr(self.file, "_mmap", None) is not None:

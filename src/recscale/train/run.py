@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from recscale import native
-from recscale.checkpoint.manager import CheckpointManager, resolve_chain
+from recscale.checkpoint.format import CheckpointError
+from recscale.checkpoint.manager import CheckpointManager, resolve_chain, valid_chains
 from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
@@ -206,8 +207,16 @@ def restore_job(job: Job, resume: Path) -> int:
     """Restore the newest valid chain under ``resume`` on every rank; returns its step.
     Rank 0 picks (and may repair) the chain; every rank loads its own parts of it."""
     ctx = job.ctx
-    chain = ctx.broadcast(resolve_chain(resume, job.echo) if ctx.is_main else None)
-    step = int(restore(job.model, job.dense_opt, chain)["step"])
+    if ctx.world_size == 1:  # a chain that verifies but does not load: the next older one
+        for chain in valid_chains(resume, job.echo):
+            try:
+                step = int(restore(job.model, job.dense_opt, chain)["step"])
+                break
+            except CheckpointError as e:
+                job.echo(f"recscale: skipping checkpoint {chain[-1].name}: {e}")
+    else:
+        chain = ctx.broadcast(resolve_chain(resume, job.echo) if ctx.is_main else None)
+        step = int(restore(job.model, job.dense_opt, chain)["step"])
     job.echo(f"recscale: resumed from {chain[-1]} (step {step}; chain of {len(chain)})")
     if job.ckpt is not None and chain[-1].parent.resolve() == job.ckpt.root.resolve():
         job.ckpt.resume_from(chain)

@@ -1,0 +1,207 @@
+"""Files an attacker or an accident plants where recscale reads and writes: every file is
+confined to its run / checkpoint / ssd directory, no link is followed, only regular
+files are opened, and a forged or damaged manifest is checked like data and falls back
+to the previous good checkpoint (docs/reliability.md lists each guarantee)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recscale.checkpoint.format import CheckpointError, manifest_crc, verify
+from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
+from recscale.config import load_config
+from recscale.train.run import train
+
+QUIET = dict(echo=lambda *_: None)
+BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"]
+CKPT = ["--checkpoint.every_steps=10", "--checkpoint.full_every=1"]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "recscale", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run_with_two_checkpoints(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ck") / "run"
+    train(load_config("debug", [*BASE, *CKPT]), run, **QUIET)
+    assert [p.name for p in checkpoint_dirs(run / "checkpoints")] == [
+        "step_00000010",
+        "step_00000020",
+    ]
+    return run
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(run), str(dst)], check=True)
+    return dst
+
+
+def _forge(ck: Path, edit) -> None:
+    """Edit the manifest as a forger would: the file CRCs and the manifest's own CRC
+    recomputed, so only the checks on what the manifest says can catch it."""
+    m = json.loads((ck / "manifest.json").read_text())
+    edit(m)
+    m["manifest_crc32"] = manifest_crc(m)
+    (ck / "manifest.json").write_text(json.dumps(m))
+
+
+def _first_weight_file(m: dict) -> str:
+    return next(n for n in m["files"] if n.endswith(".weight.f32"))
+
+
+# -- the ssd tier's file --------------------------------------------------------------
+
+
+def test_a_planted_symlink_in_the_ssd_dir_is_not_written_through(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    (ssd / "tables_dim8.f32").symlink_to(victim)
+    r = _cli(
+        "train", "--config", "debug", *BASE, "--embedding.placement=ssd",
+        f"--embedding.ssd_dir={ssd}", "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert r.returncode == 1 and "symbolic link" in _error_line(r.stderr)
+    assert victim.read_text() == "keep me"
+
+
+def test_a_fifo_in_the_ssd_dir_is_refused_not_opened(tmp_path):
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    os.mkfifo(ssd / "tables_dim8.f32")
+    r = _cli(
+        "train", "--config", "debug", *BASE, "--embedding.placement=ssd",
+        f"--embedding.ssd_dir={ssd}", "--run-dir", str(tmp_path / "run"), timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and "not a regular file" in _error_line(r.stderr)
+
+
+# -- checkpoints: confinement ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_a_manifest_cannot_make_a_restore_read_outside_the_checkpoint(
+    run_with_two_checkpoints, tmp_path, how
+):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    ck = run / "checkpoints" / "step_00000020"
+    m = json.loads((ck / "manifest.json").read_text())
+    name = _first_weight_file(m)
+    outside = tmp_path / "outside.weight.f32"
+    outside.write_bytes((ck / name).read_bytes())  # same size and CRC: only the path differs
+    if how == "symlink":
+        (ck / name).unlink()
+        (ck / name).symlink_to(outside)
+    else:
+        target = str(outside) if how == "absolute" else "../../../outside.weight.f32"
+
+        def edit(m):
+            m["files"][target] = m["files"].pop(name)
+            for t in m["tables"]:
+                for p in t["parts"]:
+                    if name.startswith(p["prefix"] + "."):
+                        p["prefix"] = target[: -len(".weight.f32")]
+
+        _forge(ck, edit)
+    with pytest.raises(CheckpointError, match="outside (it|the checkpoint)|symbolic link"):
+        verify(ck)
+    messages: list[str] = []
+    assert resolve_chain(run, messages.append)[-1].name == "step_00000010"
+    assert len(messages) == 1 and "step_00000020" in messages[0]
+    r = _cli("checkpoint", "inspect", str(ck))
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
+
+
+def test_a_fifo_named_in_a_manifest_does_not_hang_inspect_or_resume(
+    run_with_two_checkpoints, tmp_path
+):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    ck = run / "checkpoints" / "step_00000020"
+    (ck / "trainer.json").unlink()
+    os.mkfifo(ck / "trainer.json")
+    r = _cli("checkpoint", "inspect", str(ck), timeout=60)
+    assert r.returncode == 1 and "not a regular file" in r.stdout + r.stderr
+    r = _cli("train", "--resume", str(run), "--train.steps=30", timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "skipping checkpoint step_00000020" in out and "not a regular file" in out
+    assert "resumed from" in out and "step_00000010" in out
+
+
+# -- checkpoints: the manifest checked like the data ----------------------------------------
+
+
+def test_an_edited_manifest_fails_its_own_checksum(run_with_two_checkpoints, tmp_path):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    ck = run / "checkpoints" / "step_00000020"
+    m = json.loads((ck / "manifest.json").read_text())
+    m["step"] = 19  # edited without recomputing the CRC (a damaged disk does this)
+    (ck / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="checksum"):
+        verify(ck)
+
+
+def _drop_table(m):
+    dropped = m["tables"].pop(0)
+    for p in dropped["parts"]:
+        for n in [n for n in m["files"] if n.startswith(p["prefix"] + ".")]:
+            del m["files"][n]
+
+
+def _shift_rows(m):
+    p = m["tables"][0]["parts"][0]
+    p["row_lo"], p["row_hi"] = p["row_lo"] + 1, p["row_hi"] + 1
+
+
+def _overlap(m):
+    t = next(t for t in m["tables"] if t["num_rows"] > 2)
+    t["parts"][0]["row_hi"] -= 1
+    t["parts"][0]["stored_rows"] -= 1
+
+
+def _bad_shape(m):
+    name = _first_weight_file(m)
+    m["files"][name]["bytes"] += 4
+
+
+@pytest.mark.parametrize("edit", [_drop_table, _shift_rows, _overlap, _bad_shape])
+def test_a_forged_manifest_falls_back_to_the_previous_checkpoint(
+    run_with_two_checkpoints, tmp_path, edit
+):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    _forge(run / "checkpoints" / "step_00000020", edit)
+    lines: list[str] = []
+    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
+    assert m["resumed_from_step"] == 10
+    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
+    assert len(skipped) == 1 and "\n" not in skipped[0]
+
+
+def test_checkpoints_of_the_previous_format_still_load(run_with_two_checkpoints, tmp_path):
+    """Format 2 had no manifest CRC: such a checkpoint verifies and resumes."""
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    for ck in checkpoint_dirs(run / "checkpoints"):
+        m = json.loads((ck / "manifest.json").read_text())
+        del m["manifest_crc32"]
+        m["format_version"] = 2
+        (ck / "manifest.json").write_text(json.dumps(m))
+    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, **QUIET)
+    assert m["resumed_from_step"] == 20
