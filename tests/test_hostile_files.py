@@ -76,9 +76,15 @@ def test_a_planted_symlink_in_the_ssd_dir_is_not_written_through(tmp_path):
     ssd.mkdir()
     (ssd / "tables_dim8.f32").symlink_to(victim)
     r = _cli(
-        "train", "--config", "debug", *BASE, "--embedding.placement=ssd",
-        f"--embedding.ssd_dir={ssd}", "--run-dir", str(tmp_path / "run"),
-    )  # fmt: skip
+        "train",
+        "--config",
+        "debug",
+        *BASE,
+        "--embedding.placement=ssd",
+        f"--embedding.ssd_dir={ssd}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 1 and "symbolic link" in _error_line(r.stderr)
     assert victim.read_text() == "keep me"
 
@@ -88,9 +94,16 @@ def test_a_fifo_in_the_ssd_dir_is_refused_not_opened(tmp_path):
     ssd.mkdir()
     os.mkfifo(ssd / "tables_dim8.f32")
     r = _cli(
-        "train", "--config", "debug", *BASE, "--embedding.placement=ssd",
-        f"--embedding.ssd_dir={ssd}", "--run-dir", str(tmp_path / "run"), timeout=60,
-    )  # fmt: skip
+        "train",
+        "--config",
+        "debug",
+        *BASE,
+        "--embedding.placement=ssd",
+        f"--embedding.ssd_dir={ssd}",
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=60,
+    )
     assert r.returncode == 1 and "not a regular file" in _error_line(r.stderr)
 
 

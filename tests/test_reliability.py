@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import make_dataset
 
-from recscale.checkpoint.format import CheckpointError
+from recscale.checkpoint.format import CheckpointError, manifest_crc
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
 from recscale.config import ConfigError, load_config
 from recscale.embedding.cached_storage import CachedStorage, TierFileError

@@ -17,6 +17,7 @@ from recscale.cli import (
 from recscale.config.errors import ConfigError
 from recscale.data.dataset import DatasetError
 from recscale.embedding.cached_storage import TierFileError
+from recscale.locks import LockedError
 
 COMMANDS = {
     "train": train_cmd,
@@ -56,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (DatasetError, TierFileError) as e:  # bad input files, an unusable ssd_dir
         print(f"recscale: error: {e}", file=sys.stderr)
+        return 1
+    except LockedError as e:  # another process writes the run directory / the dataset
+        print(f"recscale: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a path that cannot be read or written
+        where = f"{e.filename}: " if e.filename and str(e.filename) not in str(e.strerror) else ""
+        print(f"recscale: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the training loop (which handles its own)
         print("recscale: interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 from recscale.planner import Constraints, PlanError, Topology, plan_sharding
 from recscale.planner.costs import CostLaws
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         ssd_bandwidth=args.ssd_gbps * 1e9,
         host_per_rank=int(args.host_per_rank * 1e9),
     )
-    cal = _calibration(args)
+    cal = _calibration(args.calibration or cfg.distributed.calibration)
     laws = _laws(cal, topo, args)
     try:
         plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size), laws)
@@ -133,14 +134,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _calibration(args):
-    """This machine's calibration (``--calibration`` or the saved default), or None."""
+def _calibration(spec: str):
+    """The calibration ``--calibration`` or ``distributed.calibration`` names (``auto``:
+    this machine's saved one, when it reads), or None."""
     from recscale.perfmodel import find_calibration
 
     try:
-        return find_calibration(args.calibration or "auto")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"recscale: error: --calibration {e}") from e
+        return find_calibration(spec or "auto")
+    except (OSError, ValueError) as e:
+        raise ConfigError("distributed.calibration", str(e)) from e
 
 
 def _laws(cal, topo: Topology, args) -> CostLaws:

@@ -7,6 +7,7 @@ two equal. Every ``validate`` raises :class:`ConfigError` naming the dotted key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from recscale.config.errors import ConfigError
@@ -53,6 +54,7 @@ DATA_SOURCES = ("auto", "synthetic", "binary")
 KERNELS = ("auto", "native", "triton", "numba", "torch")
 PLACEMENTS = ("device", "host", "ssd")  # where a table's rows live (a storage tier)
 CACHE_POLICIES = ("lfu", "lru")
+MAX_THREADS = 1024  # train.threads
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")  # stored embedding rows in training
 COMPRESSIONS = ("none", "qr", "mixed_dim", "tt")  # embedding/compressed.py
 QR_OPS = ("mult", "add", "concat")
@@ -402,6 +404,10 @@ class TrainConfig:
         if self.target_auc and not self.eval_every:
             raise ConfigError("train.target_auc", "needs train.eval_every (how often to check it)")
         _positive("train.threads", self.threads, allow_zero=True)
+        if self.threads > MAX_THREADS:  # OpenMP runtimes crash long before a number like 10^5
+            raise ConfigError(
+                "train.threads", f"{self.threads} is more than {MAX_THREADS}; 0 uses the cores"
+            )
         _positive("train.log_every", self.log_every)
         _positive("train.max_seconds", self.max_seconds, allow_zero=True)
 
@@ -476,7 +482,12 @@ class Config:
 
     def validate(self) -> Config:
         for f in fields(self):
-            getattr(self, f.name).validate()
+            section = getattr(self, f.name)
+            for g in fields(section):  # no setting means anything as NaN or infinity
+                v = getattr(section, g.name)
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{f.name}.{g.name}", f"must be a finite number, got {v}")
+            section.validate()
         bags, tables = self.data.bag_sizes, self.model.table_sizes
         if bags and len(bags) != len(tables):
             raise ConfigError("data.bag_sizes", f"{len(bags)} sizes for {len(tables)} tables")

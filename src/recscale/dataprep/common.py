@@ -5,14 +5,18 @@ val / test, and the output directory's rules (refuse to destroy anything; build 
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from recscale import locks
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 
 FORMAT_VERSION = 1
@@ -84,8 +88,18 @@ class PreprocessOptions:
         check_output_dir(Path(self.out), [*self.inputs, *self.test_files, *self.val_files])
 
 
-def _is_dataset_dir(path: Path) -> bool:
-    return (path / "metadata.json").is_file()
+def _dataset_strangers(path: Path) -> list[str] | None:
+    """None when ``path`` is not a recscale dataset (no ``metadata.json`` that reads as
+    one), else the entries in it that a dataset does not have (a directory holding a
+    file called metadata.json beside other things is not ours to replace)."""
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+        splits = set(meta["splits"])
+        meta["table_sizes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ours = {"metadata.json", "bad_lines.txt", *splits, *(f"{s}.parquet" for s in splits)}
+    return sorted(c.name for c in path.iterdir() if c.name not in ours)
 
 
 def check_output_dir(out: Path, inputs: list[Path]) -> None:
@@ -99,19 +113,59 @@ def check_output_dir(out: Path, inputs: list[Path]) -> None:
             "name a new directory for the dataset"
         )
     for p in inputs:
-        if o in Path(p).resolve().parents:
-            raise ValueError(f"--out {out} holds the input {p}; write the dataset elsewhere")
+        i = Path(p).resolve()
+        if o == i or o in i.parents or i in o.parents:
+            raise ValueError(
+                f"--out {out} is, holds or lies inside the input {p}; write the dataset elsewhere"
+            )
     if o.exists() and not o.is_dir():
         raise ValueError(f"--out {out} is a file; name a directory for the dataset")
-    if o.is_dir() and any(o.iterdir()) and not _is_dataset_dir(o):
-        raise ValueError(
-            f"--out {out} is a non-empty directory that is not a recscale dataset "
-            "(no metadata.json); it is left alone: name a new or empty directory"
-        )
+    if o.is_dir() and any(o.iterdir()):
+        strangers = _dataset_strangers(o)
+        if strangers is None:
+            raise ValueError(
+                f"--out {out} is a non-empty directory that is not a recscale dataset "
+                "(no metadata.json of one); it is left alone: name a new or empty directory"
+            )
+        if strangers:
+            raise ValueError(
+                f"--out {out} is a dataset but also holds {strangers[0]!r}"
+                f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}, which "
+                "replacing it would delete; move them, or name another directory"
+            )
     tmp = o.with_name(o.name + ".tmp")
     leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt"}
     if tmp.exists() and not {c.name for c in tmp.iterdir()} <= leftovers:
         raise ValueError(f"{tmp} exists and is not a leftover of an earlier preprocess; move it")
+
+
+@contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """The one writer of the dataset ``out`` (a second one gets ``LockedError`` naming
+    this pid); ``OUT.tmp`` is removed on any error, a full disk included."""
+    lock = out.parent / f".{out.name}.lock"
+    locks.hold(lock, f"the dataset {out}")
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+        raise
+    finally:
+        locks.release(lock)
+
+
+def check_free_space(out: Path, nbytes: int, what: str, echo: Callable[[str], None]) -> None:
+    """Say how much is about to be written; refuse (before writing) what the disk under
+    ``out`` cannot hold."""
+    base = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(base).free
+    echo(f"{what}: writing {nbytes / 1e9:,.2f} GB under {out.parent} ({free / 1e9:,.2f} GB free)")
+    if nbytes > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"{what} needs {nbytes / 1e9:,.2f} GB but {base} has {free / 1e9:,.2f} GB free; "
+            "nothing was written (free space, or write elsewhere)",
+        )
 
 
 def fresh_tmp_dir(out: Path) -> Path:

@@ -17,7 +17,13 @@ import numpy as np
 from recscale.data.columns import DatasetError, read_metadata
 from recscale.data.dataset import BinaryDataset
 from recscale.data.multihot import BLOCK_ROWS, FILES, LAYOUTS, MAX_BAG, expand
-from recscale.dataprep.common import check_output_dir, fresh_tmp_dir, swap_into_place
+from recscale.dataprep.common import (
+    check_free_space,
+    check_output_dir,
+    fresh_tmp_dir,
+    swap_into_place,
+    writing,
+)
 
 
 class MultiHotWriter:
@@ -93,6 +99,15 @@ def to_multihot(
     if len(bag_sizes) != f or min(bag_sizes) < 1 or max(bag_sizes) > MAX_BAG:
         raise ValueError(f"--bag-sizes takes 1 or {f} sizes in 1..{MAX_BAG}, got {bag_sizes}")
     check_output_dir(Path(out), [Path(src)])
+    with writing(Path(out)):
+        return _write(src, Path(out), meta, bag_sizes, seed, layout, echo)
+
+
+def _write(src, out, meta, bag_sizes, seed, layout, echo) -> dict[str, Any]:
+    rows = sum(int(s["rows"]) for s in meta["splits"].values())
+    f, dense = int(meta["num_sparse"]), int(meta["num_dense"])
+    per_row = 4 * dense + 1 + (4 * f if layout == "rule" else 2 * f + 8 + 4 * sum(bag_sizes))
+    check_free_space(out, rows * per_row, f"multihot ({layout} layout, {rows:,} rows)", echo)
     tmp = fresh_tmp_dir(Path(out))
     sizes = [int(s) for s in meta["table_sizes"]]
     start = time.perf_counter()

@@ -46,9 +46,11 @@ from recscale.dataprep.common import (
     BadLineReport,
     PreprocessOptions,
     check_bad_lines,
+    check_free_space,
     fresh_tmp_dir,
     split_ranges,
     swap_into_place,
+    writing,
 )
 from recscale.dataprep.id_counts import IdCounts
 from recscale.dataprep.multihot_parquet import is_multi_hot_parquet, preprocess_multihot_parquet
@@ -123,8 +125,14 @@ def _write_parquet(split_dir: Path, out_file: Path) -> None:
 
 
 def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run both passes; returns the metadata written to ``OUT/metadata.json``."""
+    """Run both passes; returns the metadata written to ``OUT/metadata.json``. One writer
+    per output; everything temporary goes on any error."""
     opts.validate()
+    with writing(Path(opts.out)):
+        return _preprocess(opts, echo)
+
+
+def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[str, Any]:
     if opts.input_format == "parquet":
         if is_multi_hot_parquet(Path(opts.inputs[0])):  # list columns: bags of ids
             if opts.parquet_out:
@@ -188,6 +196,9 @@ def preprocess(opts: PreprocessOptions, echo: Callable[[str], None] = print) -> 
             f"{sum(table_sizes):,} rows in all, largest {max(table_sizes):,}"
         )
     sizes_u64 = np.array(table_sizes, np.uint64)
+    # pass 2 writes each row once more (dense, ids, label; Parquet about as much again)
+    per_row = (4 * NUM_DENSE + 4 * NUM_CAT + 1) * (2 if opts.parquet_out else 1)
+    check_free_space(out, raw.rows * per_row, f"preprocess ({raw.rows:,} rows)", echo)
 
     splits_meta: dict[str, Any] = {}
     for name, rng in ranges.items():

@@ -173,9 +173,10 @@ forward_block(const int ni, const float *x, int64_t ldx, const float *wt, const 
             a0 = _mm512_fmadd_ps(xv, w[i][0], a0);
             a1 = _mm512_fmadd_ps(xv, w[i][1], a1);
         }
-        if (relu) {
-            a0 = _mm512_max_ps(a0, zero);
-            a1 = _mm512_max_ps(a1, zero);
+        if (relu) { /* max(0, a): MAXPS returns its second operand when either is NaN, so
+                     * a NaN passes through as in torch (max(a, 0) would hide it as 0) */
+            a0 = _mm512_max_ps(zero, a0);
+            a1 = _mm512_max_ps(zero, a1);
         }
         float *hr = h + r * ldh + o;
         if (cols == OW) {

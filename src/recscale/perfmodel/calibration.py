@@ -12,6 +12,7 @@ The laws and their features are listed in ``bench/calibrate.py``'s docstring.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from dataclasses import asdict, dataclass, field
@@ -54,8 +55,44 @@ class Calibration:
                 f"{path}: calibration format {d.get('format')}; run `recscale bench calibrate` "
                 "again"
             )
-        laws = {k: Law(**v) for k, v in d.pop("laws").items()}
-        return cls(**{**d, "laws": laws})
+        try:
+            laws = {k: _law(k, v) for k, v in d.pop("laws").items()}
+            cal = cls(**{**d, "laws": laws})
+            cal.check()
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(
+                f"{path}: not a calibration ({e}); run `recscale bench calibrate` again"
+            ) from None
+        return cal
+
+    def check(self) -> None:
+        """Every number a real one, every law the model reads present (ValueError if not)."""
+        for name in REQUIRED_LAWS:
+            if name not in self.laws:
+                raise ValueError(f"no {name!r} law")
+        if not isinstance(self.threads, int) or not isinstance(self.world_size, int):
+            raise ValueError("threads and world_size must be integers")
+        for key in ("step_scale", "step_overhead"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{key} is {v!r}")
+
+
+# the laws ``model.predict`` and ``planner_laws`` read (the collectives' are optional)
+REQUIRED_LAWS = ("mlp_forward", "mlp_backward", "interaction", "lookup", "update", "dense_opt")
+
+
+def _law(name: str, v: dict) -> Law:
+    law = Law(**v)
+    if not (
+        isinstance(law.features, list)
+        and isinstance(law.coef, list)
+        and len(law.features) == len(law.coef)
+        and all(isinstance(f, str) for f in law.features)
+        and all(isinstance(c, (int, float)) and math.isfinite(c) and c >= 0 for c in law.coef)
+    ):
+        raise ValueError(f"law {name!r} is not features with non-negative coefficients")
+    return law
 
 
 def default_path() -> Path:

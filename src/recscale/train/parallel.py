@@ -123,6 +123,8 @@ def _shared_laws(cfg: Config, ctx: DistContext):
             got = ("ok", calibrated_laws(cfg))
         except ConfigError as e:
             got = ("error", (e.key, e.message))
+        except Exception as e:  # noqa: BLE001 - any failure here must reach every rank
+            got = ("error", ("distributed.calibration", f"{type(e).__name__}: {e}"))
     kind, value = ctx.broadcast(got)
     if kind == "error":
         raise ConfigError(*value)

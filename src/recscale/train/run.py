@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from recscale import native
+from recscale import locks, native
 from recscale.checkpoint.format import CheckpointError
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain, valid_chains
 from recscale.checkpoint.state import restore
@@ -99,10 +99,20 @@ def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dic
     return score(model, batches, DistContext(device=device))
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` replaced whole or not at all; the temporary file goes on any error (a full
+    disk included), and the error says which file could not be written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass
@@ -177,16 +187,17 @@ def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
 def build_job(
     cfg: Config, run_dir: Path | None, echo, ctx: DistContext | None, resume: Path | None = None
 ) -> Job:
-    if run_dir is not None:
-        check_run_dir(run_dir, resume)
     ctx, threads = _process(cfg, ctx)
+    if run_dir is not None:
+        if ctx.is_main:  # one writer: a second run or --resume on this directory stops here
+            locks.hold(run_lock(run_dir), f"run directory {run_dir}")
+        check_run_dir(run_dir, resume)
     ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
     if not ctx.is_main:  # one voice and one writer: rank 0
         echo, run_dir = (lambda _msg: None), None
     cfg = _settle_config(cfg, run_dir, echo)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_to_toml(cfg))
     model, module, plan = build(cfg, ctx, echo)
     if resume is None:  # a resumed run restores its hot ids with the factors
         assign_hot_rows(model, cfg, echo)
@@ -208,12 +219,19 @@ def restore_job(job: Job, resume: Path) -> int:
     Rank 0 picks (and may repair) the chain; every rank loads its own parts of it."""
     ctx = job.ctx
     if ctx.world_size == 1:  # a chain that verifies but does not load: the next older one
-        for chain in valid_chains(resume, job.echo):
-            try:
-                step = int(restore(job.model, job.dense_opt, chain)["step"])
-                break
-            except CheckpointError as e:
-                job.echo(f"recscale: skipping checkpoint {chain[-1].name}: {e}")
+        first: CheckpointError | None = None  # the newest chain's reason, if none loads
+        try:
+            for chain in valid_chains(resume, job.echo):
+                try:
+                    step = int(restore(job.model, job.dense_opt, chain)["step"])
+                    break
+                except CheckpointError as e:
+                    first = first or e
+                    job.echo(f"recscale: skipping checkpoint {chain[-1].name}: {e}")
+            else:
+                raise first or CheckpointError(f"no usable checkpoint in {resume}")
+        except CheckpointError as e:
+            raise (first or e) from None
     else:
         chain = ctx.broadcast(resolve_chain(resume, job.echo) if ctx.is_main else None)
         step = int(restore(job.model, job.dense_opt, chain)["step"])
@@ -290,7 +308,8 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 if schedule is not None:
                     schedule.step(step)
                 batch = batch.to(ctx.device, non_blocking=True)
-                loss = forward_loss(job.module, batch, t.precision, ctx.device)
+                # activations checked for NaN/inf too: a fused ReLU can hide them from the loss
+                loss = forward_loss(job.module, batch, t.precision, ctx.device, check_finite=True)
                 # the global mean loss; every rank stops together (see parallel.py)
                 loss_value, stop, interrupted = reduce_step(
                     float(loss.detach()), out_of_time, signals.requested, ctx
@@ -301,7 +320,8 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 if not math.isfinite(loss_value):
                     # Checked before backward: the fused sparse update must not apply a NaN step.
                     raise TrainingDiverged(
-                        f"loss became {loss_value} at step {step}; stopping (no update applied)"
+                        f"loss (or an activation) became {loss_value} at step {step}; stopping "
+                        "(no update applied): lower the learning rates, or train in fp32"
                     )
                 backward_and_step(loss, job.dense_opt)  # + the embeddings' fused update
                 window_loss += loss_value
@@ -442,12 +462,22 @@ def train(
     sharded, each rank trains on its slice of every global batch, and only rank 0
     prints, shows progress and writes ``run_dir`` (see ``train/parallel.py``).
     """
-    job = build_job(cfg, run_dir, echo, ctx, resume)
-    start_step = restore_job(job, resume) if resume is not None else 0
-    _announce(job)
-    loop = train_loop(job, start_step, resume is not None)
-    save_final(job, loop)
-    return record(job, loop, start_step, resume is not None)
+    try:
+        job = build_job(cfg, run_dir, echo, ctx, resume)
+        start_step = restore_job(job, resume) if resume is not None else 0
+        if job.run_dir is not None:  # only now: a failed resume leaves the run's config alone
+            write_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
+        _announce(job)
+        loop = train_loop(job, start_step, resume is not None)
+        save_final(job, loop)
+        return record(job, loop, start_step, resume is not None)
+    finally:
+        if run_dir is not None:
+            locks.release(run_lock(run_dir))
+
+
+def run_lock(run_dir: Path) -> Path:
+    return run_dir / ".recscale.lock"
 
 
 def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[str, Any]:

@@ -73,11 +73,18 @@ def forward_loss(
     precision: str,
     device: torch.device,
     mark: Callable[[], Any] | None = None,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """The step's forward: logits under ``precision``'s autocast, the loss in fp32.
-    ``mark`` (a benchmark's clock) is called between the model's stages."""
+    ``mark`` (a benchmark's clock) is called between the model's stages;
+    ``check_finite`` makes the loss NaN when an activation is (see ``DLRM.forward``)."""
+    kw: dict[str, Any] = {}
+    if mark is not None:
+        kw["mark"] = mark
+    if check_finite:
+        kw["check_finite"] = True
     with autocast(precision, device):
-        logits = module(batch) if mark is None else module(batch, mark=mark)
+        logits = module(batch, **kw)
     return F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
 
 

@@ -1,0 +1,251 @@
+"""Bad values, outputs that would destroy inputs, two writers, full disks: each refused
+before anything is lost, in one line naming the key or the path (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_dataset
+
+from recscale import locks, native
+from recscale.config import ConfigError, load_config
+from recscale.dataprep import common
+from recscale.dataprep.multihot import to_multihot
+from recscale.train.run import TrainingDiverged, run_lock, train, write_atomic
+
+QUIET = dict(echo=lambda *_: None)
+BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"]
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "recscale", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+
+
+def _error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+# -- numbers are checked, not masked ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", ["embedding.lr=nan", "embedding.eps=nan", "optimizer.lr=inf", "data.zipf_alpha=-inf"]
+)
+def test_a_non_finite_setting_names_its_key(key):
+    with pytest.raises(ConfigError) as e:
+        load_config("debug", [f"--{key}"])
+    assert e.value.key == key.split("=")[0] and "finite" in str(e.value)
+
+
+def test_an_absurd_thread_count_is_refused_not_a_segfault(tmp_path):
+    r = _cli("train", "--config", "debug", "--train.threads=100000", "--run-dir", str(tmp_path))
+    assert r.returncode == 2 and "train.threads" in _error_line(r.stderr)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_divergence_stops_the_run_naming_the_step_on_every_kernel_path(kernels):
+    """A learning rate of 1e38 overflows the tables: NaN rows whose NaN a fused ReLU
+    (oneDNN's, ours before) mapped to 0 - the run said AUC 0.5 and exited 0."""
+    cfg = load_config("debug", [*BASE, "--embedding.lr=1e38", f"--model.kernels={kernels}"])
+    with pytest.raises(TrainingDiverged, match=r"at step \d+"):
+        train(cfg, None, **QUIET)
+
+
+def test_the_native_relu_passes_nan_through_as_torch_does():
+    if not native.has_avx512():
+        pytest.skip("the native narrow forward runs on AVX-512 only")
+    from recscale.modules import gemm
+
+    x = torch.randn(64, 13)
+    x[5, 3] = float("nan")
+    w, b = torch.randn(512, 13), torch.randn(512)
+    got = gemm.narrow_forward(x, w, b, relu=True)  # native/narrow_layer.c
+    want = torch.relu(x @ w.t() + b)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[5]).all())
+
+
+# -- nothing is overwritten before the new thing is complete --------------------------------
+
+
+def test_preprocess_into_a_directory_that_is_also_something_else_is_refused(tmp_path):
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    (ds / "notes.txt").write_text("mine")
+    before = _tree(ds)
+    src = tmp_path / "in.tsv"
+    r = _cli("data", "preprocess", "--input", str(src), "--out", str(ds), "--split", "none")
+    assert r.returncode != 0 and "notes.txt" in _error_line(r.stderr)
+    assert _tree(ds) == before
+
+
+def test_multihot_onto_its_own_input_is_refused(tmp_path):
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    before = _tree(ds)
+    r = _cli("data", "multihot", "--input", str(ds), "--out", str(ds), "--bag-sizes", "2")
+    assert r.returncode != 0 and "input" in _error_line(r.stderr)
+    assert _tree(ds) == before
+
+
+def test_a_failed_resume_leaves_the_runs_config_as_it_was(tmp_path):
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
+    config = (run / "config.toml").read_bytes()
+    r = _cli("train", "--resume", str(run), "--embedding.optimizer=adam", "--train.steps=30")
+    assert r.returncode == 1
+    assert (run / "config.toml").read_bytes() == config
+    r = _cli("train", "--resume", str(run), "--train.steps=30")
+    assert r.returncode == 0, r.stderr
+
+
+def test_an_atomic_write_that_fails_leaves_neither_half_a_file_nor_its_temp(tmp_path, monkeypatch):
+    target = tmp_path / "metrics.json"
+    target.write_text("old")
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="metrics.json"):
+        write_atomic(target, "new")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+def test_a_preprocess_that_fails_midway_removes_its_temporary_dataset(tmp_path, monkeypatch):
+    from recscale.dataprep import preprocess as pp
+
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    before = _tree(ds)
+
+    def full_disk(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pp.IdCounts, "add", full_disk)  # after pass 1 wrote OUT.tmp/raw
+    opts = pp.PreprocessOptions(
+        inputs=[tmp_path / "in.tsv"], out=ds, hash_sizes=[100], split="none"
+    )
+    with pytest.raises(OSError):
+        pp.preprocess(opts, echo=lambda _m: None)
+    assert not (tmp_path / "ds.tmp").exists() and _tree(ds) == before
+
+
+def test_multihot_says_what_it_will_write_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    said: list[str] = []
+    real = common.shutil.disk_usage
+    monkeypatch.setattr(common.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(OSError, match="needs .* GB but"):
+        to_multihot(ds, tmp_path / "mh", [100], layout="ids", echo=said.append)
+    assert any("writing" in s for s in said)
+    assert not (tmp_path / "mh").exists() and not (tmp_path / "mh.tmp").exists()
+
+
+# -- one writer ---------------------------------------------------------------------------
+
+
+def test_a_second_writer_of_a_run_directory_is_told_who_holds_it(tmp_path):
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
+    locks.hold(run_lock(run), "test")  # as a first `--resume` still running would
+    try:
+        r = _cli("train", "--resume", str(run), "--train.steps=30")
+        assert r.returncode == 1 and f"pid {os.getpid()}" in _error_line(r.stderr)
+    finally:
+        locks.release(run_lock(run))
+    assert _cli("train", "--resume", str(run), "--train.steps=30").returncode == 0
+
+
+def test_a_second_writer_of_a_dataset_is_told_who_holds_it(tmp_path):
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    lock = tmp_path / ".mh.lock"
+    locks.hold(lock, "test")
+    try:
+        r = _cli("data", "multihot", "--input", str(ds), "--out", str(tmp_path / "mh"))
+        assert r.returncode == 1 and f"pid {os.getpid()}" in _error_line(r.stderr)
+    finally:
+        locks.release(lock)
+
+
+# -- calibration files --------------------------------------------------------------------
+
+
+def _damaged_cache(tmp_path: Path) -> dict:
+    cache = tmp_path / "cache" / "recscale"
+    cache.mkdir(parents=True)
+    import platform
+
+    bad = {
+        "format": 3,
+        "machine": "x",
+        "threads": 2,
+        "laws": {"lookup": {"features": ["a"], "coef": ["zz"]}},
+    }
+    (cache / f"calibration-{platform.node() or 'host'}.json").write_text(json.dumps(bad))
+    return dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+
+
+def test_a_damaged_default_calibration_is_ignored_and_a_named_one_is_one_line(tmp_path):
+    env = _damaged_cache(tmp_path)
+    r = _cli("plan", "--config", "debug", "--world-size", "2", env=env)
+    assert r.returncode == 0, r.stderr
+    bad = next((tmp_path / "cache" / "recscale").iterdir())
+    r = _cli(
+        "plan",
+        "--config",
+        "debug",
+        "--world-size",
+        "2",
+        f"--distributed.calibration={bad}",
+        env=env,
+    )
+    assert r.returncode == 2 and "distributed.calibration" in _error_line(r.stderr)
+
+
+def test_torchrun_trains_beside_a_damaged_default_calibration(tmp_path):
+    from recscale.distributed.spawn import free_port
+
+    env = _damaged_cache(tmp_path)
+    env.pop("WORLD_SIZE", None)
+    env.update(OMP_NUM_THREADS="1", RECSCALE_TEST_DEVICE="cpu")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            "-m",
+            "recscale",
+            "train",
+            "--config",
+            "debug",
+            *BASE,
+            "--distributed.sharding=auto",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
