@@ -249,3 +249,53 @@ def test_torchrun_trains_beside_a_damaged_default_calibration(tmp_path):
         env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_checkpoint_that_hits_a_full_disk_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    from recscale.checkpoint import format as fmt
+
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
+    real = fmt.CheckpointWriter.write_chunks
+
+    def full_disk(self, name, chunks):
+        if name.endswith(".f32"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, name, chunks)
+
+    monkeypatch.setattr(fmt.CheckpointWriter, "write_chunks", full_disk)
+    with pytest.raises(fmt.CheckpointError, match="No space left"):
+        train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, **QUIET)
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left == ["step_00000010", "step_00000020"]  # no .step_*.tmp-*, the good ones kept
+
+
+@pytest.mark.parametrize("damage", ["missing_column", "string_labels"])
+def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    cols = {"label": pa.array([0, 1], pa.int8())}
+    cols |= {f"I{k}": pa.array([1, 2]) for k in range(1, 14)}
+    cols |= {f"C{k}": pa.array(["0a", "1b"]) for k in range(1, 27)}
+    if damage == "missing_column":
+        del cols["C7"]
+    else:
+        cols["label"] = pa.array(["yes", "no"])
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table(cols), src)
+    r = _cli(
+        "data",
+        "preprocess",
+        "--format",
+        "parquet",
+        "--input",
+        str(src),
+        "--out",
+        str(tmp_path / "ds"),
+        "--split",
+        "none",
+    )
+    line = _error_line(r.stderr)
+    assert r.returncode == 1 and str(src) in line
+    assert ("'C7'" if damage == "missing_column" else "'label'") in line
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()

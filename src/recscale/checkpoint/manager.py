@@ -218,6 +218,7 @@ class CheckpointManager:
 
         def run() -> None:
             t = time.perf_counter()
+            writer = None
             try:
                 writer = CheckpointWriter(self.root / name, token, rank)
                 write_part(snap, writer)
@@ -227,6 +228,8 @@ class CheckpointManager:
                 on_disk = sum(f["bytes"] for f in read_manifest(path)["files"].values())
                 self._prune()
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                if writer is not None:  # a full disk must not stay full of half a checkpoint
+                    writer.abort()
                 self._error = e
                 return
             secs = time.perf_counter() - t

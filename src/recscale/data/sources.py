@@ -170,14 +170,34 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    need = [
+        "label",
+        *(f"I{k + 1}" for k in range(NUM_DENSE)),
+        *(f"C{k + 1}" for k in range(NUM_CAT)),
+    ]
+    missing = [c for c in need if c not in pf.schema_arrow.names]
+    if missing:
+        raise ValueError(
+            f"{path}: no column {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + f"; Criteo Parquet has {', '.join(need[:3])} ... C{NUM_CAT}"
+        )
     line = 1
     for rb in pf.iter_batches(batch_size=rows_per_piece):
         n = rb.num_rows
         chunk = ParsedChunk(n)
         status = np.zeros(n, np.int8)
-        label = rb.column("label").to_numpy(zero_copy_only=False)
-        label = np.where(np.isnan(label.astype(np.float64)), -1, label).astype(np.int64)
+        try:
+            label = rb.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
+        except (TypeError, ValueError, pa.ArrowException):
+            raise ValueError(
+                f"{path}: column 'label' is {rb.column('label').type}, not 0/1"
+            ) from None
+        label = np.where(np.isnan(label), -1, label).astype(np.int64)
         status[(label != 0) & (label != 1)] = 2
         dense = parquet_dense(rb, path)
         cats = np.zeros((n, NUM_CAT), np.uint32)
