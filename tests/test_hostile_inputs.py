@@ -299,3 +299,43 @@ def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage
     assert r.returncode == 1 and str(src) in line
     assert ("'C7'" if damage == "missing_column" else "'label'") in line
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+
+
+@pytest.mark.parametrize("damage", ["lengths", "offsets"])
+def test_damaged_multi_hot_bags_are_named_at_open_not_misread(tmp_path, damage):
+    import numpy as np
+
+    from recscale.data.dataset import BinaryDataset, DatasetError
+
+    ds = make_dataset(tmp_path, lines=300, seed=1, hash_size=100)
+    mh = tmp_path / "mh"
+    to_multihot(ds, mh, [2], layout="ids", echo=lambda _m: None)
+    if damage == "lengths":
+        f = np.memmap(mh / "train" / "bag_lengths.u16", np.uint16, "r+")
+        f[7 * 26 + 3] += 1  # row 7, feature C4: one id more than the offsets give it
+        f.flush()
+        match = "row 7's bag lengths"
+    else:
+        f = np.memmap(mh / "train" / "row_offsets.i64", np.int64, "r+")
+        f[-1] += 5
+        f.flush()
+        match = "runs from 0 to"
+    del f
+    with pytest.raises(DatasetError, match=match):
+        BinaryDataset(mh, "train")
+
+
+def test_a_second_signal_inside_a_checkpoint_write_gives_its_reason(tmp_path, monkeypatch):
+    from recscale.checkpoint import manager as mgr
+
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt  # what the second SIGTERM raises mid-write
+
+    monkeypatch.setattr(mgr, "write_part", interrupted)
+    cfg = load_config("debug", [*BASE, "--train.steps=30", "--checkpoint.async_write=false"])
+    with pytest.raises(mgr.CheckpointError, match="interrupted by a second stop signal"):
+        train(cfg, run, resume=run, **QUIET)
+    assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]

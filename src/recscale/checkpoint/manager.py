@@ -267,7 +267,11 @@ class CheckpointManager:
     def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"writing a checkpoint failed: {err}") from err
+            if isinstance(err, KeyboardInterrupt | SystemExit):  # a second signal mid-write
+                why = "interrupted by a second stop signal (the checkpoint before it is kept)"
+            else:
+                why = str(err).strip() or type(err).__name__
+            raise CheckpointError(f"writing a checkpoint failed: {why}") from err
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` checkpoints and every checkpoint their chains need."""

@@ -15,7 +15,7 @@ class DatasetError(ValueError):
     pass
 
 
-_FINITE_CHECKED: set[tuple[str, int, int]] = set()
+_FINITE_CHECKED: set[tuple] = set()  # (file, size, mtime[, what]) checked once
 
 
 def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> None:
@@ -60,3 +60,34 @@ def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
     if want == 0:
         return np.zeros(shape, dtype)
     return np.memmap(path, dtype, "r", shape=shape)
+
+
+def check_bags(
+    d: Path, lengths: np.ndarray, row_offsets: np.ndarray, ids: int, chunk_rows: int = 1 << 20
+) -> None:
+    """Raise naming the first row of a multi-hot split whose bags do not add up: the row
+    offsets must start at 0, end at the split's id count and step by each row's bag
+    lengths (damaged ones would hand ids to the wrong feature). Once per file version."""
+    path = d / "row_offsets.i64"
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, "bags")
+    if key in _FINITE_CHECKED:
+        return
+    rows = lengths.shape[0]
+    if int(row_offsets[0]) != 0 or int(row_offsets[rows]) != ids:
+        raise DatasetError(
+            f"{path}: runs from {int(row_offsets[0])} to {int(row_offsets[rows])}, but the "
+            f"split holds {ids:,} ids (metadata.json): rewrite the dataset"
+        )
+    for lo in range(0, rows, chunk_rows):
+        hi = min(rows, lo + chunk_rows)
+        per_row = np.asarray(lengths[lo:hi]).sum(axis=1, dtype=np.int64)
+        steps = np.diff(np.asarray(row_offsets[lo : hi + 1]))
+        bad = np.nonzero(per_row != steps)[0]
+        if bad.size:
+            r = lo + int(bad[0])
+            raise DatasetError(
+                f"{d}: row {r}'s bag lengths (bag_lengths.u16) add up to {int(per_row[bad[0]])} "
+                f"ids but row_offsets.i64 gives it {int(steps[bad[0]])}: rewrite the dataset"
+            )
+    _FINITE_CHECKED.add(key)

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from recscale.data.batch import Batch
-from recscale.data.columns import DatasetError, _check_finite, map_column, read_metadata
+from recscale.data.columns import (
+    DatasetError,
+    _check_finite,
+    check_bags,
+    map_column,
+    read_metadata,
+)
 from recscale.data.multihot import BagRule, open_split
 
 
@@ -70,6 +76,7 @@ class BinaryDataset:
             m = open_split(d, self.rows, self.num_dense, self.num_sparse, ids)
             self.dense, self.labels, self.sparse = m["dense.f32"], m["labels.u8"], m["sparse.i32"]
             self.lengths, self.row_offsets = m["bag_lengths.u16"], m["row_offsets.i64"]
+            check_bags(d, self.lengths, self.row_offsets, ids)
         else:
             rows, fd, fs = self.rows, self.num_dense, self.num_sparse
             self.dense = map_column(d / "dense.f32", np.float32, (rows, fd))
