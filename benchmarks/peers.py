@@ -23,10 +23,10 @@ whose two copies do not fit in the memory available runs one after the other ins
 The peer venv (TorchRec has no CPU wheel set of its own; fbgemm-gpu-cpu 1.9 does not
 load on torch 2.13)::
 
-    python3 -m venv /work/peers-venv
-    /work/peers-venv/bin/pip install torch==2.13.0 numpy fbgemm-gpu-cpu==1.8.0 tqdm
-    /work/peers-venv/bin/pip install --no-deps torchrec==1.8.0
-    /work/peers-venv/bin/pip install tensordict torchmetrics==1.0.3 pyre-extensions
+    python3 -m venv PEER_VENV
+    PEER_VENV/bin/pip install torch==2.13.0 numpy fbgemm-gpu-cpu==1.8.0 tqdm
+    PEER_VENV/bin/pip install --no-deps torchrec==1.8.0
+    PEER_VENV/bin/pip install tensordict torchmetrics==1.0.3 pyre-extensions
 """
 
 from __future__ import annotations

@@ -94,6 +94,31 @@ def _plan(cfg, cal, w: int):
     return default_plan(cfg, cal, w)  # what the job plans
 
 
+def plot(rows: list[dict], world_size: int, path: Path) -> None:
+    """Predicted against measured ms per step, one point per configuration (log axes)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ms = [float(r["measured_ms"]) for r in rows]
+    ps = [float(r["predicted_ms"]) for r in rows]
+    ax.scatter(ms, ps)
+    top = max(ms + ps) * 1.1
+    ax.plot([0, top], [0, top], "k--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured ms/step")
+    ax.set_ylabel("predicted ms/step")
+    ax.set_title(f"performance model, held-out configs, {world_size} rank(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibration", default=None)
@@ -102,7 +127,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="runs a point (the median counts)")
     ap.add_argument("--world-size", type=int, default=1, help="local ranks a point runs on")
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank (W > 1)")
+    ap.add_argument("--replot", default=None, help="only redraw the plot of a validation.csv")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot, newline="") as f:
+            rows = list(csv.DictReader(f))
+        plot(rows, args.world_size, Path(args.replot).with_suffix(".png"))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     w = args.world_size
@@ -164,35 +195,15 @@ def main() -> None:
             flush=True,
         )
     with open(out / "validation.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
     errs = [abs(r["error"]) for r in rows]
     print(
         f"{len(rows)} configurations: median |error| {statistics.median(errs):.1%}, "
         f"worst {max(errs):.1%}"
     )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 5))
-        ms = [r["measured_ms"] for r in rows]
-        ps = [r["predicted_ms"] for r in rows]
-        ax.scatter(ms, ps)
-        top = max(ms + ps) * 1.1
-        ax.plot([0, top], [0, top], "k--", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("measured ms/step")
-        ax.set_ylabel("predicted ms/step")
-        ax.set_title(f"performance model, held-out configs, {w} rank(s)")
-        fig.tight_layout()
-        fig.savefig(out / "predicted_vs_measured.png", dpi=100)
-    except ImportError:
-        pass
+    plot(rows, w, out / "predicted_vs_measured.png")
 
 
 if __name__ == "__main__":
