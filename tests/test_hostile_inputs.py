@@ -219,36 +219,20 @@ def test_a_damaged_default_calibration_is_ignored_and_a_named_one_is_one_line(tm
     assert r.returncode == 2 and "distributed.calibration" in _error_line(r.stderr)
 
 
-def test_torchrun_trains_beside_a_damaged_default_calibration(tmp_path):
-    from recscale.distributed.spawn import free_port
+def test_every_rank_plans_beside_a_damaged_default_calibration(tmp_path, monkeypatch):
+    """What each torchrun rank asks before planning (``train.parallel._shared_laws``):
+    a damaged default calibration reads as none (it crashed rank 0 alone, and the other
+    ranks waited), a damaged named one is a config error every rank raises."""
+    from recscale.distributed import DistContext
+    from recscale.train.parallel import _shared_laws
 
     env = _damaged_cache(tmp_path)
-    env.pop("WORLD_SIZE", None)
-    env.update(OMP_NUM_THREADS="1", RECSCALE_TEST_DEVICE="cpu")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            "-m",
-            "recscale",
-            "train",
-            "--config",
-            "debug",
-            *BASE,
-            "--distributed.sharding=auto",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    monkeypatch.setenv("XDG_CACHE_HOME", env["XDG_CACHE_HOME"])
+    cfg = load_config("debug", ["--distributed.sharding=auto"])
+    assert _shared_laws(cfg, DistContext()) is None
+    cfg.distributed.calibration = str(next((tmp_path / "cache" / "recscale").iterdir()))
+    with pytest.raises(ConfigError, match="not a calibration"):
+        _shared_laws(cfg, DistContext())
 
 
 def test_a_checkpoint_that_hits_a_full_disk_leaves_no_temporary_directory(tmp_path, monkeypatch):
