@@ -11,8 +11,8 @@ from helpers import random_jagged
 from recscale.config import ConfigError, load_config
 from recscale.data.batch import Batch
 from recscale.distributed import build_layout, plan_for, table_infos, uniform_plan
-from recscale.distributed.layout import row_blocks
 from recscale.planner import ShardingPlan, TablePlacement
+from recscale.planner.layout import row_blocks
 
 
 def test_row_blocks_cover_the_table_in_order():

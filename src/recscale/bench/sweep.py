@@ -238,7 +238,7 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
         fig.savefig(out / name, dpi=100)
         plt.close(fig)
         written.append(name)
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(ok)), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(ok)), 4))
     bottom = [0.0] * len(ok)
     # the step's own stages: "data" is made by the loader thread beside the step, so it
     # is not part of the step's time and is left out of the stack
@@ -248,8 +248,8 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
         bottom = [a + b for a, b in zip(bottom, v)]
     ax.set_xticks(range(len(ok)), [label(r) for r in ok], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("ms per step")
-    ax.set_title("where a step's time goes (the loader thread's batches not stacked)")
-    ax.legend(fontsize=7)
+    ax.set_title("a step's stages (batches come from the loader thread)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out / "stages.png", dpi=100)
     plt.close(fig)

@@ -4,10 +4,10 @@ Layered above ``modules/`` and ``models/``, which never import it.
 """
 
 from recscale.distributed.context import DistContext, init_distributed, launched_by_torchrun
-from recscale.distributed.layout import Shard, ShardLayout, build_layout
 from recscale.distributed.model_parallel import one_rank_plan, shard
 from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
 from recscale.planner.from_config import plan_for, table_infos, uniform_plan
+from recscale.planner.layout import Shard, ShardLayout, build_layout
 
 __all__ = [
     "DistContext",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from recscale.distributed.layout import ShardLayout
+from recscale.planner.layout import ShardLayout
 
 
 @dataclass

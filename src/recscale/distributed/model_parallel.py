@@ -21,13 +21,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recscale.distributed.context import DistContext
-from recscale.distributed.layout import build_layout
 from recscale.distributed.sharded_embedding import (
     ShardedEmbeddingBagCollection,
     StorageFactory,
 )
 from recscale.models.dlrm import DLRM
 from recscale.planner import ShardingPlan, TablePlacement
+from recscale.planner.layout import build_layout
 
 
 def one_rank_plan(names: list[str]) -> ShardingPlan:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from recscale.distributed.layout import ShardLayout
+from recscale.planner.layout import ShardLayout
 
 
 class OutputDist:

@@ -39,7 +39,6 @@ from torch import nn
 
 from recscale.distributed.context import DistContext
 from recscale.distributed.input_dist import InputDist, LocalBatch
-from recscale.distributed.layout import ShardLayout
 from recscale.distributed.output_dist import OutputDist
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import (
@@ -55,6 +54,7 @@ from recscale.modules.embedding_bag_collection import (
     check_ids,
     pooling_weights,
 )
+from recscale.planner.layout import ShardLayout
 
 StorageFactory = Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
 

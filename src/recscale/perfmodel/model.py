@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.distributed.layout import build_layout, table_bytes_per_rank
 from recscale.embedding.sizing import row_bytes
 from recscale.modules.interaction import PAD_MULTIPLE
 from recscale.perfmodel.calibration import Calibration, Law, find_calibration
@@ -45,6 +44,7 @@ from recscale.planner.costs import (
     ring_bytes,
 )
 from recscale.planner.from_config import plan_for, table_infos
+from recscale.planner.layout import build_layout, table_bytes_per_rank
 from recscale.planner.types import ShardingPlan, Topology
 
 # No measured collective (a calibration of one process): 100 Gb/s, 20 us a call.

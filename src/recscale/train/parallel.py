@@ -25,7 +25,6 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.distributed import DistContext, one_rank_plan, shard
-from recscale.distributed.layout import build_layout, table_bytes_per_rank
 from recscale.embedding.placement import storage_factory
 from recscale.embedding.sizing import row_bytes
 from recscale.models.dlrm import DLRM, build_model
@@ -37,6 +36,7 @@ from recscale.planner.from_config import (
     plan_for,
     with_tiers,
 )
+from recscale.planner.layout import build_layout, table_bytes_per_rank
 
 
 def build(
