@@ -29,6 +29,11 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def _train_on_ssd(ssd: Path, run: Path) -> subprocess.CompletedProcess:
+    args = ["--embedding.placement=ssd", f"--embedding.ssd_dir={ssd}", "--run-dir", str(run)]
+    return _cli("train", "--config", "debug", *BASE, *args, timeout=60)
+
+
 def _error_line(err: str) -> str:
     assert "Traceback" not in err, err
     lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
@@ -75,16 +80,7 @@ def test_a_planted_symlink_in_the_ssd_dir_is_not_written_through(tmp_path):
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     (ssd / "tables_dim8.f32").symlink_to(victim)
-    r = _cli(
-        "train",
-        "--config",
-        "debug",
-        *BASE,
-        "--embedding.placement=ssd",
-        f"--embedding.ssd_dir={ssd}",
-        "--run-dir",
-        str(tmp_path / "run"),
-    )
+    r = _train_on_ssd(ssd, tmp_path / "run")
     assert r.returncode == 1 and "symbolic link" in _error_line(r.stderr)
     assert victim.read_text() == "keep me"
 
@@ -93,17 +89,7 @@ def test_a_fifo_in_the_ssd_dir_is_refused_not_opened(tmp_path):
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     os.mkfifo(ssd / "tables_dim8.f32")
-    r = _cli(
-        "train",
-        "--config",
-        "debug",
-        *BASE,
-        "--embedding.placement=ssd",
-        f"--embedding.ssd_dir={ssd}",
-        "--run-dir",
-        str(tmp_path / "run"),
-        timeout=60,
-    )
+    r = _train_on_ssd(ssd, tmp_path / "run")
     assert r.returncode == 1 and "not a regular file" in _error_line(r.stderr)
 
 

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from recscale.perfmodel.calibration import Calibration, Law
+from recscale.perfmodel.calibration import Calibration, Law, mlp_features
 from recscale.perfmodel.fit import fit_law, fit_step_constants, step_configs
 
 
@@ -69,16 +69,7 @@ def _mlp_layer(echo) -> tuple[Law, Law]:
             fwd.append(_time(lambda mlp=mlp, x=x: mlp(x)))
             out = mlp(x)
             bwd.append(_time(lambda out=out, g=g: out.backward(g, retain_graph=True)))
-            rows.append(
-                {
-                    "flops2": 2.0 * m * k * n,
-                    "flops4": 4.0 * m * k * n,
-                    "mn": float(m * n),
-                    "mk": float(m * k),
-                    "kn": float(k * n),
-                    "one": 1.0,
-                }
-            )
+            rows.append(mlp_features(m, k, n))
     echo(f"  MLP layers: {len(rows)} shapes")
     return (
         fit_law(["flops2", "mn", "mk", "kn", "one"], rows, fwd),

@@ -78,6 +78,18 @@ class Calibration:
                 raise ValueError(f"{key} is {v!r}")
 
 
+def mlp_features(m: int, k: int, n: int) -> dict[str, float]:
+    """The MLP laws' features of a ``[m, k] @ [k, n]`` layer (see bench/calibrate.py)."""
+    return {
+        "flops2": 2.0 * m * k * n,
+        "flops4": 4.0 * m * k * n,
+        "mn": float(m * n),
+        "mk": float(m * k),
+        "kn": float(k * n),
+        "one": 1.0,
+    }
+
+
 # the laws ``model.predict`` and ``planner_laws`` read (the collectives' are optional)
 REQUIRED_LAWS = ("mlp_forward", "mlp_backward", "interaction", "lookup", "update", "dense_opt")
 

@@ -34,7 +34,7 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.embedding.sizing import row_bytes
 from recscale.modules.interaction import PAD_MULTIPLE
-from recscale.perfmodel.calibration import Calibration, Law, find_calibration
+from recscale.perfmodel.calibration import Calibration, Law, find_calibration, mlp_features
 from recscale.planner.costs import (
     ALL_REDUCE_CALLS,
     ALL_TO_ALL_CALLS,
@@ -105,14 +105,7 @@ def _mlp(cal: Calibration, m: int, widths: list[int], k: int, first_needs_dgrad:
     fwd = bwd = 0.0
     params = 0
     for i, n in enumerate(widths):
-        x = {
-            "flops2": 2.0 * m * k * n,
-            "flops4": 4.0 * m * k * n,
-            "mn": float(m * n),
-            "mk": float(m * k),
-            "kn": float(k * n),
-            "one": 1.0,
-        }
+        x = mlp_features(m, k, n)
         fwd += cal.laws["mlp_forward"](**x)
         b = cal.laws["mlp_backward"](**x)
         if i == 0 and not first_needs_dgrad:  # no input gradient: one GEMM of two
