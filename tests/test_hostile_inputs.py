@@ -323,3 +323,13 @@ def test_a_second_signal_inside_a_checkpoint_write_gives_its_reason(tmp_path, mo
     with pytest.raises(mgr.CheckpointError, match="interrupted by a second stop signal"):
         train(cfg, run, resume=run, **QUIET)
     assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+
+def test_a_fifo_for_a_datasets_metadata_is_refused_not_read(tmp_path):
+    from recscale.data.dataset import BinaryDataset, DatasetError
+
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    (ds / "metadata.json").unlink()
+    os.mkfifo(ds / "metadata.json")
+    with pytest.raises(DatasetError, match="not a regular file"):
+        BinaryDataset(ds, "train")

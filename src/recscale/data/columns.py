@@ -5,6 +5,7 @@ truncated copy, another dataset's file or another dtype, named with what to do).
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,16 @@ def read_metadata(root: str | Path) -> dict[str, Any]:
     path = Path(root) / "metadata.json"
     if not path.exists():
         raise DatasetError(f"{root} is not a recscale dataset (no metadata.json)")
-    return json.loads(path.read_text())
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:  # a FIFO would hang the read
+        raise DatasetError(f"{path}: not a regular file of a dataset's metadata; refused")
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{path}: unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{path}: not a dataset's metadata (a JSON object)")
+    return meta
 
 
 def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
