@@ -144,3 +144,29 @@ def test_shard_applies_the_plans_tiers(tmp_path):
     (cached,) = [s for s in model.embeddings.storages() if s.tier == "ssd"]
     assert cached.num_rows == cfg.model.table_sizes[2] and cached.cache_rows < cached.num_rows
     assert model.embeddings.layout.is_identity  # one rank, whole tables: no dist stages
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_the_plan_decides_each_tables_kernel_and_the_storages_take_it(kernels):
+    """One place decides a table's tier and kernel: the plan (train.parallel.build); the
+    storages are built with what it says, and their per-call choice agrees with it."""
+    from recscale.config import load_config
+    from recscale.distributed import DistContext
+    from recscale.embedding import kernels as kmod
+    from recscale.train.parallel import build
+
+    cfg = load_config("debug", [f"--model.kernels={kernels}"])
+    model, _module, plan = build(cfg, DistContext(device=torch.device("cpu")), lambda _m: None)
+    chosen = {p.table: p.kernel for p in plan.placements}
+    assert all(chosen.values())
+    if kernels == "torch":
+        assert set(chosen.values()) == {"torch"}
+    ebc = model.embeddings.compute
+    for g in ebc.groups:
+        names = {ebc.tables[f].name for f in g.features}
+        assert {chosen[n] for n in names} == {g.storage.kernel}
+        if g.storage.kernel != "torch":
+            w = g.storage.weight
+            assert kmod.choose_once(g.storage, g.storage.kernel, "backward", w, g.storage.dim) == (
+                g.storage.kernel
+            )

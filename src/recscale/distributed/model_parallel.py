@@ -53,6 +53,8 @@ def shard(
         p = by_name.get(t.name)
         if p is not None and p.placement != "device":
             t = replace(t, placement=p.placement, cache_bytes=p.cache_bytes)
+        if p is not None and p.kernel:
+            t = replace(t, kernel=p.kernel)
         tables.append(t)
     if make_storage is None and any(
         t.placement != "device" or t.compression != "none" for t in tables

@@ -137,7 +137,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"(table_wise), not {s.kind}"
                 )
             specs.append(
-                TableSpec(name, s.num_rows, s.width, t.placement, cache, t.compression, t.small_dim)
+                TableSpec(
+                    name,
+                    s.num_rows,
+                    s.width,
+                    t.placement,
+                    cache,
+                    t.compression,
+                    t.small_dim,
+                    t.kernel,
+                )
             )
             parts.append(
                 TablePart(

@@ -29,6 +29,7 @@ def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, ke
     ``row_precision``. Returns ``make(num_rows, dim, optimizer, tables)``."""
 
     def make(num_rows: int, dim: int, optimizer, tables: list):
+        kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice, when it made one
         if tables[0].compression != "none":  # a group of one compressed table
             t = tables[0]
             return build_compressed(
@@ -39,7 +40,7 @@ def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, ke
                 f"table {tables[0].name} is planned on the {tables[0].placement} tier: build it "
                 "through the plan (train.parallel.build), not as a single-device model"
             )
-        return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kernel)
+        return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kern)
 
     return make
 
@@ -59,6 +60,7 @@ def storage_factory(
         nonlocal root
         if tables[0].compression != "none" or tables[0].placement == "device":
             return on_device(num_rows, dim, optimizer, tables)
+        kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
             return CachedStorage(
@@ -68,7 +70,7 @@ def storage_factory(
                 None,
                 rows,
                 policy=cfg.cache_policy,
-                kernel=kernel,
+                kernel=kern,
                 device=device,
             )
         if root is None:
@@ -80,7 +82,7 @@ def storage_factory(
             root / f"tables_dim{dim}.f32",
             rows,
             policy=cfg.cache_policy,
-            kernel=kernel,
+            kernel=kern,
             device=device,
         )
 

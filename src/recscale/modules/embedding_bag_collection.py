@@ -39,6 +39,7 @@ class TableSpec:
     cache_bytes: int = 0  # ssd: the table's share of the hot-row cache
     compression: str = "none"  # qr | mixed_dim | tt: rows from factors (embedding/compressed.py)
     small_dim: int = 0  # mixed_dim: the table's own dim before its projection
+    kernel: str = ""  # the kernel family the plan chose for its storage ("": the collection's)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,9 @@ class EmbeddingBagCollection(nn.Module):
             storage = (
                 make_storage(rows, dim, make_optimizer(), [tables[f] for f in features])
                 if make_storage is not None
-                else DeviceStorage(rows, dim, make_optimizer(), device, kernel)
+                else DeviceStorage(
+                    rows, dim, make_optimizer(), device, tables[features[0]].kernel or kernel
+                )
             )
             group = _Group(features, tables, storage, idx_dev)
             self._init_weights(group, seed)

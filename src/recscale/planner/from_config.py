@@ -13,6 +13,7 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
+from recscale.embedding import kernels
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
 from recscale.embedding.sizing import compressed_table_bytes, row_bytes, state_bytes
@@ -166,6 +167,25 @@ def with_tiers(plan: ShardingPlan, tiers: list[tuple[str, int]] | None) -> Shard
         replace(p, placement=t, cache_bytes=c) if t != "device" else p
         for p, (t, c) in zip(plan.placements, tiers)
     ]
+    return replace(plan, placements=placements)
+
+
+def with_kernels(plan: ShardingPlan, cfg: Config, device: torch.device) -> ShardingPlan:
+    """``plan`` with the embedding kernel family each plain table's storage runs, decided
+    here once (``embedding/kernels.py``'s order for ``model.kernels`` on a tensor like
+    the table's rows: its dim, its row dtype, the device its rows or cache live on); a
+    storage then asks its own kernel only what that family cannot take. Compressed
+    tables (their own factor ops) keep the configured request."""
+    m, e = cfg.model, cfg.embedding
+    comp = table_compressions(m.table_sizes, m.dims(), e)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(e.row_precision, torch.float32)
+    chosen = {}
+    for p, d, (c, _) in zip(plan.placements, m.dims(), comp):
+        if c != "none":
+            continue
+        probe = torch.empty(1, d, dtype=dtype, device=device)
+        chosen[p.table] = kernels.choose(m.kernels, "backward", probe, d)
+    placements = [replace(p, kernel=chosen.get(p.table, "")) for p in plan.placements]
     return replace(plan, placements=placements)
 
 

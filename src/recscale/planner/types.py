@@ -80,6 +80,7 @@ class TablePlacement:
     placement: str = "device"  # where the rows live: device memory, or host/ssd behind a cache
     cache_bytes: int = 0  # host/ssd: the hot-row cache (counted in memory_per_rank)
     ssd_bytes: int = 0  # host/ssd: the table's bytes on that slower tier
+    kernel: str = ""  # the embedding kernel family its storage runs ("": model.kernels)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class ShardingPlan:
                 p.get("placement", "device"),
                 int(p.get("cache_bytes", 0)),
                 int(p.get("ssd_bytes", 0)),
+                str(p.get("kernel", "")),
             )
             for p in d["placements"]
         ]

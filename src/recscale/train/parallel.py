@@ -34,6 +34,7 @@ from recscale.planner.from_config import (
     configured_tiers,
     default_memory_per_rank,
     plan_for,
+    with_kernels,
     with_tiers,
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
@@ -66,8 +67,9 @@ def build(
             plan = plan_for(cfg, w, memory, ssd_per_rank=ssd, laws=laws)
         except PlanError as err:
             raise ConfigError("distributed.memory_per_rank_gb", str(err)) from err
-    # The plan is where each table's tier is decided, at every world size.
+    # The plan is where each table's tier is decided, at every world size ...
     plan = with_tiers(plan, configured_tiers(cfg, echo, ctx.device, w))
+    plan = with_kernels(plan, cfg, ctx.device)  # ... and each table's kernel
     check_memory(cfg, plan, ctx)
     model = build_model(
         cfg.model,
