@@ -147,11 +147,13 @@ def fused_update_cpu(
     step: int,
     dirty: torch.Tensor | None = None,
     allow_native: bool = True,
+    low: torch.Tensor | None = None,
 ) -> None:
     """In-place optimizer step on ``weight``/``state`` from the pooled gradient (see module
     doc); ``allow_native=False`` forces the numba kernel. fp16/bf16 ``weight`` (stored
     rows of ``embedding.row_precision``; stochastic rounding keyed by ``step``): native
-    only."""
+    only; with ``low`` (int16, the values' low halves: split_bf16 rows) the update is
+    exact fp32 and rounds nothing."""
     fp = fused_params(optimizer, step)
     kind, lr, eps, b1, b2, step_size = fp.kind, fp.lr, fp.eps, fp.beta1, fp.beta2, fp.step_size
     if (
@@ -175,6 +177,7 @@ def fused_update_cpu(
             step_size,
             dirty,
             step,
+            low,
         )
         return
     if weight.dtype != torch.float32:
@@ -224,6 +227,7 @@ def _native_update(
     step_size,
     dirty,
     step,
+    low=None,
 ) -> None:
     lib = native.library()
     names = {_SGD: (), _ADAGRAD: ("sum",), _ADAM: ("exp_avg", "exp_avg_sq")}[
@@ -255,8 +259,9 @@ def _native_update(
         b2,
         step_size,
         dirty.view(torch.uint8).data_ptr() if dirty is not None else None,
-        native.ROW_FORMATS[weight.dtype],
+        native.ROW_SPLIT if low is not None else native.ROW_FORMATS[weight.dtype],
         step,
+        low.data_ptr() if low is not None else None,
     )
     # Split the segments over threads by id count (multi-hot features differ in length):
     # a part's share of the ids [lo, hi) takes the segments that start in it.

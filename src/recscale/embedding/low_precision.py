@@ -1,4 +1,4 @@
-"""Rows stored in fewer bits: ``embedding.row_precision = fp16 | bf16 | int8``.
+"""Rows stored in fewer bits: ``embedding.row_precision = fp16 | bf16 | int8 | split_bf16``.
 
 :class:`LowPrecisionStorage` keeps a table group's rows as::
 
@@ -6,6 +6,12 @@
     int8          weight [rows, D] uint8 codes, qparams [rows, 2] float32 = (scale, bias)
                   row r = weight[r] * scale[r] + bias[r]        (row-wise, as FBGEMM's
                   8-bit rows and Check-N-Run; scale = (max - min) / 255, bias = min)
+    split_bf16    weight [rows, D] bfloat16 = the high 16 bits of each fp32 value,
+                  low    [rows, D] int16    = its low 16 bits          (Split-SGD-BF16,
+                  Kalamkar et al. SC20): the lookup reads the bf16 high halves (half the
+                  bytes; the fp32 value truncated), the update rebuilds the exact fp32
+                  value, applies the optimizer in fp32 and stores both halves - the
+                  tables hold exactly what fp32 rows would after the same updates
 
 and its optimizer state in fp32 (``DeviceStorage``'s buffers). A step reads the touched
 rows into fp32, runs the sparse optimizer on them there, and stores them back with
@@ -31,14 +37,19 @@ import torch
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, pool_rows
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
+_DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.uint8,
+    "split_bf16": torch.bfloat16,  # the high halves; the low ones in ``low``
+}
 # (mantissa bits, smallest normal exponent) of the float formats: the rounding grid
 _GRID = {"fp16": (10, -14), "bf16": (7, -126)}
 
 
 def bytes_per_value(precision: str) -> float:
     """Stored bytes of one row element (int8 adds 8 bytes a row: see ``row_overhead``)."""
-    return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}[precision]
+    return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "split_bf16": 4}[precision]
 
 
 def row_overhead(precision: str) -> int:
@@ -111,6 +122,18 @@ def round_to_grid(x: torch.Tensor, precision: str, noise: torch.Tensor | None) -
     return torch.where(up, lo_bits + 1, lo_bits).to(torch.int16).view(dtype)
 
 
+def split_fp32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` -> (bfloat16 high halves, int16 low halves): its bits, split exactly."""
+    bits = x.contiguous().view(torch.int32)
+    return (bits >> 16).to(torch.int16).view(torch.bfloat16), (bits & 0xFFFF).to(torch.int16)
+
+
+def join_fp32(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`split_fp32`: the exact fp32 values."""
+    bits = (high.view(torch.int16).to(torch.int32) << 16) | (low.to(torch.int32) & 0xFFFF)
+    return bits.view(torch.float32)
+
+
 def quantize_rows(x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``[n, D]`` -> (uint8 codes, ``[n, 2]`` (scale, bias)); ``noise=None``: nearest."""
     lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
@@ -142,8 +165,22 @@ class LowPrecisionStorage(DeviceStorage):
         self.precision = precision
         if precision == "int8":
             self.register_buffer("qparams", torch.zeros(num_rows, 2, device=device))
+        if precision == "split_bf16":
+            self.register_buffer(
+                "low", torch.zeros(num_rows, dim, dtype=torch.int16, device=device)
+            )
+
+    def backward_kernel(self) -> str:
+        # split rows: the native update (RS_SPLIT) or the torch path; numba knows no halves
+        kernel = super().backward_kernel()
+        return kernel if self.precision != "split_bf16" or kernel == "native" else "torch"
+
+    def low_halves(self) -> torch.Tensor | None:
+        return self.low if self.precision == "split_bf16" else None
 
     def _decode(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.precision == "split_bf16":  # exact: both halves
+            return join_fp32(self.weight.index_select(0, rows), self.low.index_select(0, rows))
         w = self.weight.index_select(0, rows).to(torch.float32)
         if self.precision == "int8":
             qp = self.qparams.index_select(0, rows)
@@ -151,7 +188,11 @@ class LowPrecisionStorage(DeviceStorage):
         return w
 
     def _encode(self, rows: torch.Tensor, x: torch.Tensor, noise: torch.Tensor | None) -> None:
-        if self.precision == "int8":
+        if self.precision == "split_bf16":  # no rounding: the value's bits, both halves
+            high, low = split_fp32(x)
+            self.weight.index_copy_(0, rows, high)
+            self.low.index_copy_(0, rows, low)
+        elif self.precision == "int8":
             q, qp = quantize_rows(x, noise)
             self.weight.index_copy_(0, rows, q)
             self.qparams.index_copy_(0, rows, qp)
@@ -159,6 +200,9 @@ class LowPrecisionStorage(DeviceStorage):
             self.weight.index_copy_(0, rows, round_to_grid(x, self.precision, noise))
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        if self.precision == "split_bf16":  # the forward reads the high halves only
+            w = self.weight.index_select(0, rows).to(torch.float32)
+            return pool_rows(w, offsets, per_sample_weights)
         # gathered once (an id repeated in a batch is decoded twice: cheaper than unique)
         return pool_rows(self._decode(rows), offsets, per_sample_weights)
 
@@ -231,6 +275,8 @@ def table_bytes(num_rows: int, dim: int, precision: str) -> int:
 __all__ = [
     "LowPrecisionStorage",
     "bytes_per_value",
+    "join_fp32",
+    "split_fp32",
     "quantize_rows",
     "round_to_grid",
     "row_overhead",

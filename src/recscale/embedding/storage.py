@@ -278,7 +278,12 @@ class DeviceStorage(RowStorage):
             int(self.step),
             self.dirty,
             allow_native=kernel == "native",
+            low=self.low_halves(),
         )
+
+    def low_halves(self) -> torch.Tensor | None:
+        """Split rows' low 16 bits (``LowPrecisionStorage``, split_bf16), else None."""
+        return None
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):

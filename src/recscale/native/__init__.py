@@ -141,6 +141,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 # Row formats the embedding kernels read and write (native/row_format.h).
 ROW_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ROW_SPLIT = 3  # bf16 high halves with the low 16 bits apart (Split-SGD-BF16): exact
 
 
 def applies(t: torch.Tensor, dim: int, max_dim: int | None = None, rows: bool = False) -> bool:

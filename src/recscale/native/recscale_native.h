@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 13
+#define RECSCALE_NATIVE_ABI 14
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -34,7 +34,8 @@ int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state
                            const int64_t *rows, const int64_t *seg_starts, int64_t s0, int64_t s1,
                            const int64_t *bag_of_id, const float *psw, const float *grad,
                            int64_t grad_stride, float lr, float eps, float beta1, float beta2,
-                           float step_size, uint8_t *dirty, int64_t wt, int64_t step);
+                           float step_size, uint8_t *dirty, int64_t wt, int64_t step,
+                           uint16_t *low);
 int recscale_dot_forward(const float *dense, const float *emb, float *out, int64_t b0, int64_t b1,
                          int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
                          int64_t width, int64_t dense_stride, int64_t emb_sample_stride,

@@ -27,6 +27,7 @@
 #define RS_F32 0
 #define RS_F16 1
 #define RS_BF16 2
+#define RS_SPLIT 3 /* Split-SGD-BF16: bf16 high halves here, the low 16 bits apart (exact) */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

@@ -78,7 +78,8 @@ typedef struct {
     int64_t grad_stride;
     float lr, eps, beta1, beta2, step_size;
     uint8_t *dirty;
-    int64_t step; /* the stochastic rounding's noise (16-bit rows) */
+    int64_t step;  /* the stochastic rounding's noise (16-bit rows) */
+    uint16_t *low; /* RS_SPLIT: the values' low 16 bits, beside the bf16 high halves */
 } Args;
 
 /* Scratch for one segment of up to n ids: hash keys/slots (cap = 2^k >= 2n), the unique
@@ -97,6 +98,9 @@ RS_INLINE void prefetch_row(const Args *a, int64_t r, const int64_t d, const int
     const int64_t bytes = d * rs_value_bytes(wt);
     const char *row = (const char *)a->weight + r * bytes;
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o, 1, 1);
+    if (wt == RS_SPLIT) /* the low halves too, a row of them as long as the high one */
+        for (int64_t o = 0; o < bytes; o += 64)
+            __builtin_prefetch((const char *)(a->low + r * d) + o, 1, 1);
     if (a->kind == RS_ADAGRAD) __builtin_prefetch(a->state1 + r, 1, 1);
     if (a->kind == RS_ADAM) {
         __builtin_prefetch(a->state1 + r * d, 1, 1);
@@ -157,6 +161,28 @@ RS_INLINE void segment(const Args *a, int64_t s, const int64_t d, const int wt, 
             update_row(a, r, (float *)a->weight + r * d, g, d);
             continue;
         }
+        if (wt == RS_SPLIT) { /* the exact fp32 value from both halves, and back: no rounding */
+            uint16_t *hi = (uint16_t *)a->weight + r * d, *lw = a->low + r * d;
+            for (int64_t c = 0; c < d; c += 8) {
+                const __m256i h =
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hi + c)));
+                const __m256i l =
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(lw + c)));
+                const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(h, 16), l);
+                _mm256_storeu_ps(row + c, _mm256_castsi256_ps(bits));
+            }
+            update_row(a, r, row, g, d);
+            for (int64_t c = 0; c < d; c += 8) {
+                const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(row + c));
+                const __m256i h = _mm256_srli_epi32(bits, 16);
+                const __m256i l = _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF));
+                _mm_storeu_si128((__m128i *)(hi + c), _mm_packus_epi32(_mm256_castsi256_si128(h),
+                                                                       _mm256_extracti128_si256(h, 1)));
+                _mm_storeu_si128((__m128i *)(lw + c), _mm_packus_epi32(_mm256_castsi256_si128(l),
+                                                                       _mm256_extracti128_si256(l, 1)));
+            }
+            continue;
+        }
         void *stored = (uint16_t *)a->weight + r * d;
         for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(row + c, rs_load8(stored, c, wt));
         update_row(a, r, row, g, d);
@@ -183,6 +209,7 @@ RS_AVX2 static void segments(const Args *a, int64_t s0, int64_t s1, int64_t d, i
     switch (wt) { /* a constant format too */
     case RS_F16: segments_of(a, s0, s1, d, RS_F16, sc); break;
     case RS_BF16: segments_of(a, s0, s1, d, RS_BF16, sc); break;
+    case RS_SPLIT: segments_of(a, s0, s1, d, RS_SPLIT, sc); break;
     default: segments_of(a, s0, s1, d, RS_F32, sc); break;
     }
 }
@@ -194,10 +221,12 @@ int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state
                            const int64_t *rows, const int64_t *seg_starts, int64_t s0, int64_t s1,
                            const int64_t *bag_of_id, const float *psw, const float *grad,
                            int64_t grad_stride, float lr, float eps, float beta1, float beta2,
-                           float step_size, uint8_t *dirty, int64_t wt, int64_t step) {
+                           float step_size, uint8_t *dirty, int64_t wt, int64_t step,
+                           uint16_t *low) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (dim <= 0 || dim % 8 != 0 || kind < RS_SGD || kind > RS_ADAM) return -1;
-    if (wt < RS_F32 || wt > RS_BF16 || (wt != RS_F32 && dim > 128)) return -1;
+    if (wt < RS_F32 || wt > RS_SPLIT || (wt != RS_F32 && dim > 128)) return -1;
+    if (wt == RS_SPLIT && !low) return -1;
     int64_t n_max = 0;
     for (int64_t s = s0; s < s1; ++s) {
         const int64_t n = seg_starts[s + 1] - seg_starts[s];
@@ -217,7 +246,7 @@ int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state
         rc = -2;
     } else {
         const Args a = {(int)kind, weight, state1, state2, rows, seg_starts, bag_of_id, psw, grad,
-                        grad_stride, lr, eps, beta1, beta2, step_size, dirty, step};
+                        grad_stride, lr, eps, beta1, beta2, step_size, dirty, step, low};
         segments(&a, s0, s1, dim, wt, &sc);
     }
     free(sc.keys);
@@ -229,6 +258,7 @@ int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state
     (void)kind, (void)weight, (void)dim, (void)state1, (void)state2, (void)rows, (void)seg_starts;
     (void)s0, (void)s1, (void)bag_of_id, (void)psw, (void)grad, (void)grad_stride, (void)lr;
     (void)eps, (void)beta1, (void)beta2, (void)step_size, (void)dirty, (void)wt, (void)step;
+    (void)low;
     return -1;
 #endif
 }

@@ -80,7 +80,7 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_SPARSE_UPDATE:
         return recscale_sparse_update(I(0), P(1), I(2), P(3), P(4), P(5), P(6), I(7), I(8), P(9),
                                       P(10), P(11), I(12), F(13), F(14), F(15), F(16), F(17),
-                                      P(18), I(19), I(20));
+                                      P(18), I(19), I(20), P(21));
     case K_WEIGHT_GRAD:
         return recscale_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9),
                                     I(10), I(11));

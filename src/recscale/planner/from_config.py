@@ -178,7 +178,9 @@ def with_kernels(plan: ShardingPlan, cfg: Config, device: torch.device) -> Shard
     tables (their own factor ops) keep the configured request."""
     m, e = cfg.model, cfg.embedding
     comp = table_compressions(m.table_sizes, m.dims(), e)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(e.row_precision, torch.float32)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "split_bf16": torch.bfloat16}.get(
+        e.row_precision, torch.float32
+    )
     chosen = {}
     for p, d, (c, _) in zip(plan.placements, m.dims(), comp):
         if c != "none":

@@ -1,0 +1,123 @@
+"""Split-SGD-BF16 rows (``embedding.row_precision=split_bf16``, Kalamkar et al. SC20):
+the lookup reads the bf16 high halves, the update is exactly fp32's (against a plain
+fp32 DeviceStorage, bit for bit), checkpoints store the exact fp32 values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_resume_identical
+
+from recscale import native
+from recscale.config import load_config
+from recscale.embedding.low_precision import LowPrecisionStorage, join_fp32, split_fp32
+from recscale.embedding.optimizers import SparseAdam, SparseRowwiseAdagrad, SparseSGD
+from recscale.embedding.sizing import row_bytes
+from recscale.embedding.storage import DeviceStorage
+from recscale.train.run import train
+
+QUIET = dict(echo=lambda *_: None)
+
+
+def test_split_and_join_are_exact_for_every_bit_pattern():
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (4096,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = x[torch.isfinite(x)]
+    high, low = split_fp32(x)
+    assert high.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(join_fp32(high, low).view(torch.int32), x.view(torch.int32))
+    # the high half is the value truncated toward zero to bf16
+    assert torch.equal(high.float().abs() <= x.abs(), torch.ones_like(x, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: SparseSGD(0.5), lambda: SparseRowwiseAdagrad(0.1), lambda: SparseAdam(0.01)],
+    ids=["sgd", "rowwise_adagrad", "adam"],
+)
+def test_the_update_is_exactly_the_fp32_optimizers(make_opt):
+    g = torch.Generator().manual_seed(2)
+    split = LowPrecisionStorage(40, 16, make_opt(), "split_bf16")
+    ref = DeviceStorage(40, 16, make_opt(), kernel="torch")
+    init = torch.randn(40, 16, generator=g) * 0.1
+    split.write_rows(torch.arange(40), init)
+    ref.write_rows(torch.arange(40), init)
+    assert torch.equal(split.read_rows(torch.arange(40)), init)
+    for _ in range(5):
+        rows = torch.tensor([1, 5, 9, 30, 5])
+        grad = torch.randn(5, 16, generator=g)
+        for st in (split, ref):
+            u, inv = torch.unique(rows, return_inverse=True)
+            merged = torch.zeros(len(u), 16).index_add_(0, inv, grad)
+            st.apply_gradients(u, merged)
+    every = torch.arange(40)
+    assert torch.equal(split.read_rows(every), ref.read_rows(every))
+    for name, t in split.read_state(every).items():
+        assert torch.equal(t, ref.read_state(every)[name]), name
+
+
+def test_the_lookup_pools_the_high_halves():
+    g = torch.Generator().manual_seed(3)
+    st = LowPrecisionStorage(50, 16, SparseSGD(0.1), "split_bf16", kernel="torch")
+    st.write_rows(torch.arange(50), torch.randn(50, 16, generator=g))
+    rows = torch.randint(0, 50, (30,), generator=g)
+    offsets = torch.tensor([0, 4, 4, 11, 30])
+    truncated = st.weight.float()  # the bf16 high halves, as fp32
+    want = F.embedding_bag(rows, truncated, offsets, mode="sum", include_last_offset=True)
+    assert torch.equal(st.lookup(rows, offsets, None), want)
+    assert st.weight.element_size() == 2  # what the lookup reads: half of fp32's bytes
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built")
+def test_the_native_lookup_reads_the_same_high_halves():
+    st = LowPrecisionStorage(50, 16, SparseSGD(0.1), "split_bf16", kernel="native")
+    st.write_rows(torch.arange(50), torch.randn(50, 16))
+    assert st.native_lookup_table() is st.weight  # bf16 rows: the native row format 2
+    assert st.backward_kernel() == "native"  # RS_SPLIT: both halves, exact
+
+
+def test_the_planner_counts_four_bytes_a_value():
+    cfg = load_config("debug", ["--embedding.row_precision=split_bf16"])
+    plain = load_config("debug")
+    assert row_bytes(cfg.embedding, 16) == row_bytes(plain.embedding, 16)
+
+
+def test_training_matches_fp32_closely_and_resumes_bitwise(tmp_path):
+    fp32 = train(load_config("debug", ["--train.progress=false"]), None, **QUIET)
+    split = train(
+        load_config("debug", ["--train.progress=false", "--embedding.row_precision=split_bf16"]),
+        None,
+        **QUIET,
+    )
+    assert abs(split["auc"] - fp32["auc"]) <= 0.005, (split["auc"], fp32["auc"])
+    assert_resume_identical(tmp_path, ["--embedding.row_precision=split_bf16"])
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built")
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: SparseSGD(0.5), lambda: SparseRowwiseAdagrad(0.1), lambda: SparseAdam(0.01)],
+    ids=["sgd", "rowwise_adagrad", "adam"],
+)
+def test_the_native_split_update_is_the_fp32_update_bit_for_bit(make_opt):
+    """The fused native update on split rows (RS_SPLIT) against fp32 rows updated by the
+    native fp32 kernel, from the same pooled gradients, duplicates included."""
+    g = torch.Generator().manual_seed(5)
+    n, d, bags = 64, 32, 48
+    split = LowPrecisionStorage(n, d, make_opt(), "split_bf16", kernel="native")
+    ref = DeviceStorage(n, d, make_opt(), kernel="native")
+    init = torch.randn(n, d, generator=g) * 0.1
+    split.write_rows(torch.arange(n), init)
+    ref.write_rows(torch.arange(n), init)
+    assert split.backward_kernel() == "native"
+    for _ in range(4):
+        rows = torch.randint(0, 12, (bags,), generator=g)  # hot rows repeat
+        bag_of_id = torch.arange(bags)
+        segments = torch.tensor([0, bags])
+        grad = torch.randn(bags, d, generator=g)
+        for st in (split, ref):
+            st.apply_pooled_gradients(rows, segments, bag_of_id, None, grad)
+    every = torch.arange(n)
+    assert torch.equal(split.read_rows(every), ref.read_rows(every))
