@@ -120,3 +120,26 @@ def test_cuda_without_cuda_is_one_line_naming_the_key(tmp_path):
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "train.device" in lines[0], r.stderr
+
+
+def test_bf16_says_where_it_runs_and_warns_when_emulated(monkeypatch):
+    from recscale.train import precision
+
+    assert precision.bf16_hardware(torch.device("cpu")) in ("amx", "avx512_bf16", "emulated")
+    assert precision.bf16_note("fp32", torch.device("cpu")) is None
+    monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "emulated")
+    lines: list[str] = []
+    train(
+        load_config("debug", [*FAST, "--train.steps=5", "--train.precision=bf16"]),
+        None,
+        echo=lines.append,
+    )
+    assert any("bf16 on this CPU is emulated" in x for x in lines), lines
+    monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "amx")
+    lines.clear()
+    train(
+        load_config("debug", [*FAST, "--train.steps=5", "--train.precision=bf16"]),
+        None,
+        echo=lines.append,
+    )
+    assert not any("emulated" in x for x in lines)

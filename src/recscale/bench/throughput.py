@@ -42,6 +42,7 @@ from recscale.train.cache_prefetch import cache_report, cached_storages
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
+from recscale.train.precision import bf16_hardware, bf16_note
 from recscale.train.step import backward_and_step, forward_loss, setup_process
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
@@ -153,6 +154,9 @@ def run_throughput(
         else:
             timer.spans.clear()
 
+    note = bf16_note(precision, device)
+    if note:
+        echo(f"note: {note}")
     echo(
         f"warm-up {warmup} steps, then {steps if turns is None else 'turns of'} timed steps "
         f"of batch {b} on {device}"
@@ -297,6 +301,7 @@ def run_throughput(
         "kernels": cfg.model.kernels,
         "native": native.status(),
         "native_threads": team_status(native.library()),
+        "bf16_hardware": bf16_hardware(device),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
@@ -316,8 +321,9 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"ratio {r['ratio_to_bound']:.2f}; mean over all steps {r['samples_per_s_mean']:,.0f})",
             f"  {r['ms_per_step']:.2f} ms/step (median) of batch {r['batch_size']} on "
             f"{r['device_name'] if r['device'] != 'cpu' else str(r['threads']) + ' threads'} "
-            f"({r['precision']}); "
-            f"stages (ms): {stages}",
+            f"({r['precision']}"
+            + (f", bf16 on {r['bf16_hardware']}" if r["precision"] == "bf16" else "")
+            + f"); stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "
             + (

@@ -14,8 +14,11 @@ the interaction in fp32 and autocast casts them where a GEMM takes them.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+
+from recscale import native
 
 
 def set_matmul_precision(precision: str) -> None:
@@ -30,3 +33,40 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_hardware(device: torch.device) -> str:
+    """What runs bf16 arithmetic here: ``cuda``; on a CPU ``amx`` (AMX-BF16 tiles),
+    ``avx512_bf16`` (vdpbf16ps), or ``emulated`` (converted to fp32 around fp32
+    instructions: correct, and no faster than fp32)."""
+    if device.type == "cuda":
+        return "cuda"
+    features = native.cpu_features()
+    flags = _cpu_flags()
+    if features & native.CPU_AMX_BF16 or "amx_bf16" in flags:
+        return "amx"
+    if features & native.CPU_AVX512_BF16 or "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "emulated"
+
+
+def bf16_note(precision: str, device: torch.device) -> str | None:
+    """The line a bf16 run on a CPU without bf16 instructions prints, else None."""
+    if precision != "bf16" or bf16_hardware(device) != "emulated":
+        return None
+    return (
+        "train.precision=bf16 on this CPU is emulated (no AVX512-BF16 or AMX): correct, but "
+        "expect it no faster than fp32 - it pays on CPUs with those (docs/performance.md)"
+    )

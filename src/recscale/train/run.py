@@ -50,7 +50,7 @@ from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train
 from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
-from recscale.train.precision import autocast
+from recscale.train.precision import autocast, bf16_note
 from recscale.train.progress import Progress
 from recscale.train.schedule import LRSchedule, scheduled
 from recscale.train.step import (
@@ -253,6 +253,9 @@ def _announce(job: Job) -> None:
     )
     for line in compression_summary(cfg):
         job.echo(f"recscale: {line}")
+    note = bf16_note(t.precision, ctx.device)
+    if note:
+        job.echo(f"recscale: {note}")
     if (
         ctx.device.type == "cpu"
         and cfg.model.kernels in ("auto", "native")
