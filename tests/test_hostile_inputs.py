@@ -333,3 +333,22 @@ def test_a_fifo_for_a_datasets_metadata_is_refused_not_read(tmp_path):
     os.mkfifo(ds / "metadata.json")
     with pytest.raises(DatasetError, match="not a regular file"):
         BinaryDataset(ds, "train")
+
+
+def test_a_dataset_column_that_is_a_symlink_is_refused(tmp_path):
+    from recscale.data.dataset import BinaryDataset, DatasetError
+
+    ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
+    col = ds / "train" / "labels.u8"
+    outside = tmp_path / "elsewhere.u8"
+    outside.write_bytes(col.read_bytes())  # the right size: only the link is wrong
+    col.unlink()
+    col.symlink_to(outside)
+    with pytest.raises(DatasetError, match="symbolic link"):
+        BinaryDataset(ds, "train")
+
+
+def test_a_run_directory_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    r = _cli("train", "--config", "debug", "--train.steps=3", "--run-dir", str(tmp_path / "afile"))
+    assert r.returncode == 1 and "is a file" in _error_line(r.stderr)

@@ -60,6 +60,11 @@ def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
     another dtype (float64 dense)."""
     item = np.dtype(dtype).itemsize
     want = int(np.prod(shape)) * item
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise DatasetError(
+            f"{path}: a symbolic link or not a regular file; a dataset's columns are its own "
+            "files (copy the file in, or rewrite the dataset)"
+        )
     have = path.stat().st_size if path.exists() else None
     if have != want:
         raise DatasetError(

@@ -73,6 +73,8 @@ def check_run_dir(run_dir: Path, resume: Path | None) -> None:
     """Refuse a run directory that holds another run: its checkpoints would be counted
     (and pruned) as this run's, and ``--resume`` would restore the other run. Resuming
     the run in that very directory is fine."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirInUse(f"--run-dir {run_dir} is a file; name a directory for the run")
     marks = [n for n in ("config.toml", "metrics.json", "checkpoints") if (run_dir / n).exists()]
     if not marks:
         return
@@ -189,9 +191,9 @@ def build_job(
 ) -> Job:
     ctx, threads = _process(cfg, ctx)
     if run_dir is not None:
+        check_run_dir(run_dir, resume)
         if ctx.is_main:  # one writer: a second run or --resume on this directory stops here
             locks.hold(run_lock(run_dir), f"run directory {run_dir}")
-        check_run_dir(run_dir, resume)
     ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
     if not ctx.is_main:  # one voice and one writer: rank 0
         echo, run_dir = (lambda _msg: None), None
