@@ -244,8 +244,8 @@ def main() -> None:
         return
     # TorchRec runs in the environment this script was started in: without the variables
     # importing recscale set (its OpenMP waits, huge pages), which a TorchRec user's
-    # process does not have. Up to session 9 it inherited them: OMP_WAIT_POLICY=PASSIVE
-    # made its every op wake a sleeping OpenMP worker (A: ~29k against ~40k samples/s).
+    # process does not have. Inheriting them would slow it: OMP_WAIT_POLICY=PASSIVE makes
+    # its every op wake a sleeping OpenMP worker (A: ~29k against ~40k samples/s).
     peer_env = {k: v for k, v in os.environ.items() if args.peer_same_env or k not in ENV_DEFAULTS}
     if args.peer_same_malloc:
         peer_env["GLIBC_TUNABLES"] = (

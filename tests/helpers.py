@@ -101,3 +101,25 @@ def assert_resume_identical(tmp_path, extra: list[str]) -> None:
         for d in (tmp_path / "a", tmp_path / "b")
     )
     assert all(la[s] == lb[s] for s in range(45, 61, 5))
+
+
+def cli(*args: str, timeout: float = 180, **kw):
+    """``python -m recscale ARGS`` in a subprocess: its CompletedProcess (text output)."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "recscale", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def error_line(err: str) -> str:
+    """The one ``recscale: error:`` line of a CLI's stderr (and no traceback)."""
+    assert "Traceback" not in err, err
+    lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
+    assert len(lines) == 1, err
+    return lines[0]

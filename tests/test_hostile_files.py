@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli, error_line
 
 from recscale.checkpoint.format import CheckpointError, manifest_crc, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
@@ -23,22 +23,9 @@ BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"
 CKPT = ["--checkpoint.every_steps=10", "--checkpoint.full_every=1"]
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recscale", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
 def _train_on_ssd(ssd: Path, run: Path) -> subprocess.CompletedProcess:
     args = ["--embedding.placement=ssd", f"--embedding.ssd_dir={ssd}", "--run-dir", str(run)]
-    return _cli("train", "--config", "debug", *BASE, *args, timeout=60)
-
-
-def _error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
+    return cli("train", "--config", "debug", *BASE, *args, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +68,7 @@ def test_a_planted_symlink_in_the_ssd_dir_is_not_written_through(tmp_path):
     ssd.mkdir()
     (ssd / "tables_dim8.f32").symlink_to(victim)
     r = _train_on_ssd(ssd, tmp_path / "run")
-    assert r.returncode == 1 and "symbolic link" in _error_line(r.stderr)
+    assert r.returncode == 1 and "symbolic link" in error_line(r.stderr)
     assert victim.read_text() == "keep me"
 
 
@@ -90,7 +77,7 @@ def test_a_fifo_in_the_ssd_dir_is_refused_not_opened(tmp_path):
     ssd.mkdir()
     os.mkfifo(ssd / "tables_dim8.f32")
     r = _train_on_ssd(ssd, tmp_path / "run")
-    assert r.returncode == 1 and "not a regular file" in _error_line(r.stderr)
+    assert r.returncode == 1 and "not a regular file" in error_line(r.stderr)
 
 
 # -- checkpoints: confinement ------------------------------------------------------------
@@ -125,7 +112,7 @@ def test_a_manifest_cannot_make_a_restore_read_outside_the_checkpoint(
     messages: list[str] = []
     assert resolve_chain(run, messages.append)[-1].name == "step_00000010"
     assert len(messages) == 1 and "step_00000020" in messages[0]
-    r = _cli("checkpoint", "inspect", str(ck))
+    r = cli("checkpoint", "inspect", str(ck))
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
 
 
@@ -136,9 +123,9 @@ def test_a_fifo_named_in_a_manifest_does_not_hang_inspect_or_resume(
     ck = run / "checkpoints" / "step_00000020"
     (ck / "trainer.json").unlink()
     os.mkfifo(ck / "trainer.json")
-    r = _cli("checkpoint", "inspect", str(ck), timeout=60)
+    r = cli("checkpoint", "inspect", str(ck), timeout=60)
     assert r.returncode == 1 and "not a regular file" in r.stdout + r.stderr
-    r = _cli("train", "--resume", str(run), "--train.steps=30", timeout=120)
+    r = cli("train", "--resume", str(run), "--train.steps=30", timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "skipping checkpoint step_00000020" in out and "not a regular file" in out

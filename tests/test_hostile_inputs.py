@@ -6,13 +6,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import cli, error_line, make_dataset
 
 from recscale import locks, native
 from recscale.config import ConfigError, load_config
@@ -22,23 +20,6 @@ from recscale.train.run import TrainingDiverged, run_lock, train, write_atomic
 
 QUIET = dict(echo=lambda *_: None)
 BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"]
-
-
-def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recscale", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-
-
-def _error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -58,8 +39,8 @@ def test_a_non_finite_setting_names_its_key(key):
 
 
 def test_an_absurd_thread_count_is_refused_not_a_segfault(tmp_path):
-    r = _cli("train", "--config", "debug", "--train.threads=100000", "--run-dir", str(tmp_path))
-    assert r.returncode == 2 and "train.threads" in _error_line(r.stderr)
+    r = cli("train", "--config", "debug", "--train.threads=100000", "--run-dir", str(tmp_path))
+    assert r.returncode == 2 and "train.threads" in error_line(r.stderr)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -92,16 +73,16 @@ def test_preprocess_into_a_directory_that_is_also_something_else_is_refused(tmp_
     (ds / "notes.txt").write_text("mine")
     before = _tree(ds)
     src = tmp_path / "in.tsv"
-    r = _cli("data", "preprocess", "--input", str(src), "--out", str(ds), "--split", "none")
-    assert r.returncode != 0 and "notes.txt" in _error_line(r.stderr)
+    r = cli("data", "preprocess", "--input", str(src), "--out", str(ds), "--split", "none")
+    assert r.returncode != 0 and "notes.txt" in error_line(r.stderr)
     assert _tree(ds) == before
 
 
 def test_multihot_onto_its_own_input_is_refused(tmp_path):
     ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
     before = _tree(ds)
-    r = _cli("data", "multihot", "--input", str(ds), "--out", str(ds), "--bag-sizes", "2")
-    assert r.returncode != 0 and "input" in _error_line(r.stderr)
+    r = cli("data", "multihot", "--input", str(ds), "--out", str(ds), "--bag-sizes", "2")
+    assert r.returncode != 0 and "input" in error_line(r.stderr)
     assert _tree(ds) == before
 
 
@@ -109,10 +90,10 @@ def test_a_failed_resume_leaves_the_runs_config_as_it_was(tmp_path):
     run = tmp_path / "run"
     train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
     config = (run / "config.toml").read_bytes()
-    r = _cli("train", "--resume", str(run), "--embedding.optimizer=adam", "--train.steps=30")
+    r = cli("train", "--resume", str(run), "--embedding.optimizer=adam", "--train.steps=30")
     assert r.returncode == 1
     assert (run / "config.toml").read_bytes() == config
-    r = _cli("train", "--resume", str(run), "--train.steps=30")
+    r = cli("train", "--resume", str(run), "--train.steps=30")
     assert r.returncode == 0, r.stderr
 
 
@@ -166,11 +147,11 @@ def test_a_second_writer_of_a_run_directory_is_told_who_holds_it(tmp_path):
     train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
     locks.hold(run_lock(run), "test")  # as a first `--resume` still running would
     try:
-        r = _cli("train", "--resume", str(run), "--train.steps=30")
-        assert r.returncode == 1 and f"pid {os.getpid()}" in _error_line(r.stderr)
+        r = cli("train", "--resume", str(run), "--train.steps=30")
+        assert r.returncode == 1 and f"pid {os.getpid()}" in error_line(r.stderr)
     finally:
         locks.release(run_lock(run))
-    assert _cli("train", "--resume", str(run), "--train.steps=30").returncode == 0
+    assert cli("train", "--resume", str(run), "--train.steps=30").returncode == 0
 
 
 def test_a_second_writer_of_a_dataset_is_told_who_holds_it(tmp_path):
@@ -178,8 +159,8 @@ def test_a_second_writer_of_a_dataset_is_told_who_holds_it(tmp_path):
     lock = tmp_path / ".mh.lock"
     locks.hold(lock, "test")
     try:
-        r = _cli("data", "multihot", "--input", str(ds), "--out", str(tmp_path / "mh"))
-        assert r.returncode == 1 and f"pid {os.getpid()}" in _error_line(r.stderr)
+        r = cli("data", "multihot", "--input", str(ds), "--out", str(tmp_path / "mh"))
+        assert r.returncode == 1 and f"pid {os.getpid()}" in error_line(r.stderr)
     finally:
         locks.release(lock)
 
@@ -204,10 +185,10 @@ def _damaged_cache(tmp_path: Path) -> dict:
 
 def test_a_damaged_default_calibration_is_ignored_and_a_named_one_is_one_line(tmp_path):
     env = _damaged_cache(tmp_path)
-    r = _cli("plan", "--config", "debug", "--world-size", "2", env=env)
+    r = cli("plan", "--config", "debug", "--world-size", "2", env=env)
     assert r.returncode == 0, r.stderr
     bad = next((tmp_path / "cache" / "recscale").iterdir())
-    r = _cli(
+    r = cli(
         "plan",
         "--config",
         "debug",
@@ -216,7 +197,7 @@ def test_a_damaged_default_calibration_is_ignored_and_a_named_one_is_one_line(tm
         f"--distributed.calibration={bad}",
         env=env,
     )
-    assert r.returncode == 2 and "distributed.calibration" in _error_line(r.stderr)
+    assert r.returncode == 2 and "distributed.calibration" in error_line(r.stderr)
 
 
 def test_every_rank_plans_beside_a_damaged_default_calibration(tmp_path, monkeypatch):
@@ -267,7 +248,7 @@ def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage
         cols["label"] = pa.array(["yes", "no"])
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table(cols), src)
-    r = _cli(
+    r = cli(
         "data",
         "preprocess",
         "--format",
@@ -279,7 +260,7 @@ def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage
         "--split",
         "none",
     )
-    line = _error_line(r.stderr)
+    line = error_line(r.stderr)
     assert r.returncode == 1 and str(src) in line
     assert ("'C7'" if damage == "missing_column" else "'label'") in line
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
@@ -350,5 +331,5 @@ def test_a_dataset_column_that_is_a_symlink_is_refused(tmp_path):
 
 def test_a_run_directory_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("x")
-    r = _cli("train", "--config", "debug", "--train.steps=3", "--run-dir", str(tmp_path / "afile"))
-    assert r.returncode == 1 and "is a file" in _error_line(r.stderr)
+    r = cli("train", "--config", "debug", "--train.steps=3", "--run-dir", str(tmp_path / "afile"))
+    assert r.returncode == 1 and "is a file" in error_line(r.stderr)

@@ -16,7 +16,7 @@ class DatasetError(ValueError):
     pass
 
 
-_FINITE_CHECKED: set[tuple] = set()  # (file, size, mtime[, what]) checked once
+_CHECKED: set[tuple] = set()  # (file, size, mtime[, what]): the checks a file passed
 
 
 def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> None:
@@ -24,7 +24,7 @@ def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> N
     every metric into NaN). Once per file version per process: a scan reads the file."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key in _FINITE_CHECKED:
+    if key in _CHECKED:
         return
     for lo in range(0, dense.shape[0], chunk_rows):
         block = np.asarray(dense[lo : lo + chunk_rows])
@@ -34,7 +34,7 @@ def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> N
             raise DatasetError(
                 f"{path}: row {row} has a non-finite dense value ({block[row - lo].tolist()})"
             )
-    _FINITE_CHECKED.add(key)
+    _CHECKED.add(key)
 
 
 def read_metadata(root: str | Path) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def check_bags(
     path = d / "row_offsets.i64"
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, "bags")
-    if key in _FINITE_CHECKED:
+    if key in _CHECKED:
         return
     rows = lengths.shape[0]
     if int(row_offsets[0]) != 0 or int(row_offsets[rows]) != ids:
@@ -105,4 +105,4 @@ def check_bags(
                 f"{d}: row {r}'s bag lengths (bag_lengths.u16) add up to {int(per_row[bad[0]])} "
                 f"ids but row_offsets.i64 gives it {int(steps[bad[0]])}: rewrite the dataset"
             )
-    _FINITE_CHECKED.add(key)
+    _CHECKED.add(key)

@@ -6,7 +6,6 @@ val / test, and the output directory's rules (refuse to destroy anything; build 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from recscale import locks
+from recscale.data.columns import read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 
 FORMAT_VERSION = 1
@@ -93,10 +93,10 @@ def _dataset_strangers(path: Path) -> list[str] | None:
     one), else the entries in it that a dataset does not have (a directory holding a
     file called metadata.json beside other things is not ours to replace)."""
     try:
-        meta = json.loads((path / "metadata.json").read_text())
+        meta = read_metadata(path)
         splits = set(meta["splits"])
         meta["table_sizes"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # DatasetError is a ValueError
         return None
     ours = {"metadata.json", "bad_lines.txt", *splits, *(f"{s}.parquet" for s in splits)}
     return sorted(c.name for c in path.iterdir() if c.name not in ours)

@@ -124,9 +124,9 @@ class RowStorage(nn.Module, ABC):
         ``for_update``: the backward will update these rows (a cache keeps them resident)."""
 
     @property
+    @abstractmethod
     def device(self) -> torch.device:
         """Where the rows (or their cache, or factors) live; subclasses name the tensor."""
-        raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
         # ``module.to(device)`` moves every buffer; the ``step`` count stays on the CPU,

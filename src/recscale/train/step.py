@@ -78,13 +78,8 @@ def forward_loss(
     """The step's forward: logits under ``precision``'s autocast, the loss in fp32.
     ``mark`` (a benchmark's clock) is called between the model's stages;
     ``check_finite`` makes the loss NaN when an activation is (see ``DLRM.forward``)."""
-    kw: dict[str, Any] = {}
-    if mark is not None:
-        kw["mark"] = mark
-    if check_finite:
-        kw["check_finite"] = True
     with autocast(precision, device):
-        logits = module(batch, **kw)
+        logits = module(batch, mark=mark, check_finite=check_finite)
     return F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
 
 
