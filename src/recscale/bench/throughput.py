@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from recscale import native
+from recscale.bench.disk import DiskCounters, disk_iops
 from recscale.bench.hardware import (
     OtherLoad,
     best_on_record,
@@ -38,7 +39,7 @@ from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
-from recscale.train.cache_prefetch import cache_report, cached_storages
+from recscale.train.cache_prefetch import cache_report, cached_storages, warm_caches
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
@@ -120,6 +121,8 @@ def run_throughput(
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
+    if tiered and cfg.embedding.warm_start:
+        warm_caches(model.embeddings, echo)
     if tiered and turns is not None:
         raise ValueError(
             "bench throughput: turns need the tables on the device "
@@ -183,6 +186,8 @@ def run_throughput(
         step(next_batch(i, False), record=False)
     for st in cached_storages(model.embeddings):
         st.stats = type(st.stats)()  # count the steady state only
+        st.rows.stats = type(st.rows.stats)()
+    disk_start = DiskCounters.now()
     elapsed, i = 0.0, 0
     for n in [steps] if turns is None else turns:
         first = len(marks)
@@ -269,12 +274,14 @@ def run_throughput(
             "read low (a busy machine?); take the figures from a quiet run"
         )
     cache = cache_report(model.embeddings, 0.0, sum(waits))
+    io = tier_io(model.embeddings, DiskCounters.now().since(disk_start), steps, b, echo)
     return {
         **(
             {"embedding_cache": cache, "prefetch_wait_ms": 1e3 * sum(waits) / steps}
             if cache
             else {}
         ),
+        **({"tier_io": io} if io else {}),
         "samples_per_s": sps,
         "samples_per_s_mean": steps * b / elapsed,
         "bound_samples_per_s": bound,
@@ -344,6 +351,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
                 if "embedding_cache" in r
                 else []
             ),
+            *([format_tier_io(r["tier_io"])] if r.get("tier_io") else []),
             f"  kernels: {r['kernels']}; native C kernels {r['native']}, "
             f"{r.get('native_threads', '')}",
             f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather "
@@ -361,3 +369,65 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"{r['embedding_bytes_per_sample']:,.0f} embedding bytes",
         ]
     )
+
+
+def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, Any] | None:
+    """The ssd tier's I/O per step over the timed steps, and the bound it sets: the
+    disk's random-read rate at the tier's depth (probed once per disk) over the pages
+    the disk actually read and wrote per step (``/proc/self/io``: page-cache hits
+    excluded)."""
+    files = [st for st in cached_storages(ebc) if getattr(st, "path", None) is not None]
+    if not files:
+        return None
+    depth = max(st.rows.depth for st in files)
+    io: dict[str, Any] = {"io_depth": depth}
+    for st in files:
+        for k, v in st.io_stats().items():
+            io[k] = io.get(k, 0) + v
+    per_step = {k: io[k] / steps for k in ("rows_read", "rows_written", "io_requests")}
+    out: dict[str, Any] = {
+        "io_depth": depth,
+        "rows_read_per_step": per_step["rows_read"],
+        "rows_written_per_step": per_step["rows_written"],
+        "requests_per_step": per_step["io_requests"],
+        "io_ms_per_step": 1e3 * io["io_seconds"] / steps,
+        "requests_per_s": io["io_requests"] / io["io_seconds"] if io["io_seconds"] else 0.0,
+    }
+    if disk.read_bytes >= 0:
+        pages = (disk.read_bytes + disk.write_bytes) / 4096 / steps
+        out["disk_read_mb_per_step"] = disk.read_bytes / 1e6 / steps
+        out["disk_write_mb_per_step"] = disk.write_bytes / 1e6 / steps
+        try:
+            iops = disk_iops(files[0].path.parent, depth, echo)
+        except OSError as e:
+            echo(f"note: could not probe the disk under {files[0].path.parent}: {e}")
+            iops = {}
+        if iops:
+            out["disk_iops_qd1"] = iops["qd1"]
+            out[f"disk_iops_qd{depth}"] = iops[f"qd{depth}"]
+            out["io_bound_samples_per_s"] = (
+                batch * iops[f"qd{depth}"] / pages if pages else float("inf")
+            )
+    return out
+
+
+def format_tier_io(io: dict[str, Any]) -> str:
+    d = io["io_depth"]
+    line = (
+        f"  ssd I/O: {io['rows_read_per_step']:,.0f} rows read, "
+        f"{io['rows_written_per_step']:,.0f} written per step in "
+        f"{io['requests_per_step']:,.0f} requests ({io['requests_per_s']:,.0f}/s at depth {d}, "
+        f"{io['io_ms_per_step']:.1f} ms/step)"
+    )
+    if "disk_read_mb_per_step" in io:
+        line += (
+            f"; from the disk {io['disk_read_mb_per_step']:.2f} MB read, "
+            f"{io['disk_write_mb_per_step']:.2f} MB written per step"
+        )
+    if "io_bound_samples_per_s" in io:
+        line += (
+            f"; disk 4 KiB random reads {io['disk_iops_qd1']:,.0f}/s at depth 1, "
+            f"{io[f'disk_iops_qd{d}']:,.0f}/s at {d}: I/O bound "
+            f"{io['io_bound_samples_per_s']:,.0f} samples/s"
+        )
+    return line

@@ -53,6 +53,7 @@ DATA_SOURCES = ("auto", "synthetic", "binary")
 # Kernels, in fallback order after "auto": native C (CPU), Triton (GPU), numba (CPU), torch ops.
 KERNELS = ("auto", "native", "triton", "numba", "torch")
 PLACEMENTS = ("device", "host", "ssd")  # where a table's rows live (a storage tier)
+ROW_ORDERS = ("frequency", "id")
 CACHE_POLICIES = ("lfu", "lru")
 MAX_THREADS = 1024  # train.threads
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "split_bf16")  # stored embedding rows in training
@@ -183,10 +184,24 @@ class EmbeddingConfig:
     placement: str = "device"
     # Directory of the ssd tier's files ("" = RUN_DIR/embeddings, or a temp dir).
     ssd_dir: str = ""
-    # Cache for ssd tables: bytes of rows + optimizer state (0 = 10% of the tables).
+    # Cache for ssd/host tables: bytes of rows + optimizer state (0 = sized from free
+    # memory: ssd, 40% of the memory available at start; host, 10% of the tables).
     cache_bytes: int = 0
     # Cache eviction: lfu (use counts, halved every 1000 lookups) or lru.
     cache_policy: str = "lfu"
+    # ssd tier: reads and writes of rows in flight at once (a batch's misses and
+    # write-backs, coalesced where adjacent); 1 = one at a time.
+    io_depth: int = 32
+    # ssd tier's file layout: frequency (each table's rows hottest first, from the data's
+    # id popularity: a page read brings rows of like heat, and the page cache holds the
+    # warm rows densely) or id. Checkpoints store rows by id either way.
+    row_order: str = "frequency"
+    # Fill the ssd/host cache with the hottest rows before the first step (needs
+    # row_order=frequency).
+    warm_start: bool = True
+    # Where the data has no popularity profile (a dataset), the first this many training
+    # samples are counted to order the rows (seen ids by count, then the rest by id).
+    order_sample_rows: int = 1_000_000
     # placement=auto: memory for tables + optimizer state + caches, GB (0 = half the RAM).
     memory_budget_gb: float = 0.0
     # Stored precision of the rows in training: fp16 / bf16 (half the bytes) or int8
@@ -250,6 +265,13 @@ class EmbeddingConfig:
                 f"{self.placement!r} keeps fp32 rows (use embedding.placement=device)",
             )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
+        if not 1 <= int(self.io_depth) <= 256:
+            raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
+        _choice("embedding.row_order", self.row_order, ROW_ORDERS)
+        if int(self.order_sample_rows) < 1:
+            raise ConfigError(
+                "embedding.order_sample_rows", f"must be >= 1, got {self.order_sample_rows}"
+            )
         _positive("embedding.lr", self.lr)
         _positive("embedding.eps", self.eps)
         _positive("embedding.initial_accumulator", self.initial_accumulator, allow_zero=True)

@@ -259,6 +259,17 @@ class SyntheticCriteo:
         ) * (0.5 / math.sqrt(_FACTOR_DIM))
 
     # -- sampling ---------------------------------------------------------------
+    def rank_of_id(self, feature: int) -> np.ndarray:
+        """Each id's popularity rank in table ``feature`` (0 = drawn most often): the
+        inverse of the bijection that scatters ranks over the table - the source's id
+        profile, as a dataset's preprocessing would count it."""
+        n = self.table_sizes[feature]
+        if n >= 3_000_000_000:  # (id * inverse) must stay inside int64
+            raise ValueError(f"table {feature} has {n:,} rows: too many to rank in int64")
+        inv = pow(int(self._mult[feature]), -1, n) if n > 1 else 0
+        ids = np.arange(n, dtype=np.int64)
+        return ((ids - self._shift[feature]) % n) * inv % n
+
     def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
         """Batch ``index`` of ``split`` (a pure function of seed, split and index)."""
         (rng, dense, lengths, ids), raw = self._sample(index, batch_size, split)

@@ -56,7 +56,7 @@ from recscale.modules.embedding_bag_collection import (
 )
 from recscale.planner.layout import ShardLayout
 
-StorageFactory = Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
+StorageFactory = Callable[[int, int, SparseOptimizer, list[TableSpec], list[TablePart]], RowStorage]
 
 
 class AllReducedStorage(DeviceStorage):
@@ -181,7 +181,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 device=dev,
                 seed=seed,
                 kernel=kernel,
-                make_storage=lambda n, d, opt, _tables: AllReducedStorage(
+                make_storage=lambda n, d, opt, _tables, _parts: AllReducedStorage(
                     n, d, opt, dev, kernel, ctx.embed, ctx.world_size
                 ),
                 parts=[

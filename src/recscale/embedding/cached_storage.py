@@ -31,17 +31,9 @@ it may be, and ``--resume`` rewrites every row from the last checkpoint.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import math
-import mmap
-import os
-import shutil
-import stat
-import tempfile
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,91 +45,14 @@ from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import kernels
 from recscale.embedding.cpu_kernels import fused_update_cpu
 from recscale.embedding.optimizers import SparseOptimizer
+from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier's errors)
+    TEMP_DIR_PREFIX,
+    HostRows,
+    RowFile,
+    TierFileError,
+    remove_empty_temp_dirs,
+)
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
-
-TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
-
-
-def _remove(path: Path, lock_fd: int | None = None) -> None:
-    path.unlink(missing_ok=True)
-    if lock_fd is not None:
-        os.close(lock_fd)  # releases the lock
-    remove_empty_temp_dirs(path.parent)
-
-
-def remove_empty_temp_dirs(directory: Path) -> None:
-    """Remove ``directory`` and its parents up to the ``recscale-ssd-*`` directory that
-    recscale made in the temp dir, each only once it is empty (the last table file of a
-    run takes them). A directory the user named (``embedding.ssd_dir``) is never one of
-    them: it is left as it was."""
-    tmp = Path(tempfile.gettempdir()).resolve()
-    chain = [directory.resolve(), *directory.resolve().parents]
-    top = next((d for d in chain if d.parent == tmp and d.name.startswith(TEMP_DIR_PREFIX)), None)
-    if top is None:
-        return
-    for d in chain:
-        try:
-            d.rmdir()  # only an empty directory goes
-        except OSError:
-            return
-        if d == top:
-            return
-
-
-class TierFileError(RuntimeError):
-    """The ssd tier's file cannot be made: in use by another run, no space, no access."""
-
-
-def _claim_file(path: Path, nbytes: int) -> int:
-    """Lock ``path`` for this process (another run sharing the ssd_dir would truncate and
-    corrupt it), then create it with all ``nbytes`` reserved up front (a full disk fails
-    here with a message, not later with a bus error in the middle of training).
-    Returns the locked file descriptor (held until the storage is gone)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # never through a link (a planted one would have us truncate its target), and
-        # only a regular file (a FIFO or device would hang or be overwritten)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    except OSError as e:
-        why = (
-            "it is a symbolic link, which recscale never writes through"
-            if e.errno == errno.ELOOP
-            else e.strerror
-        )
-        raise TierFileError(
-            f"cannot create the ssd tier's file {path}: {why} "
-            "(set --embedding.ssd_dir to a directory of this run's own)"
-        ) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise TierFileError(
-            f"{path} exists and is not a regular file: recscale leaves it alone; "
-            "set --embedding.ssd_dir to a directory of this run's own"
-        )
-    os.set_blocking(fd, True)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise TierFileError(
-            f"{path} is in use by another training run: give each run its own "
-            "--embedding.ssd_dir (by default each run uses RUN_DIR/embeddings)"
-        ) from None
-    try:
-        os.ftruncate(fd, 0)
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        os.ftruncate(fd, 0)
-        free = shutil.disk_usage(path.parent).free
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        raise TierFileError(
-            f"cannot reserve {nbytes / 1e9:.2f} GB for the ssd tier's file {path} "
-            f"({e.strerror}; {free / 1e9:.2f} GB free there): free space, or point "
-            "--embedding.ssd_dir at a larger disk"
-        ) from e
-    return fd
 
 
 class CacheTooSmallError(RuntimeError):
@@ -189,10 +104,11 @@ class CachedStorage(RowStorage):
         decay_every: int = 1000,
         evict_fraction: float = 1 / 16,
         device: torch.device | None = None,
+        io_depth: int = 32,
     ) -> None:
         """``path``: the ssd tier's file; ``None``: the host tier (rows in host memory,
         pinned when CUDA is present, behind a cache on ``device`` - a GPU run's tables
-        larger than the GPU's memory)."""
+        larger than the GPU's memory). ``io_depth``: the file's requests in flight."""
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
@@ -210,8 +126,8 @@ class CachedStorage(RowStorage):
             col += width
         self.width = col
         self.tier = "ssd" if path is not None else "host"
-        # The slow tier, indexed like a numpy array either way: a memory-mapped file, or
-        # a numpy view of a host tensor.
+        # The slow tier: a file read and written in batches at depth, or a host array;
+        # ``self.file`` is its array view (the file's memory map), in file-row order.
         if path is None:
             self.path = None
             pin = (
@@ -220,19 +136,11 @@ class CachedStorage(RowStorage):
                 and torch.device(device).type == "cuda"
             )
             self._host = torch.zeros(num_rows, col, pin_memory=pin)
-            self.file = self._host.numpy()
+            self.rows: RowFile | HostRows = HostRows(self._host.numpy())
         else:
             self.path = Path(path)
-            lock_fd = _claim_file(self.path, num_rows * col * 4)
-            # mapped through the descriptor just checked, not by name again
-            with open(lock_fd, "r+b", closefd=False) as f:
-                self.file = np.memmap(f, dtype=np.float32, mode="r+", shape=(num_rows, col))
-            # Rows are read at random: without this each miss would fault in the kernel's
-            # readahead window (128 KB+) for a 68-byte row (measured: ~1 GB/s of reads).
-            if hasattr(mmap, "MADV_RANDOM") and getattr(self.file, "_mmap", None) is not None:
-                self.file._mmap.madvise(mmap.MADV_RANDOM)
-            # Scratch space: gone with the storage (checkpoints hold what must survive).
-            self._finalizer = weakref.finalize(self, _remove, self.path, lock_fd)
+            self.rows = RowFile(self.path, num_rows, col, io_depth)
+        self.file = self.rows.map
         for name, _shape, lo, hi in self._state_cols:  # a new (fallocated) file reads as zeros
             if optimizer.init_value(name) != 0.0:
                 for r in range(0, num_rows, 1 << 18):
@@ -281,7 +189,7 @@ class CachedStorage(RowStorage):
         rows = self.row_of_slot[slots]
         order = torch.argsort(rows)  # sorted rows: sequential-ish file access
         slots, rows = slots[order], rows[order]
-        self.file[rows.numpy()] = self._pack(slots)
+        self.rows.write(rows.numpy(), self._pack(slots))
         self._write_backs += 1
         self.cache_dirty[slots] = False
         self.stats.bytes_written += rows.numel() * self.width * 4
@@ -338,7 +246,7 @@ class CachedStorage(RowStorage):
         missing = uniq[slots < 0]
         if missing.numel():
             reserved = self._reserve(missing.numel(), slots[slots >= 0])
-            self._install(missing, reserved, self.file[missing.numpy()])
+            self._install(missing, reserved, self.rows.read(missing.numpy()))
             slots = self.slot_of_row[uniq].long()
         return slots
 
@@ -350,6 +258,72 @@ class CachedStorage(RowStorage):
             if self._clock % self.decay_every == 0:
                 self.score.mul_(0.5)
             self.score[slots] += 1.0
+
+    # -- order and warm start -------------------------------------------------------------
+    def set_row_order(self, position: np.ndarray | None, segments: list[tuple[int, int]]) -> None:
+        """Lay the rows out in the file by ``position`` (logical row -> file row, each of
+        the ``segments`` (start, rows) - one per table part - a permutation of its own
+        range, its hottest rows first); before any row is written. The host tier keeps
+        id order (memory has no pages to fill)."""
+        if isinstance(self.rows, RowFile):
+            self.rows.set_order(position)
+        self._segments = list(segments)
+
+    def initialize_segment(self, start: int, weight: torch.Tensor) -> None:
+        """Rows ``[start, start + len(weight))`` take ``weight`` and fresh optimizer
+        state, written whole in file order (a table's initial values in one pass)."""
+        n = weight.shape[0]
+        data = np.empty((n, self.width), np.float32)
+        data[:, : self.dim] = weight.float().cpu().numpy()
+        for name, _shape, lo, hi in self._state_cols:
+            data[:, lo:hi] = self.optimizer.init_value(name)
+        with self._lock:
+            if bool((self.slot_of_row[start : start + n] >= 0).any()):
+                raise RuntimeError("initialize_segment: rows of the segment are cached")
+            self.rows.write_segment(start, data)
+
+    def warm_rows(self) -> torch.Tensor:
+        """The rows a warm start fills the cache with, hottest first: the head of each
+        segment's file order, the cache shared equally among the segments (a segment
+        smaller than its share gives the rest to the others). Empty without an order."""
+        pos = getattr(self.rows, "position", None)
+        segs = getattr(self, "_segments", [])
+        if pos is None or not segs:
+            return torch.zeros(0, dtype=torch.int64)
+        share, left = {}, self.cache_rows
+        todo = sorted(range(len(segs)), key=lambda i: segs[i][1])
+        for k, i in enumerate(todo):  # smallest first: each takes min(rows, equal share)
+            share[i] = min(segs[i][1], left // (len(todo) - k))
+            left -= share[i]
+        heads = []
+        for i, (start, n) in enumerate(segs):
+            rel = pos[start : start + n].astype(np.int64) - start
+            head = np.flatnonzero(rel < share[i])
+            heads.append((rel[head], start + head))
+        rank = np.concatenate([h[0] for h in heads]) if heads else np.zeros(0, np.int64)
+        rows = np.concatenate([h[1] for h in heads]) if heads else np.zeros(0, np.int64)
+        return torch.from_numpy(rows[np.argsort(rank, kind="stable")])
+
+    def warm(self, rows: torch.Tensor, chunk: int = 1 << 20) -> int:
+        """Fill free cache slots with ``rows`` (hottest first) before training; their
+        scores fall from 1 to 0 along the list, so any row a batch uses outranks them and
+        the coldest go first. Returns the rows made resident."""
+        with self._lock:
+            rows = rows.cpu()
+            rows = rows[self.slot_of_row[rows] < 0][: self.free.numel()]
+            k = rows.numel()
+            for lo in range(0, k, chunk):
+                part = rows[lo : lo + chunk]
+                order = torch.argsort(part)  # file order of an ordered file's head: sequential
+                part = part[order]
+                slots = self._reserve(part.numel(), torch.zeros(0, dtype=torch.int64))
+                self._install(part, slots, self.rows.read(part.numpy()))
+                rank = (lo + order).double()
+                self.score[slots] = 1.0 - rank / max(k, 1)
+            return k
+
+    def io_stats(self) -> dict[str, float]:
+        return self.rows.stats.as_dict()
 
     # -- RowStorage ---------------------------------------------------------------------
     @property
@@ -385,11 +359,11 @@ class CachedStorage(RowStorage):
                 )
                 return
             generation = self._write_backs
-        data = self.file[missing.numpy()] if missing.numel() else None  # unlocked: the slow part
+        data = self.rows.read(missing.numpy()) if missing.numel() else None  # unlocked: slow
         with self._lock:
             if missing.numel():
                 if self._write_backs != generation:  # a write-back may have raced our read
-                    data = self.file[missing.numpy()]
+                    data = self.rows.read(missing.numpy())
                 self._install(missing, reserved, data)
             slots = self.slot_of_row[uniq].long()
             self._touch(slots)
@@ -531,13 +505,12 @@ class CachedStorage(RowStorage):
         """Write every dirty cached row back to the file."""
         with self._lock:
             self._write_back(torch.nonzero(self.cache_dirty).squeeze(1))
-            if isinstance(self.file, np.memmap):
-                self.file.flush()
+            self.rows.flush()
 
     def _gather(self, rows: torch.Tensor) -> np.ndarray:
         """Current ``[len(rows), D + S]`` values, from the cache where resident."""
         slots = self.slot_of_row[rows].long()
-        out = np.asarray(self.file[rows.numpy()], dtype=np.float32).copy()
+        out = np.array(self.rows.read(rows.numpy()), dtype=np.float32)
         hit = slots >= 0
         if bool(hit.any()):
             out[hit.numpy()] = self._pack(slots[hit])
@@ -559,12 +532,7 @@ class CachedStorage(RowStorage):
     def write_rows(self, rows, values):
         with self._lock:
             rows = rows.cpu()
-            n = rows.numel()
-            if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
-                lo = int(rows[0])  # a contiguous block (initialisation, restore): a slice write
-                self.file[lo : lo + n, : self.dim] = values.float().cpu().numpy()
-            else:
-                self.file[rows.numpy(), : self.dim] = values.float().cpu().numpy()
+            self.rows.write_columns(rows.numpy(), 0, self.dim, values.float().cpu().numpy())
             slots = self.slot_of_row[rows].long()
             hit = slots >= 0
             self.cache_weight[slots[hit].to(self.device)] = values.float().to(self.device)[
@@ -579,7 +547,7 @@ class CachedStorage(RowStorage):
             hit = slots >= 0
             for name, _shape, lo, hi in self._state_cols:
                 v = state[name].float().cpu()
-                self.file[rows.numpy(), lo:hi] = v.reshape(-1, hi - lo).numpy()
+                self.rows.write_columns(rows.numpy(), lo, hi, v.reshape(-1, hi - lo).numpy())
                 self.cache_state[name][slots[hit].to(self.device)] = v.to(self.device)[
                     hit.to(self.device)
                 ]

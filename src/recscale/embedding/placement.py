@@ -13,8 +13,10 @@ The planner decides placements (``planner/``); this module only builds storages.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from recscale.config.schema import EmbeddingConfig
@@ -28,7 +30,7 @@ def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, ke
     """Storages in the compute device's memory: a compressed table's factors, or rows at
     ``row_precision``. Returns ``make(num_rows, dim, optimizer, tables)``."""
 
-    def make(num_rows: int, dim: int, optimizer, tables: list):
+    def make(num_rows: int, dim: int, optimizer, tables: list, parts: list | None = None):
         kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice, when it made one
         if tables[0].compression != "none":  # a group of one compressed table
             t = tables[0]
@@ -45,21 +47,57 @@ def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, ke
     return make
 
 
+RankOfId = Callable[[int], "np.ndarray | None"]
+
+
+def file_order(parts: list, rank_of_id: RankOfId) -> tuple[np.ndarray | None, list]:
+    """A group's file layout from each model table's popularity ranks: ``rank_of_id(f)``
+    is a permutation of table f's ids (0 = the most used) or None (id order). Part i of
+    the group (rows ``[row_lo, row_hi)`` of its table) keeps its own range of file rows,
+    its rows in rank order within it. Returns (position per row or None, the segments
+    ``(start, rows)``)."""
+    segments, pieces, start, ordered = [], [], 0, False
+    for p in parts:
+        n = p.row_hi - p.row_lo
+        ranks = rank_of_id(p.feature)
+        if ranks is None:
+            pieces.append(np.arange(start, start + n, dtype=np.int64))
+        else:
+            if len(ranks) != p.table_rows:
+                raise ValueError(
+                    f"the row order of table {p.feature} has {len(ranks):,} ranks, the table "
+                    f"{p.table_rows:,} rows"
+                )
+            r = np.asarray(ranks[p.row_lo : p.row_hi], dtype=np.int64)
+            if n != p.table_rows:  # a block of rows: their ranks among themselves
+                r = np.argsort(np.argsort(r, kind="stable"), kind="stable")
+            pieces.append(start + r)
+            ordered = True
+        segments.append((start, n))
+        start += n
+    return (np.concatenate(pieces) if ordered else None), segments
+
+
 def storage_factory(
-    cfg: EmbeddingConfig, device: torch.device | None, kernel: str, subdir: str = ""
+    cfg: EmbeddingConfig,
+    device: torch.device | None,
+    kernel: str,
+    subdir: str = "",
+    rank_of_id: RankOfId | None = None,
 ):
     """What the plan placed where: device tables as :func:`device_storage_factory`; host
     and ssd tables in a :class:`CachedStorage` (ssd: one file per dim under
     ``cfg.ssd_dir``/``subdir`` - each rank its own - or a temp dir when empty) whose cache,
-    on ``device``, holds the group's tables' ``cache_bytes``. Returns ``make(num_rows,
-    dim, optimizer, tables)``."""
+    on ``device``, holds the group's tables' ``cache_bytes``; with ``rank_of_id`` (see
+    :func:`file_order`) an ssd file lays its rows out hottest first. Returns
+    ``make(num_rows, dim, optimizer, tables, parts)``."""
     root = Path(cfg.ssd_dir) / subdir if cfg.ssd_dir else None
     on_device = device_storage_factory(cfg, device, kernel)
 
-    def make(num_rows: int, dim: int, optimizer, tables: list):
+    def make(num_rows: int, dim: int, optimizer, tables: list, parts: list):
         nonlocal root
         if tables[0].compression != "none" or tables[0].placement == "device":
-            return on_device(num_rows, dim, optimizer, tables)
+            return on_device(num_rows, dim, optimizer, tables, parts)
         kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
@@ -75,7 +113,7 @@ def storage_factory(
             )
         if root is None:
             root = Path(tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX))
-        return CachedStorage(
+        storage = CachedStorage(
             num_rows,
             dim,
             optimizer,
@@ -84,6 +122,10 @@ def storage_factory(
             policy=cfg.cache_policy,
             kernel=kern,
             device=device,
+            io_depth=cfg.io_depth,
         )
+        if rank_of_id is not None:
+            storage.set_row_order(*file_order(parts, rank_of_id))
+        return storage
 
     return make

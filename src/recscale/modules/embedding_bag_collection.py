@@ -28,6 +28,7 @@ from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage
 
 _INIT_CHUNK_ROWS = 1 << 16
+_SEGMENT_VALUES = 1 << 30  # a tier's part drawn whole up to 4 GB of fp32 (init in file order)
 
 
 @dataclass(frozen=True)
@@ -171,12 +172,14 @@ class EmbeddingBagCollection(nn.Module):
         device: torch.device | None = None,
         seed: int = 0,
         kernel: str = "auto",
-        make_storage: Callable[[int, int, SparseOptimizer, list[TableSpec]], RowStorage]
+        make_storage: Callable[
+            [int, int, SparseOptimizer, list[TableSpec], list[TablePart]], RowStorage
+        ]
         | None = None,
         parts: list[TablePart] | None = None,
     ) -> None:
         """Tables are grouped by (dim, placement). ``make_storage(rows, dim, optimizer,
-        tables)`` builds a group's storage (default: a :class:`DeviceStorage` on
+        tables, parts)`` builds a group's storage (default: a :class:`DeviceStorage` on
         ``device``; it is required for tables not placed on the device). ``parts``: which
         rectangle of which model table each table is (default: table i is the whole model
         table i); a collection over shards, or over a subset of a model's tables, says so."""
@@ -217,7 +220,13 @@ class EmbeddingBagCollection(nn.Module):
         for g, ((dim, *_kind), features) in enumerate(sorted(by_dim.items())):
             rows = sum(tables[f].num_rows for f in features)
             storage = (
-                make_storage(rows, dim, make_optimizer(), [tables[f] for f in features])
+                make_storage(
+                    rows,
+                    dim,
+                    make_optimizer(),
+                    [tables[f] for f in features],
+                    [self.parts[f] for f in features],
+                )
                 if make_storage is not None
                 else DeviceStorage(
                     rows, dim, make_optimizer(), device, tables[features[0]].kernel or kernel
@@ -264,6 +273,12 @@ class EmbeddingBagCollection(nn.Module):
                     p.table_dim,
                     *rect,
                 )
+            elif hasattr(storage, "initialize_segment") and n * group.dim <= _SEGMENT_VALUES:
+                # a tier's file: the part's rows drawn at once and written in file order
+                # (scattered writes to a file larger than memory would each read a page)
+                weight = torch.empty(n, group.dim)
+                init_table_rows(weight, seed, p.feature, p.table_rows, p.table_dim, *rect)
+                storage.initialize_segment(start, weight)
             else:  # a GPU or another tier: drawn on the CPU, written a chunk at a time
                 for lo in range(0, n, _INIT_CHUNK_ROWS):
                     hi = min(n, lo + _INIT_CHUNK_ROWS)

@@ -77,6 +77,26 @@ def uniform_plan(tables: list[TableInfo], world_size: int, kind: str) -> Shardin
     return ShardingPlan(w, placements, [0] * w, [0.0] * w)
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on ``device`` (free GPU memory; the host's
+    MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# The ssd tier's default cache: this share of the memory available at start; the rest
+# is left to the model, the data and the page cache (which keeps the file's warm pages).
+SSD_CACHE_SHARE = 0.4
+
+
 def default_memory_per_rank(device: torch.device, local_world: int) -> int:
     """Half of the device's memory (CUDA) or of the host memory shared by the local ranks."""
     if device.type == "cuda":
@@ -153,6 +173,16 @@ def configured_tiers(
     elif e.placement in ("ssd", "host"):
         sizes = [n * row_bytes(e, d) for n, d in zip(m.table_sizes, m.dims())]
         budget = e.cache_bytes or sum(sizes) // 10
+        if not e.cache_bytes and e.placement == "ssd":
+            free = available_memory(torch.device("cpu")) // max(world_size, 1)
+            budget = min(sum(sizes), int(SSD_CACHE_SHARE * free))
+            echo(
+                f"recscale: ssd tier: cache {budget / 1e9:.2f} GB, {SSD_CACHE_SHARE:.0%} of the "
+                f"{free / 1e9:.1f} GB of memory available"
+                + (" to each rank" if world_size > 1 else "")
+                + f" ({budget / max(sum(sizes), 1):.0%} of the tables' {sum(sizes) / 1e9:.2f} GB; "
+                "embedding.cache_bytes sets it)"
+            )
         tiers = [(e.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes]
     else:
         return None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
@@ -111,3 +113,49 @@ def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:
         *(data.batch(i, b, "eval") for i in range(full)),
         *([data.batch(full, rest, "eval")] if rest else []),
     ]
+
+
+def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:
+    """``rank_of_id(feature)``: each id's popularity rank in its table (0 = the most
+    used), the order an ssd tier's file lays rows out in (``embedding.row_order``); None
+    for id order. Synthetic data knows its own popularity law; a dataset's first
+    ``embedding.order_sample_rows`` training samples are counted once, on first use (ids
+    seen, by count and then id; then the unseen ones by id)."""
+    e = cfg.embedding
+    if e.row_order == "id":
+        return None
+    if not cfg.data.uses_dataset():
+        return make_synthetic(cfg).rank_of_id
+    counted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def rank_of_id(feature: int) -> np.ndarray:
+        if not counted:
+            counted.update(
+                sample_id_counts(cfg, e.order_sample_rows, list(range(len(cfg.model.table_sizes))))
+            )
+        ids, counts = counted[feature]
+        n = cfg.model.table_sizes[feature]
+        seen = ids[np.lexsort((ids, -counts))]
+        unseen = np.setdiff1d(np.arange(n, dtype=np.int64), seen, assume_unique=True)
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.concatenate([seen, unseen])] = np.arange(n, dtype=np.int64)
+        return rank
+
+    return rank_of_id
+
+
+def sample_id_counts(cfg: Config, samples: int, features: list[int]) -> dict[int, tuple]:
+    """``feature -> (ids, counts)`` over the first ``samples`` training samples (the
+    very batches step 0, 1, ... train on: every rank reads the same ones)."""
+    seen: dict[int, list[np.ndarray]] = {f: [] for f in features}
+    stream = train_batches(cfg, 0)
+    for _ in range(max(1, -(-samples // cfg.train.batch_size))):
+        batch = next(stream, None)
+        if batch is None:  # a dataset smaller than the sample
+            break
+        for f in features:
+            seen[f].append(batch.feature_values(f).numpy().astype(np.int64))
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return {
+        f: np.unique(np.concatenate(v), return_counts=True) if v else empty for f, v in seen.items()
+    }

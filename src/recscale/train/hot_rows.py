@@ -10,25 +10,13 @@ size. A resumed run restores the ids with the factors and does not count again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from recscale.config.schema import Config
-from recscale.train.data_source import train_batches
-
-
-def sample_id_counts(cfg: Config, samples: int, features: list[int]) -> dict[int, tuple]:
-    """``feature -> (ids, counts)`` over the first ``samples`` training samples."""
-    seen: dict[int, list[np.ndarray]] = {f: [] for f in features}
-    stream = train_batches(cfg, 0)
-    for _ in range(math.ceil(samples / cfg.train.batch_size)):
-        batch = next(stream)
-        for f in features:
-            seen[f].append(batch.feature_values(f).numpy())
-    return {f: np.unique(np.concatenate(v), return_counts=True) for f, v in seen.items()}
+from recscale.train.data_source import sample_id_counts
 
 
 def top_ids(ids: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:

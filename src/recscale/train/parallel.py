@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,6 +30,7 @@ from recscale.models.dlrm import DLRM, build_model
 from recscale.perfmodel import calibrated_laws
 from recscale.planner import PlanError, ShardingPlan
 from recscale.planner.from_config import (
+    available_memory,
     configured_tiers,
     default_memory_per_rank,
     plan_for,
@@ -38,6 +38,7 @@ from recscale.planner.from_config import (
     with_tiers,
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
+from recscale.train.data_source import popularity_ranks
 
 
 def build(
@@ -78,8 +79,13 @@ def build(
         seed=cfg.train.seed,
         materialize_embeddings=False,
     )
+    on_ssd = any(p.placement == "ssd" for p in plan.placements)
     make_storage = storage_factory(
-        e, ctx.device, cfg.model.kernels, subdir=f"rank{ctx.rank:05d}" if w > 1 else ""
+        e,
+        ctx.device,
+        cfg.model.kernels,
+        subdir=f"rank{ctx.rank:05d}" if w > 1 else "",
+        rank_of_id=popularity_ranks(cfg) if on_ssd else None,
     )
     module = shard(model, plan, ctx, make_storage)
     if w > 1:
@@ -99,21 +105,6 @@ def build(
             + (f"; tiers {', '.join(tiers)}" if tiers else "")
         )
     return model, module, plan
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes this process can still allocate on ``device`` (free GPU memory; the host's
-    MemAvailable)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _shared_laws(cfg: Config, ctx: DistContext):

@@ -45,7 +45,12 @@ from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
 from recscale.embedding.sizing import compression_summary
 from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
-from recscale.train.cache_prefetch import cache_report, cached_storages, hit_rate_since
+from recscale.train.cache_prefetch import (
+    cache_report,
+    cached_storages,
+    hit_rate_since,
+    warm_caches,
+)
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
 from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
@@ -470,6 +475,8 @@ def train(
     try:
         job = build_job(cfg, run_dir, echo, ctx, resume)
         start_step = restore_job(job, resume) if resume is not None else 0
+        if job.cfg.embedding.warm_start:
+            warm_caches(job.model.embeddings, job.echo)
         if job.run_dir is not None:  # only now: a failed resume leaves the run's config alone
             write_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
         _announce(job)

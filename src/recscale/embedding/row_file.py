@@ -1,0 +1,290 @@
+"""The ssd tier's file: rows read and written in batches with many requests in flight,
+at positions that put the rows likely to be wanted together side by side.
+
+::
+
+    file        [num_rows, width] fp32   row r (with its optimizer state packed after it)
+                                         at file row position[r]
+    position    [num_rows] int32/int64   logical row -> file row (None: the identity)
+
+A batch of rows is read by sorting their file positions, coalescing adjacent ones into
+one request, and issuing the requests from ``depth`` threads at once (native
+``recscale_row_io``: pread/pwrite); without the native library the memory map serves,
+one page fault at a time. Reads go through the page cache (``POSIX_FADV_RANDOM``: no
+read-ahead of neighbours nobody asked for), so whatever memory the process does not use
+keeps recently read pages - and, with rows ordered by frequency, a page holds ~60 rows
+of similar heat, so that memory caches the warm rows just beyond the hot-row cache.
+
+The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
+rows by id, whatever their order here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import shutil
+import stat
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recscale import native
+
+TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
+
+
+class TierFileError(RuntimeError):
+    """The ssd tier's file cannot be made or used: in use by another run, no space, no
+    access, an I/O error."""
+
+
+def remove_empty_temp_dirs(directory: Path) -> None:
+    """Remove ``directory`` and its parents up to the ``recscale-ssd-*`` directory that
+    recscale made in the temp dir, each only once it is empty (the last table file of a
+    run takes them). A directory the user named (``embedding.ssd_dir``) is never one of
+    them: it is left as it was."""
+    tmp = Path(tempfile.gettempdir()).resolve()
+    chain = [directory.resolve(), *directory.resolve().parents]
+    top = next((d for d in chain if d.parent == tmp and d.name.startswith(TEMP_DIR_PREFIX)), None)
+    if top is None:
+        return
+    for d in chain:
+        try:
+            d.rmdir()  # only an empty directory goes
+        except OSError:
+            return
+        if d == top:
+            return
+
+
+def _remove(path: Path, fd: int) -> None:
+    path.unlink(missing_ok=True)
+    os.close(fd)  # releases the lock
+    remove_empty_temp_dirs(path.parent)
+
+
+def claim_file(path: Path, nbytes: int) -> int:
+    """Lock ``path`` for this process (another run sharing the ssd_dir would truncate and
+    corrupt it), then create it with all ``nbytes`` reserved up front (a full disk fails
+    here with a message, not later with a bus error in the middle of training).
+    Returns the locked file descriptor (held until the file is closed)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # never through a link (a planted one would have us truncate its target), and
+        # only a regular file (a FIFO or device would hang or be overwritten)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        why = (
+            "it is a symbolic link, which recscale never writes through"
+            if e.errno == errno.ELOOP
+            else e.strerror
+        )
+        raise TierFileError(
+            f"cannot create the ssd tier's file {path}: {why} "
+            "(set --embedding.ssd_dir to a directory of this run's own)"
+        ) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TierFileError(
+            f"{path} exists and is not a regular file: recscale leaves it alone; "
+            "set --embedding.ssd_dir to a directory of this run's own"
+        )
+    os.set_blocking(fd, True)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TierFileError(
+            f"{path} is in use by another training run: give each run its own "
+            "--embedding.ssd_dir (by default each run uses RUN_DIR/embeddings)"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.ftruncate(fd, 0)
+        free = shutil.disk_usage(path.parent).free
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise TierFileError(
+            f"cannot reserve {nbytes / 1e9:.2f} GB for the ssd tier's file {path} "
+            f"({e.strerror}; {free / 1e9:.2f} GB free there): free space, or point "
+            "--embedding.ssd_dir at a larger disk"
+        ) from e
+    return fd
+
+
+@dataclass
+class IOStats:
+    rows_read: int = 0
+    rows_written: int = 0
+    requests: int = 0  # reads + writes issued (adjacent rows coalesced into one)
+    batches: int = 0  # calls: each issues its requests with up to `depth` in flight
+    seconds: float = 0.0  # spent in batched reads and writes (any thread)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "rows_read": self.rows_read,
+            "rows_written": self.rows_written,
+            "io_requests": self.requests,
+            "io_batches": self.batches,
+            "io_seconds": self.seconds,
+        }
+
+
+class RowFile:
+    """``num_rows`` rows of ``width`` fp32 in a file at ``path`` (created, reserved and
+    locked here; removed when this object goes). ``depth``: requests in flight per
+    batched read or write (1 = one at a time; the memory map when the native library is
+    absent)."""
+
+    def __init__(self, path: Path, num_rows: int, width: int, depth: int = 32) -> None:
+        self.path, self.num_rows, self.width, self.depth = Path(path), num_rows, width, depth
+        self.row_bytes = width * 4
+        self.fd = claim_file(self.path, num_rows * self.row_bytes)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        # mapped through the descriptor just checked, not by name again
+        with open(self.fd, "r+b", closefd=False) as f:
+            self.map = np.memmap(f, dtype=np.float32, mode="r+", shape=(num_rows, width))
+        # Rows are read at random: without this each fault would read the kernel's
+        # read-ahead window (128 KB+) for one 68-byte row.
+        if hasattr(mmap, "MADV_RANDOM") and getattr(self.map, "_mmap", None) is not None:
+            self.map._mmap.madvise(mmap.MADV_RANDOM)
+        self.position: np.ndarray | None = None
+        self.stats = IOStats()
+        self._lib = native.library()
+        self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
+
+    # -- order ----------------------------------------------------------------------------
+    def set_order(self, position: np.ndarray | None) -> None:
+        """Logical row -> file row (a permutation of ``range(num_rows)``), or None for the
+        identity. Set before any row is written: rows already in the file do not move."""
+        if position is not None:
+            if position.shape != (self.num_rows,):
+                raise ValueError(
+                    f"a row order has one position per row ({self.num_rows:,}), "
+                    f"got {position.shape}"
+                )
+            position = position.astype(np.int32 if self.num_rows < 2**31 else np.int64)
+        self.position = position
+
+    def positions(self, rows: np.ndarray) -> np.ndarray:
+        return rows if self.position is None else self.position[rows].astype(np.int64)
+
+    # -- batched I/O ----------------------------------------------------------------------
+    def _io(self, write: bool, pos: np.ndarray, buf: np.ndarray) -> None:
+        t = time.perf_counter()
+        if self._lib is None or self.depth <= 0:  # the memory map: one fault at a time
+            if write:
+                self.map[pos] = buf
+            else:
+                buf[:] = self.map[pos]
+            n = len(pos)
+        else:
+            pos = np.ascontiguousarray(pos, dtype=np.int64)
+            n = self._lib.recscale_row_io(
+                self.fd,
+                int(write),
+                pos.ctypes.data_as(ctypes.c_void_p),
+                len(pos),
+                self.row_bytes,
+                buf.ctypes.data_as(ctypes.c_void_p),
+                self.depth,
+            )
+            if n < 0:
+                what = "write to" if write else "read from"
+                raise TierFileError(
+                    f"cannot {what} the ssd tier's file {self.path}: {os.strerror(-n)}"
+                )
+        st = self.stats
+        st.requests += n
+        st.batches += 1
+        st.seconds += time.perf_counter() - t
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """``[len(rows), width]`` rows (any order, no duplicates needed)."""
+        pos = self.positions(np.asarray(rows, dtype=np.int64))
+        out = np.empty((len(pos), self.width), np.float32)
+        if len(pos) == 0:
+            return out
+        order = np.argsort(pos, kind="stable")
+        buf = np.empty_like(out)
+        self._io(False, pos[order], buf)
+        out[order] = buf
+        self.stats.rows_read += len(pos)
+        return out
+
+    def write(self, rows: np.ndarray, data: np.ndarray) -> None:
+        """Write whole rows (``data [len(rows), width]``; rows distinct)."""
+        pos = self.positions(np.asarray(rows, dtype=np.int64))
+        if len(pos) == 0:
+            return
+        order = np.argsort(pos, kind="stable")
+        self._io(True, pos[order], np.ascontiguousarray(data[order], dtype=np.float32))
+        self.stats.rows_written += len(pos)
+
+    def write_columns(self, rows: np.ndarray, lo: int, hi: int, values: np.ndarray) -> None:
+        """Columns ``[lo, hi)`` of ``rows`` (the rest of each row kept)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        n = len(rows)
+        block = n and rows[-1] - rows[0] == n - 1 and bool((np.diff(rows) == 1).all())
+        if block and self.position is None:
+            self.map[rows[0] : rows[0] + n, lo:hi] = values  # a block: a slice write
+            return
+        data = self.read(rows)
+        data[:, lo:hi] = values
+        self.write(rows, data)
+
+    def write_segment(self, start: int, data: np.ndarray) -> None:
+        """Whole rows ``[start, start + len(data))`` at once: placed by their positions
+        in memory, then written as one sequential run (a table's initial values, with no
+        scattered writes to a file larger than memory)."""
+        n = len(data)
+        if self.position is None:
+            self.map[start : start + n] = data
+            return
+        pos = self.position[start : start + n].astype(np.int64)
+        lo = int(pos.min())
+        if int(pos.max()) - lo != n - 1:
+            raise ValueError("a segment's rows must fill a range of file rows")
+        placed = np.empty_like(data)
+        placed[pos - lo] = data
+        self.map[lo : lo + n] = placed
+
+    def flush(self) -> None:
+        self.map.flush()
+
+
+class HostRows:
+    """The host tier's rows: the same interface over a host array (pinned under CUDA),
+    in id order."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.map, self.position, self.stats = array, None, IOStats()
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        self.stats.rows_read += len(rows)
+        return self.map[rows]
+
+    def write(self, rows: np.ndarray, data: np.ndarray) -> None:
+        self.stats.rows_written += len(rows)
+        self.map[rows] = data
+
+    def write_columns(self, rows: np.ndarray, lo: int, hi: int, values: np.ndarray) -> None:
+        self.map[rows, lo:hi] = values
+
+    def write_segment(self, start: int, data: np.ndarray) -> None:
+        self.map[start : start + len(data)] = data
+
+    def flush(self) -> None:
+        pass

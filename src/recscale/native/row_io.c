@@ -1,0 +1,98 @@
+/*
+ * Batched row I/O for the ssd tier: many rows of a file read or written with up to `depth`
+ * requests in flight, never one page fault at a time.
+ *
+ *   pos  [n] int64     file rows, in the order of buf's rows (ascending gives the most
+ *                      coalescing: a run of adjacent rows is one request)
+ *   buf  [n, row_bytes] the rows read (or to write), row i at pos[i] * row_bytes
+ *
+ * A run of list entries with consecutive file rows is one pread/pwrite of up to
+ * RUN_BYTES; the runs are shared among `depth` threads (the caller is one of them) by an
+ * atomic counter, so a slow request holds up only its own thread. Blocking syscalls on
+ * threads rather than io_uring: they work on every kernel and under seccomp profiles
+ * that forbid io_uring, and a read blocked on the disk costs no CPU.
+ *
+ * Returns the number of requests issued (>= 0), or -errno of the first that failed (the
+ * buffer's contents are then undefined; the file's, for a write, partly written).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "recscale_native.h"
+
+#define RUN_BYTES (256 * 1024) /* a longer run is split: keeps requests balanced */
+#define MAX_DEPTH 256
+
+typedef struct {
+    int fd;
+    int write;
+    const int64_t *pos;
+    char *buf;
+    int64_t row_bytes;
+    const int64_t *run_start; /* run r: list entries [run_start[r], run_start[r + 1]) */
+    int64_t nruns;
+    atomic_llong next;
+    atomic_int err;
+} io_job;
+
+static int do_run(io_job *j, int64_t r) {
+    int64_t first = j->run_start[r], len = (j->run_start[r + 1] - first) * j->row_bytes;
+    off_t off = (off_t)(j->pos[first] * j->row_bytes);
+    char *p = j->buf + first * j->row_bytes;
+    while (len > 0) { /* a short read or write continues where it stopped */
+        ssize_t got = j->write ? pwrite(j->fd, p, (size_t)len, off) : pread(j->fd, p, (size_t)len, off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return j->write ? EIO : ENODATA; /* past the end of the file */
+        p += got, off += got, len -= got;
+    }
+    return 0;
+}
+
+static void *worker(void *arg) {
+    io_job *j = arg;
+    for (;;) {
+        int64_t r = atomic_fetch_add(&j->next, 1);
+        if (r >= j->nruns || atomic_load(&j->err)) break;
+        int e = do_run(j, r);
+        if (e) {
+            int zero = 0;
+            atomic_compare_exchange_strong(&j->err, &zero, e);
+        }
+    }
+    return NULL;
+}
+
+int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
+                        void *buf, int64_t depth) {
+    if (n <= 0) return 0;
+    int64_t max_rows = RUN_BYTES / row_bytes > 0 ? RUN_BYTES / row_bytes : 1;
+    int64_t *run_start = malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (!run_start) return -ENOMEM;
+    int64_t nruns = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int joins = i > 0 && pos[i] == pos[i - 1] + 1 && i - run_start[nruns - 1] < max_rows;
+        if (!joins) run_start[nruns++] = i;
+    }
+    run_start[nruns] = n;
+    io_job j = {fd, write, pos, buf, row_bytes, run_start, nruns, 0, 0};
+    int64_t threads = depth < nruns ? depth : nruns;
+    if (threads > MAX_DEPTH) threads = MAX_DEPTH;
+    pthread_t tid[MAX_DEPTH];
+    int64_t started = 0;
+    for (int64_t t = 1; t < threads; t++) { /* the caller is thread 0 */
+        if (pthread_create(&tid[started], NULL, worker, &j) != 0) break; /* fewer is fine */
+        started++;
+    }
+    worker(&j);
+    for (int64_t t = 0; t < started; t++) pthread_join(tid[t], NULL);
+    free(run_start);
+    int e = atomic_load(&j.err);
+    return e ? -(int64_t)e : nruns;
+}

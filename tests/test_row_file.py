@@ -1,0 +1,222 @@
+"""The ssd tier's file: batched reads and writes at depth against a plain array, file
+order by popularity, warm starts, the disk probe and their errors."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from recscale import native
+from recscale.config import load_config
+from recscale.config.errors import ConfigError
+from recscale.embedding.cached_storage import CachedStorage
+from recscale.embedding.optimizers import SparseSGD
+from recscale.embedding.placement import file_order
+from recscale.embedding.row_file import RowFile, TierFileError
+from recscale.train.data_source import make_synthetic, popularity_ranks
+from recscale.train.run import train
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="native library not built")
+
+
+def _file(tmp_path, rows=5000, width=5, depth=32, order=None):
+    rf = RowFile(tmp_path / "rows.f32", rows, width, depth)
+    rf.set_order(order)
+    return rf
+
+
+@pytest.mark.parametrize("depth", [0, 1, 32])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered):
+    n, w = 5000, 5
+    rng = np.random.default_rng(depth)
+    order = rng.permutation(n) if ordered else None
+    rf = _file(tmp_path, n, w, depth, order)
+    ref = np.zeros((n, w), np.float32)
+    for step in range(6):
+        # unsorted distinct rows: runs of neighbours (coalesced) and scattered singles
+        block = np.arange(step * 700, step * 700 + 300)
+        rows = rng.permutation(np.concatenate([block, rng.choice(n, 200, replace=False)]))
+        rows = np.unique(rows)[rng.permutation(len(np.unique(rows)))]
+        data = rng.standard_normal((len(rows), w)).astype(np.float32)
+        rf.write(rows, data)
+        ref[rows] = data
+        probe = rng.choice(n, 400, replace=False)
+        np.testing.assert_array_equal(rf.read(probe), ref[probe])
+    rf.write_columns(np.arange(10, 20), 1, 3, np.full((10, 2), 7.0, np.float32))
+    ref[10:20, 1:3] = 7.0
+    rf.write_columns(np.array([4000, 3]), 0, 1, np.array([[1.0], [2.0]], np.float32))
+    ref[[4000, 3], 0:1] = [[1.0], [2.0]]
+    np.testing.assert_array_equal(rf.read(np.arange(n)), ref)
+    # the file holds each row at its position
+    pos = np.arange(n) if order is None else order
+    np.testing.assert_array_equal(np.asarray(rf.map)[pos], ref)
+    assert rf.stats.rows_read > 0 and rf.stats.rows_written > 0
+
+
+@needs_native
+def test_adjacent_rows_are_one_request(tmp_path):
+    rf = _file(tmp_path, 10000, 4, depth=8)
+    rf.read(np.arange(100, 200)[::-1])  # 100 neighbours, in any order: one run
+    assert rf.stats.requests == 1
+    rf.read(np.arange(0, 10000, 2))  # no neighbours: one request each
+    assert rf.stats.requests == 1 + 5000
+    rf.read(np.arange(10000))  # 160 KB a row block: split into 256 KB runs
+    assert rf.stats.requests == 1 + 5000 + 1
+
+
+def test_a_segment_is_written_in_file_order(tmp_path):
+    n = 100
+    order = np.concatenate([np.random.default_rng(0).permutation(60), 60 + np.arange(40)[::-1]])
+    rf = _file(tmp_path, n, 3, order=order)
+    data = np.arange(60 * 3, dtype=np.float32).reshape(60, 3)
+    rf.write_segment(0, data)
+    rf.write_segment(60, -np.ones((40, 3), np.float32))
+    np.testing.assert_array_equal(rf.read(np.arange(60)), data)
+    np.testing.assert_array_equal(rf.read(np.arange(60, 100)), -np.ones((40, 3)))
+    bad = _file(tmp_path / "b", 10, 3, order=np.array([0, 9, 1, 2, 3, 4, 5, 6, 7, 8]))
+    with pytest.raises(ValueError, match="fill a range"):
+        bad.write_segment(0, np.zeros((2, 3), np.float32))
+
+
+@needs_native
+def test_a_failed_read_is_one_line_naming_the_file(tmp_path):
+    rf = _file(tmp_path, 1000, 4)
+    os.ftruncate(rf.fd, 100 * 16)  # rows 100.. gone (a file cut short under the run)
+    rf.read(np.arange(50))
+    with pytest.raises(TierFileError, match=r"cannot read from the ssd tier's file .*rows\.f32"):
+        rf.read(np.array([5, 500]))
+
+
+def test_an_order_of_the_wrong_length_is_refused(tmp_path):
+    rf = _file(tmp_path, 10, 2)
+    with pytest.raises(ValueError, match="one position per row"):
+        rf.set_order(np.arange(9))
+
+
+def test_file_order_ranks_each_part_within_its_own_rows():
+    parts = [
+        SimpleNamespace(feature=0, row_lo=0, row_hi=4, table_rows=4),
+        SimpleNamespace(feature=1, row_lo=2, row_hi=5, table_rows=6),  # a block of rows
+        SimpleNamespace(feature=2, row_lo=0, row_hi=3, table_rows=3),  # id order
+    ]
+    ranks = {0: np.array([3, 0, 2, 1]), 1: np.array([0, 5, 4, 1, 3, 2]), 2: None}
+    pos, segments = file_order(parts, ranks.get)
+    assert segments == [(0, 4), (4, 3), (7, 3)]
+    # table 1 rows 2..4 have ranks 4, 1, 3 -> 2nd, 0th, 1st of the block
+    assert pos.tolist() == [3, 0, 2, 1, 4 + 2, 4 + 0, 4 + 1, 7, 8, 9]
+    with pytest.raises(ValueError, match="has 3 ranks, the table 4 rows"):
+        file_order(parts[:1], lambda f: np.arange(3))
+    assert file_order(parts[2:], ranks.get)[0] is None
+
+
+def test_synthetic_ranks_invert_the_popularity_law():
+    cfg = load_config("debug", [])
+    data = make_synthetic(cfg)
+    ranks = popularity_ranks(cfg)
+    for f in range(3):
+        n = cfg.model.table_sizes[f]
+        r = ranks(f)
+        assert sorted(r.tolist()) == list(range(n))  # a permutation
+        ids = torch.cat([data.batch(i, 512).feature_values(f) for i in range(8)]).numpy()
+        counts = np.bincount(ids, minlength=n)
+        # the ids drawn most are the ones ranked first
+        top = np.argsort(-counts, kind="stable")[:5]
+        assert r[top].max() < max(10, n // 20)
+    assert popularity_ranks(load_config("debug", ["--embedding.row_order=id"])) is None
+
+
+def test_warm_rows_are_the_hottest_of_each_segment_sharing_the_cache(tmp_path):
+    n = 1000
+    st = CachedStorage(n, 4, SparseSGD(0.1), tmp_path / "t.f32", cache_rows=300)
+    rng = np.random.default_rng(1)
+    position = np.concatenate([rng.permutation(100), 100 + rng.permutation(900)])
+    st.set_row_order(position, [(0, 100), (100, 900)])
+    rows = st.warm_rows()
+    # 150 each: the small segment keeps its 100, the large takes the 200 left
+    want = set(np.flatnonzero(position[:100] < 100)) | set(
+        100 + np.flatnonzero(position[100:] - 100 < 200)
+    )
+    assert set(rows.tolist()) == want and len(rows) == 300
+    assert st.warm(rows) == 300
+    assert bool((st.slot_of_row[rows] >= 0).all()) and st.free.numel() == 0
+    # the hottest warm rows outrank the coldest: the cold ones go first
+    first, last = rows[0], rows[-1]
+    assert st.score[st.slot_of_row[first]] > st.score[st.slot_of_row[last]]
+
+
+@pytest.mark.parametrize("row_order", ["frequency", "id"])
+def test_warm_start_and_row_order_train_exactly_like_memory(tmp_path, row_order):
+    over = [
+        "--train.steps=30",
+        "--train.progress=false",
+        "--train.save_model=false",
+        "--data.max_ids_per_feature=2",
+    ]
+    mem = train(load_config("debug", over), None, echo=lambda _m: None)
+    lines: list[str] = []
+    ssd = train(
+        load_config(
+            "debug",
+            over
+            + [
+                "--embedding.placement=ssd",
+                "--embedding.cache_bytes=400000",
+                f"--embedding.row_order={row_order}",
+                f"--embedding.ssd_dir={tmp_path}",
+            ],
+        ),
+        None,
+        echo=lines.append,
+    )
+    assert ssd["auc"] == mem["auc"] and ssd["logloss"] == mem["logloss"]
+    warmed = [s for s in lines if "warm" in s]
+    if row_order == "frequency":
+        assert warmed and "rows" in warmed[0]
+    else:
+        assert not warmed  # id order has no hot head to start from
+
+
+def test_a_warm_cache_hits_more_than_a_cold_one(tmp_path):
+    def hit_rate(warm: bool) -> float:
+        over = [
+            "--train.steps=10",
+            "--train.progress=false",
+            "--train.save_model=false",
+            "--embedding.placement=ssd",
+            "--embedding.cache_bytes=400000",
+            f"--embedding.warm_start={str(warm).lower()}",
+            f"--embedding.ssd_dir={tmp_path / str(warm)}",
+        ]
+        return train(load_config("debug", over), None, echo=lambda _m: None)[
+            "embedding_cache"
+        ]["hit_rate"]
+
+    assert hit_rate(True) > hit_rate(False) + 0.05
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--embedding.io_depth=0", "embedding.io_depth"),
+        ("--embedding.io_depth=1000", "embedding.io_depth"),
+        ("--embedding.row_order=random", "embedding.row_order"),
+        ("--embedding.order_sample_rows=0", "embedding.order_sample_rows"),
+    ],
+)
+def test_bad_io_settings_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("debug", [override])
+
+
+@needs_native
+def test_the_disk_probe_reads_at_depth(tmp_path):
+    from recscale.bench.disk import measure_random_read_iops
+
+    got = measure_random_read_iops(tmp_path, depth=8, file_bytes=8 << 20, reads=256)
+    assert got["qd1"] > 0 and got["qd8"] > 0
+    assert not list(tmp_path.iterdir())  # the probe file is gone
