@@ -58,15 +58,48 @@ def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered):
     assert rf.stats.rows_read > 0 and rf.stats.rows_written > 0
 
 
+def _row_io(fd, write, pos, buf, depth):
+    import ctypes
+
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    return native.library().recscale_row_io(
+        fd,
+        int(write),
+        pos.ctypes.data_as(ctypes.c_void_p),
+        len(pos),
+        buf.shape[1] * buf.itemsize,
+        buf.ctypes.data_as(ctypes.c_void_p),
+        depth,
+    )
+
+
 @needs_native
-def test_adjacent_rows_are_one_request(tmp_path):
-    rf = _file(tmp_path, 10000, 4, depth=8)
-    rf.read(np.arange(100, 200)[::-1])  # 100 neighbours, in any order: one run
-    assert rf.stats.requests == 1
-    rf.read(np.arange(0, 10000, 2))  # no neighbours: one request each
-    assert rf.stats.requests == 1 + 5000
-    rf.read(np.arange(10000))  # 160 KB a row block: split into 256 KB runs
-    assert rf.stats.requests == 1 + 5000 + 1
+@pytest.mark.parametrize("depth", [1, 8])
+def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(tmp_path, depth):
+    """``recscale_row_io`` (the disk probe's reader): one request a run of neighbours,
+    the rows where they are in the file, a failure as -errno."""
+    data = np.arange(10000 * 4, dtype=np.float32).reshape(10000, 4)
+    path = tmp_path / "f"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        buf = np.empty((100, 4), np.float32)
+        assert _row_io(fd, False, np.arange(100, 200), buf, depth) == 1
+        np.testing.assert_array_equal(buf, data[100:200])
+        pos = np.arange(0, 10000, 2)
+        buf = np.empty((len(pos), 4), np.float32)
+        assert _row_io(fd, False, pos, buf, depth) == len(pos)  # no neighbours
+        np.testing.assert_array_equal(buf, data[pos])
+        buf = np.empty((10000, 4), np.float32)
+        assert _row_io(fd, False, np.arange(10000), buf, depth) == 1  # 160 KB: one run
+        new = -np.ones((3, 4), np.float32)
+        assert _row_io(fd, True, np.array([7, 8, 500]), new, depth) == 2
+        assert np.fromfile(path, np.float32).reshape(10000, 4)[[7, 8, 500]].tolist() == (
+            new.tolist()
+        )
+        assert _row_io(fd, False, np.array([10005]), np.empty((1, 4), np.float32), depth) < 0
+    finally:
+        os.close(fd)
 
 
 def test_a_segment_is_written_in_file_order(tmp_path):
@@ -86,10 +119,12 @@ def test_a_segment_is_written_in_file_order(tmp_path):
 @needs_native
 def test_a_failed_read_is_one_line_naming_the_file(tmp_path):
     rf = _file(tmp_path, 1000, 4)
-    os.ftruncate(rf.fd, 100 * 16)  # rows 100.. gone (a file cut short under the run)
     rf.read(np.arange(50))
-    with pytest.raises(TierFileError, match=r"cannot read from the ssd tier's file .*rows\.f32"):
+    os.ftruncate(rf.fd, 100 * 16)  # rows 100.. gone (a file cut short under the run)
+    with pytest.raises(TierFileError, match=r"file .*rows\.f32 was cut to 1,600 bytes"):
         rf.read(np.array([5, 500]))
+    with pytest.raises(TierFileError, match="cannot write to it; resume from the last"):
+        rf.write(np.array([5]), np.zeros((1, 4), np.float32))
 
 
 def test_an_order_of_the_wrong_length_is_refused(tmp_path):
@@ -192,9 +227,9 @@ def test_a_warm_cache_hits_more_than_a_cold_one(tmp_path):
             f"--embedding.warm_start={str(warm).lower()}",
             f"--embedding.ssd_dir={tmp_path / str(warm)}",
         ]
-        return train(load_config("debug", over), None, echo=lambda _m: None)[
-            "embedding_cache"
-        ]["hit_rate"]
+        return train(load_config("debug", over), None, echo=lambda _m: None)["embedding_cache"][
+            "hit_rate"
+        ]
 
     assert hit_rate(True) > hit_rate(False) + 0.05
 

@@ -122,7 +122,7 @@ def run_throughput(
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
     if tiered and cfg.embedding.warm_start:
-        warm_caches(model.embeddings, echo)
+        warm_caches(model.embeddings, echo, cfg.embedding.warm_pin_share)
     if tiered and turns is not None:
         raise ValueError(
             "bench throughput: turns need the tables on the device "

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     for t, p in zip(tables, plan.placements):
         ranks = p.ranks if len(p.ranks) <= 8 else f"{p.ranks[:3]}..{p.ranks[-1]} ({len(p.ranks)})"
         where = (
-            f"  {p.placement}, cache {p.cache_bytes / 1e9:.3f} GB"
+            f"  {p.placement}, cache {p.cache_bytes / 1e9:.3f} GB, "
+            f"expected hit rate {p.hit_rate:.0%}"
             if p.placement != "device"
             else ""
         )

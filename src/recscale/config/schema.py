@@ -199,6 +199,11 @@ class EmbeddingConfig:
     # Fill the ssd/host cache with the hottest rows before the first step (needs
     # row_order=frequency).
     warm_start: bool = True
+    # The share of the cache whose warm rows stay resident for the whole run (FAE's hot
+    # set: a row of rank 50,000 is used less than once in 300 steps, so LFU cannot tell
+    # it from a cold row used once - the popularity order can); the rest of the cache is
+    # LFU/LRU over whatever the batches bring. 0 = every warm row may be evicted.
+    warm_pin_share: float = 0.8
     # Where the data has no popularity profile (a dataset), the first this many training
     # samples are counted to order the rows (seen ids by count, then the rest by id).
     order_sample_rows: int = 1_000_000
@@ -268,6 +273,12 @@ class EmbeddingConfig:
         if not 1 <= int(self.io_depth) <= 256:
             raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
         _choice("embedding.row_order", self.row_order, ROW_ORDERS)
+        if not 0.0 <= float(self.warm_pin_share) <= 0.95:
+            raise ConfigError(
+                "embedding.warm_pin_share",
+                f"must be in [0, 0.95] (the rest of the cache takes the batches' misses), "
+                f"got {self.warm_pin_share}",
+            )
         if int(self.order_sample_rows) < 1:
             raise ConfigError(
                 "embedding.order_sample_rows", f"must be >= 1, got {self.order_sample_rows}"

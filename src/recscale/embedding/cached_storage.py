@@ -9,6 +9,7 @@ host-memory cache (``ssd``), or host memory under a GPU-memory cache (``host``).
     slot_of_row [num_rows] int32      -1 = not resident;  row_of_slot [C]
     score [C]                         LFU: uses, halved every ``decay_every`` lookups;
                                       LRU: the lookup count at last use
+    pinned [C] bool                   warm rows kept for the run (never evicted)
 
 A training lookup makes its rows resident (a miss reads the row + state from the file; room
 is made by evicting the lowest-score slots not used by the batch in flight, in
@@ -156,6 +157,7 @@ class CachedStorage(RowStorage):
         self.row_of_slot = torch.full((c,), -1, dtype=torch.int64)
         self.score = torch.zeros(c, dtype=torch.float64)
         self.cache_dirty = torch.zeros(c, dtype=torch.bool)
+        self.pinned = torch.zeros(c, dtype=torch.bool)
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
         self._prefetch_pins: list[_Prefetched] = []  # prefetched batches not yet looked up
         self._prefetch_off = False  # set when the cache cannot hold two batches at once
@@ -200,6 +202,7 @@ class CachedStorage(RowStorage):
         k = min(c, max(need, int(c * self.evict_fraction)))
         s = self.score.clone()
         s[self.row_of_slot < 0] = math.inf  # already free
+        s[self.pinned] = math.inf
         for p in [keep, *(e.slots for e in self._prefetch_pins), *self._update_pins]:
             s[p] = math.inf
         victims = torch.topk(s, k, largest=False).indices
@@ -207,10 +210,13 @@ class CachedStorage(RowStorage):
         if victims.numel() < need:
             pinned = int((self.row_of_slot >= 0).sum()) - int(torch.isfinite(s).sum())
             total = pinned + self.free.numel() + need  # all of it wanted resident at once
+            held = int(self.pinned.sum())
             raise CacheTooSmallError(
                 f"the embedding cache holds {c:,} rows, but the batches in flight need "
-                f"{total:,} distinct rows resident at once ({pinned:,} already pinned); "
-                "raise embedding.cache_bytes"
+                f"{total:,} distinct rows resident at once ({pinned:,} already pinned"
+                + (f", {held:,} of them warm rows kept for the run" if held else "")
+                + "); raise embedding.cache_bytes"
+                + (" or lower embedding.warm_pin_share" if held else "")
             )
         self._write_back(victims)
         self.slot_of_row[self.row_of_slot[victims]] = -1
@@ -304,10 +310,12 @@ class CachedStorage(RowStorage):
         rows = np.concatenate([h[1] for h in heads]) if heads else np.zeros(0, np.int64)
         return torch.from_numpy(rows[np.argsort(rank, kind="stable")])
 
-    def warm(self, rows: torch.Tensor, chunk: int = 1 << 20) -> int:
-        """Fill free cache slots with ``rows`` (hottest first) before training; their
-        scores fall from 1 to 0 along the list, so any row a batch uses outranks them and
-        the coldest go first. Returns the rows made resident."""
+    def warm(self, rows: torch.Tensor, pin: int = 0, chunk: int = 1 << 20) -> int:
+        """Fill free cache slots with ``rows`` (hottest first) before training; the
+        first ``pin`` stay resident for the run (at most all but two batches' worth of
+        the cache is advisable); the others' scores fall from 1 to 0 along the list, so
+        any row a batch uses outranks them and the coldest go first. Returns the rows
+        made resident."""
         with self._lock:
             rows = rows.cpu()
             rows = rows[self.slot_of_row[rows] < 0][: self.free.numel()]
@@ -320,6 +328,7 @@ class CachedStorage(RowStorage):
                 self._install(part, slots, self.rows.read(part.numpy()))
                 rank = (lo + order).double()
                 self.score[slots] = 1.0 - rank / max(k, 1)
+                self.pinned[slots] = rank < pin
             return k
 
     def io_stats(self) -> dict[str, float]:

@@ -7,13 +7,15 @@ at positions that put the rows likely to be wanted together side by side.
                                          at file row position[r]
     position    [num_rows] int32/int64   logical row -> file row (None: the identity)
 
-A batch of rows is read by sorting their file positions, coalescing adjacent ones into
-one request, and issuing the requests from ``depth`` threads at once (native
-``recscale_row_io``: pread/pwrite); without the native library the memory map serves,
-one page fault at a time. Reads go through the page cache (``POSIX_FADV_RANDOM``: no
-read-ahead of neighbours nobody asked for), so whatever memory the process does not use
-keeps recently read pages - and, with rows ordered by frequency, a page holds ~60 rows
-of similar heat, so that memory caches the warm rows just beyond the hot-row cache.
+A batch of rows is sorted by file position and copied to or from the file's memory map
+by ``depth`` threads (native ``recscale_row_copy``): a row whose page is in memory is a
+memcpy (no system call - a table that fits in the page cache trains near memory speed),
+a row whose page is not faults on its own thread, so up to ``depth`` page reads are in
+flight instead of one. Without the native library numpy indexes the map, one fault at a
+time. The map is ``MADV_RANDOM`` (a fault reads its page, not a read-ahead window of
+neighbours nobody asked for), so whatever memory the process does not use keeps recently
+used pages - and, with rows ordered by frequency, a page holds ~60 rows of similar heat,
+so that memory caches the warm rows just beyond the hot-row cache.
 
 The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
 rows by id, whatever their order here).
@@ -127,8 +129,9 @@ def claim_file(path: Path, nbytes: int) -> int:
 class IOStats:
     rows_read: int = 0
     rows_written: int = 0
-    requests: int = 0  # reads + writes issued (adjacent rows coalesced into one)
-    batches: int = 0  # calls: each issues its requests with up to `depth` in flight
+    requests: int = 0  # rows copied to or from the file's map
+    batches: int = 0  # calls: each copies its rows with up to `depth` threads
+    helped_chunks: int = 0  # 64-row chunks copied by helper threads (while others waited)
     seconds: float = 0.0  # spent in batched reads and writes (any thread)
 
     def as_dict(self) -> dict[str, float]:
@@ -137,6 +140,7 @@ class IOStats:
             "rows_written": self.rows_written,
             "io_requests": self.requests,
             "io_batches": self.batches,
+            "io_helped_chunks": self.helped_chunks,
             "io_seconds": self.seconds,
         }
 
@@ -184,16 +188,23 @@ class RowFile:
     # -- batched I/O ----------------------------------------------------------------------
     def _io(self, write: bool, pos: np.ndarray, buf: np.ndarray) -> None:
         t = time.perf_counter()
-        if self._lib is None or self.depth <= 0:  # the memory map: one fault at a time
+        if self._lib is None or self.depth <= 0:  # numpy on the map: one fault at a time
             if write:
                 self.map[pos] = buf
             else:
                 buf[:] = self.map[pos]
-            n = len(pos)
         else:
+            size = os.fstat(self.fd).st_size
+            if size < self.num_rows * self.row_bytes:  # touching the lost part: SIGBUS
+                raise TierFileError(
+                    f"the ssd tier's file {self.path} was cut to {size:,} bytes under the run "
+                    f"(it holds {self.num_rows * self.row_bytes:,}): cannot "
+                    + ("write to" if write else "read from")
+                    + " it; resume from the last checkpoint"
+                )
             pos = np.ascontiguousarray(pos, dtype=np.int64)
-            n = self._lib.recscale_row_io(
-                self.fd,
+            helped = self._lib.recscale_row_copy(
+                ctypes.c_void_p(self.map.ctypes.data),
                 int(write),
                 pos.ctypes.data_as(ctypes.c_void_p),
                 len(pos),
@@ -201,13 +212,9 @@ class RowFile:
                 buf.ctypes.data_as(ctypes.c_void_p),
                 self.depth,
             )
-            if n < 0:
-                what = "write to" if write else "read from"
-                raise TierFileError(
-                    f"cannot {what} the ssd tier's file {self.path}: {os.strerror(-n)}"
-                )
+            self.stats.helped_chunks += helped
         st = self.stats
-        st.requests += n
+        st.requests += len(pos)
         st.batches += 1
         st.seconds += time.perf_counter() - t
 

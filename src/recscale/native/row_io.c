@@ -7,10 +7,15 @@
  *   buf  [n, row_bytes] the rows read (or to write), row i at pos[i] * row_bytes
  *
  * A run of list entries with consecutive file rows is one pread/pwrite of up to
- * RUN_BYTES; the runs are shared among `depth` threads (the caller is one of them) by an
- * atomic counter, so a slow request holds up only its own thread. Blocking syscalls on
- * threads rather than io_uring: they work on every kernel and under seccomp profiles
- * that forbid io_uring, and a read blocked on the disk costs no CPU.
+ * RUN_BYTES. The caller first issues every run with RWF_NOWAIT: what the page cache
+ * holds is copied at once, on this thread, with no thread started (a table that fits in
+ * memory pays one syscall a run, nothing more). The runs that would wait for the disk
+ * are then shared among `depth` threads (the caller is one of them) by an atomic
+ * counter, so a slow request holds up only its own thread. Blocking syscalls on threads
+ * rather than io_uring: they work on every kernel and under seccomp profiles that
+ * forbid io_uring, and a read blocked on the disk costs no CPU. Where RWF_NOWAIT is not
+ * supported (old kernels, some filesystems, most buffered writes) every run goes to the
+ * threads.
  *
  * Returns the number of requests issued (>= 0), or -errno of the first that failed (the
  * buffer's contents are then undefined; the file's, for a write, partly written).
@@ -20,7 +25,13 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
+
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008
+#endif
 
 #include "recscale_native.h"
 
@@ -34,15 +45,43 @@ typedef struct {
     char *buf;
     int64_t row_bytes;
     const int64_t *run_start; /* run r: list entries [run_start[r], run_start[r + 1]) */
+    int64_t *run_done;        /* bytes of run r already transferred (by the no-wait pass) */
+    const int64_t *slow;      /* the runs left for the threads */
     int64_t nruns;
     atomic_llong next;
     atomic_int err;
 } io_job;
 
-static int do_run(io_job *j, int64_t r) {
+/* Run r without waiting for the disk: 1 = done, 0 = left for the threads (part of it
+ * may be done), -1 = RWF_NOWAIT unsupported here, > 1 = errno + 1 of a failure. */
+static int try_run_nowait(io_job *j, int64_t r) {
     int64_t first = j->run_start[r], len = (j->run_start[r + 1] - first) * j->row_bytes;
     off_t off = (off_t)(j->pos[first] * j->row_bytes);
     char *p = j->buf + first * j->row_bytes;
+    int64_t done = 0;
+    while (done < len) {
+        struct iovec iov = {p + done, (size_t)(len - done)};
+        ssize_t got = j->write ? pwritev2(j->fd, &iov, 1, off + done, RWF_NOWAIT)
+                               : preadv2(j->fd, &iov, 1, off + done, RWF_NOWAIT);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            j->run_done[r] = done;
+            if (errno == EAGAIN) return 0;
+            if (errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL) return -1;
+            return errno + 1;
+        }
+        if (got == 0) return (j->write ? EIO : ENODATA) + 1;
+        done += got;
+    }
+    j->run_done[r] = done;
+    return 1;
+}
+
+static int do_run(io_job *j, int64_t r) {
+    int64_t first = j->run_start[r], skip = j->run_done[r];
+    int64_t len = (j->run_start[r + 1] - first) * j->row_bytes - skip;
+    off_t off = (off_t)(j->pos[first] * j->row_bytes + skip);
+    char *p = j->buf + first * j->row_bytes + skip;
     while (len > 0) { /* a short read or write continues where it stopped */
         ssize_t got = j->write ? pwrite(j->fd, p, (size_t)len, off) : pread(j->fd, p, (size_t)len, off);
         if (got < 0) {
@@ -58,9 +97,9 @@ static int do_run(io_job *j, int64_t r) {
 static void *worker(void *arg) {
     io_job *j = arg;
     for (;;) {
-        int64_t r = atomic_fetch_add(&j->next, 1);
-        if (r >= j->nruns || atomic_load(&j->err)) break;
-        int e = do_run(j, r);
+        int64_t k = atomic_fetch_add(&j->next, 1);
+        if (k >= j->nruns || atomic_load(&j->err)) break;
+        int e = do_run(j, j->slow[k]);
         if (e) {
             int zero = 0;
             atomic_compare_exchange_strong(&j->err, &zero, e);
@@ -73,7 +112,7 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
                         void *buf, int64_t depth) {
     if (n <= 0) return 0;
     int64_t max_rows = RUN_BYTES / row_bytes > 0 ? RUN_BYTES / row_bytes : 1;
-    int64_t *run_start = malloc((size_t)(n + 1) * sizeof(int64_t));
+    int64_t *run_start = malloc((size_t)(3 * n + 1) * sizeof(int64_t));
     if (!run_start) return -ENOMEM;
     int64_t nruns = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -81,8 +120,22 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
         if (!joins) run_start[nruns++] = i;
     }
     run_start[nruns] = n;
-    io_job j = {fd, write, pos, buf, row_bytes, run_start, nruns, 0, 0};
-    int64_t threads = depth < nruns ? depth : nruns;
+    int64_t *run_done = run_start + n + 1, *slow = run_done + n, nslow = 0;
+    io_job j = {fd, write, pos, buf, row_bytes, run_start, run_done, slow, 0, 0, 0};
+    int nowait = 1;
+    for (int64_t r = 0; r < nruns; r++) {
+        run_done[r] = 0;
+        int got = nowait ? try_run_nowait(&j, r) : -1;
+        if (got == 1) continue;
+        if (got > 1) {
+            free(run_start);
+            return -(int64_t)(got - 1);
+        }
+        if (got < 0) nowait = 0; /* unsupported: the rest straight to the threads */
+        slow[nslow++] = r;
+    }
+    j.nruns = nslow;
+    int64_t threads = depth < nslow ? depth : nslow;
     if (threads > MAX_DEPTH) threads = MAX_DEPTH;
     pthread_t tid[MAX_DEPTH];
     int64_t started = 0;
@@ -95,4 +148,71 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
     free(run_start);
     int e = atomic_load(&j.err);
     return e ? -(int64_t)e : nruns;
+}
+
+/*
+ * The same batch through the file's memory mapping: rows copied with memcpy by `depth`
+ * threads (the caller is one), sharing the list in chunks of COPY_CHUNK entries.
+ *
+ * A row whose page is in memory costs a memcpy - no system call - and a row whose page
+ * is not faults on its own thread, so up to `depth` page reads are in flight at once
+ * (the mapping is MADV_RANDOM: one page a fault, no read-ahead). Writes dirty pages that
+ * the kernel writes back in the background, many at a time. This is the tier's path;
+ * recscale_row_io (a system call a run) stays for the disk probe, which must not be
+ * served from memory.
+ *
+ * The caller checks the file still holds `map_rows` rows (a shorter file would raise
+ * SIGBUS here). Returns the chunks copied by threads other than the caller (>= 0).
+ */
+#define COPY_CHUNK 64
+
+typedef struct {
+    char *map;
+    int write;
+    const int64_t *pos;
+    char *buf;
+    int64_t row_bytes;
+    int64_t n;
+    atomic_llong next;
+    atomic_llong helped;
+} copy_job;
+
+static void copy_chunks(copy_job *j, int helper) {
+    for (;;) {
+        int64_t c = atomic_fetch_add(&j->next, 1);
+        int64_t lo = c * COPY_CHUNK;
+        if (lo >= j->n) break;
+        int64_t hi = lo + COPY_CHUNK < j->n ? lo + COPY_CHUNK : j->n;
+        for (int64_t i = lo; i < hi; i++) {
+            char *row = j->map + j->pos[i] * j->row_bytes, *b = j->buf + i * j->row_bytes;
+            if (j->write)
+                memcpy(row, b, (size_t)j->row_bytes);
+            else
+                memcpy(b, row, (size_t)j->row_bytes);
+        }
+        if (helper) atomic_fetch_add(&j->helped, 1);
+    }
+}
+
+static void *copy_worker(void *arg) {
+    copy_chunks(arg, 1);
+    return NULL;
+}
+
+int64_t recscale_row_copy(void *map, int write, const int64_t *pos, int64_t n,
+                          int64_t row_bytes, void *buf, int64_t depth) {
+    if (n <= 0) return 0;
+    copy_job j = {map, write, pos, buf, row_bytes, n, 0, 0};
+    int64_t chunks = (n + COPY_CHUNK - 1) / COPY_CHUNK;
+    int64_t threads = depth < chunks ? depth : chunks;
+    if (threads > MAX_DEPTH) threads = MAX_DEPTH;
+    pthread_t tid[MAX_DEPTH];
+    int64_t started = 0;
+    for (int64_t t = 1; t < threads; t++) {
+        if (pthread_create(&tid[started], NULL, copy_worker, &j) != 0) break;
+        started++;
+    }
+    copy_chunks(&j, 0);
+    for (int64_t t = 0; t < started; t++) pthread_join(tid[t], NULL);
+    return atomic_load(&j.helped);
 }

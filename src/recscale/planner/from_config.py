@@ -13,6 +13,8 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
+from recscale.data.columns import DatasetError, read_metadata
+from recscale.data.synthetic import zipf_share
 from recscale.embedding import kernels
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
@@ -29,6 +31,41 @@ from recscale.planner.plan import (
 )
 from recscale.planner.types import KINDS
 
+# Where the hit curve is read: the share of rows a cache may hold.
+_CURVE_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
+
+
+def hit_curves(cfg: Config) -> list[tuple[tuple[float, float], ...]]:
+    """Each table's hit curve ((fraction of rows, share of lookups), ...): synthetic
+    data's exact Zipf law; a dataset's id-frequency summary (``metadata.json``: the top
+    1% and 10% of its distinct ids, and all of them); () where neither says."""
+    m = cfg.model
+    if not cfg.data.uses_dataset():
+        a = cfg.data.zipf_alpha
+        return [
+            tuple((f, zipf_share(f * n, n, a)) for f in _CURVE_FRACTIONS) for n in m.table_sizes
+        ]
+    try:
+        freq = read_metadata(cfg.data.path).get("id_frequency_train") or {}
+    except DatasetError:
+        freq = {}
+    curves = []
+    for i, n in enumerate(m.table_sizes):
+        s = freq.get(f"C{i + 1}") if isinstance(freq, dict) else None
+        try:
+            d = int(s["distinct"]) / max(n, 1)
+            points = [
+                (0.01 * d, float(s["top_1pct_share"])),
+                (0.1 * d, float(s["top_10pct_share"])),
+            ]
+        except (TypeError, KeyError, ValueError):
+            curves.append(())  # no summary, or a foreign one: the planner's default
+            continue
+        points.append((min(d, 1.0), 1.0))
+        ok = all(0 < x <= 1 and 0 <= y <= 1 for x, y in points)
+        curves.append(tuple(sorted(points)) if ok and d > 0 else ())
+    return curves
+
 
 def table_infos(cfg: Config) -> list[TableInfo]:
     m = cfg.model
@@ -36,6 +73,7 @@ def table_infos(cfg: Config) -> list[TableInfo]:
     pooling = [float(k) for k in cfg.data.bag_sizes] or [mean] * len(m.table_sizes)
     e = cfg.embedding
     comp = table_compressions(m.table_sizes, m.dims(), e)
+    curves = hit_curves(cfg)
     infos = []
     for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp)):
         total, weights = compressed_table_bytes(c, n, d, sd, e)
@@ -50,6 +88,7 @@ def table_infos(cfg: Config) -> list[TableInfo]:
                 total,
                 row_overhead(e.row_precision),
                 weights,
+                curves[i],
             )
         )
     return infos

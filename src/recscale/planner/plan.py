@@ -25,7 +25,10 @@ rank's memory, until the rest plus the caches fit. Such a table costs its lookup
 plus the misses' traffic::
 
     host/ssd  owner: lookup(B p, D) + all_to_all as table_wise
-              + B p (1 - ssd_hit_rate) * 2 * row_bytes / tier_bandwidth   (read + write-back)
+              + B p (1 - hit) * 2 * row_bytes / tier_bandwidth   (read + write-back)
+
+where ``hit`` is the table's hit curve read at the cache's share of its rows (the data's
+popularity law: ``TableInfo.hit_curve``), or ``Constraints.ssd_hit_rate`` without one.
 """
 
 from __future__ import annotations
@@ -138,9 +141,10 @@ def _place_on_slow_tiers(
             r = min(room, key=lambda r: (used[r], mem[r], r))
             b, p = cons.batch_size, t.pooling
             row_bytes = t.bytes / max(t.rows, 1)
+            hit = t.hit_rate(cache / max(t.bytes, 1), cons.ssd_hit_rate)
             c = (
                 laws.seconds(placement_work(t, "table_wise", w, b))
-                + b * p * (1 - cons.ssd_hit_rate) * 2 * row_bytes / bandwidth
+                + b * p * (1 - hit) * 2 * row_bytes / bandwidth
             )
             placed[t.name] = TablePlacement(
                 t.name,
@@ -151,6 +155,7 @@ def _place_on_slow_tiers(
                 placement=tier,
                 cache_bytes=cache,
                 ssd_bytes=t.bytes,
+                hit_rate=hit,
             )
             used[r] += t.bytes
             mem[r] += cache

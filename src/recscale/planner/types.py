@@ -26,6 +26,23 @@ class TableInfo:
     # factors
     row_overhead_bytes: int = 0
     compressed_weight_bytes: int = 0
+    # The share of lookups the hottest rows take: ((fraction of rows, share), ...),
+    # ascending - the hit rate of a cache holding that fraction (warm, LFU at steady
+    # state); () = unknown (the planner assumes ``Constraints.ssd_hit_rate``).
+    hit_curve: tuple[tuple[float, float], ...] = ()
+
+    def hit_rate(self, cache_fraction: float, default: float) -> float:
+        """The expected hit rate of a cache of ``cache_fraction`` of the rows: the curve
+        read linearly between its points (from (0, 0) to (1, 1)), else ``default``."""
+        if not self.hit_curve:
+            return default
+        f = min(max(cache_fraction, 0.0), 1.0)
+        lo = (0.0, 0.0)
+        for x, y in (*self.hit_curve, (1.0, 1.0)):
+            if f <= x:
+                return lo[1] + (y - lo[1]) * (f - lo[0]) / (x - lo[0]) if x > lo[0] else y
+            lo = (x, y)
+        return 1.0
 
     @property
     def bytes(self) -> int:
@@ -64,7 +81,8 @@ class Constraints:
     data_parallel_max_bytes: int = 64 << 20
     column_wise_min_dim: int = 16  # a column shard is at least this wide
     # ssd tier: the hot-row cache of a table on ssd, as a share of its bytes, and the
-    # hit rate expected of it (benchmarks/cache_hit_curve.py measures it per workload).
+    # hit rate expected of it where the table has no hit curve of its own
+    # (benchmarks/cache_hit_curve.py measures it per workload).
     ssd_cache_fraction: float = 0.1
     ssd_hit_rate: float = 0.9
 
@@ -81,6 +99,7 @@ class TablePlacement:
     cache_bytes: int = 0  # host/ssd: the hot-row cache (counted in memory_per_rank)
     ssd_bytes: int = 0  # host/ssd: the table's bytes on that slower tier
     kernel: str = ""  # the embedding kernel family its storage runs ("": model.kernels)
+    hit_rate: float = 0.0  # host/ssd: the cache's expected hit rate (the table's curve)
 
 
 @dataclass
@@ -119,6 +138,7 @@ class ShardingPlan:
                 int(p.get("cache_bytes", 0)),
                 int(p.get("ssd_bytes", 0)),
                 str(p.get("kernel", "")),
+                float(p.get("hit_rate", 0.0)),
             )
             for p in d["placements"]
         ]
