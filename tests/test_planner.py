@@ -144,3 +144,67 @@ def test_gpu_runs_use_host_memory_before_ssd():
     # one), the next to SSD; the rest stays on the device.
     assert where == {"big": "host", "big2": "ssd", "mid": "device"}
     assert plan.memory_per_rank[0] <= topo.memory_per_rank
+
+
+def test_a_tables_hit_curve_sets_its_tier_cost():
+    flat = TableInfo("t", 40_000_000, 128)
+    steep = TableInfo("t", 40_000_000, 128, hit_curve=((0.01, 0.6), (0.1, 0.95)))
+    assert flat.hit_rate(0.1, 0.9) == 0.9  # no curve: the constraint's constant
+    assert steep.hit_rate(0.1, 0.9) == pytest.approx(0.95)
+    assert steep.hit_rate(0.055, 0.9) == pytest.approx(0.775)  # between two points
+    assert steep.hit_rate(0.55, 0.9) == pytest.approx(0.975)  # toward (1, 1)
+    assert steep.hit_rate(0.0, 0.9) == 0.0 and steep.hit_rate(2.0, 0.9) == 1.0
+    topo = Topology(1, 16 * GB, ssd_per_rank=200 * GB)
+    cons = Constraints(batch_size=2048, ssd_cache_fraction=0.1)
+    cost = {}
+    for t in (flat, steep):
+        p = plan_sharding([t], topo, cons).placements[0]
+        assert p.placement == "ssd"
+        cost[t.hit_curve != ()] = (p.hit_rate, p.cost_per_rank[0])
+    assert cost[True][0] == pytest.approx(0.95) and cost[False][0] == 0.9
+    assert cost[True][1] < cost[False][1]  # fewer misses, less traffic
+
+
+def test_hit_curves_follow_the_synthetic_law_and_a_datasets_profile(tmp_path):
+    import numpy as np
+
+    from recscale.planner.from_config import hit_curves
+    from recscale.train.data_source import make_synthetic
+
+    cfg = load_config("debug", ["--data.zipf_alpha=1.05"])
+    curves = hit_curves(cfg)
+    data = make_synthetic(cfg)
+    f = int(np.argmax(cfg.model.table_sizes))
+    n = cfg.model.table_sizes[f]
+    ids = np.concatenate([data.batch(i, 1024).feature_values(f).numpy() for i in range(40)])
+    ranks = make_synthetic(cfg).rank_of_id(f)[ids]
+    for frac, share in curves[f]:  # the law's share of the top rows = the drawn share
+        assert abs((ranks < frac * n).mean() - share) < 0.02
+    meta = {
+        "id_frequency_train": {
+            "C1": {"distinct": 500, "top_1pct_share": 0.3, "top_10pct_share": 0.7},
+            "C2": {"distinct": "many"},  # foreign: no curve, the planner's default
+        }
+    }
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    cfg = load_config("debug", [f"--data.path={tmp_path}", "--model.table_sizes=1000,1000"])
+    got = hit_curves(cfg)
+    assert got[0] == ((0.005, 0.3), (0.05, 0.7), (0.5, 1.0)) and got[1] == ()
+
+
+def test_cli_plan_shows_the_expected_hit_rate():
+    from helpers import cli
+
+    r = cli(
+        "plan",
+        "--config",
+        "criteo_terabyte",
+        "--world-size",
+        "1",
+        "--memory-per-rank",
+        "24",
+        "--ssd-per-rank",
+        "200",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ssd, cache" in r.stdout and "expected hit rate" in r.stdout

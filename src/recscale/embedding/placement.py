@@ -56,12 +56,15 @@ def file_order(parts: list, rank_of_id: RankOfId) -> tuple[np.ndarray | None, li
     the group (rows ``[row_lo, row_hi)`` of its table) keeps its own range of file rows,
     its rows in rank order within it. Returns (position per row or None, the segments
     ``(start, rows)``)."""
-    segments, pieces, start, ordered = [], [], 0, False
+    total = sum(p.row_hi - p.row_lo for p in parts)
+    # int32 where it fits: a 572M-row group's positions are 2.3 GB, not 4.6
+    position = np.empty(total, np.int32 if total < 2**31 else np.int64)
+    segments, start, ordered = [], 0, False
     for p in parts:
         n = p.row_hi - p.row_lo
         ranks = rank_of_id(p.feature)
         if ranks is None:
-            pieces.append(np.arange(start, start + n, dtype=np.int64))
+            position[start : start + n] = np.arange(start, start + n)
         else:
             if len(ranks) != p.table_rows:
                 raise ValueError(
@@ -71,11 +74,11 @@ def file_order(parts: list, rank_of_id: RankOfId) -> tuple[np.ndarray | None, li
             r = np.asarray(ranks[p.row_lo : p.row_hi], dtype=np.int64)
             if n != p.table_rows:  # a block of rows: their ranks among themselves
                 r = np.argsort(np.argsort(r, kind="stable"), kind="stable")
-            pieces.append(start + r)
+            position[start : start + n] = start + r
             ordered = True
         segments.append((start, n))
         start += n
-    return (np.concatenate(pieces) if ordered else None), segments
+    return (position if ordered else None), segments
 
 
 def storage_factory(

@@ -7,15 +7,18 @@ at positions that put the rows likely to be wanted together side by side.
                                          at file row position[r]
     position    [num_rows] int32/int64   logical row -> file row (None: the identity)
 
-A batch of rows is sorted by file position and copied to or from the file's memory map
-by ``depth`` threads (native ``recscale_row_copy``): a row whose page is in memory is a
-memcpy (no system call - a table that fits in the page cache trains near memory speed),
-a row whose page is not faults on its own thread, so up to ``depth`` page reads are in
-flight instead of one. Without the native library numpy indexes the map, one fault at a
-time. The map is ``MADV_RANDOM`` (a fault reads its page, not a read-ahead window of
-neighbours nobody asked for), so whatever memory the process does not use keeps recently
-used pages - and, with rows ordered by frequency, a page holds ~60 rows of similar heat,
-so that memory caches the warm rows just beyond the hot-row cache.
+A batch of rows is sorted by file position, adjacent rows coalesced into one request, and
+the requests issued with pread/pwrite (native ``recscale_row_io``): first each without
+waiting for the disk (``RWF_NOWAIT``: what the page cache holds is copied at once, on
+the calling thread), then the rest from ``depth`` threads at once, so up to ``depth``
+disk reads are in flight instead of the one a page fault gives. The file is never
+mapped into the training process on this path: the pages the kernel evicts to make room
+need no unmapping, whose TLB shootdowns measured a 1.45x slower step beyond RAM
+(docs/performance.md). ``POSIX_FADV_RANDOM``: no read-ahead of neighbours nobody asked
+for. Whatever memory the process does not use keeps recently used pages - and, with
+rows ordered by frequency, a page holds ~60 rows of similar heat, so that memory caches
+the warm rows just beyond the hot-row cache. Without the native library numpy indexes a
+memory map of the file, one fault at a time (``map``: also the tests' view).
 
 The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
 rows by id, whatever their order here).
@@ -129,9 +132,8 @@ def claim_file(path: Path, nbytes: int) -> int:
 class IOStats:
     rows_read: int = 0
     rows_written: int = 0
-    requests: int = 0  # rows copied to or from the file's map
-    batches: int = 0  # calls: each copies its rows with up to `depth` threads
-    helped_chunks: int = 0  # 64-row chunks copied by helper threads (while others waited)
+    requests: int = 0  # reads + writes issued (adjacent rows coalesced into one)
+    batches: int = 0  # calls: each issues its requests with up to `depth` in flight
     seconds: float = 0.0  # spent in batched reads and writes (any thread)
 
     def as_dict(self) -> dict[str, float]:
@@ -140,7 +142,6 @@ class IOStats:
             "rows_written": self.rows_written,
             "io_requests": self.requests,
             "io_batches": self.batches,
-            "io_helped_chunks": self.helped_chunks,
             "io_seconds": self.seconds,
         }
 
@@ -179,7 +180,7 @@ class RowFile:
                     f"a row order has one position per row ({self.num_rows:,}), "
                     f"got {position.shape}"
                 )
-            position = position.astype(np.int32 if self.num_rows < 2**31 else np.int64)
+            position = position.astype(np.int32 if self.num_rows < 2**31 else np.int64, copy=False)
         self.position = position
 
     def positions(self, rows: np.ndarray) -> np.ndarray:
@@ -187,24 +188,18 @@ class RowFile:
 
     # -- batched I/O ----------------------------------------------------------------------
     def _io(self, write: bool, pos: np.ndarray, buf: np.ndarray) -> None:
+        """Rows ``buf[i]`` from / to file rows ``pos[i]`` (ascending for coalescing)."""
         t = time.perf_counter()
         if self._lib is None or self.depth <= 0:  # numpy on the map: one fault at a time
             if write:
                 self.map[pos] = buf
             else:
                 buf[:] = self.map[pos]
+            n = len(pos)
         else:
-            size = os.fstat(self.fd).st_size
-            if size < self.num_rows * self.row_bytes:  # touching the lost part: SIGBUS
-                raise TierFileError(
-                    f"the ssd tier's file {self.path} was cut to {size:,} bytes under the run "
-                    f"(it holds {self.num_rows * self.row_bytes:,}): cannot "
-                    + ("write to" if write else "read from")
-                    + " it; resume from the last checkpoint"
-                )
             pos = np.ascontiguousarray(pos, dtype=np.int64)
-            helped = self._lib.recscale_row_copy(
-                ctypes.c_void_p(self.map.ctypes.data),
+            n = self._lib.recscale_row_io(
+                self.fd,
                 int(write),
                 pos.ctypes.data_as(ctypes.c_void_p),
                 len(pos),
@@ -212,14 +207,18 @@ class RowFile:
                 buf.ctypes.data_as(ctypes.c_void_p),
                 self.depth,
             )
-            self.stats.helped_chunks += helped
+            if n < 0:
+                what = "write to" if write else "read from"
+                raise TierFileError(
+                    f"cannot {what} the ssd tier's file {self.path}: {os.strerror(-n)}"
+                )
         st = self.stats
-        st.requests += len(pos)
+        st.requests += n
         st.batches += 1
         st.seconds += time.perf_counter() - t
 
     def read(self, rows: np.ndarray) -> np.ndarray:
-        """``[len(rows), width]`` rows (any order, no duplicates needed)."""
+        """``[len(rows), width]`` rows (any order, distinct)."""
         pos = self.positions(np.asarray(rows, dtype=np.int64))
         out = np.empty((len(pos), self.width), np.float32)
         if len(pos) == 0:
@@ -243,11 +242,6 @@ class RowFile:
     def write_columns(self, rows: np.ndarray, lo: int, hi: int, values: np.ndarray) -> None:
         """Columns ``[lo, hi)`` of ``rows`` (the rest of each row kept)."""
         rows = np.asarray(rows, dtype=np.int64)
-        n = len(rows)
-        block = n and rows[-1] - rows[0] == n - 1 and bool((np.diff(rows) == 1).all())
-        if block and self.position is None:
-            self.map[rows[0] : rows[0] + n, lo:hi] = values  # a block: a slice write
-            return
         data = self.read(rows)
         data[:, lo:hi] = values
         self.write(rows, data)
@@ -258,15 +252,15 @@ class RowFile:
         scattered writes to a file larger than memory)."""
         n = len(data)
         if self.position is None:
-            self.map[start : start + n] = data
-            return
-        pos = self.position[start : start + n].astype(np.int64)
-        lo = int(pos.min())
-        if int(pos.max()) - lo != n - 1:
-            raise ValueError("a segment's rows must fill a range of file rows")
-        placed = np.empty_like(data)
-        placed[pos - lo] = data
-        self.map[lo : lo + n] = placed
+            lo, placed = start, np.ascontiguousarray(data, dtype=np.float32)
+        else:
+            pos = self.position[start : start + n].astype(np.int64)
+            lo = int(pos.min())
+            if int(pos.max()) - lo != n - 1:
+                raise ValueError("a segment's rows must fill a range of file rows")
+            placed = np.empty_like(data)
+            placed[pos - lo] = data
+        self._io(True, np.arange(lo, lo + n, dtype=np.int64), placed)  # 256 KB requests
 
     def flush(self) -> None:
         self.map.flush()

@@ -69,8 +69,6 @@ int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_
 
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                         void *buf, int64_t depth);
-int64_t recscale_row_copy(void *map, int write, const int64_t *pos, int64_t n,
-                          int64_t row_bytes, void *buf, int64_t depth);
 /* @python-end */
 
 /* Between the C files only. */

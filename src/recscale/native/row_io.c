@@ -25,7 +25,6 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -150,69 +149,3 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
     return e ? -(int64_t)e : nruns;
 }
 
-/*
- * The same batch through the file's memory mapping: rows copied with memcpy by `depth`
- * threads (the caller is one), sharing the list in chunks of COPY_CHUNK entries.
- *
- * A row whose page is in memory costs a memcpy - no system call - and a row whose page
- * is not faults on its own thread, so up to `depth` page reads are in flight at once
- * (the mapping is MADV_RANDOM: one page a fault, no read-ahead). Writes dirty pages that
- * the kernel writes back in the background, many at a time. This is the tier's path;
- * recscale_row_io (a system call a run) stays for the disk probe, which must not be
- * served from memory.
- *
- * The caller checks the file still holds `map_rows` rows (a shorter file would raise
- * SIGBUS here). Returns the chunks copied by threads other than the caller (>= 0).
- */
-#define COPY_CHUNK 64
-
-typedef struct {
-    char *map;
-    int write;
-    const int64_t *pos;
-    char *buf;
-    int64_t row_bytes;
-    int64_t n;
-    atomic_llong next;
-    atomic_llong helped;
-} copy_job;
-
-static void copy_chunks(copy_job *j, int helper) {
-    for (;;) {
-        int64_t c = atomic_fetch_add(&j->next, 1);
-        int64_t lo = c * COPY_CHUNK;
-        if (lo >= j->n) break;
-        int64_t hi = lo + COPY_CHUNK < j->n ? lo + COPY_CHUNK : j->n;
-        for (int64_t i = lo; i < hi; i++) {
-            char *row = j->map + j->pos[i] * j->row_bytes, *b = j->buf + i * j->row_bytes;
-            if (j->write)
-                memcpy(row, b, (size_t)j->row_bytes);
-            else
-                memcpy(b, row, (size_t)j->row_bytes);
-        }
-        if (helper) atomic_fetch_add(&j->helped, 1);
-    }
-}
-
-static void *copy_worker(void *arg) {
-    copy_chunks(arg, 1);
-    return NULL;
-}
-
-int64_t recscale_row_copy(void *map, int write, const int64_t *pos, int64_t n,
-                          int64_t row_bytes, void *buf, int64_t depth) {
-    if (n <= 0) return 0;
-    copy_job j = {map, write, pos, buf, row_bytes, n, 0, 0};
-    int64_t chunks = (n + COPY_CHUNK - 1) / COPY_CHUNK;
-    int64_t threads = depth < chunks ? depth : chunks;
-    if (threads > MAX_DEPTH) threads = MAX_DEPTH;
-    pthread_t tid[MAX_DEPTH];
-    int64_t started = 0;
-    for (int64_t t = 1; t < threads; t++) {
-        if (pthread_create(&tid[started], NULL, copy_worker, &j) != 0) break;
-        started++;
-    }
-    copy_chunks(&j, 0);
-    for (int64_t t = 0; t < started; t++) pthread_join(tid[t], NULL);
-    return atomic_load(&j.helped);
-}

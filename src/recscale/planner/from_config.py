@@ -16,6 +16,7 @@ from recscale.config.schema import Config
 from recscale.data.columns import DatasetError, read_metadata
 from recscale.data.synthetic import zipf_share
 from recscale.embedding import kernels
+from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
 from recscale.embedding.sizing import compressed_table_bytes, row_bytes, state_bytes
@@ -131,9 +132,32 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-# The ssd tier's default cache: this share of the memory available at start; the rest
-# is left to the model, the data and the page cache (which keeps the file's warm pages).
-SSD_CACHE_SHARE = 0.4
+# The ssd tier's default cache: this share of the memory available at start, its
+# bookkeeping and the tables' row indices included; the rest is left to the model, the
+# data and the page cache (which keeps the file's next-warmest pages, rows ordered by
+# popularity).
+SSD_CACHE_SHARE = 0.5
+
+
+def default_ssd_cache(
+    table_bytes: int, table_rows: int, free: int, echo: Callable[[str], None], ranks: int = 1
+) -> int:
+    """Cache bytes (rows + optimizer state) for ssd tables of ``table_bytes`` in
+    ``table_rows`` rows, from ``free`` bytes of memory per rank: ``SSD_CACHE_SHARE`` of
+    it, less the per-row indices, shared between the rows and their per-slot
+    bookkeeping; at least 1% of the tables. Says what it chose."""
+    row = table_bytes / max(table_rows, 1)
+    room = SSD_CACHE_SHARE * free - ROW_INDEX_BYTES * table_rows
+    budget = int(min(table_bytes, max(room * row / (row + SLOT_OVERHEAD_BYTES), table_bytes / 100)))
+    echo(
+        f"recscale: ssd tier: cache {budget / 1e9:.2f} GB ({budget / max(table_bytes, 1):.0%} "
+        f"of the tables' {table_bytes / 1e9:.2f} GB) from {SSD_CACHE_SHARE:.0%} of the "
+        f"{free / 1e9:.1f} GB of memory available"
+        + (" to each rank" if ranks > 1 else "")
+        + " with the cache's bookkeeping; the rest is left to the page cache "
+        "(embedding.cache_bytes sets it)"
+    )
+    return budget
 
 
 def default_memory_per_rank(device: torch.device, local_world: int) -> int:
@@ -202,7 +226,8 @@ def configured_tiers(
 ) -> list[tuple[str, int]] | None:
     """Each table's (tier, cache bytes) that ``embedding.placement`` asks for, or None
     for none beyond the plan's own: ``ssd`` / ``host`` put every plain table there, the
-    cache (``cache_bytes``, default 10% of the tables) split by table bytes; ``auto`` at
+    cache (``cache_bytes``; default: ssd from free memory, :func:`default_ssd_cache`;
+    host 10% of the tables) split by table bytes; ``auto`` at
     world size 1 asks the planner (at several ranks ``plan_for`` places tiers itself).
     A compressed table is small by construction: it stays in device memory."""
     e, m = cfg.embedding, cfg.model
@@ -214,14 +239,9 @@ def configured_tiers(
         budget = e.cache_bytes or sum(sizes) // 10
         if not e.cache_bytes and e.placement == "ssd":
             free = available_memory(torch.device("cpu")) // max(world_size, 1)
-            budget = min(sum(sizes), int(SSD_CACHE_SHARE * free))
-            echo(
-                f"recscale: ssd tier: cache {budget / 1e9:.2f} GB, {SSD_CACHE_SHARE:.0%} of the "
-                f"{free / 1e9:.1f} GB of memory available"
-                + (" to each rank" if world_size > 1 else "")
-                + f" ({budget / max(sum(sizes), 1):.0%} of the tables' {sum(sizes) / 1e9:.2f} GB; "
-                "embedding.cache_bytes sets it)"
-            )
+            rows = sum(m.table_sizes) // max(world_size, 1)
+            budget = default_ssd_cache(sum(sizes) // max(world_size, 1), rows, free, echo)
+            budget *= max(world_size, 1)  # split by table bytes below, then among the ranks
         tiers = [(e.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes]
     else:
         return None
