@@ -13,7 +13,7 @@ import torch
 from recscale import native
 from recscale.config import load_config
 from recscale.config.errors import ConfigError
-from recscale.embedding.cached_storage import CachedStorage
+from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
 from recscale.embedding.optimizers import SparseSGD
 from recscale.embedding.placement import file_order
 from recscale.embedding.row_file import RowFile, TierFileError
@@ -240,7 +240,7 @@ def test_pinned_warm_rows_outlive_any_scan(tmp_path):
         st._update_pins.clear()
     assert bool((st.slot_of_row[hot] >= 0).all())  # the kept rows are all still there
     assert st.stats.evictions > 0
-    with pytest.raises(Exception, match="warm_pin_share"):
+    with pytest.raises(CacheTooSmallError, match="warm_pin_share"):
         ids = torch.arange(1000, 1100)  # 100 distinct rows > the 50 unpinned slots
         st.lookup(ids, torch.arange(ids.numel() + 1), None, for_update=True)
 
