@@ -16,7 +16,7 @@ from recscale.config.errors import ConfigError
 from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
 from recscale.embedding.optimizers import SparseSGD
 from recscale.embedding.placement import file_order
-from recscale.embedding.row_file import RowFile, TierFileError
+from recscale.embedding.row_file import RowFile, TierFileError, row_io
 from recscale.train.data_source import make_synthetic, popularity_ranks
 from recscale.train.run import train
 
@@ -59,21 +59,6 @@ def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered):
     assert rf.stats.rows_read > 0 and rf.stats.rows_written > 0
 
 
-def _row_io(fd, write, pos, buf, depth):
-    import ctypes
-
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
-    return native.library().recscale_row_io(
-        fd,
-        int(write),
-        pos.ctypes.data_as(ctypes.c_void_p),
-        len(pos),
-        buf.shape[1] * buf.itemsize,
-        buf.ctypes.data_as(ctypes.c_void_p),
-        depth,
-    )
-
-
 @needs_native
 @pytest.mark.parametrize("depth", [1, 8])
 def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(tmp_path, depth):
@@ -85,20 +70,20 @@ def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(tmp_path, dept
     fd = os.open(path, os.O_RDWR)
     try:
         buf = np.empty((100, 4), np.float32)
-        assert _row_io(fd, False, np.arange(100, 200), buf, depth) == 1
+        assert row_io(fd, False, np.arange(100, 200), buf, depth) == 1
         np.testing.assert_array_equal(buf, data[100:200])
         pos = np.arange(0, 10000, 2)
         buf = np.empty((len(pos), 4), np.float32)
-        assert _row_io(fd, False, pos, buf, depth) == len(pos)  # no neighbours
+        assert row_io(fd, False, pos, buf, depth) == len(pos)  # no neighbours
         np.testing.assert_array_equal(buf, data[pos])
         buf = np.empty((10000, 4), np.float32)
-        assert _row_io(fd, False, np.arange(10000), buf, depth) == 1  # 160 KB: one run
+        assert row_io(fd, False, np.arange(10000), buf, depth) == 1  # 160 KB: one run
         new = -np.ones((3, 4), np.float32)
-        assert _row_io(fd, True, np.array([7, 8, 500]), new, depth) == 2
+        assert row_io(fd, True, np.array([7, 8, 500]), new, depth) == 2
         assert np.fromfile(path, np.float32).reshape(10000, 4)[[7, 8, 500]].tolist() == (
             new.tolist()
         )
-        assert _row_io(fd, False, np.array([10005]), np.empty((1, 4), np.float32), depth) < 0
+        assert row_io(fd, False, np.array([10005]), np.empty((1, 4), np.float32), depth) < 0
     finally:
         os.close(fd)
 

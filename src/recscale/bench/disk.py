@@ -13,7 +13,6 @@ process made the storage layer transfer, so reads the page cache served do not c
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import time
@@ -24,29 +23,20 @@ import numpy as np
 
 from recscale import native
 from recscale.bench.hardware import best_on_record, record_path
+from recscale.embedding.row_file import row_io
 
 PAGE = 4096
 
 
 def _read_at_depth(fd: int, pages: np.ndarray, depth: int) -> float:
     """Seconds to read ``pages`` (page numbers) at ``depth`` requests in flight."""
-    lib = native.library()
-    buf = np.empty(len(pages) * PAGE, np.uint8)
-    pos = np.ascontiguousarray(pages, dtype=np.int64)
+    buf = np.empty((len(pages), PAGE), np.uint8)
     t = time.perf_counter()
-    if lib is None:
-        for p in pos:
+    if native.library() is None:
+        for p in pages:
             os.pread(fd, PAGE, int(p) * PAGE)
     else:
-        n = lib.recscale_row_io(
-            fd,
-            0,
-            pos.ctypes.data_as(ctypes.c_void_p),
-            len(pos),
-            PAGE,
-            buf.ctypes.data_as(ctypes.c_void_p),
-            depth,
-        )
+        n = row_io(fd, False, pages, buf, depth)
         if n < 0:
             raise OSError(-n, os.strerror(-n))
     return time.perf_counter() - t

@@ -121,8 +121,7 @@ def run_throughput(
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
-    if tiered and cfg.embedding.warm_start:
-        warm_caches(model.embeddings, echo, cfg.embedding.warm_pin_share)
+    warm_caches(model.embeddings, echo, cfg.embedding)
     if tiered and turns is not None:
         raise ValueError(
             "bench throughput: turns need the tables on the device "
@@ -380,7 +379,7 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
     if not files:
         return None
     depth = max(st.rows.depth for st in files)
-    io: dict[str, Any] = {"io_depth": depth}
+    io: dict[str, float] = {}
     for st in files:
         for k, v in st.io_stats().items():
             io[k] = io.get(k, 0) + v

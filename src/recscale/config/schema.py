@@ -184,8 +184,9 @@ class EmbeddingConfig:
     placement: str = "device"
     # Directory of the ssd tier's files ("" = RUN_DIR/embeddings, or a temp dir).
     ssd_dir: str = ""
-    # Cache for ssd/host tables: bytes of rows + optimizer state (0 = sized from free
-    # memory: ssd, 40% of the memory available at start; host, 10% of the tables).
+    # Cache for ssd/host tables: bytes of rows + optimizer state (0 = ssd: from the
+    # memory available at start, planner.from_config.default_ssd_cache; host: 10% of
+    # the tables).
     cache_bytes: int = 0
     # Cache eviction: lfu (use counts, halved every 1000 lookups) or lru.
     cache_policy: str = "lfu"

@@ -164,6 +164,7 @@ class CachedStorage(RowStorage):
         self.score = torch.zeros(c, dtype=torch.float64)
         self.cache_dirty = torch.zeros(c, dtype=torch.bool)
         self.pinned = torch.zeros(c, dtype=torch.bool)
+        self._segments: list[tuple[int, int]] = []  # (start, rows) per table part
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
         self._prefetch_pins: list[_Prefetched] = []  # prefetched batches not yet looked up
         self._prefetch_off = False  # set when the cache cannot hold two batches at once
@@ -298,8 +299,7 @@ class CachedStorage(RowStorage):
         """The rows a warm start fills the cache with, hottest first: the head of each
         segment's file order, the cache shared equally among the segments (a segment
         smaller than its share gives the rest to the others). Empty without an order."""
-        pos = getattr(self.rows, "position", None)
-        segs = getattr(self, "_segments", [])
+        pos, segs = self.rows.position, self._segments
         if pos is None or not segs:
             return torch.zeros(0, dtype=torch.int64)
         share, left = {}, self.cache_rows
@@ -312,8 +312,8 @@ class CachedStorage(RowStorage):
             rel = pos[start : start + n].astype(np.int64) - start
             head = np.flatnonzero(rel < share[i])
             heads.append((rel[head], start + head))
-        rank = np.concatenate([h[0] for h in heads]) if heads else np.zeros(0, np.int64)
-        rows = np.concatenate([h[1] for h in heads]) if heads else np.zeros(0, np.int64)
+        rank = np.concatenate([h[0] for h in heads])
+        rows = np.concatenate([h[1] for h in heads])
         return torch.from_numpy(rows[np.argsort(rank, kind="stable")])
 
     def warm(self, rows: torch.Tensor, pin: int = 0, chunk: int = 1 << 20) -> int:
@@ -525,7 +525,7 @@ class CachedStorage(RowStorage):
     def _gather(self, rows: torch.Tensor) -> np.ndarray:
         """Current ``[len(rows), D + S]`` values, from the cache where resident."""
         slots = self.slot_of_row[rows].long()
-        out = np.array(self.rows.read(rows.numpy()), dtype=np.float32)
+        out = self.rows.read(rows.numpy())  # a fresh array: overlaid below
         hit = slots >= 0
         if bool(hit.any()):
             out[hit.numpy()] = self._pack(slots[hit])

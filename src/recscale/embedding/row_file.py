@@ -128,6 +128,23 @@ def claim_file(path: Path, nbytes: int) -> int:
     return fd
 
 
+def row_io(fd: int, write: bool, pos: np.ndarray, buf: np.ndarray, depth: int) -> int:
+    """Rows ``buf[i]`` (``buf [n, row_bytes]``, C-contiguous) from / to file rows
+    ``pos[i]`` of ``fd`` through the native ``recscale_row_io`` (adjacent rows one
+    request, up to ``depth`` in flight). Returns the requests issued, or -errno; the
+    native library must be loaded."""
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    return native.library().recscale_row_io(
+        fd,
+        int(write),
+        pos.ctypes.data_as(ctypes.c_void_p),
+        len(pos),
+        buf.nbytes // max(len(pos), 1),
+        buf.ctypes.data_as(ctypes.c_void_p),
+        depth,
+    )
+
+
 @dataclass
 class IOStats:
     rows_read: int = 0
@@ -197,16 +214,7 @@ class RowFile:
                 buf[:] = self.map[pos]
             n = len(pos)
         else:
-            pos = np.ascontiguousarray(pos, dtype=np.int64)
-            n = self._lib.recscale_row_io(
-                self.fd,
-                int(write),
-                pos.ctypes.data_as(ctypes.c_void_p),
-                len(pos),
-                self.row_bytes,
-                buf.ctypes.data_as(ctypes.c_void_p),
-                self.depth,
-            )
+            n = row_io(self.fd, write, pos, buf, self.depth)
             if n < 0:
                 what = "write to" if write else "read from"
                 raise TierFileError(

@@ -273,7 +273,7 @@ class EmbeddingBagCollection(nn.Module):
                     p.table_dim,
                     *rect,
                 )
-            elif hasattr(storage, "initialize_segment") and n * group.dim <= _SEGMENT_VALUES:
+            elif storage.tier != "device" and n * group.dim <= _SEGMENT_VALUES:
                 # a tier's file: the part's rows drawn at once and written in file order
                 # (scattered writes to a file larger than memory would each read a page)
                 weight = torch.empty(n, group.dim)

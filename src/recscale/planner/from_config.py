@@ -64,7 +64,7 @@ def hit_curves(cfg: Config) -> list[tuple[tuple[float, float], ...]]:
             continue
         points.append((min(d, 1.0), 1.0))
         ok = all(0 < x <= 1 and 0 <= y <= 1 for x, y in points)
-        curves.append(tuple(sorted(points)) if ok and d > 0 else ())
+        curves.append(tuple(sorted(points)) if ok else ())
     return curves
 
 
@@ -240,7 +240,9 @@ def configured_tiers(
         if not e.cache_bytes and e.placement == "ssd":
             free = available_memory(torch.device("cpu")) // max(world_size, 1)
             rows = sum(m.table_sizes) // max(world_size, 1)
-            budget = default_ssd_cache(sum(sizes) // max(world_size, 1), rows, free, echo)
+            budget = default_ssd_cache(
+                sum(sizes) // max(world_size, 1), rows, free, echo, world_size
+            )
             budget *= max(world_size, 1)  # split by table bytes below, then among the ranks
         tiers = [(e.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes]
     else:

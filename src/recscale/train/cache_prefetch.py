@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
+from recscale.config.schema import EmbeddingConfig
 from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection
@@ -73,18 +74,19 @@ def hit_rate_since(ebc, last: tuple[int, int]) -> tuple[float, tuple[int, int]]:
     return ((hits - last[1]) / d if d else 1.0), (lookups, hits)
 
 
-def warm_caches(ebc, echo, pin_share: float = 0.0) -> None:
-    """``embedding.warm_start``: fill each ssd/host cache with its hottest rows (the head
-    of its file order) before the first step - after any restore, so the rows read are
-    the restored ones; the hottest ``pin_share`` of each cache stay for the run
-    (``embedding.warm_pin_share``)."""
+def warm_caches(ebc, echo, cfg: EmbeddingConfig) -> None:
+    """With ``embedding.warm_start``: fill each ssd/host cache with its hottest rows (the
+    head of its file order) before the first step - after any restore, so the rows read
+    are the restored ones; the hottest ``embedding.warm_pin_share`` of each cache stay
+    for the run."""
+    if not cfg.warm_start:
+        return
     t = time.perf_counter()
     rows = cached = pinned = 0
     for st in cached_storages(ebc):
-        if hasattr(st, "warm_rows"):
-            rows += st.warm(st.warm_rows(), pin=int(pin_share * st.cache_rows))
-            cached += st.cache_rows
-            pinned += int(st.pinned.sum())
+        rows += st.warm(st.warm_rows(), pin=int(cfg.warm_pin_share * st.cache_rows))
+        cached += st.cache_rows
+        pinned += int(st.pinned.sum())
     if rows:
         echo(
             f"recscale: cache warm start: {rows:,} of {cached:,} cache rows filled with the "

@@ -124,11 +124,15 @@ def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:
     e = cfg.embedding
     if e.row_order == "id":
         return None
-    if not cfg.data.uses_dataset():
-        return make_synthetic(cfg).rank_of_id
+    # Nothing is built or counted until an ssd file asks (a synthetic source for a large
+    # model takes seconds to make).
+    source: list[SyntheticCriteo] = []
     counted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def rank_of_id(feature: int) -> np.ndarray:
+        if not cfg.data.uses_dataset():
+            source[:] = source or [make_synthetic(cfg)]
+            return source[0].rank_of_id(feature)
         if not counted:
             counted.update(
                 sample_id_counts(cfg, e.order_sample_rows, list(range(len(cfg.model.table_sizes))))

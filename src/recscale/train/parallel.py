@@ -79,13 +79,12 @@ def build(
         seed=cfg.train.seed,
         materialize_embeddings=False,
     )
-    on_ssd = any(p.placement == "ssd" for p in plan.placements)
     make_storage = storage_factory(
         e,
         ctx.device,
         cfg.model.kernels,
         subdir=f"rank{ctx.rank:05d}" if w > 1 else "",
-        rank_of_id=popularity_ranks(cfg) if on_ssd else None,
+        rank_of_id=popularity_ranks(cfg),  # lazy: only an ssd file asks
     )
     module = shard(model, plan, ctx, make_storage)
     if w > 1:

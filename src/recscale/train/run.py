@@ -475,8 +475,7 @@ def train(
     try:
         job = build_job(cfg, run_dir, echo, ctx, resume)
         start_step = restore_job(job, resume) if resume is not None else 0
-        if job.cfg.embedding.warm_start:
-            warm_caches(job.model.embeddings, job.echo, job.cfg.embedding.warm_pin_share)
+        warm_caches(job.model.embeddings, job.echo, job.cfg.embedding)
         if job.run_dir is not None:  # only now: a failed resume leaves the run's config alone
             write_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
         _announce(job)
