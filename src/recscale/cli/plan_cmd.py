@@ -1,5 +1,10 @@
 """``recscale plan --config NAME --world-size N [--memory-per-rank GB] [--json]``: a dry run of
-the sharding planner (no process group): placement, memory and cost per rank, imbalance."""
+the sharding planner (no process group): placement, memory and cost per rank, imbalance.
+
+``--device NAME`` forecasts the step on a catalogued device this machine need not have
+(``perfmodel/forecast.py``): the plan is made for that device's memory and costs, and
+the stages, step, samples/s, memory per device and (``--train-samples``) the time to
+train are printed. ``--device this`` is the calibrated host (the performance model)."""
 
 from __future__ import annotations
 
@@ -13,13 +18,38 @@ from recscale.planner import Constraints, PlanError, Topology, plan_sharding
 from recscale.planner.costs import CostLaws
 from recscale.planner.from_config import table_infos
 
+THIS = "this"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan table sharding for N ranks (dry run, no processes)")
     p.add_argument(
         "--config", default="default", help=f"preset ({', '.join(preset_names())}) or TOML path"
     )
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument(
+        "--device",
+        default=None,
+        help="forecast on this device: a catalogue entry (--list-devices) or 'this' (the "
+        "calibrated host)",
+    )
+    p.add_argument("--device-file", default=None, help="TOML file of more device entries")
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=["fp32", "tf32", "bf16", "fp16", "fp8"],
+        help="GEMM precision of the forecast (default: train.precision)",
+    )
+    p.add_argument(
+        "--system",
+        default="recscale",
+        help="whose step the forecast models (recscale; dle, hugectr, torchrec, ipex: the "
+        "published systems of benchmarks/forecast_validation.py)",
+    )
+    p.add_argument(
+        "--train-samples", type=float, default=None, help="forecast the time to train this many"
+    )
+    p.add_argument("--list-devices", action="store_true", help="print the device catalogue")
     p.add_argument(
         "--memory-per-rank", type=float, default=64.0, help="GB for embedding tables per rank"
     )
@@ -56,7 +86,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.list_devices:
+        return _list_devices(args.device_file)
     cfg = load_config(args.config, overrides)
+    if args.device and args.device != THIS:
+        return _forecast(cfg, args)
+    if args.world_size < 1:
+        raise ConfigError("--world-size", f"a whole number >= 1, got {args.world_size}")
     tables = table_infos(cfg)
     a2a = (args.all_to_all_gbps or 12.5) * 1e9
     topo = Topology(
@@ -81,6 +117,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         from recscale.perfmodel import predict
 
         pred = predict(cfg, cal, world_size=args.world_size, plan=plan)
+    if args.device == THIS and pred is None:
+        raise ConfigError(
+            "--device", "'this' needs a calibration: run `recscale bench calibrate` (a minute)"
+        )
     if args.json:
         out = plan.to_dict()
         if pred is not None:
@@ -88,6 +128,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             out["predicted_samples_per_s"] = pred.samples_per_s
             out["predicted_stage_ms"] = pred.stages_ms
             out["predicted_memory_bytes"] = pred.memory_bytes
+            if args.device == THIS:
+                from recscale.perfmodel.model import standard_stages
+
+                out["device"] = THIS
+                out["predicted_stage_ms"] = standard_stages(pred.stages_ms)
+                if args.train_samples:
+                    out["predicted_train_hours"] = args.train_samples / pred.samples_per_s / 3600
         out["costs"] = laws.source
         print(json.dumps(out, indent=1))
         return 0
@@ -166,3 +213,66 @@ def _laws(cal, topo: Topology, args) -> CostLaws:
     if args.gather_gbps:
         laws = replace(laws, per_value=dflt.per_value, per_id=0.0)
     return laws
+
+
+def _list_devices(extra: str | None) -> int:
+    from recscale.perfmodel.devices import catalogue
+
+    print(f"{'name':<12} {'kind':<4} {'GB':>5} {'GB/s':>6} {'units':>5}  peak TFLOP/s (dense)")
+    for d in catalogue(extra).values():
+        peaks = " ".join(f"{p} {v:g}" for p, v in d.peak_tflops.items())
+        print(
+            f"{d.name:<12} {d.kind:<4} {d.memory_gb:>5g} {d.memory_gbps:>6g} {d.units:>5}  "
+            f"{peaks}  ({d.description})"
+        )
+    print(f"{THIS:<12} the calibrated host (`recscale bench calibrate`)")
+    return 0
+
+
+def _forecast(cfg, args) -> int:
+    """``--device NAME``: the plan for that device and world size, and the forecast."""
+    from recscale.perfmodel.devices import device_spec
+    from recscale.perfmodel.forecast import forecast
+    from recscale.perfmodel.systems import SYSTEMS
+
+    dev = device_spec(args.device, args.device_file)
+    if args.system not in SYSTEMS:
+        raise ConfigError("--system", f"unknown {args.system!r} (systems: {', '.join(SYSTEMS)})")
+    if args.train_samples is not None and not args.train_samples > 0:
+        raise ConfigError("--train-samples", f"a number > 0, got {args.train_samples:g}")
+    try:
+        f = forecast(cfg, dev, args.world_size, args.precision, SYSTEMS[args.system])
+    except PlanError as e:
+        print(f"recscale: error: {dev.name} x {args.world_size}: {e}", file=sys.stderr)
+        return 1
+    hours = args.train_samples / f.samples_per_s / 3600 if args.train_samples else None
+    if args.json:
+        out = {**f.plan.to_dict(), **f.to_dict()}
+        if hours is not None:
+            out["predicted_train_hours"] = hours
+        print(json.dumps(out, indent=1))
+        return 0
+    kinds: dict[str, int] = {}
+    for p in f.plan.placements:
+        kinds[p.kind] = kinds.get(p.kind, 0) + 1
+    print(
+        f"forecast for {args.config} on {f.world_size} x {dev.name} ({dev.description}), "
+        f"{f.precision}, global batch {cfg.train.batch_size}, as {f.system} runs it"
+    )
+    print(
+        "plan: "
+        + ", ".join(f"{n} {k}" for k, n in kinds.items())
+        + f"; tables {f.table_bytes / 1e9:.2f} GB on the largest device"
+    )
+    width = max(len(k) for k in f.stage_ms)
+    for k, v in f.stage_ms.items():
+        if v:
+            print(f"  {k:<{width}} {v:9.3f} ms  {v / f.step_ms:6.1%}")
+    print(
+        f"step {f.step_ms:.3f} ms (slowest device {f.slowest_rank}), "
+        f"{f.samples_per_s:,.0f} samples/s, {f.kernels} kernels a step; "
+        f"memory {f.memory_bytes / 1e9:.2f} GB of {dev.memory_gb:g} GB a device"
+    )
+    if hours is not None:
+        print(f"time to train {args.train_samples:,.0f} samples: {hours:.2f} h")
+    return 0

@@ -225,3 +225,19 @@ def _table_bytes(cfg: Config, plan: ShardingPlan) -> list[int]:
     names = [f"C{i + 1}" for i in range(len(m.table_sizes))]
     layout = build_layout(names, list(m.table_sizes), m.dims(), plan)
     return table_bytes_per_rank(layout, lambda w: row_bytes(cfg.embedding, w))
+
+
+def standard_stages(stages_ms: dict[str, float]) -> dict[str, float]:
+    """The model's stages under the forecast's names (``perfmodel/forecast.py``):
+    mlp_gemm = both MLPs forward and every layer's backward."""
+    g = stages_ms.get
+    return {
+        "mlp_gemm": g("bottom_mlp", 0.0) + g("top_mlp", 0.0) + g("backward", 0.0),
+        "interaction": g("interaction", 0.0),
+        "embedding_forward": g("lookup", 0.0),
+        "embedding_update": g("sparse", 0.0),
+        "all_to_all": g("all_to_all", 0.0),
+        "all_reduce": g("all_reduce", 0.0),
+        "dense_optimizer": g("dense_opt", 0.0),
+        "host": g("overhead", 0.0),
+    }

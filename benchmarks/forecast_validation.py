@@ -1,0 +1,289 @@
+"""Check the forecast (``recscale plan --device``) against published training throughput
+of DLRM-family models on machines this project does not have.
+
+    python benchmarks/forecast_validation.py [--out DIR] [--no-plot]
+
+Each point: a model (a preset and overrides that reproduce the published model), the
+device and count, the precision, the system that ran it (``perfmodel/systems.py``: what
+it does that the forecast models - fused epilogues, fused interaction, overlap, host
+time) and the published samples/s with its source. Prints a table, the median and
+worst |error| over the published points, and writes DIR/forecast_validation.csv and
+DIR/forecast_predicted_vs_published.png (default DIR: docs/). recscale's own GPU
+measurements are listed too, apart: config A set the recscale system's host time (so
+it is not a check), config B is held out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from recscale.config import load_config
+from recscale.perfmodel.devices import device_spec
+from recscale.perfmodel.forecast import STAGES, forecast
+from recscale.perfmodel.systems import SYSTEMS
+
+# Criteo 1TB vocabularies (criteo_terabyte preset), capped: NVIDIA's "small" (frequency
+# threshold 15, 15 GB of fp32 tables) and "large" (threshold 3, 82 GB) variants keep the
+# 26 features and their order; the cap reproduces the published size at dim 128.
+TB = load_config("criteo_terabyte").model.table_sizes
+
+
+def capped(total_gb: float) -> list[str]:
+    """--model.table_sizes with the large vocabularies capped so the fp32 dim-128 tables
+    take ``total_gb``."""
+    target = total_gb * 1e9 / (128 * 4)
+    lo, hi = 1, max(TB)
+    while lo < hi:  # the largest cap whose total stays within the target
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(min(n, mid) for n in TB) <= target else (lo, mid - 1)
+    return ["--model.table_sizes=" + ",".join(str(min(n, lo)) for n in TB)]
+
+
+DLE = (
+    "NVIDIA DeepLearningExamples PyTorch DLRM README, Training performance: "
+    "NVIDIA DGX A100 (8x A100 80GB)"
+)
+MLPERF = "MLCommons MLPerf Training results"
+# DLE: SGD for both; hybrid parallel = every table whole on one GPU
+DLE_MODEL = [
+    "--optimizer.name=sgd",
+    "--embedding.optimizer=sgd",
+    "--distributed.sharding=table_wise",
+]
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    config: str
+    overrides: list[str]
+    device: str
+    world_size: int
+    precision: str
+    system: str
+    published: float  # samples/s
+    source: str
+    check: bool = True  # False: the number was used to set a term of the model
+
+
+POINTS = [
+    Point(
+        "DLE 1x A100-80GB TF32",
+        "criteo_terabyte",
+        [*capped(15), *DLE_MODEL, "--train.batch_size=65536"],
+        "a100-80gb",
+        1,
+        "tf32",
+        "dle",
+        2.88e6,
+        DLE + ", 1 GPU, batch 64k, small model",
+    ),
+    Point(
+        "DLE 1x A100-80GB AMP",
+        "criteo_terabyte",
+        [*capped(15), *DLE_MODEL, "--train.batch_size=65536"],
+        "a100-80gb",
+        1,
+        "fp16",
+        "dle",
+        4.02e6,
+        DLE + ", 1 GPU, batch 64k, small model",
+    ),
+    Point(
+        "DLE 8x A100-80GB TF32",
+        "criteo_terabyte",
+        [*capped(82), *DLE_MODEL, "--train.batch_size=65536"],
+        "a100-80gb",
+        8,
+        "tf32",
+        "dle",
+        11.4e6,
+        DLE + ", 8 GPUs, 8k a GPU, large model",
+    ),
+    Point(
+        "DLE 8x A100-80GB AMP",
+        "criteo_terabyte",
+        [*capped(82), *DLE_MODEL, "--train.batch_size=65536"],
+        "a100-80gb",
+        8,
+        "fp16",
+        "dle",
+        16.5e6,
+        DLE + ", 8 GPUs, 8k a GPU, large model",
+    ),
+    Point(
+        "MLPerf v4.0 DLRMv2 8x H100",
+        "criteo_multihot_dcnv2",
+        ["--train.batch_size=55296"],
+        "h100-sxm",
+        8,
+        "fp16",
+        "hugectr",
+        13.8e6,
+        MLPERF + " v4.0, NVIDIA DGX H100, HugeCTR, throughput logged",
+    ),
+    Point(
+        "MLPerf v4.0 DLRMv2 8x H200",
+        "criteo_multihot_dcnv2",
+        ["--train.batch_size=55296"],
+        "h200",
+        8,
+        "fp16",
+        "hugectr",
+        15.0e6,
+        MLPERF + " v4.0, NVIDIA HGX H200, HugeCTR",
+    ),
+    Point(
+        "MLPerf v5.0 DLRMv2 8x B200",
+        "criteo_multihot_dcnv2",
+        ["--train.batch_size=55296"],
+        "b200",
+        8,
+        "fp16",
+        "hugectr",
+        22.9e6,
+        MLPERF + " v5.0, NVIDIA DGX B200, HugeCTR",
+    ),
+    Point(
+        "MLPerf v3.1 DLRMv2 8x SPR 8480+",
+        "criteo_multihot_dcnv2",
+        ["--train.batch_size=55296"],
+        "spr-8480",
+        8,
+        "bf16",
+        "ipex",
+        332e3,
+        MLPERF + " v3.1, Intel, 8 Xeon 8480+ sockets, 235.7 min to target",
+    ),
+    Point(
+        "TorchRec DLRM 8x A100-40GB",
+        "criteo_terabyte",
+        ["--train.batch_size=16384", "--embedding.optimizer=sgd"],
+        "a100-40gb",
+        8,
+        "tf32",
+        "torchrec",
+        1.67e6,
+        "TorchRec DLRM example on Criteo 1TB, 8x A100 40GB, batch 16,384",
+    ),
+    Point(
+        "recscale A 1x H100 TF32 (sets host time)",
+        "A",
+        ["--train.batch_size=16384"],
+        "h100-sxm",
+        1,
+        "tf32",
+        "recscale",
+        3.29e6,
+        "docs/gpu.md, 2026-11-24: recscale bench throughput, H100 80GB HBM3",
+        check=False,
+    ),
+    Point(
+        "recscale B 1x H100 TF32",
+        "B",
+        ["--train.batch_size=16384"],
+        "h100-sxm",
+        1,
+        "tf32",
+        "recscale",
+        2.49e6,
+        "docs/gpu.md, 2026-11-24: recscale bench throughput, H100 80GB HBM3",
+        check=False,
+    ),
+]
+
+
+def evaluate(points: list[Point] = POINTS) -> list[dict]:
+    rows = []
+    for p in points:
+        cfg = load_config(p.config, p.overrides)
+        f = forecast(cfg, device_spec(p.device), p.world_size, p.precision, SYSTEMS[p.system])
+        rows.append(
+            {
+                "point": p.label,
+                "device": p.device,
+                "world_size": p.world_size,
+                "precision": p.precision,
+                "system": p.system,
+                "batch": cfg.train.batch_size,
+                "published": p.published,
+                "predicted": f.samples_per_s,
+                "error": f.samples_per_s / p.published - 1.0,
+                "step_ms": f.step_ms,
+                # what the published step spends beyond the forecast's
+                "unexplained_ms": cfg.train.batch_size / p.published * 1e3 - f.step_ms,
+                **{f"{k}_ms": round(v, 4) for k, v in f.stage_ms.items()},
+                "check": p.check,
+                "source": p.source,
+            }
+        )
+    return rows
+
+
+def summary(rows: list[dict]) -> tuple[float, float]:
+    errs = [abs(r["error"]) for r in rows if r["check"]]
+    return statistics.median(errs), max(errs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    rows = evaluate()
+    print(
+        f"{'point':<42} {'published':>11} {'forecast':>11} {'error':>7} {'gap ms':>7}  "
+        "largest stages (ms)"
+    )
+    for r in rows:
+        stages = sorted(
+            ((k[:-3], v) for k, v in r.items() if k.endswith("_ms") and k[:-3] in STAGES),
+            key=lambda kv: -kv[1],
+        )[:3]
+        top = ", ".join(f"{k} {v:.2f}" for k, v in stages)
+        print(
+            f"{r['point']:<42} {r['published'] / 1e6:>10.3f}M {r['predicted'] / 1e6:>10.3f}M "
+            f"{r['error']:>+7.1%} {r['unexplained_ms']:>7.2f}  {top}"
+        )
+    med, worst = summary(rows)
+    n = sum(r["check"] for r in rows)
+    print(f"published points: {n}, median |error| {med:.1%}, worst {worst:.1%}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "forecast_validation.csv", "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    if not args.no_plot:
+        plot(rows, out / "img" / "forecast_predicted_vs_published.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 6))
+    for r in rows:
+        mark = "o" if r["check"] else "s"
+        ax.scatter(r["published"], r["predicted"], marker=mark)
+        ax.annotate(r["point"], (r["published"], r["predicted"]), fontsize=6)
+    lo = min(min(r["published"], r["predicted"]) for r in rows) / 1.5
+    hi = max(max(r["published"], r["predicted"]) for r in rows) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.5)
+    for f in (0.85, 1.15):
+        ax.plot([lo, hi], [lo * f, hi * f], "k:", lw=0.5)
+    ax.set(xscale="log", yscale="log", xlabel="published samples/s", ylabel="forecast samples/s")
+    ax.set_title("recscale forecast vs published DLRM training throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

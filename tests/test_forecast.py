@@ -1,0 +1,256 @@
+"""The forecast for devices this machine does not have: the catalogue and its errors, the
+tile-and-wave GEMM against a hand count, each stage's response to the figure it
+depends on, the plan made for the device, and ``recscale plan --device``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from helpers import cli, error_line
+
+from recscale.config import load_config
+from recscale.config.errors import ConfigError
+from recscale.perfmodel.calibration import Calibration, Law
+from recscale.perfmodel.devices import catalogue, device_spec
+from recscale.perfmodel.forecast import GPU, STAGES, _Step, forecast
+from recscale.perfmodel.model import predict, standard_stages
+from recscale.perfmodel.systems import RECSCALE, SYSTEMS
+from recscale.planner.plan import PlanError
+
+NAMED = ("h100-sxm", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "b200", "mi300x")
+NAMED += ("spr-8480", "epyc-9654")
+REQUIRED_STAGES = ("mlp_gemm", "embedding_forward", "embedding_update", "interaction")
+REQUIRED_STAGES += ("all_to_all", "all_reduce")
+
+ENTRY = """
+[tiny]
+kind = "gpu"
+description = "a made-up GPU"
+peak_tflops = { fp32 = 1.0, tf32 = 4.0 }
+memory_gbps = 100
+memory_gb = 1
+units = 4
+l2_mb = 1
+intra_node_gbps = 10
+devices_per_node = 2
+network_gbps = 1
+[tiny.sources]
+peak_tflops = "made up for a test"
+"""
+
+
+def test_every_named_device_is_catalogued_with_its_sources():
+    devices = catalogue()
+    for name in NAMED:
+        d = devices[name]
+        assert d.peak_tflops["fp32"] > 0 and d.memory_gbps > 0 and d.units > 0
+        for figure in ("peak_tflops", "memory", "units", "interconnect"):
+            assert d.sources.get(figure), (name, figure)
+    assert devices["h100-sxm"].peak_tflops["bf16"] == pytest.approx(989.4)
+    assert devices["h200"].memory_gb > devices["h100-sxm"].memory_gb
+
+
+def test_a_device_file_adds_and_replaces_entries(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text(ENTRY + ENTRY.replace("[tiny", "[h100-sxm").replace("= 100", "= 7"))
+    devices = catalogue(f)
+    assert devices["tiny"].units == 4
+    assert devices["h100-sxm"].memory_gbps == 7  # the file's entry replaces the shipped one
+    assert device_spec("tiny", f).peak_flops("tf32") == 4e12
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (("memory_gb = 1\n", ""), "memory_gb"),
+        (("units = 4", "units = 0"), "units"),
+        (("units = 4", "units = 2.5"), "units"),
+        (('kind = "gpu"', 'kind = "tpu"'), "kind"),
+        (("l2_mb = 1", "l2_mb = 1\nspeed = 3"), "speed"),
+        (("fp32 = 1.0", "fp64 = 1.0"), "peak_tflops.fp64"),
+        (("[tiny]", "[this]"), "this"),
+    ],
+)
+def test_a_bad_device_entry_is_one_error_naming_the_key(tmp_path, change, key):
+    f = tmp_path / "bad.toml"
+    f.write_text(ENTRY.replace(*change))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        catalogue(f)
+
+
+def test_unknown_device_and_missing_precision_name_the_choices():
+    with pytest.raises(ConfigError, match="entries: h100-sxm, .*spr-8480.*this"):
+        device_spec("h100")
+    with pytest.raises(ConfigError, match="lists fp32, tf32, bf16, fp16"):
+        device_spec("a100-80gb").peak_flops("fp8")
+
+
+def _tiny(**kw):
+    f = catalogue()["h100-sxm"]
+    return replace(f, name="tiny", units=4, peak_tflops={"fp32": 1.0}, memory_gbps=1e6, **kw)
+
+
+def test_gemm_time_is_waves_of_tiles_at_the_units_rate():
+    dev = _tiny()
+    eff = replace(GPU, kernel_s=0.0)
+    one_tile = 2 * 128 * 128 * 1024 / (1e12 * eff.gemm / 4)  # s for one tile on one unit
+    # (130 rows are 2 row tiles: the partial one costs a whole tile's time)
+    for m, n, waves in ((256, 256, 1), (256, 384, 2), (512, 512, 4), (128, 384, 1), (130, 384, 2)):
+        s = _Step(dev, eff, "fp32")
+        s.gemm("mlp_gemm", m, n, 1024)
+        assert s.stages["mlp_gemm"] == pytest.approx(waves * one_tile), (m, n)
+    s = _Step(dev, eff, "fp32")  # one tile on 4 units: the reduction split 4 ways
+    s.gemm("mlp_gemm", 128, 128, 1024)
+    assert s.stages["mlp_gemm"] == pytest.approx(one_tile / 4)
+    slow = replace(dev, memory_gbps=0.001)  # memory-bound: its bytes at the memory rate
+    s = _Step(slow, eff, "fp32")
+    s.gemm("mlp_gemm", 256, 256, 1024)
+    nbytes = (256 * 1024 * 2 + 256 * 256) * 4
+    assert s.stages["mlp_gemm"] == pytest.approx(nbytes / (1e6 * eff.stream))
+
+
+def _fc(config="B", device="h100-sxm", world=1, precision="tf32", over=(), **dev):
+    cfg = load_config(config, ["--train.batch_size=16384", *over])
+    d = replace(catalogue()[device], **dev)
+    return forecast(cfg, d, world, precision)
+
+
+def test_each_stage_follows_the_figure_it_depends_on():
+    base = _fc()
+    assert set(REQUIRED_STAGES) <= set(base.stage_ms) and set(base.stage_ms) == set(STAGES)
+    assert base.step_ms == pytest.approx(sum(base.stage_ms.values()))
+    assert base.samples_per_s == pytest.approx(16384 / base.step_ms * 1e3)
+    assert base.stage_ms["all_to_all"] == base.stage_ms["all_reduce"] == 0.0  # one device
+    fast_mem = _fc(memory_gbps=2 * 3350)
+    for stage in ("embedding_forward", "embedding_update", "dense_optimizer"):
+        assert fast_mem.stage_ms[stage] < 0.6 * base.stage_ms[stage], stage
+    assert fast_mem.stage_ms["mlp_gemm"] == pytest.approx(base.stage_ms["mlp_gemm"], rel=0.25)
+    half = _fc(precision="bf16")  # twice the tensor-core rate, half the activation bytes
+    assert half.stage_ms["mlp_gemm"] < 0.6 * base.stage_ms["mlp_gemm"]
+    assert half.stage_ms["embedding_update"] == pytest.approx(base.stage_ms["embedding_update"])
+    assert _fc(config="A").step_ms < base.step_ms  # dim 16, small MLPs
+
+
+def test_ranks_add_collectives_and_a_node_boundary_costs_the_network():
+    eight = _fc(config="criteo_multihot_dcnv2", world=8)
+    assert eight.stage_ms["all_to_all"] > 0 and eight.stage_ms["all_reduce"] > 0
+    sixteen = _fc(config="criteo_multihot_dcnv2", world=16)  # two nodes of 8
+    # the network (50 GB/s a GPU) is 9x slower than NVLink: more than the halved bytes
+    assert sixteen.stage_ms["all_reduce"] > 4 * eight.stage_ms["all_reduce"]
+    assert sixteen.world_size == 16 and sixteen.plan.world_size == 16
+
+
+def test_the_plan_is_made_for_the_devices_memory_and_costs():
+    cfg = load_config("criteo_multihot_dcnv2")  # 105 GB of tables with their state
+    f = forecast(cfg, device_spec("a100-40gb"), 4, "tf32")
+    cap = 40e9
+    assert max(f.plan.memory_per_rank) <= cap and f.memory_bytes <= cap
+    assert f.table_bytes == max(f.plan.memory_per_rank)
+    with pytest.raises(PlanError, match="missing"):
+        forecast(cfg, device_spec("a100-40gb"), 2, "tf32")
+    with pytest.raises(ConfigError, match="world-size"):
+        forecast(cfg, device_spec("a100-40gb"), 0, "tf32")
+    # a slow network between every pair of devices: rows of the big tables stay whole
+    # on one device (a row-wise table sends every sample's partial sums everywhere)
+    slow = replace(device_spec("h100-sxm"), devices_per_node=1, network_gbps=0.5)
+    fast = device_spec("h100-sxm")
+    kinds = lambda fc: {p.table: p.kind for p in fc.plan.placements}  # noqa: E731
+    k_slow, k_fast = kinds(forecast(cfg, slow, 8, "bf16")), kinds(forecast(cfg, fast, 8, "bf16"))
+    assert k_slow != k_fast
+    assert list(k_slow.values()).count("row_wise") < list(k_fast.values()).count("row_wise") or (
+        list(k_slow.values()).count("table_wise") > list(k_fast.values()).count("table_wise")
+    )
+
+
+def test_the_systems_change_what_they_say_they_change():
+    # row-wise: every rank the same work, so the slowest rank is the same in each forecast
+    over = ["--train.batch_size=55296", "--distributed.sharding=row_wise"]
+    cfg = load_config("criteo_multihot_dcnv2", over)
+    dev = device_spec("h100-sxm")
+    plain = forecast(cfg, dev, 8, "fp16", RECSCALE)
+    fused = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, fused_epilogue=True))
+    assert fused.stage_ms["mlp_elementwise"] == 0.0 < plain.stage_ms["mlp_elementwise"]
+    hidden = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, comm_overlap=0.5))
+    assert hidden.stage_ms["all_to_all"] == pytest.approx(0.5 * plain.stage_ms["all_to_all"])
+    graph = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, host_ms=0.0))
+    assert plain.step_ms - graph.step_ms == pytest.approx(RECSCALE.host_ms)
+    assert set(SYSTEMS) >= {"recscale", "dle", "hugectr", "torchrec", "ipex"}
+
+
+def test_recscales_own_held_out_gpu_measurement_is_forecast_within_15_percent():
+    """Config B on an H100 (docs/gpu.md): 2.49 M samples/s measured; the recscale
+    system's host time was set from config A alone."""
+    f = _fc(config="B")
+    assert f.samples_per_s == pytest.approx(2.49e6, rel=0.15)
+
+
+def test_plan_device_cli_prints_and_carries_the_forecast():
+    r = cli(
+        "plan",
+        "--device",
+        "h100-sxm",
+        "--config",
+        "criteo_multihot_dcnv2",
+        "--world-size",
+        "8",
+        "--precision",
+        "bf16",
+        "--train-samples",
+        "4e9",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    stages = out["predicted_stage_ms"]
+    assert set(REQUIRED_STAGES) <= set(stages)
+    assert out["predicted_step_ms"] == pytest.approx(sum(stages.values()))
+    assert out["predicted_samples_per_s"] == pytest.approx(16384 / out["predicted_step_ms"] * 1e3)
+    assert out["predicted_train_hours"] == pytest.approx(
+        4e9 / out["predicted_samples_per_s"] / 3600
+    )
+    assert 0 < out["predicted_memory_bytes_per_device"] <= 80e9
+    assert out["world_size"] == 8 and len(out["memory_per_rank"]) == 8
+    r = cli("plan", "--device", "mi300x", "--config", "A")
+    assert r.returncode == 0 and "samples/s" in r.stdout and "mlp_gemm" in r.stdout
+    r = cli("plan", "--list-devices")
+    assert all(n in r.stdout for n in NAMED)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--device", "h100"], "unknown device 'h100' (entries: h100-sxm"),
+        (["--device", "a100-80gb", "--precision", "fp8"], "no fp8 rate"),
+        (["--device", "h100-sxm", "--world-size", "0"], "--world-size"),
+        (["--device", "h100-sxm", "--system", "nope"], "systems: recscale"),
+        (["--device", "a100-40gb", "--config", "criteo_terabyte"], "missing"),
+    ],
+)
+def test_plan_device_mistakes_are_one_line(args, words):
+    r = cli("plan", *args)
+    assert r.returncode != 0
+    assert words in error_line(r.stderr)
+
+
+def test_this_device_is_the_calibrated_model_under_the_forecasts_names(tmp_path):
+    z = lambda names, on: Law(names, [1e-9 if n == on else 0.0 for n in names])  # noqa: E731
+    laws = {
+        "mlp_forward": z(["flops2", "mn", "mk", "kn", "one"], "flops2"),
+        "mlp_backward": z(["flops4", "mn", "mk", "kn", "one"], "flops4"),
+        "interaction": z(["bkkd", "bkk", "one"], "bkkd"),
+        "lookup": z(["ids_d", "ids", "one"], "ids_d"),
+        "update": z(["ids_d", "ids", "one"], "ids_d"),
+        "dense_opt": z(["params", "one"], "params"),
+    }
+    path = tmp_path / "cal.json"
+    Calibration("test", 1, laws, step_overhead=0.001).save(path)
+    r = cli("plan", "--device", "this", "--config", "debug", "--calibration", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    want = predict(load_config("debug"), Calibration.load(path))
+    assert out["predicted_stage_ms"] == pytest.approx(standard_stages(want.stages_ms))
+    assert out["predicted_step_ms"] == pytest.approx(want.step_seconds * 1e3)
+    assert math.isclose(sum(out["predicted_stage_ms"].values()), out["predicted_step_ms"])
