@@ -143,3 +143,46 @@ def test_bf16_says_where_it_runs_and_warns_when_emulated(monkeypatch):
         echo=lines.append,
     )
     assert not any("emulated" in x for x in lines)
+
+
+def _sharded_on(compute: str, cache_on: str):
+    """The debug model with every table in the host tier (the GPU-run tier), sharded
+    for a plan whose compute device is ``compute`` - ``meta`` standing in for a GPU -
+    its storages built with their caches on ``cache_on``."""
+    from recscale.distributed.context import DistContext
+    from recscale.distributed.model_parallel import one_rank_plan, shard
+    from recscale.embedding.placement import storage_factory
+    from recscale.models.dlrm import build_model
+    from recscale.planner.from_config import with_tiers
+
+    cfg = load_config("debug", ["--embedding.placement=host", "--model.kernels=torch"])
+    dev = torch.device(compute)
+    names = [f"C{i + 1}" for i in range(len(cfg.model.table_sizes))]
+    plan = with_tiers(one_rank_plan(names), [("host", 4096)] * len(names))
+    model = build_model(cfg.model, cfg.embedding, device=dev, materialize_embeddings=False)
+    make = storage_factory(cfg.embedding, torch.device(cache_on), "torch")
+    shard(model, plan, DistContext(device=dev), make)
+    return model
+
+
+def test_each_tensor_of_a_gpu_plan_lives_where_the_plan_puts_it():
+    """Rows' cache, weights and optimizer state on the compute device; the step count,
+    the host tier's rows and the cache's bookkeeping on the host."""
+    model = _sharded_on("meta", "meta")
+    seen = {True: set(), False: set()}
+    for s in model.embeddings.storages():
+        for name, t, on_compute in s.homes():
+            assert t.device.type == ("meta" if on_compute else "cpu"), name
+            seen[on_compute].add(name.split(".", 1)[0])
+    assert {"cache_weight", "cache_state"} <= seen[True]
+    assert {"step", "slot_of_row", "host_rows"} <= seen[False]
+    assert all(p.device.type == "meta" for p in model.dense_parameters())
+
+
+def test_a_table_off_its_planned_device_is_one_line():
+    from recscale.embedding.storage import DevicePlacementError
+
+    with pytest.raises(
+        DevicePlacementError, match=r"table C1 \(its .*: cache_weight is on cpu, belongs on meta"
+    ):
+        _sharded_on("meta", "cpu")  # the cache made on the host under a "GPU" run

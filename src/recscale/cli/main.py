@@ -17,6 +17,7 @@ from recscale.cli import (
 from recscale.config.errors import ConfigError
 from recscale.data.dataset import DatasetError
 from recscale.embedding.cached_storage import TierFileError
+from recscale.embedding.storage import DevicePlacementError
 from recscale.locks import LockedError
 
 COMMANDS = {
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
-    except (DatasetError, TierFileError) as e:  # bad input files, an unusable ssd_dir
+    except (DatasetError, TierFileError, DevicePlacementError) as e:
+        # bad input files, an unusable ssd_dir, a table's tensor off its planned device
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except LockedError as e:  # another process writes the run directory / the dataset

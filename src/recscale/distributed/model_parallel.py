@@ -25,6 +25,7 @@ from recscale.distributed.sharded_embedding import (
     ShardedEmbeddingBagCollection,
     StorageFactory,
 )
+from recscale.embedding.storage import DevicePlacementError
 from recscale.models.dlrm import DLRM
 from recscale.planner import ShardingPlan, TablePlacement
 from recscale.planner.layout import build_layout
@@ -77,6 +78,10 @@ def shard(
         make_storage=make_storage,
     )
     model.to(ctx.device)
+    wrong = model.embeddings.misplaced(ctx.device)
+    if wrong:  # e.g. a tier's cache made on the CPU under a CUDA run
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise DevicePlacementError(f"training on {ctx.device}: {wrong[0]}{more}")
     if not ctx.distributed:
         return model
     ignore = [n for n, _ in model.named_parameters() if n.startswith("embeddings.")]

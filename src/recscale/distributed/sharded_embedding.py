@@ -220,6 +220,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def tiered(self) -> bool:
         return any(c.tiered() for c in self.collections())
 
+    def misplaced(self, compute: torch.device) -> list[str]:
+        return [m for c in self.collections() for m in c.misplaced(compute)]
+
     def local_parts(self, include_replicas: bool = True):
         """This rank's pieces of the tables, each ``(TablePart, storage, first storage
         row)``: the owned shards, then (``include_replicas``) every replicated table.

@@ -175,6 +175,16 @@ class CachedStorage(RowStorage):
         self._write_backs = 0  # generation: an unlocked read older than a write-back re-reads
         self._lock = threading.RLock()
 
+    def homes(self):
+        yield from super().homes()
+        yield "cache_weight", self.cache_weight, True
+        for name, t in self.cache_state.items():
+            yield f"cache_state.{name}", t, True
+        for name in ("slot_of_row", "row_of_slot", "score", "cache_dirty", "pinned", "free"):
+            yield name, getattr(self, name), False
+        if self.path is None:  # the host tier's rows (pinned when training on a GPU)
+            yield "host_rows", self._host, False
+
     # -- the slow tier ------------------------------------------------------------------
     def _pack(self, slots: torch.Tensor) -> np.ndarray:
         out = np.empty((slots.shape[0], self.width), np.float32)

@@ -84,6 +84,11 @@ def per_id_gradients(
     return grad_ids
 
 
+class DevicePlacementError(RuntimeError):
+    """A table's tensor is not on the device its plan puts it on (one line: the table,
+    the tensor, where it is and where it belongs)."""
+
+
 class RowStorage(nn.Module, ABC):
     num_rows: int
     dim: int
@@ -127,6 +132,29 @@ class RowStorage(nn.Module, ABC):
     @abstractmethod
     def device(self) -> torch.device:
         """Where the rows (or their cache, or factors) live; subclasses name the tensor."""
+
+    def homes(self):
+        """Every tensor of the storage as ``(name, tensor, on_compute)``: rows, caches,
+        factors and their optimizer state belong on the compute device (True); the
+        ``step`` count and CPU-side bookkeeping on the host (False). A tier adds the
+        tensors it holds outside ``nn.Module``'s registry."""
+        for name, t in self.named_parameters():
+            yield name, t, True
+        for name, t in self.named_buffers():
+            yield name, t, name.rsplit(".", 1)[-1] != "step"
+
+    def misplaced(self, compute: torch.device) -> list[str]:
+        """``homes`` that are not where they belong when training runs on ``compute``."""
+        out = []
+        host = torch.device("cpu")
+        for name, t, on_compute in self.homes():
+            want = torch.device(compute) if on_compute else host
+            same = t.device.type == want.type and (
+                want.index is None or t.device.index in (None, want.index)
+            )
+            if not same:
+                out.append(f"{name} is on {t.device}, belongs on {want}")
+        return out
 
     def _apply(self, fn, recurse=True):
         # ``module.to(device)`` moves every buffer; the ``step`` count stays on the CPU,

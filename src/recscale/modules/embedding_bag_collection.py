@@ -308,6 +308,18 @@ class EmbeddingBagCollection(nn.Module):
     def storages(self) -> list[RowStorage]:
         return [g.storage for g in self.groups]
 
+    def misplaced(self, compute: torch.device) -> list[str]:
+        """One line per tensor of a storage that is not where it belongs when training
+        runs on ``compute`` (``RowStorage.misplaced``), named by its tables."""
+        out = []
+        for g in self.groups:
+            names = [self.tables[f].name for f in g.features]
+            who = f"table {names[0]}" + (
+                f" (its storage holds {len(names)} tables)" if len(names) > 1 else ""
+            )
+            out += [f"{who}: {m}" for m in g.storage.misplaced(compute)]
+        return out
+
     def tiered(self) -> bool:
         """Whether any table lives behind a cache (host or ssd tier)."""
         return any(g.storage.tier != "device" for g in self.groups)
