@@ -384,6 +384,8 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
         for k, v in st.io_stats().items():
             io[k] = io.get(k, 0) + v
     per_step = {k: io[k] / steps for k in ("rows_read", "rows_written", "io_requests")}
+    skipped = sum(st.stats.skipped for st in files)
+    updates = sum(st.stats.id_updates for st in files)
     out: dict[str, Any] = {
         "io_depth": depth,
         "rows_read_per_step": per_step["rows_read"],
@@ -392,6 +394,8 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
         "io_ms_per_step": 1e3 * io["io_seconds"] / steps,
         "requests_per_s": io["io_requests"] / io["io_seconds"] if io["io_seconds"] else 0.0,
     }
+    if updates:  # slipstream on: the share of id updates skipped (warm-up included)
+        out["slipstream_skipped_share"] = skipped / updates
     if disk.read_bytes >= 0:
         pages = (disk.read_bytes + disk.write_bytes) / 4096 / steps
         out["disk_read_mb_per_step"] = disk.read_bytes / 1e6 / steps
@@ -418,6 +422,8 @@ def format_tier_io(io: dict[str, Any]) -> str:
         f"{io['requests_per_step']:,.0f} requests ({io['requests_per_s']:,.0f}/s at depth {d}, "
         f"{io['io_ms_per_step']:.1f} ms/step)"
     )
+    if "slipstream_skipped_share" in io:
+        line += f"; slipstream skipped {io['slipstream_skipped_share']:.1%} of id updates"
     if "disk_read_mb_per_step" in io:
         line += (
             f"; from the disk {io['disk_read_mb_per_step']:.2f} MB read, "

@@ -208,6 +208,13 @@ class EmbeddingConfig:
     # Where the data has no popularity profile (a dataset), the first this many training
     # samples are counted to order the rows (seen ids by count, then the rest by id).
     order_sample_rows: int = 1_000_000
+    # Slipstream (ssd/host tiers, with warm_start's pinned hot rows): skip for one
+    # interval the update - and the write-back - of each hot row whose weights moved by
+    # less than slipstream_threshold (relative L2) over the last slipstream_interval
+    # steps (embedding/slipstream.py). Changes the arithmetic: off by default.
+    slipstream: bool = False
+    slipstream_threshold: float = 0.01
+    slipstream_interval: int = 100
     # placement=auto: memory for tables + optimizer state + caches, GB (0 = half the RAM).
     memory_budget_gb: float = 0.0
     # Stored precision of the rows in training: fp16 / bf16 (half the bytes) or int8
@@ -274,6 +281,23 @@ class EmbeddingConfig:
         if not 1 <= int(self.io_depth) <= 256:
             raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
         _choice("embedding.row_order", self.row_order, ROW_ORDERS)
+        if not 0.0 <= float(self.slipstream_threshold) < 1.0:
+            raise ConfigError(
+                "embedding.slipstream_threshold",
+                f"a relative change in [0, 1), got {self.slipstream_threshold}",
+            )
+        if int(self.slipstream_interval) < 1:
+            raise ConfigError(
+                "embedding.slipstream_interval", f"must be >= 1, got {self.slipstream_interval}"
+            )
+        if self.slipstream and (
+            self.placement == "device" or not self.warm_start or not self.warm_pin_share
+        ):
+            raise ConfigError(
+                "embedding.slipstream",
+                "watches the hot rows pinned in an ssd/host cache: it needs "
+                "embedding.placement=ssd|host|auto, warm_start=true and warm_pin_share > 0",
+            )
         if not 0.0 <= float(self.warm_pin_share) <= 0.95:
             raise ConfigError(
                 "embedding.warm_pin_share",

@@ -53,6 +53,7 @@ from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier'
     TierFileError,
     remove_empty_temp_dirs,
 )
+from recscale.embedding.slipstream import Slipstream
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
 
 # Memory beyond the rows themselves, for sizing a cache from free memory: per cache slot
@@ -74,6 +75,8 @@ class CacheStats:
     bytes_read: int = 0  # from the slow tier
     bytes_written: int = 0  # write-backs to the slow tier
     evictions: int = 0
+    id_updates: int = 0  # ids whose row update was due (Slipstream on)
+    skipped: int = 0  # ... of which Slipstream skipped as stale
 
     @property
     def hit_rate(self) -> float:
@@ -88,6 +91,8 @@ class CacheStats:
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
             "evictions": self.evictions,
+            "id_updates": self.id_updates,
+            "skipped_updates": self.skipped,
         }
 
 
@@ -171,6 +176,7 @@ class CachedStorage(RowStorage):
         self._update_pins: list[torch.Tensor] = []  # looked up for an update not yet applied
         self.dirty: torch.Tensor | None = None
         self.stats = CacheStats()
+        self.slipstream: Slipstream | None = None  # off unless enable_slipstream
         self._clock = 0
         self._write_backs = 0  # generation: an unlocked read older than a write-back re-reads
         self._lock = threading.RLock()
@@ -180,6 +186,9 @@ class CachedStorage(RowStorage):
         yield "cache_weight", self.cache_weight, True
         for name, t in self.cache_state.items():
             yield f"cache_state.{name}", t, True
+        if self.slipstream is not None:
+            yield "slipstream.snapshot", self.slipstream.snapshot, True
+            yield "slipstream.stale", self.slipstream.stale, False
         for name in ("slot_of_row", "row_of_slot", "score", "cache_dirty", "pinned", "free"):
             yield name, getattr(self, name), False
         if self.path is None:  # the host tier's rows (pinned when training on a GPU)
@@ -347,6 +356,18 @@ class CachedStorage(RowStorage):
                 self.pinned[slots] = rank < pin
             return k
 
+    def enable_slipstream(self, threshold: float, interval: int, max_bytes: int = 64 << 20):
+        """Skip stale hot rows' updates (``embedding/slipstream.py``): the pinned rows are
+        the hot set, the hottest that fit ``max_bytes`` of snapshot watched."""
+        with self._lock:
+            hot = torch.nonzero(self.pinned).squeeze(1)
+            keep = max(1, max_bytes // (4 * self.dim))
+            if hot.numel() > keep:  # the hottest: highest warm-start score
+                hot = hot[torch.argsort(self.score[hot], descending=True)[:keep]]
+            self.slipstream = Slipstream(
+                hot, self.cache_weight, self.cache_rows, threshold, interval
+            )
+
     def io_stats(self) -> dict[str, float]:
         return self.rows.stats.as_dict()
 
@@ -462,6 +483,16 @@ class CachedStorage(RowStorage):
             slots = self.slot_of_row[rows].long()
             if bool((slots < 0).any()):
                 raise RuntimeError("a row was evicted between its lookup and its update")
+            if self.slipstream is not None:
+                rows, slots, segments, bag_of_id, per_sample_weights = self.slipstream.skip(
+                    self.stats, rows, slots, segments, bag_of_id, per_sample_weights
+                )
+                if rows.numel() == 0:  # every id stale: the step counts, nothing moves
+                    self.step += 1
+                    if self._update_pins:
+                        self._update_pins.pop(0)
+                    self.slipstream.after_update(int(self.step), self.cache_weight)
+                    return
             if self.dirty is not None:
                 self.dirty[rows] = True
             kernel = kernels.choose_once(self, self.kernel, "backward", self.cache_weight, self.dim)
@@ -506,6 +537,8 @@ class CachedStorage(RowStorage):
                 self.cache_dirty[unique.cpu()] = True
             if self._update_pins:  # batches are updated in lookup order
                 self._update_pins.pop(0)
+            if self.slipstream is not None:
+                self.slipstream.after_update(int(self.step), self.cache_weight)
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):

@@ -93,3 +93,13 @@ def warm_caches(ebc, echo, cfg: EmbeddingConfig) -> None:
             f"hottest rows in {time.perf_counter() - t:.1f} s ({pinned:,} kept for the run: "
             "embedding.warm_pin_share)"
         )
+    if cfg.slipstream:
+        watched = 0
+        for st in cached_storages(ebc):
+            st.enable_slipstream(cfg.slipstream_threshold, cfg.slipstream_interval)
+            watched += st.slipstream.hot.numel()
+        echo(
+            f"recscale: slipstream: {watched:,} hot rows watched; an update is skipped for "
+            f"{cfg.slipstream_interval} steps where the row moved < "
+            f"{cfg.slipstream_threshold:g} (relative) in the {cfg.slipstream_interval} before"
+        )

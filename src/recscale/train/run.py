@@ -523,6 +523,12 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
             "lookups; "
             f"{cache['bytes_read'] / 1e6:,.1f} MB read, {cache['bytes_written'] / 1e6:,.1f} MB "
             "written back"
+            + (
+                f"; slipstream skipped {cache['skipped_updates']:,} of "
+                f"{cache['id_updates']:,} id updates as stale"
+                if job.cfg.embedding.slipstream
+                else ""
+            )
         )
     ev = None if loop.interrupted else evaluate_job(job)
     if ev is None:
