@@ -53,6 +53,24 @@ def test_fused_interaction_gradient_matches_torch(self_interaction, has_dense):
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
+def test_under_cpu_autocast_the_interaction_runs_the_fp32_kernel_on_bf16_inputs():
+    """bf16 on a CPU: the bottom MLP's bf16 output and the fp32 pooled rows go through
+    the fp32 fused kernel (exactly its fp32 result); the gradients come back in each
+    input's own dtype."""
+    b, f, d = 5, 4, 8
+    dense = torch.randn(b, d, generator=torch.Generator().manual_seed(5))
+    pooled = torch.randn(b, f * d, generator=torch.Generator().manual_seed(6))
+    inter = DotInteraction(f, d, True, kernel="auto")
+    want = inter(dense.bfloat16().float(), pooled)
+    x = dense.bfloat16().requires_grad_(True)
+    p = pooled.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = inter(x, p)
+    assert out.dtype == torch.float32 and torch.equal(out, want)
+    out.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and p.grad.dtype == torch.float32
+
+
 def _cfg(**kw):
     base = dict(table_sizes=[10, 20, 5], embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1])
     base.update(kw)
