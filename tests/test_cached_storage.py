@@ -136,10 +136,17 @@ def test_reads_and_writes_see_the_cache_and_the_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "row_order, warm",
-    [("frequency", False), ("frequency", True), ("id", True)],  # cold: prefetch brings rows
+    "tier, row_order, warm",
+    [
+        ("ssd", "frequency", False),  # cold: prefetch brings the rows
+        ("ssd", "frequency", True),
+        ("ssd", "id", True),
+        ("host", "frequency", True),  # the GPU's host tier warms and pins the same way
+    ],
 )
-def test_training_with_prefetch_matches_memory_and_reports_the_cache(tmp_path, row_order, warm):
+def test_training_with_prefetch_matches_memory_and_reports_the_cache(
+    tmp_path, tier, row_order, warm
+):
     over = [
         "--train.steps=60",
         "--train.progress=false",
@@ -153,7 +160,7 @@ def test_training_with_prefetch_matches_memory_and_reports_the_cache(tmp_path, r
             "debug",
             over
             + [
-                "--embedding.placement=ssd",
+                f"--embedding.placement={tier}",
                 "--embedding.cache_bytes=400000",
                 f"--embedding.warm_start={str(warm).lower()}",
                 f"--embedding.row_order={row_order}",

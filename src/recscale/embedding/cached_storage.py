@@ -170,6 +170,7 @@ class CachedStorage(RowStorage):
         self.cache_dirty = torch.zeros(c, dtype=torch.bool)
         self.pinned = torch.zeros(c, dtype=torch.bool)
         self._segments: list[tuple[int, int]] = []  # (start, rows) per table part
+        self._order: np.ndarray | None = None  # popularity place of each row (set_row_order)
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
         self._prefetch_pins: list[_Prefetched] = []  # prefetched batches not yet looked up
         self._prefetch_off = False  # set when the cache cannot hold two batches at once
@@ -293,12 +294,14 @@ class CachedStorage(RowStorage):
 
     # -- order and warm start -------------------------------------------------------------
     def set_row_order(self, position: np.ndarray | None, segments: list[tuple[int, int]]) -> None:
-        """Lay the rows out in the file by ``position`` (logical row -> file row, each of
+        """The rows' popularity order: ``position`` (logical row -> rank place, each of
         the ``segments`` (start, rows) - one per table part - a permutation of its own
-        range, its hottest rows first); before any row is written. The host tier keeps
-        id order (memory has no pages to fill)."""
+        range, its hottest rows first); before any row is written. The ssd tier lays
+        its file out by it; both tiers warm and pin their caches from its head (the
+        host tier keeps its rows in id order: memory has no pages to fill)."""
         if isinstance(self.rows, RowFile):
             self.rows.set_order(position)
+        self._order = position
         self._segments = list(segments)
 
     def initialize_segment(self, start: int, weight: torch.Tensor) -> None:
@@ -318,7 +321,7 @@ class CachedStorage(RowStorage):
         """The rows a warm start fills the cache with, hottest first: the head of each
         segment's file order, the cache shared equally among the segments (a segment
         smaller than its share gives the rest to the others). Empty without an order."""
-        pos, segs = self.rows.position, self._segments
+        pos, segs = self._order, self._segments
         if pos is None or not segs:
             return torch.zeros(0, dtype=torch.int64)
         share, left = {}, self.cache_rows

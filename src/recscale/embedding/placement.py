@@ -104,7 +104,7 @@ def storage_factory(
         kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
-            return CachedStorage(
+            storage = CachedStorage(
                 num_rows,
                 dim,
                 optimizer,
@@ -114,6 +114,9 @@ def storage_factory(
                 kernel=kern,
                 device=device,
             )
+            if rank_of_id is not None:  # the hot head its cache warms and pins
+                storage.set_row_order(*file_order(parts, rank_of_id))
+            return storage
         if root is None:
             root = Path(tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX))
         storage = CachedStorage(
