@@ -23,19 +23,24 @@ from recscale.train.run import train
 needs_native = pytest.mark.skipif(native.library() is None, reason="native library not built")
 
 
-def _file(tmp_path, rows=5000, width=5, depth=32, order=None):
-    rf = RowFile(tmp_path / "rows.f32", rows, width, depth)
+def _file(tmp_path, rows=5000, width=5, depth=32, order=None, access="auto"):
+    rf = RowFile(tmp_path / "rows.f32", rows, width, depth, access)
     rf.set_order(order)
     return rf
 
 
 @pytest.mark.parametrize("depth", [0, 1, 32])
 @pytest.mark.parametrize("ordered", [False, True])
-def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered):
+@pytest.mark.parametrize("access", ["pread", "map"])
+def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered, access):
     n, w = 5000, 5
     rng = np.random.default_rng(depth)
     order = rng.permutation(n) if ordered else None
-    rf = _file(tmp_path, n, w, depth, order)
+    rf = _file(tmp_path, n, w, depth, order, access)
+    if depth == 0 or native.library() is None:
+        assert rf.access == "map"  # nothing else can serve it
+    else:
+        assert rf.access == access
     ref = np.zeros((n, w), np.float32)
     for step in range(6):
         # unsorted distinct rows: runs of neighbours (coalesced) and scattered singles
@@ -102,13 +107,33 @@ def test_a_segment_is_written_in_file_order(tmp_path):
         bad.write_segment(0, np.zeros((2, 3), np.float32))
 
 
-@needs_native
-def test_a_failed_read_is_one_line_naming_the_file(tmp_path):
-    rf = _file(tmp_path, 1000, 4)
+@pytest.mark.parametrize(
+    "access, words",
+    [
+        pytest.param("pread", "cannot read from", marks=needs_native),
+        ("map", "was cut short under the run"),  # not a SIGBUS from a mapped page
+    ],
+)
+def test_a_failed_read_is_one_line_naming_the_file(tmp_path, access, words):
+    rf = _file(tmp_path, 1000, 4, access=access)
     rf.read(np.arange(50))
     os.ftruncate(rf.fd, 100 * 16)  # rows 100.. gone (a file cut short under the run)
-    with pytest.raises(TierFileError, match=r"cannot read from the ssd tier's file .*rows\.f32"):
+    with pytest.raises(TierFileError, match=words) as err:
         rf.read(np.array([5, 500]))
+    assert "rows.f32" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_access_maps_a_file_the_memory_holds_and_preads_a_larger_one(tmp_path, monkeypatch):
+    from recscale.embedding import row_file
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(row_file, "mem_available", lambda: 1 << 30)
+    small = _file(tmp_path / "s", 1000, 4)
+    monkeypatch.setattr(row_file, "mem_available", lambda: 1000 * 16)  # 2x the file: too big
+    big = _file(tmp_path / "b", 1000, 4)
+    assert small.access == "map"
+    assert big.access == ("pread" if native.library() is not None else "map")
 
 
 def test_an_order_of_the_wrong_length_is_refused(tmp_path):
@@ -194,6 +219,7 @@ def test_a_warm_cache_hits_more_than_a_cold_one(tmp_path):
         ("--embedding.row_order=random", "embedding.row_order"),
         ("--embedding.order_sample_rows=0", "embedding.order_sample_rows"),
         ("--embedding.warm_pin_share=0.99", "embedding.warm_pin_share"),
+        ("--embedding.ssd_access=mmap", "embedding.ssd_access"),
     ],
 )
 def test_bad_io_settings_name_the_key(override, key):

@@ -379,6 +379,7 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
     if not files:
         return None
     depth = max(st.rows.depth for st in files)
+    access = "/".join(sorted({st.rows.access for st in files}))
     io: dict[str, float] = {}
     for st in files:
         for k, v in st.io_stats().items():
@@ -388,6 +389,7 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
     updates = sum(st.stats.id_updates for st in files)
     out: dict[str, Any] = {
         "io_depth": depth,
+        "ssd_access": access,
         "rows_read_per_step": per_step["rows_read"],
         "rows_written_per_step": per_step["rows_written"],
         "requests_per_step": per_step["io_requests"],
@@ -408,19 +410,22 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
         if iops:
             out["disk_iops_qd1"] = iops["qd1"]
             out[f"disk_iops_qd{depth}"] = iops[f"qd{depth}"]
-            out["io_bound_samples_per_s"] = (
-                batch * iops[f"qd{depth}"] / pages if pages else float("inf")
-            )
+            if pages:  # none: the page cache answered everything, no disk bound
+                out["io_bound_samples_per_s"] = batch * iops[f"qd{depth}"] / pages
     return out
 
 
 def format_tier_io(io: dict[str, Any]) -> str:
     d = io["io_depth"]
+    how = (
+        f"{io['requests_per_step']:,.0f} requests ({io['requests_per_s']:,.0f}/s at depth {d}"
+        if io["ssd_access"] == "pread"
+        else f"copies through the file's map ({io['ssd_access']}"
+    )
     line = (
         f"  ssd I/O: {io['rows_read_per_step']:,.0f} rows read, "
         f"{io['rows_written_per_step']:,.0f} written per step in "
-        f"{io['requests_per_step']:,.0f} requests ({io['requests_per_s']:,.0f}/s at depth {d}, "
-        f"{io['io_ms_per_step']:.1f} ms/step)"
+        f"{how}, {io['io_ms_per_step']:.1f} ms/step)"
     )
     if "slipstream_skipped_share" in io:
         line += f"; slipstream skipped {io['slipstream_skipped_share']:.1%} of id updates"
@@ -429,6 +434,8 @@ def format_tier_io(io: dict[str, Any]) -> str:
             f"; from the disk {io['disk_read_mb_per_step']:.2f} MB read, "
             f"{io['disk_write_mb_per_step']:.2f} MB written per step"
         )
+    if "disk_iops_qd1" in io and "io_bound_samples_per_s" not in io:
+        line += "; nothing read from the disk: no I/O bound"
     if "io_bound_samples_per_s" in io:
         line += (
             f"; disk 4 KiB random reads {io['disk_iops_qd1']:,.0f}/s at depth 1, "

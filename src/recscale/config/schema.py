@@ -193,6 +193,11 @@ class EmbeddingConfig:
     # ssd tier: reads and writes of rows in flight at once (a batch's misses and
     # write-backs, coalesced where adjacent); 1 = one at a time.
     io_depth: int = 32
+    # How the ssd tier's file is read and written: pread (batched requests at io_depth,
+    # the file never mapped), map (through its memory map: a copy a row, no system
+    # call), auto (map when the file takes at most half the memory available at start -
+    # the page cache then holds it whole - else pread).
+    ssd_access: str = "auto"
     # ssd tier's file layout: frequency (each table's rows hottest first, from the data's
     # id popularity: a page read brings rows of like heat, and the page cache holds the
     # warm rows densely) or id. Checkpoints store rows by id either way.
@@ -278,6 +283,7 @@ class EmbeddingConfig:
                 f"{self.placement!r} keeps fp32 rows (use embedding.placement=device)",
             )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
+        _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "map"))
         if not 1 <= int(self.io_depth) <= 256:
             raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
         _choice("embedding.row_order", self.row_order, ROW_ORDERS)

@@ -117,6 +117,7 @@ class CachedStorage(RowStorage):
         evict_fraction: float = 1 / 16,
         device: torch.device | None = None,
         io_depth: int = 32,
+        io_access: str = "auto",
     ) -> None:
         """``path``: the ssd tier's file; ``None``: the host tier (rows in host memory,
         pinned when CUDA is present, behind a cache on ``device`` - a GPU run's tables
@@ -151,7 +152,7 @@ class CachedStorage(RowStorage):
             self.rows: RowFile | HostRows = HostRows(self._host.numpy())
         else:
             self.path = Path(path)
-            self.rows = RowFile(self.path, num_rows, col, io_depth)
+            self.rows = RowFile(self.path, num_rows, col, io_depth, io_access)
         self.file = self.rows.map
         for name, _shape, lo, hi in self._state_cols:  # a new (fallocated) file reads as zeros
             if optimizer.init_value(name) != 0.0:
@@ -169,6 +170,7 @@ class CachedStorage(RowStorage):
         self.score = torch.zeros(c, dtype=torch.float64)
         self.cache_dirty = torch.zeros(c, dtype=torch.bool)
         self.pinned = torch.zeros(c, dtype=torch.bool)
+        self._unpinned: torch.Tensor | None = None  # eviction's candidates (see _evict)
         self._segments: list[tuple[int, int]] = []  # (start, rows) per table part
         self._order: np.ndarray | None = None  # popularity place of each row (set_row_order)
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
@@ -224,18 +226,22 @@ class CachedStorage(RowStorage):
         self.stats.bytes_written += rows.numel() * self.width * 4
 
     def _evict(self, need: int, keep: torch.Tensor) -> None:
-        """Free at least ``need`` slots, never one in ``keep`` or pinned."""
+        """Free at least ``need`` slots, never one in ``keep`` or pinned. The candidates
+        are the slots not pinned for the run (kept as an index: with 80% of a large
+        cache pinned, scoring only the rest is 5x less work a time)."""
         c = self.cache_rows
         k = min(c, max(need, int(c * self.evict_fraction)))
-        s = self.score.clone()
-        s[self.row_of_slot < 0] = math.inf  # already free
-        s[self.pinned] = math.inf
+        if self._unpinned is None:
+            self._unpinned = torch.nonzero(~self.pinned).squeeze(1)
+        blocked = torch.zeros(c, dtype=torch.bool)
         for p in [keep, *(e.slots for e in self._prefetch_pins), *self._update_pins]:
-            s[p] = math.inf
-        victims = torch.topk(s, k, largest=False).indices
-        victims = victims[torch.isfinite(s[victims])]
+            blocked[p] = True
+        cand = self._unpinned
+        cand = cand[~blocked[cand] & (self.row_of_slot[cand] >= 0)]
+        k = min(k, cand.numel())
+        victims = cand[torch.topk(self.score[cand], k, largest=False).indices]
         if victims.numel() < need:
-            pinned = int((self.row_of_slot >= 0).sum()) - int(torch.isfinite(s).sum())
+            pinned = int((self.row_of_slot >= 0).sum()) - cand.numel()
             total = pinned + self.free.numel() + need  # all of it wanted resident at once
             held = int(self.pinned.sum())
             raise CacheTooSmallError(
@@ -357,6 +363,7 @@ class CachedStorage(RowStorage):
                 rank = (lo + order).double()
                 self.score[slots] = 1.0 - rank / max(k, 1)
                 self.pinned[slots] = rank < pin
+            self._unpinned = None
             return k
 
     def enable_slipstream(self, threshold: float, interval: int, max_bytes: int = 64 << 20):

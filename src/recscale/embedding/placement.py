@@ -129,6 +129,7 @@ def storage_factory(
             kernel=kern,
             device=device,
             io_depth=cfg.io_depth,
+            io_access=cfg.ssd_access,
         )
         if rank_of_id is not None:
             storage.set_row_order(*file_order(parts, rank_of_id))

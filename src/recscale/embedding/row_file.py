@@ -14,11 +14,15 @@ the calling thread), then the rest from ``depth`` threads at once, so up to ``de
 disk reads are in flight instead of the one a page fault gives. The file is never
 mapped into the training process on this path: the pages the kernel evicts to make room
 need no unmapping, whose TLB shootdowns measured a 1.45x slower step beyond RAM
-(docs/performance.md). ``POSIX_FADV_RANDOM``: no read-ahead of neighbours nobody asked
-for. Whatever memory the process does not use keeps recently used pages - and, with
-rows ordered by frequency, a page holds ~60 rows of similar heat, so that memory caches
-the warm rows just beyond the hot-row cache. Without the native library numpy indexes a
-memory map of the file, one fault at a time (``map``: also the tests' view).
+(docs/performance.md). A file the page cache holds whole (``access=auto``: at most half
+the memory available when it is made) is read and written through its memory map
+instead: a copy a row, no system call (the pread path spends ~1.3 us a row in the
+kernel even when the page is cached). ``POSIX_FADV_RANDOM``: no read-ahead of
+neighbours nobody asked for. Whatever memory the process does not use keeps recently
+used pages - and, with rows ordered by frequency, a page holds ~60 rows of similar heat,
+so that memory caches the warm rows just beyond the hot-row cache. Without the native
+library numpy indexes the memory map, one fault at a time (``map``: also the tests'
+view).
 
 The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
 rows by id, whatever their order here).
@@ -44,6 +48,22 @@ import numpy as np
 from recscale import native
 
 TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
+ACCESS = ("auto", "pread", "map")
+# access=auto maps a file of at most this share of the memory available when it is made:
+# the page cache then holds all of it and nothing evicts a mapped page
+MAP_SHARE = 0.5
+
+
+def mem_available() -> int:
+    """The host's MemAvailable (bytes), else its free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class TierFileError(RuntimeError):
@@ -166,12 +186,23 @@ class IOStats:
 class RowFile:
     """``num_rows`` rows of ``width`` fp32 in a file at ``path`` (created, reserved and
     locked here; removed when this object goes). ``depth``: requests in flight per
-    batched read or write (1 = one at a time; the memory map when the native library is
-    absent)."""
+    batched read or write (1 = one at a time). ``access``: ``pread`` (the batched
+    requests above), ``map`` (numpy on the file's memory map: a copy, no system call,
+    for a file the page cache holds whole) or ``auto`` (map when the file takes at most
+    ``MAP_SHARE`` of the memory available now, else pread; map without the native
+    library)."""
 
-    def __init__(self, path: Path, num_rows: int, width: int, depth: int = 32) -> None:
+    def __init__(
+        self, path: Path, num_rows: int, width: int, depth: int = 32, access: str = "auto"
+    ) -> None:
+        if access not in ACCESS:
+            raise ValueError(f"ssd access must be one of {ACCESS}, got {access!r}")
         self.path, self.num_rows, self.width, self.depth = Path(path), num_rows, width, depth
         self.row_bytes = width * 4
+        if access == "auto":
+            fits = num_rows * self.row_bytes <= MAP_SHARE * mem_available()
+            access = "map" if fits else "pread"
+        self.access = access
         self.fd = claim_file(self.path, num_rows * self.row_bytes)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -185,6 +216,8 @@ class RowFile:
         self.position: np.ndarray | None = None
         self.stats = IOStats()
         self._lib = native.library()
+        if self._lib is None or depth <= 0:
+            self.access = "map"
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
 
     # -- order ----------------------------------------------------------------------------
@@ -207,7 +240,14 @@ class RowFile:
     def _io(self, write: bool, pos: np.ndarray, buf: np.ndarray) -> None:
         """Rows ``buf[i]`` from / to file rows ``pos[i]`` (ascending for coalescing)."""
         t = time.perf_counter()
-        if self._lib is None or self.depth <= 0:  # numpy on the map: one fault at a time
+        if self.access == "map":  # numpy on the map: a copy, or one fault at a time
+            # a mapped page past the end of a file cut short under the run is SIGBUS, not
+            # an error: check the size first (one fstat a batch)
+            if os.fstat(self.fd).st_size < self.num_rows * self.row_bytes:
+                raise TierFileError(
+                    f"the ssd tier's file {self.path} was cut short under the run "
+                    f"({os.fstat(self.fd).st_size:,} of {self.num_rows * self.row_bytes:,} bytes)"
+                )
             if write:
                 self.map[pos] = buf
             else:

@@ -19,6 +19,7 @@ from recscale.embedding import kernels
 from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
+from recscale.embedding.row_file import mem_available
 from recscale.embedding.sizing import compressed_table_bytes, row_bytes, state_bytes
 from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
@@ -122,14 +123,7 @@ def available_memory(device: torch.device) -> int:
     MemAvailable)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return mem_available()
 
 
 # The ssd tier's default cache: this share of the memory available at start, its
