@@ -64,10 +64,11 @@ STAGES = (
 )
 # bytes a parameter moves in the dense optimizer's step (read w, g, state; write w, state)
 OPT_BYTES = {"sgd": 12, "adagrad": 20, "adam": 28}
+OPT_STATE_BYTES = {"sgd": 0, "adagrad": 4, "adam": 8}  # kept a parameter
 # optimizer state per table row: (bytes per row, bytes per column)
 ROW_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
 SORT_PASSES = 4  # radix sort of (id, position) pairs: passes over ids x 12 bytes
-HOST_SHARE = 0.9  # of a device's memory the forecast lets a plan use (runtime, fragments)
+MEMORY_SHARE = 0.9  # of a device's memory the forecast lets a plan use (runtime, fragments)
 
 
 @dataclass(frozen=True)
@@ -175,18 +176,23 @@ class _Step:
         self.kernel(stage, t)
 
 
-def _mlp(s: _Step, sysm: System, b: int, k: int, widths: list[int], first_dgrad: bool) -> int:
-    """An MLP's kernels (ReLU after every layer but a last width-1 one); its parameters."""
+def _mlp(
+    s: _Step, sysm: System, b: int, k: int, widths: list[int], first_dgrad: bool, relu=True
+) -> int:
+    """An MLP's kernels (with ``relu``: a ReLU after every layer but a last width-1 one,
+    the logit); its parameters."""
     params = 0
     for i, n in enumerate(widths):
+        act = relu and not (i == len(widths) - 1 and n == 1)
         s.gemm("mlp_gemm", b, n, k)
-        if not sysm.fused_epilogue:
+        if act and not sysm.fused_epilogue:
             s.stream("mlp_elementwise", 2 * b * n * s.act)  # ReLU: read, write
         if i > 0 or first_dgrad:
             s.gemm("mlp_gemm", b, k, n)  # data gradient
         s.gemm("mlp_gemm", k, n, b)  # weight gradient
         if not sysm.fused_epilogue:
-            s.stream("mlp_elementwise", 3 * b * n * s.act)  # dReLU: read 2, write 1
+            if act:
+                s.stream("mlp_elementwise", 3 * b * n * s.act)  # dReLU: read 2, write 1
             s.stream("mlp_elementwise", b * n * s.act)  # bias gradient: a reduction
         params += k * n + n
         k = n
@@ -224,9 +230,9 @@ def _dense_side(s: _Step, cfg: Config, sysm: System, b: int, dims: list[int]) ->
         width = emb + dense
         s.stream("interaction", 2 * b * width * s.act)  # the concatenation
         for _ in range(m.dcn_layers):
-            params += _mlp(s, sysm, b, width, [m.dcn_rank], True) + _mlp(
-                s, sysm, b, m.dcn_rank, [width], True
-            )
+            # a cross layer's two low-rank products, no activation between them
+            params += _mlp(s, sysm, b, width, [m.dcn_rank], True, relu=False)
+            params += _mlp(s, sysm, b, m.dcn_rank, [width], True, relu=False)
             passes = 4 if sysm.fused_epilogue else 12  # x0 * y + x and its gradients
             s.stream("interaction", passes * b * width * s.act)
             acts += 2 * width + m.dcn_rank
@@ -264,10 +270,11 @@ def forecast(
     params, acts = _dense_side(dense, cfg, system, b, dims)
     opt = cfg.optimizer.name
     dense.stream("dense_optimizer", params * OPT_BYTES[opt])
-    dense_state = params * (8 + OPT_BYTES[opt] - 12) + (params * 2 if dense.act == 2 else 0)
+    # fp32 weights and gradients, the optimizer's state, bf16/fp16 copies of the weights
+    dense_state = params * (8 + OPT_STATE_BYTES[opt] + (2 if dense.act == 2 else 0))
     act_bytes = b * (2 * acts * dense.act + 2 * sum(dims) * 4)
     if plan is None:
-        budget = int(dev.memory_gb * 1e9 * HOST_SHARE) - dense_state - act_bytes
+        budget = int(dev.memory_gb * 1e9 * MEMORY_SHARE) - dense_state - act_bytes
         laws = device_laws(dev, w, system, dense.act)
         plan = plan_for(cfg, w, max(budget, 0), laws=laws)
 

@@ -25,7 +25,7 @@ class System:
 # recscale on a GPU: eager PyTorch (unfused epilogues, a bmm interaction), the Triton
 # lookup and fused update, fp32 tables and wire, no overlap. Host time: config A at
 # batch 16,384, TF32, on an H100 SXM (docs/gpu.md, 2026-11-24) measured 4.99 ms a step
-# against 0.84 ms of device work forecast here; the rest (4.15 ms) is the eager step's
+# against 0.83 ms of device work forecast here; the rest (4.15 ms) is the eager step's
 # Python, its synchronisations (the fused update sizes its output from the ids) and
 # launches on that machine's host. Config B on the same GPU is the check (held out).
 RECSCALE = System(
