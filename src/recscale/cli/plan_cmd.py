@@ -174,6 +174,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             f"(slowest rank {pred.slowest_rank}); memory {pred.memory_bytes / 1e9:.2f} GB "
             f"on the largest rank; stages (ms): {stages}"
         )
+        if args.train_samples:
+            hours = args.train_samples / pred.samples_per_s / 3600
+            print(f"time to train {args.train_samples:,.0f} samples: {hours:.2f} h")
     else:
         print(
             "no calibration for this machine: `recscale bench calibrate` (a minute) lets plan "
