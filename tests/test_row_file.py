@@ -134,6 +134,12 @@ def test_auto_access_maps_a_file_the_memory_holds_and_preads_a_larger_one(tmp_pa
     big = _file(tmp_path / "b", 1000, 4)
     assert small.access == "map"
     assert big.access == ("pread" if native.library() is not None else "map")
+    # two ranks on the host share its memory: a file of 40% of it each is too big
+    (tmp_path / "r").mkdir()
+    monkeypatch.setattr(row_file, "mem_available", lambda: int(1000 * 16 / 0.4))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = _file(tmp_path / "r", 1000, 4)
+    assert shared.access == ("pread" if native.library() is not None else "map")
 
 
 def test_an_order_of_the_wrong_length_is_refused(tmp_path):

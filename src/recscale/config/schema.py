@@ -195,8 +195,8 @@ class EmbeddingConfig:
     io_depth: int = 32
     # How the ssd tier's file is read and written: pread (batched requests at io_depth,
     # the file never mapped), map (through its memory map: a copy a row, no system
-    # call), auto (map when the file takes at most half the memory available at start -
-    # the page cache then holds it whole - else pread).
+    # call), auto (map when the file takes at most half the memory available at start,
+    # shared among the host's ranks - the page cache then holds it whole - else pread).
     ssd_access: str = "auto"
     # ssd tier's file layout: frequency (each table's rows hottest first, from the data's
     # id popularity: a page read brings rows of like heat, and the page cache holds the

@@ -199,8 +199,9 @@ class RowFile:
             raise ValueError(f"ssd access must be one of {ACCESS}, got {access!r}")
         self.path, self.num_rows, self.width, self.depth = Path(path), num_rows, width, depth
         self.row_bytes = width * 4
-        if access == "auto":
-            fits = num_rows * self.row_bytes <= MAP_SHARE * mem_available()
+        if access == "auto":  # ranks on this host (torchrun) share its memory
+            local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            fits = num_rows * self.row_bytes <= MAP_SHARE * mem_available() / local
             access = "map" if fits else "pread"
         self.access = access
         self.fd = claim_file(self.path, num_rows * self.row_bytes)
