@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 
 from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import kernels
+from recscale.embedding.cache_stats import CacheStats, CacheTooSmallError, Prefetched
 from recscale.embedding.cpu_kernels import fused_update_cpu
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier's errors)
@@ -61,46 +61,6 @@ from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_
 # per table row slot_of_row (4) + its file position (4).
 SLOT_OVERHEAD_BYTES = 26
 ROW_INDEX_BYTES = 8
-
-
-class CacheTooSmallError(RuntimeError):
-    """One batch (plus the pinned ones) needs more distinct rows than the cache holds."""
-
-
-@dataclass
-class CacheStats:
-    lookups: int = 0  # distinct rows requested per batch (by its prefetch, else its lookup)
-    hits: int = 0  # ... already resident when first requested
-    prefetched: int = 0  # misses fetched by prefetch, ahead of their lookup (no stall)
-    bytes_read: int = 0  # from the slow tier
-    bytes_written: int = 0  # write-backs to the slow tier
-    evictions: int = 0
-    id_updates: int = 0  # ids whose row update was due (Slipstream on)
-    skipped: int = 0  # ... of which Slipstream skipped as stale
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 1.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "lookups": self.lookups,
-            "hits": self.hits,
-            "hit_rate": self.hit_rate,
-            "prefetched": self.prefetched,
-            "bytes_read": self.bytes_read,
-            "bytes_written": self.bytes_written,
-            "evictions": self.evictions,
-            "id_updates": self.id_updates,
-            "skipped_updates": self.skipped,
-        }
-
-
-@dataclass
-class _Prefetched:
-    rows: torch.Tensor  # the batch's rows, to recognise its lookup
-    slots: torch.Tensor  # its distinct rows' slots (pinned until the lookup)
-    slot_ids: torch.Tensor  # per id: what the lookup pools
 
 
 class CachedStorage(RowStorage):
@@ -174,7 +134,7 @@ class CachedStorage(RowStorage):
         self._segments: list[tuple[int, int]] = []  # (start, rows) per table part
         self._order: np.ndarray | None = None  # popularity place of each row (set_row_order)
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
-        self._prefetch_pins: list[_Prefetched] = []  # prefetched batches not yet looked up
+        self._prefetch_pins: list[Prefetched] = []  # prefetched batches not yet looked up
         self._prefetch_off = False  # set when the cache cannot hold two batches at once
         self._update_pins: list[torch.Tensor] = []  # looked up for an update not yet applied
         self.dirty: torch.Tensor | None = None
@@ -424,7 +384,7 @@ class CachedStorage(RowStorage):
             slots = self.slot_of_row[uniq].long()
             self._touch(slots)
             slot_ids = slots[inverse].to(self.device, non_blocking=True)
-            self._prefetch_pins.append(_Prefetched(rows, slots, slot_ids))
+            self._prefetch_pins.append(Prefetched(rows, slots, slot_ids))
             self.stats.lookups += uniq.numel()
             self.stats.hits += uniq.numel() - missing.numel()
             self.stats.prefetched += missing.numel()

@@ -1,0 +1,47 @@
+"""The ssd/host tier's counters and small records (``cached_storage.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheTooSmallError(RuntimeError):
+    """One batch (plus the pinned ones) needs more distinct rows than the cache holds."""
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0  # distinct rows requested per batch (by its prefetch, else its lookup)
+    hits: int = 0  # ... already resident when first requested
+    prefetched: int = 0  # misses fetched by prefetch, ahead of their lookup (no stall)
+    bytes_read: int = 0  # from the slow tier
+    bytes_written: int = 0  # write-backs to the slow tier
+    evictions: int = 0
+    id_updates: int = 0  # ids whose row update was due (Slipstream on)
+    skipped: int = 0  # ... of which Slipstream skipped as stale
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+            "prefetched": self.prefetched,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "evictions": self.evictions,
+            "id_updates": self.id_updates,
+            "skipped_updates": self.skipped,
+        }
+
+
+@dataclass
+class Prefetched:
+    rows: torch.Tensor  # the batch's rows, to recognise its lookup
+    slots: torch.Tensor  # its distinct rows' slots (pinned until the lookup)
+    slot_ids: torch.Tensor  # per id: what the lookup pools
