@@ -255,9 +255,7 @@ def _forecast(cfg, args) -> int:
             out["predicted_train_hours"] = hours
         print(json.dumps(out, indent=1))
         return 0
-    kinds: dict[str, int] = {}
-    for p in f.plan.placements:
-        kinds[p.kind] = kinds.get(p.kind, 0) + 1
+    kinds = f.plan.kind_counts()
     print(
         f"forecast for {args.config} on {f.world_size} x {dev.name} ({dev.description}), "
         f"{f.precision}, global batch {cfg.train.batch_size}, as {f.system} runs it"

@@ -150,8 +150,7 @@ class CachedStorage(RowStorage):
         for name, t in self.cache_state.items():
             yield f"cache_state.{name}", t, True
         if self.slipstream is not None:
-            yield "slipstream.snapshot", self.slipstream.snapshot, True
-            yield "slipstream.stale", self.slipstream.stale, False
+            yield from self.slipstream.homes()
         for name in ("slot_of_row", "row_of_slot", "score", "cache_dirty", "pinned", "free"):
             yield name, getattr(self, name), False
         if self.path is None:  # the host tier's rows (pinned when training on a GPU)

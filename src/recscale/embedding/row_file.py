@@ -244,10 +244,11 @@ class RowFile:
         if self.access == "map":  # numpy on the map: a copy, or one fault at a time
             # a mapped page past the end of a file cut short under the run is SIGBUS, not
             # an error: check the size first (one fstat a batch)
-            if os.fstat(self.fd).st_size < self.num_rows * self.row_bytes:
+            size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
+            if size < want:
                 raise TierFileError(
                     f"the ssd tier's file {self.path} was cut short under the run "
-                    f"({os.fstat(self.fd).st_size:,} of {self.num_rows * self.row_bytes:,} bytes)"
+                    f"({size:,} of {want:,} bytes)"
                 )
             if write:
                 self.map[pos] = buf

@@ -37,6 +37,13 @@ class Slipstream:
         # was not trained, not because it has converged - it is never judged stale
         self.touched = torch.zeros(cache_rows, dtype=torch.bool)
 
+    def homes(self):
+        """Its tensors as ``RowStorage.homes`` lists them: the snapshot beside the cache
+        on the compute device, the per-slot flags on the host."""
+        yield "slipstream.snapshot", self.snapshot, True
+        yield "slipstream.stale", self.stale, False
+        yield "slipstream.touched", self.touched, False
+
     def skip(self, stats, rows, slots, segments, bag_of_id, per_sample_weights):
         """A batch's update without the ids of stale slots: ``rows``/``slots`` [N] per
         id (host), ``segments`` [F+1] value-index boundaries (recounted), ``bag_of_id``

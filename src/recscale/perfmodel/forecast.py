@@ -280,7 +280,7 @@ def forecast(
 
     best = None
     for r, emb in enumerate(_embedding_ranks(cfg, dev, eff, system, plan, tables, precision)):
-        _collectives(emb, dev, eff, system, w, r, plan, params)
+        _collectives(emb, dev, eff, system, w, params)
         total = sum(emb.stages.values())
         if best is None or total > best[0]:
             best = (total, r, emb)
@@ -331,11 +331,10 @@ def _embedding_ranks(cfg, dev, eff, system, plan, tables, precision):
             width = pl.dims[i] if pl.dims else None
             work = placement_work(t, pl.kind, w, batch, width)
             acc = per_rank[r]
-            cols = work.values / max(work.ids, 1e-9)
             acc["ids"] += work.ids
             acc["values"] += work.values
-            if t.bytes / max(len(pl.ranks), 1) <= llc:
-                acc["cached"] += work.ids * cols
+            if t.bytes / max(len(pl.ranks), 1) <= llc:  # ids x columns served from cache
+                acc["cached"] += work.values
             acc["out"] += work.values / max(t.pooling, 1e-9)
             acc["a2a"] += work.all_to_all_bytes
             acc["ar"] += work.all_reduce_bytes
@@ -367,7 +366,7 @@ def _link(dev: DeviceSpec, eff: Efficiency, w: int) -> tuple[float, float]:
     return min(dev.intra_node_gbps, dev.network_gbps) * 1e9 * eff.link, eff.network_latency_s
 
 
-def _collectives(s: _Step, dev, eff, system, w: int, r: int, plan, params: int) -> None:
+def _collectives(s: _Step, dev, eff, system, w: int, params: int) -> None:
     if w == 1:
         return
     bw, lat = _link(dev, eff, w)

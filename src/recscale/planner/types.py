@@ -113,6 +113,13 @@ class ShardingPlan:
     def max_cost(self) -> float:
         return max(self.cost_per_rank)
 
+    def kind_counts(self) -> dict[str, int]:
+        """How many tables each sharding kind places (in first-seen order)."""
+        kinds: dict[str, int] = {}
+        for p in self.placements:
+            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        return kinds
+
     @property
     def imbalance(self) -> float:
         """Slowest rank / mean rank (1.0 = perfectly balanced)."""

@@ -88,9 +88,7 @@ def build(
     )
     module = shard(model, plan, ctx, make_storage)
     if w > 1:
-        kinds: dict[str, int] = {}
-        for p in plan.placements:
-            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        kinds = plan.kind_counts()
         mem = plan.memory_per_rank
         tiers = sorted({p.placement for p in plan.placements} - {"device"})
         echo(
