@@ -122,27 +122,37 @@ def test_cuda_without_cuda_is_one_line_naming_the_key(tmp_path):
     assert len(lines) == 1 and "train.device" in lines[0], r.stderr
 
 
-def test_bf16_says_where_it_runs_and_warns_when_emulated(monkeypatch):
+def test_bf16_says_where_it_runs_and_warns_when_it_will_not_pay(monkeypatch):
     from recscale.train import precision
 
     assert precision.bf16_hardware(torch.device("cpu")) in ("amx", "avx512_bf16", "emulated")
     assert precision.bf16_note("fp32", torch.device("cpu")) is None
+    fp32, bf16 = precision.cpu_gemm_rates()  # measured on this host
+    assert fp32 > 0 and bf16 > 0
+
+    def run_lines() -> list[str]:
+        lines: list[str] = []
+        train(
+            load_config("debug", [*FAST, "--train.steps=5", "--train.precision=bf16"]),
+            None,
+            echo=lines.append,
+        )
+        return [x for x in lines if "train.precision=bf16" in x]
+
     monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "emulated")
-    lines: list[str] = []
-    train(
-        load_config("debug", [*FAST, "--train.steps=5", "--train.precision=bf16"]),
-        None,
-        echo=lines.append,
-    )
-    assert any("bf16 on this CPU is emulated" in x for x in lines), lines
+    monkeypatch.setattr(precision, "cpu_gemm_rates", lambda: (300.0, 150.0))
+    (line,) = run_lines()
+    assert "emulated" in line and "150 GFLOP/s" in line and "300" in line
+    # bf16 instructions that lose to fp32 (a Sapphire Rapids VM without AMX) are said too
+    monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "avx512_bf16")
+    (line,) = run_lines()
+    assert "avx512_bf16" in line and "0.50x" in line and "no faster than fp32" in line
+    # ... and a CPU whose bf16 GEMMs pay (a Zen 4: about twice fp32's rate) says nothing
+    monkeypatch.setattr(precision, "cpu_gemm_rates", lambda: (220.0, 450.0))
+    assert run_lines() == []
     monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "amx")
-    lines.clear()
-    train(
-        load_config("debug", [*FAST, "--train.steps=5", "--train.precision=bf16"]),
-        None,
-        echo=lines.append,
-    )
-    assert not any("emulated" in x for x in lines)
+    assert run_lines() == []
+    assert precision.bf16_note("bf16", torch.device("meta")) is None  # not a CPU
 
 
 def _sharded_on(compute: str, cache_on: str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 import torch
 
@@ -62,11 +63,46 @@ def bf16_hardware(device: torch.device) -> str:
     return "emulated"
 
 
+# bf16 is worth taking on a CPU when its GEMMs run at least this much faster than fp32's
+BF16_GAIN = 1.2
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_gemm_rates(m: int = 1024, k: int = 512, n: int = 512) -> tuple[float, float]:
+    """This CPU's (fp32, bf16) GEMM rates in GFLOP/s, best of a few ``m x k @ k x n``
+    products on torch's threads (~0.1 s, once a process). The flags alone do not say
+    whether bf16 pays: a Sapphire Rapids VM without AMX runs oneDNN's avx512_bf16
+    GEMMs at half its fp32 rate, where a Zen 4 runs them at twice (docs/performance.md).
+    """
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        best = float("inf")
+        for i in range(7):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            if i >= 2:  # the first products warm oneDNN's kernels and the caches
+                best = min(best, time.perf_counter() - t)
+        rates.append(2 * m * k * n / best / 1e9)
+    return rates[0], rates[1]
+
+
 def bf16_note(precision: str, device: torch.device) -> str | None:
-    """The line a bf16 run on a CPU without bf16 instructions prints, else None."""
-    if precision != "bf16" or bf16_hardware(device) != "emulated":
+    """The line a bf16 run on a CPU prints when bf16 will not pay there (no bf16
+    instructions, or bf16 GEMMs measured slower than ``BF16_GAIN`` x fp32's), else None."""
+    if precision != "bf16" or device.type != "cpu":
         return None
-    return (
-        "train.precision=bf16 on this CPU is emulated (no AVX512-BF16 or AMX): correct, but "
-        "expect it no faster than fp32 - it pays on CPUs with those (docs/performance.md)"
-    )
+    hardware = bf16_hardware(device)
+    fp32, bf16 = cpu_gemm_rates()
+    measured = f"bf16 GEMMs ran at {bf16:.0f} GFLOP/s here against fp32's {fp32:.0f}"
+    if hardware == "emulated":
+        return (
+            f"train.precision=bf16 on this CPU is emulated (no AVX512-BF16 or AMX): correct, "
+            f"but {measured} - it pays on CPUs with those (docs/performance.md)"
+        )
+    if bf16 < BF16_GAIN * fp32:
+        return (
+            f"train.precision=bf16 on this CPU ({hardware}): {measured} ({bf16 / fp32:.2f}x), "
+            f"so expect bf16 no faster than fp32 on this host (docs/performance.md)"
+        )
+    return None
