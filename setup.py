@@ -22,6 +22,7 @@ setup(
                 "src/recscale/native/logit.c",
                 "src/recscale/native/team.c",
                 "src/recscale/native/cpu_features.c",
+                "src/recscale/native/unique_ids.c",
                 "src/recscale/native/row_io.c",
             ],
             # headers: a change to one rebuilds the extension (and ships them in an sdist)

@@ -567,3 +567,20 @@ def test_throughput_benchmark_reports_rate_bound_and_kernels():
     assert r["native_threads"] == team_status(native.library())
     assert r["native_threads"] in format_report("debug", r)
     assert "native C kernels" in format_report("debug", r)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 5000])
+def test_unique_ids_matches_torch_unique_in_first_appearance_order(n):
+    from recscale.embedding.cpu_kernels import unique_ids
+
+    g = torch.Generator().manual_seed(n)
+    # many repeats, negative and huge ids (hash collisions across the whole range)
+    ids = torch.randint(-(2**40), 2**40, (max(n // 3, 1),), generator=g)
+    ids = ids[torch.randint(0, ids.numel(), (n,), generator=g)]
+    uniq, inverse = unique_ids(ids)
+    assert torch.equal(uniq[inverse], ids)
+    assert torch.equal(torch.sort(uniq).values, torch.unique(ids))
+    first = {}
+    for v in ids.tolist():
+        first.setdefault(v, len(first))
+    assert uniq.tolist() == list(first)  # no sort: the order ids first appear in

@@ -16,7 +16,7 @@ from recscale.config.errors import ConfigError
 from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
 from recscale.embedding.optimizers import SparseSGD
 from recscale.embedding.placement import file_order
-from recscale.embedding.row_file import RowFile, TierFileError, row_io
+from recscale.embedding.row_file import RowFile, TierFileError, row_copy, row_io
 from recscale.train.data_source import make_synthetic, popularity_ranks
 from recscale.train.run import train
 
@@ -62,6 +62,26 @@ def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered, acces
     pos = np.arange(n) if order is None else order
     np.testing.assert_array_equal(np.asarray(rf.map)[pos], ref)
     assert rf.stats.rows_read > 0 and rf.stats.rows_written > 0
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 5, 18, 33])  # rows within a line, across lines
+def test_the_native_row_copy_gathers_and_scatters_as_numpy_does(width):
+    rng = np.random.default_rng(width)
+    table = rng.standard_normal((3000, width)).astype(np.float32)
+    ref = table.copy()
+    pos = rng.choice(3000, 700, replace=False)  # any order: a prefetch runs ahead of it
+    got = np.empty((700, width), np.float32)
+    row_copy(table, False, pos, got)
+    np.testing.assert_array_equal(got, ref[pos])
+    new = rng.standard_normal((700, width)).astype(np.float32)
+    row_copy(table, True, pos, new)
+    ref[pos] = new
+    np.testing.assert_array_equal(table, ref)  # the rows written, no other byte moved
+    with pytest.raises(IndexError, match="outside"):
+        row_copy(table, False, np.array([0, 3000]), np.empty((2, width), np.float32))
+    with pytest.raises(ValueError, match="buf"):
+        row_copy(table, False, pos, np.empty((699, width), np.float32))
 
 
 @needs_native
@@ -215,6 +235,29 @@ def test_a_warm_cache_hits_more_than_a_cold_one(tmp_path):
         ]
 
     assert hit_rate(True) > hit_rate(False) + 0.05
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_tier_file_is_on_the_disk_before_step_0(tmp_path, monkeypatch, warm):
+    """The initial rows are fdatasync'ed before training (not flushed by the kernel mid-
+    run), with or without a warm start, and the run says how long it took."""
+    from recscale.embedding import row_file
+
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(row_file.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    lines: list[str] = []
+    over = [
+        "--train.steps=2",
+        "--train.progress=false",
+        "--train.save_model=false",
+        "--embedding.placement=ssd",
+        f"--embedding.warm_start={str(warm).lower()}",
+        f"--embedding.ssd_dir={tmp_path}",
+    ]
+    train(load_config("debug", over), None, echo=lines.append)
+    assert synced, "no fdatasync of the tier's file"
+    assert any("initial rows on the disk" in x for x in lines), lines
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import kernels
 from recscale.embedding.cache_stats import CacheStats, CacheTooSmallError, Prefetched
-from recscale.embedding.cpu_kernels import fused_update_cpu
+from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier's errors)
     TEMP_DIR_PREFIX,
@@ -354,7 +354,7 @@ class CachedStorage(RowStorage):
         if self._prefetch_off:
             return
         rows = rows.cpu()
-        uniq, inverse = torch.unique(rows, return_inverse=True)
+        uniq, inverse = unique_ids(rows)  # first-appearance order: slots need no sort
         with self._lock:
             slots = self.slot_of_row[uniq].long()
             missing = uniq[slots < 0]

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 16
+#define RECSCALE_NATIVE_ABI 18
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -69,6 +69,9 @@ int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_
 
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                         void *buf, int64_t depth);
+void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
+                       void *buf);
+int64_t recscale_unique_ids(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse);
 /* @python-end */
 
 /* Between the C files only. */

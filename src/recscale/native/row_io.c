@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -149,3 +150,39 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
     return e ? -(int64_t)e : nruns;
 }
 
+
+/*
+ * Rows copied between a file's memory map and a buffer (access=map):
+ *
+ *   write = 0:  buf[i] = base[pos[i]]        write = 1:  base[pos[i]] = buf[i]
+ *
+ * Rows sit at random in a file far larger than the caches, so each row is a TLB miss and
+ * one or two cache misses: numpy's fancy index takes them one at a time (~370 ns a row
+ * beside a training step). Here the row `ROW_AHEAD` entries on is prefetched (for
+ * writing, when writing) while this one is copied, so the misses overlap. A page the
+ * process has not mapped yet, or one the kernel has cleaned since, still faults on the
+ * copy itself: a prefetch never faults.
+ */
+#define ROW_AHEAD 16
+
+static inline void prefetch_row(const char *p, int64_t row_bytes, int write) {
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+        if (write)
+            __builtin_prefetch(p + b, 1, 0);
+        else
+            __builtin_prefetch(p + b, 0, 0);
+    }
+}
+
+void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
+                       void *buf) {
+    char *map = base, *b = buf;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + ROW_AHEAD < n) prefetch_row(map + pos[i + ROW_AHEAD] * row_bytes, row_bytes, write);
+        char *row = map + pos[i] * row_bytes;
+        if (write)
+            memcpy(row, b + i * row_bytes, (size_t)row_bytes);
+        else
+            memcpy(b + i * row_bytes, row, (size_t)row_bytes);
+    }
+}
