@@ -79,6 +79,7 @@ def test_small_cache_trains_exactly_like_memory(optimizer, kernels, tier):
     assert torch.equal(w0, w1)
     assert all(torch.equal(s0[k], s1[k]) for k in s0)
     assert torch.equal(p0, p1)
+    _assert_slots_consistent(st)
 
 
 def test_prefetch_thread_with_evictions_trains_exactly_like_memory():
@@ -88,6 +89,18 @@ def test_prefetch_thread_with_evictions_trains_exactly_like_memory():
     )
     assert st.stats.evictions > 0 and st.stats.prefetched > 0
     assert torch.equal(w0, w1) and torch.equal(s0["sum"], s1["sum"]) and torch.equal(p0, p1)
+    _assert_slots_consistent(st)
+
+
+def _assert_slots_consistent(st) -> None:
+    """Every slot is free or holds one row, and the two maps invert each other."""
+    free = st.free.tolist()
+    assert len(set(free)) == len(free), "a slot twice on the free stack"
+    assert bool((st.row_of_slot[st.free] == -1).all())
+    used = torch.nonzero(st.row_of_slot >= 0).squeeze(1)
+    assert used.numel() + len(free) == st.cache_rows
+    assert torch.equal(st.slot_of_row[st.row_of_slot[used]].long(), used)
+    assert int((st.slot_of_row >= 0).sum()) == used.numel()
 
 
 def _storage(tmp_path, rows=1000, cache=100, policy="lfu"):
