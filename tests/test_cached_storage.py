@@ -358,3 +358,27 @@ def test_only_empty_recscale_temp_dirs_are_removed(tmp_path, monkeypatch):
     other.mkdir(parents=True)
     remove_empty_temp_dirs(other)
     assert other.is_dir()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_pipeline_thread_yields_the_cores_to_the_step():
+    """The prefetch pipeline's thread lowers its own priority, never the process's."""
+    import threading
+
+    from recscale.distributed.pipeline import BACKGROUND_NICE, lower_thread_priority
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def background():
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["lowered"] = lower_thread_priority()
+        seen["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+        seen["expected"] = min(19, before + BACKGROUND_NICE) - before
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert seen["lowered"] and seen["delta"] == seen["expected"]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
