@@ -32,6 +32,7 @@ it may be, and ``--resume`` rewrites every row from the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -396,23 +397,26 @@ class CachedStorage(RowStorage):
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
         dev = self.device
         rows = rows.cpu()
+        entry = self._prefetch_pins[0] if for_update and self._prefetch_pins else None
+        if entry is not None and entry.rows.shape == rows.shape and torch.equal(entry.rows, rows):
+            # The oldest prefetched batch is this one: resident, pinned, counted. No lock
+            # (the prefetch thread may hold it for a while at its lower priority): its
+            # slots join the update pins before they leave the prefetch pins (list ops are
+            # atomic), so eviction never sees them unpinned, and the prefetch thread
+            # writes only other slots' rows.
+            self._update_pins.append(entry.slots)
+            self._prefetch_pins.pop(0)
+            return F.embedding_bag(
+                entry.slot_ids,
+                self.cache_weight,
+                offsets,
+                mode="sum",
+                per_sample_weights=per_sample_weights,
+                include_last_offset=True,
+            )
         with self._lock:
-            entry = self._prefetch_pins.pop(0) if for_update and self._prefetch_pins else None
-            if (
-                entry is not None
-                and entry.rows.shape == rows.shape
-                and torch.equal(entry.rows, rows)
-            ):
-                # the oldest prefetched batch is this one: resident, pinned, counted
-                self._update_pins.append(entry.slots)
-                return F.embedding_bag(
-                    entry.slot_ids,
-                    self.cache_weight,
-                    offsets,
-                    mode="sum",
-                    per_sample_weights=per_sample_weights,
-                    include_last_offset=True,
-                )
+            if for_update and self._prefetch_pins:  # prefetched, then not looked up
+                self._prefetch_pins.pop(0)
             uniq, inverse = torch.unique(rows, return_inverse=True)
             if not for_update:  # evaluation: read misses straight from the file, admit nothing
                 table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
@@ -447,7 +451,12 @@ class CachedStorage(RowStorage):
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        with self._lock:
+        kernel = kernels.choose_once(self, self.kernel, "backward", self.cache_weight, self.dim)
+        # The batch's rows are pinned from its lookup to here (update pins): the fused CPU
+        # kernel writes only their rows and dirty flags, so it needs no lock - as in
+        # lookup, the prefetch thread may hold it a while at its lower priority.
+        unlocked = self.slipstream is None and self._update_pins and kernel in ("native", "numba")
+        with contextlib.nullcontext() if unlocked else self._lock:
             rows = rows.cpu()
             slots = self.slot_of_row[rows].long()
             if bool((slots < 0).any()):
@@ -464,7 +473,6 @@ class CachedStorage(RowStorage):
                     return
             if self.dirty is not None:
                 self.dirty[rows] = True
-            kernel = kernels.choose_once(self, self.kernel, "backward", self.cache_weight, self.dim)
             if kernel in ("native", "numba"):
                 self.step += 1
                 fused_update_cpu(
