@@ -165,13 +165,20 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
  */
 #define ROW_AHEAD 16
 
+/* every cache line of the row [p, p + row_bytes): rows of 72 bytes start anywhere in a
+ * line, so the last byte's line is taken too */
 static inline void prefetch_row(const char *p, int64_t row_bytes, int write) {
-    for (int64_t b = 0; b < row_bytes; b += 64) {
+    const char *last = p + row_bytes - 1;
+    for (; p < last; p += 64) {
         if (write)
-            __builtin_prefetch(p + b, 1, 0);
+            __builtin_prefetch(p, 1, 0);
         else
-            __builtin_prefetch(p + b, 0, 0);
+            __builtin_prefetch(p, 0, 0);
     }
+    if (write)
+        __builtin_prefetch(last, 1, 0);
+    else
+        __builtin_prefetch(last, 0, 0);
 }
 
 void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
