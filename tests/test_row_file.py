@@ -333,3 +333,36 @@ def test_a_datasets_order_counts_its_first_samples(tmp_path):
         seen = ids[np.lexsort((ids, -counts))]
         assert by_rank[: len(seen)].tolist() == seen.tolist()
         assert by_rank[len(seen) :].tolist() == sorted(set(range(n)) - set(ids.tolist()))
+
+
+@pytest.mark.parametrize(
+    "disk_bytes, bounded", [(0, False), (4096 * 10 // 2, False), (4096 * 50, True)]
+)
+def test_the_io_bound_needs_a_page_a_step_from_the_disk(monkeypatch, tmp_path, disk_bytes, bounded):
+    """The printed I/O bound prices the pages the disk served a step at its probed rate;
+    under a page a step (the page cache answered the rest) there is no bound to print."""
+    from recscale.bench import throughput
+    from recscale.bench.disk import DiskCounters
+    from recscale.embedding.cache_stats import CacheStats
+
+    rows = SimpleNamespace(depth=32, access="pread")
+    st = SimpleNamespace(
+        path=tmp_path / "rows.f32",
+        rows=rows,
+        stats=CacheStats(),
+        cache_stats=lambda: st.stats,
+        io_stats=lambda: {
+            "rows_read": 800,
+            "rows_written": 0,
+            "io_requests": 800,
+            "io_seconds": 0.1,
+        },
+    )
+    ebc = SimpleNamespace(storages=lambda: [st])
+    monkeypatch.setattr(throughput, "disk_iops", lambda *_a: {"qd1": 1000.0, "qd32": 8000.0})
+    io = throughput.tier_io(ebc, DiskCounters(disk_bytes, 0), steps=10, batch=2048, echo=print)
+    line = throughput.format_tier_io(io)
+    if bounded:  # 5 pages a step at 8,000 reads/s: 1,600 steps/s of 2048 samples
+        assert io["io_bound_samples_per_s"] == pytest.approx(2048 * 8000 / 5)
+    else:
+        assert "io_bound_samples_per_s" not in io and "no I/O bound" in line
