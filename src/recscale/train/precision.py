@@ -71,8 +71,10 @@ BF16_GAIN = 1.2
 def cpu_gemm_rates(m: int = 1024, k: int = 512, n: int = 512) -> tuple[float, float]:
     """This CPU's (fp32, bf16) GEMM rates in GFLOP/s, best of a few ``m x k @ k x n``
     products on torch's threads (~0.1 s, once a process). The flags alone do not say
-    whether bf16 pays: a Sapphire Rapids VM without AMX runs oneDNN's avx512_bf16
-    GEMMs at half its fp32 rate, where a Zen 4 runs them at twice (docs/performance.md).
+    whether bf16 pays: an Intel Xeon VM without AMX (Emerald Rapids) runs oneDNN's
+    avx512_bf16 GEMMs at half its fp32 rate, where a Zen 4 runs them at twice
+    (docs/performance.md). Timed here, not by ``bench/hardware.py``'s probe: training
+    sits below the bench layer.
     """
     rates = []
     for dtype in (torch.float32, torch.bfloat16):
