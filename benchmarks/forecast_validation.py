@@ -56,6 +56,22 @@ DLE_MODEL = [
 ]
 
 
+# TorchRec's DLRM example (facebookresearch/dlrm, torchrec_dlrm/README.MD, "Preliminary
+# Training Results": AWS p4d.24xlarge, 8x A100 40GB, CUDA 11.0, NCCL 2.10.3; its
+# --num_embeddings_per_feature, 91 GiB of fp32 tables). The 1-GPU row (tables in host
+# memory behind a UVM cache) is left out: the forecast has no UVM tier.
+TORCHREC_DLRM = "TorchRec DLRM example README (torchrec_dlrm), AWS p4d, 8x A100 40GB"
+TORCHREC_TABLES = "--model.table_sizes=" + ",".join(
+    str(n)
+    for n in (45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176)
+    + (345138, 10, 2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104)
+    + (12606, 104, 35)
+)
+# (GPUs, samples a GPU, published train records/s)
+TORCHREC_POINTS = [(8, 256, 284_615), (4, 4096, 1_458_176), (8, 2048, 1_671_168)]
+TORCHREC_POINTS += [(8, 8192, 5_373_952)]
+
+
 @dataclass(frozen=True)
 class Point:
     label: str
@@ -159,17 +175,20 @@ POINTS = [
         332e3,
         MLPERF + " v3.1, Intel, 8 Xeon 8480+ sockets, 235.7 min to target",
     ),
-    Point(
-        "TorchRec DLRM 8x A100-40GB",
-        "criteo_terabyte",
-        ["--train.batch_size=16384", "--embedding.optimizer=sgd"],
-        "a100-40gb",
-        8,
-        "tf32",
-        "torchrec",
-        1.67e6,
-        "TorchRec DLRM example on Criteo 1TB, 8x A100 40GB, batch 16,384",
-    ),
+    *[
+        Point(
+            f"TorchRec DLRM {w}x A100-40GB {local}/GPU",
+            "criteo_terabyte",
+            [TORCHREC_TABLES, "--embedding.optimizer=sgd", f"--train.batch_size={w * local}"],
+            "a100-40gb",
+            w,
+            "tf32",
+            "torchrec",
+            published,
+            TORCHREC_DLRM + f", {w} GPUs, batch {local} a GPU",
+        )
+        for w, local, published in TORCHREC_POINTS
+    ],
     Point(
         "recscale A 1x H100 TF32 (sets host time)",
         "A",

@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import cli, error_line
 
 from recscale.config import load_config
 from recscale.config.errors import ConfigError
 from recscale.perfmodel.calibration import Calibration, Law
 from recscale.perfmodel.devices import catalogue, device_spec
-from recscale.perfmodel.forecast import GPU, STAGES, _Step, forecast
+from recscale.perfmodel.forecast import EAGER_OP_S, GPU, STAGES, StepKernels, forecast, hybrid_plan
 from recscale.perfmodel.model import predict, standard_stages
 from recscale.perfmodel.systems import RECSCALE, SYSTEMS
+from recscale.planner.from_config import table_infos
 from recscale.planner.plan import PlanError
 
 NAMED = ("h100-sxm", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "b200", "mi300x")
@@ -97,16 +102,18 @@ def test_gemm_time_is_waves_of_tiles_at_the_units_rate():
     dev = _tiny()
     eff = replace(GPU, kernel_s=0.0)
     one_tile = 2 * 128 * 128 * 1024 / (1e12 * eff.gemm / 4)  # s for one tile on one unit
-    # (130 rows are 2 row tiles: the partial one costs a whole tile's time)
+    rate = 1e6 * 1e9 * eff.stream  # the memory's bytes/s
+    # (130 rows are 2 row tiles: the partial one costs a whole tile's time); then the
+    # output's store
     for m, n, waves in ((256, 256, 1), (256, 384, 2), (512, 512, 4), (128, 384, 1), (130, 384, 2)):
-        s = _Step(dev, eff, "fp32")
+        s = StepKernels(dev, eff, "fp32")
         s.gemm("mlp_gemm", m, n, 1024)
-        assert s.stages["mlp_gemm"] == pytest.approx(waves * one_tile), (m, n)
-    s = _Step(dev, eff, "fp32")  # one tile on 4 units: the reduction split 4 ways
-    s.gemm("mlp_gemm", 128, 128, 1024)
-    assert s.stages["mlp_gemm"] == pytest.approx(one_tile / 4)
+        assert s.stages["mlp_gemm"] == pytest.approx(waves * one_tile + m * n * 4 / rate), (m, n)
+    s = StepKernels(dev, eff, "fp32")  # one tile on 4 units: the reduction split 4 ways
+    s.gemm("mlp_gemm", 128, 128, 1024)  # its 4 partial sums written, read, summed, written
+    assert s.stages["mlp_gemm"] == pytest.approx(one_tile / 4 + 3 * 128 * 128 * 4 / rate)
     slow = replace(dev, memory_gbps=0.001)  # memory-bound: its bytes at the memory rate
-    s = _Step(slow, eff, "fp32")
+    s = StepKernels(slow, eff, "fp32")
     s.gemm("mlp_gemm", 256, 256, 1024)
     nbytes = (256 * 1024 * 2 + 256 * 256) * 4
     assert s.stages["mlp_gemm"] == pytest.approx(nbytes / (1e6 * eff.stream))
@@ -171,13 +178,88 @@ def test_the_systems_change_what_they_say_they_change():
     cfg = load_config("criteo_multihot_dcnv2", over)
     dev = device_spec("h100-sxm")
     plain = forecast(cfg, dev, 8, "fp16", RECSCALE)
-    fused = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, fused_epilogue=True))
-    assert fused.stage_ms["mlp_elementwise"] == 0.0 < plain.stage_ms["mlp_elementwise"]
+    ew = {
+        e: forecast(cfg, dev, 8, "fp16", replace(RECSCALE, epilogue=e)).stage_ms["mlp_elementwise"]
+        for e in ("eager", "apex", "fused")
+    }
+    assert ew["fused"] == 0.0 < ew["apex"] < ew["eager"] == plain.stage_ms["mlp_elementwise"]
     hidden = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, comm_overlap=0.5))
     assert hidden.stage_ms["all_to_all"] == pytest.approx(0.5 * plain.stage_ms["all_to_all"])
-    graph = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, host_ms=0.0))
-    assert plain.step_ms - graph.step_ms == pytest.approx(RECSCALE.host_ms)
+    graph = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, host="graph"))
+    assert graph.stage_ms["host"] == 0.0
+    # serial: every op's host time adds to the device's
+    host = plain.kernels * RECSCALE.host_ops_per_kernel * EAGER_OP_S * 1e3
+    assert plain.stage_ms["host"] == pytest.approx(host)
+    assert plain.step_ms - graph.step_ms == pytest.approx(host)
+    # overlap: only what the host takes beyond the device's time
+    over_ = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, host="overlap"))
+    assert over_.stage_ms["host"] == pytest.approx(max(0.0, host - graph.step_ms))
+    slow_host = replace(RECSCALE, host="overlap", host_ops_per_kernel=1000.0)
+    f = forecast(cfg, dev, 8, "fp16", slow_host)
+    assert f.step_ms == pytest.approx(f.kernels * 1000.0 * EAGER_OP_S * 1e3)
     assert set(SYSTEMS) >= {"recscale", "dle", "hugectr", "torchrec", "ipex"}
+    with pytest.raises(ValueError, match="System.host"):
+        replace(RECSCALE, host="sometimes")
+
+
+def test_a_sparse_gradient_update_costs_more_than_the_fused_one_and_amp_unscales_it():
+    cfg = load_config("A", ["--train.batch_size=65536"])
+    dev = device_spec("a100-80gb")
+    fused = forecast(cfg, dev, 1, "tf32", replace(RECSCALE, host="graph"))
+    sparse = replace(RECSCALE, host="graph", embedding_update="sparse_add", pooled_in_act=True)
+    tf32 = forecast(cfg, dev, 1, "tf32", sparse)
+    assert tf32.stage_ms["embedding_update"] > fused.stage_ms["embedding_update"]
+    # under fp16 the pooled gradient read is half the bytes, the unscale pass adds 8 a value
+    fp16 = forecast(cfg, dev, 1, "fp16", sparse)
+    values = 65536 * sum(1 for _ in cfg.model.table_sizes) * cfg.model.embedding_dim
+    extra = (values * 8 - values * 2) / (dev.memory_gbps * 1e9 * GPU.stream) + GPU.kernel_s
+    assert fp16.stage_ms["embedding_update"] - tf32.stage_ms["embedding_update"] == pytest.approx(
+        extra * 1e3, rel=1e-6
+    )
+
+
+def test_gradscaler_waits_split_the_host_time_at_the_optimizer():
+    """One wait after the backward: host time beyond the device's before it is exposed
+    even when the update after it (the device's) would have hidden it."""
+    cfg = load_config("B", ["--train.batch_size=65536"])
+    dev = device_spec("a100-80gb")
+    base = replace(SYSTEMS["dle"], host_ops_per_kernel=10.0)
+    overlap = forecast(cfg, dev, 1, "fp16", replace(base, scaler_waits=False))
+    waits = forecast(cfg, dev, 1, "fp16", base)
+    assert overlap.stage_ms["host"] == 0.0 < waits.stage_ms["host"]
+    op_ms = 10.0 * EAGER_OP_S * 1e3
+    assert waits.stage_ms["host"] < overlap.kernels * op_ms  # not all of it: one wait
+    tf32 = forecast(cfg, dev, 1, "tf32", base)  # no scaler outside fp16: no wait
+    assert tf32.stage_ms["host"] == 0.0
+
+
+def test_dle_hybrid_parallel_puts_the_bottom_mlp_on_rank_0_and_tables_elsewhere():
+    cfg = load_config("criteo_terabyte", ["--train.batch_size=65536"])
+    tables = table_infos(cfg)
+    plan = hybrid_plan(tables, 8)
+    held = {r: [p.table for p in plan.placements if p.ranks == [r]] for r in range(8)}
+    assert held[0] == [] and all(1 <= len(held[r]) <= 4 for r in range(1, 8))
+    assert sorted(sum(held.values(), [])) == sorted(t.name for t in tables)
+    assert plan.memory_per_rank[0] == 0 and sum(plan.memory_per_rank) == sum(
+        t.bytes for t in tables
+    )
+    assert len({p.ranks[0] for p in hybrid_plan(tables, 4).placements}) == 4  # <= 4: all hold
+    dev = device_spec("a100-80gb")
+    dle = SYSTEMS["dle"]
+    f = forecast(cfg, dev, 8, "tf32", replace(dle, host="graph"))
+    # rank 0 runs the bottom MLP over all 65,536 samples: the slowest rank's compute
+    no_bottom = forecast(
+        load_config(
+            "criteo_terabyte", ["--train.batch_size=65536", "--model.num_dense_features=0"]
+        ),
+        dev,
+        8,
+        "tf32",
+        replace(dle, host="graph"),
+    )
+    assert f.slowest_rank == 0 and f.step_ms > no_bottom.step_ms
+    # the all-to-all is its slowest member's: a table rank's, not rank 0's lighter part
+    assert f.stage_ms["all_to_all"] > 0.0
 
 
 def test_recscales_own_held_out_gpu_measurement_is_forecast_within_15_percent():
@@ -254,3 +336,47 @@ def test_this_device_is_the_calibrated_model_under_the_forecasts_names(tmp_path)
     assert out["predicted_stage_ms"] == pytest.approx(standard_stages(want.stages_ms))
     assert out["predicted_step_ms"] == pytest.approx(want.step_seconds * 1e3)
     assert math.isclose(sum(out["predicted_stage_ms"].values()), out["predicted_step_ms"])
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_host_op_counter_counts_each_dispatched_op():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from count_host_ops import OpCounter
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    w = torch.randn(4, 3, requires_grad=True)
+    with OpCounter() as c:
+        (torch.randn(2, 4) @ w).relu().sum().backward()
+    forward = {"aten.randn", "aten.mm", "aten.relu", "aten.sum"}
+    assert forward <= set(c.ops) and c.ops["aten.mm"] == 2  # forward + w's gradient
+    assert sum(c.ops.values()) >= 8  # + threshold_backward, expand, t, ...
+    r = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "count_host_ops.py"), "recscale", "--config", "debug"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["system"] == "recscale" and "--model.kernels=torch" in out["overrides"]
+    assert out["ops"] > forecast(load_config("debug"), device_spec("h100-sxm")).kernels
+
+
+def test_the_validation_forecasts_every_published_point_from_its_sources():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from forecast_validation import POINTS, evaluate, summary
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rows = evaluate()
+    assert len([r for r in rows if r["check"]]) >= 8 and len(rows) == len(POINTS)
+    for r in rows:
+        stages = sum(v for k, v in r.items() if k.endswith("_ms") and k[:-3] in STAGES)
+        assert stages == pytest.approx(r["step_ms"], rel=1e-3) and r["source"]
+        assert r["error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+    med, worst = summary(rows)
+    errs = sorted(abs(r["error"]) for r in rows if r["check"])
+    assert worst == errs[-1] and min(errs) <= med <= worst

@@ -2,38 +2,44 @@
 public figures (``devices.py``): a pure function of (config, device, world size,
 precision, system), no torch, no GPU.
 
-Each stage is a list of kernels; a kernel takes the longer of its arithmetic and its
-memory traffic, plus a fixed cost (a GPU's launch gap and tail, a CPU op's dispatch).
-The step on the slowest rank::
+Each stage is a list of kernels (``step_kernels.py``); a kernel takes the longer of its
+arithmetic and its memory traffic, plus a fixed cost (a GPU's launch gap and tail, a
+CPU op's dispatch). Each rank's kernels under the plan; the step is the slowest rank's
+compute, then each collective at its slowest member's time, then the host time the
+device does not hide::
 
     mlp_gemm           every GEMM of the MLPs (and DCNv2's cross layers): forward, data
                        and weight gradients - by tiles and waves (NeuSight): a unit (SM /
                        core) computes one output tile at a time, a GEMM takes
                        ceil(tiles x split / units) waves of one tile's time at the
-                       device's GEMM rate, or its bytes at the memory rate if longer;
-                       too few tiles split the reduction (split-K)
+                       device's GEMM rate (or its operands' bytes at the memory rate if
+                       longer), then stores its output; too few tiles split the
+                       reduction (split-K)
     mlp_elementwise    bias / ReLU passes the GEMM epilogue does not fuse, forward and back
     interaction        dot: the batched products and the triangle gather (or one fused
                        kernel each way); dcnv2: the x0 * y + x passes
     embedding_forward  the plan's ids on this rank: rows gathered at the random-access
                        rate (whole sectors / cache lines), ids read, pooled vectors written
-    embedding_update   the ids sorted, per-id gradients read, rows and optimizer state
-                       read and written back at the random-access rate
+    embedding_update   fused: the ids sorted, per-id gradients read, rows and optimizer
+                       state read and written back at the random-access rate; sparse_add:
+                       an fp32 sparse gradient written, then added into the rows
     all_to_all         ids in, pooled vectors out and their gradients back (alpha-beta over
                        NVLink / the node's links, the network beyond a node), less what the
                        system overlaps with compute
     all_reduce         the dense gradients (+ replicated tables'), ring, alpha-beta
     dense_optimizer    the MLP parameters' update, streamed
     loss               the logits' loss forward and backward
-    host               host time a step the device does not hide (an eager framework's
-                       Python and synchronisations; 0 for a captured graph)
+    host               host time a step the device does not hide: the system's framework
+                       ops a kernel x EAGER_OP_S, all of it when the step waits on the
+                       device mid-step, what exceeds the device time when it does not,
+                       none for a captured graph (``systems.py``)
 
 The efficiency terms (``Efficiency``) are this model's assumptions for a device kind,
 not device figures: the share of peak a full wave of GEMM tiles reaches, the share of
 the memory rate a streaming kernel and a random row gather reach, a kernel's fixed
 cost, a collective's share of its link. ``System`` says what a framework does that
-changes the step (fused epilogues, fused interaction, overlap, bytes of tables and of
-what travels, host time); ``RECSCALE`` is this project's own step.
+changes the step (epilogues, interaction, the tables' update, overlap, bytes of tables
+and of what travels, host ops and waits); ``RECSCALE`` is this project's own step.
 """
 
 from __future__ import annotations
@@ -43,25 +49,34 @@ from dataclasses import dataclass, field
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.modules.interaction import PAD_MULTIPLE
 from recscale.perfmodel.devices import DeviceSpec
+from recscale.perfmodel.step_kernels import (
+    COLLECTIVES,
+    CPU,
+    EFFICIENCY,
+    GPU,
+    STAGES,
+    Efficiency,
+    StepKernels,
+    bottom_mlp,
+    dense_side,
+)
 from recscale.perfmodel.systems import RECSCALE, System
 from recscale.planner.costs import ALL_TO_ALL_CALLS, ID_BYTES, CostLaws, placement_work
 from recscale.planner.from_config import plan_for, table_infos
-from recscale.planner.types import ShardingPlan
+from recscale.planner.types import ShardingPlan, TableInfo, TablePlacement
 
-STAGES = (
-    "mlp_gemm",
-    "mlp_elementwise",
-    "interaction",
-    "embedding_forward",
-    "embedding_update",
-    "all_to_all",
-    "all_reduce",
-    "dense_optimizer",
-    "loss",
-    "host",
-)
+__all__ = [
+    "CPU",
+    "EFFICIENCY",
+    "GPU",
+    "STAGES",
+    "Forecast",
+    "StepKernels",
+    "device_laws",
+    "forecast",
+]
+
 # bytes a parameter moves in the dense optimizer's step (read w, g, state; write w, state)
 OPT_BYTES = {"sgd": 12, "adagrad": 20, "adam": 28}
 OPT_STATE_BYTES = {"sgd": 0, "adagrad": 4, "adam": 8}  # kept a parameter
@@ -69,31 +84,12 @@ OPT_STATE_BYTES = {"sgd": 0, "adagrad": 4, "adam": 8}  # kept a parameter
 ROW_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
 SORT_PASSES = 4  # radix sort of (id, position) pairs: passes over ids x 12 bytes
 MEMORY_SHARE = 0.9  # of a device's memory the forecast lets a plan use (runtime, fragments)
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    gemm: float  # share of the peak a full wave of tiles reaches (cuBLAS / oneDNN)
-    tile: tuple[int, int]  # the output tile one unit computes at a time
-    stream: float  # share of the memory rate a streaming kernel reaches
-    granule: int  # bytes the memory serves at least per random access (sector / line)
-    gather: float  # share of the streaming rate random rows reach (of the bytes fetched)
-    cache_speedup: float  # rows of a table that fits in L2 / last-level cache: x faster
-    kernel_s: float  # added to every kernel: GPU launch gap and tail, CPU op dispatch
-    link: float  # share of a link a collective reaches (NCCL bus bandwidth / peak)
-    latency_s: float  # a collective's fixed cost within a node
-    network_latency_s: float
-
-
-# Sources of the GPU terms: cuBLAS reaches ~0.7-0.8 of the dense tensor-core peak on
-# large GEMMs (NVIDIA's published cuBLAS figures; 0.7 taken); HBM streams at ~0.85-0.9
-# of its peak (STREAM-like kernels) and random 128-512 byte rows at ~0.6-0.7 of it
-# (FBGEMM's TBE benchmarks report that range); a kernel boundary (launch gap + the tail
-# of the last wave) costs a few microseconds. CPU terms: oneDNN ~0.65 of the FMA peak,
-# STREAM ~0.75 of the DDR peak, random rows ~0.6 of that, ~10 us an eager op's dispatch.
-GPU = Efficiency(0.70, (128, 128), 0.85, 32, 0.75, 2.0, 2e-6, 0.80, 15e-6, 30e-6)
-CPU = Efficiency(0.65, (64, 64), 0.75, 64, 0.60, 2.0, 10e-6, 0.70, 40e-6, 60e-6)
-EFFICIENCY = {"gpu": GPU, "cpu": CPU}
+# Host time of one framework op of an eager PyTorch step on a GPU server's host (Python,
+# autograd, dispatch, launch), learned from recscale's own run: config A at batch
+# 16,384, TF32, on an H100 SXM (docs/gpu.md, 2026-11-24) took 4.98 ms a step against
+# 0.86 ms of device work forecast here, for 197 ops a step (benchmarks/count_host_ops.py);
+# the rest, 4.12 ms, is 20.9 us an op. Config B on the same GPU is held out.
+EAGER_OP_S = 20.9e-6
 
 
 @dataclass
@@ -127,126 +123,6 @@ class Forecast:
         }
 
 
-class _Step:
-    """Kernels of one rank's step, stage by stage."""
-
-    def __init__(self, dev: DeviceSpec, eff: Efficiency, precision: str) -> None:
-        self.dev, self.eff = dev, eff
-        self.gemm_precision = "fp32" if dev.kind == "cpu" and precision == "tf32" else precision
-        self.act = 2 if precision in ("bf16", "fp16", "fp8") else 4  # activation bytes
-        self.bw = dev.memory_gbps * 1e9
-        self.stages: dict[str, float] = {s: 0.0 for s in STAGES}
-        self.kernels = 0
-        self.a2a = self.ar = 0.0  # bytes this rank sends: all-to-all, all-reduce (tables)
-
-    def kernel(self, stage: str, seconds: float) -> None:
-        self.stages[stage] += seconds + self.eff.kernel_s
-        self.kernels += 1
-
-    def stream(self, stage: str, nbytes: float) -> None:
-        self.kernel(stage, nbytes / (self.bw * self.eff.stream))
-
-    def gemm(self, stage: str, m: int, n: int, k: int) -> None:
-        """One GEMM C[m, n] = A[m, k] B[k, n] by tiles and waves."""
-        e, units = self.eff, self.dev.units
-        tm, tn = e.tile
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
-        split = 1
-        if tiles < units:  # split the reduction over idle units, >= 128 deep a part
-            split = max(1, min(units // tiles, k // 128))
-        waves = math.ceil(tiles * split / units)
-        per_unit = self.dev.peak_flops(self.gemm_precision) * e.gemm / units
-        compute = waves * 2.0 * tm * tn * math.ceil(k / split) / per_unit
-        nbytes = (m * k + k * n) * self.act + m * n * self.act * (1 if split == 1 else 3)
-        self.kernel(stage, max(compute, nbytes / (self.bw * e.stream)))
-
-    def batched(self, stage: str, flops: float, nbytes: float) -> None:
-        """A batched small-matrix product (the dot interaction): its bytes or its flops
-        at half the GEMM rate (small tiles fill a tensor core / vector unit poorly)."""
-        rate = self.dev.peak_flops(self.gemm_precision) * self.eff.gemm * 0.5
-        self.kernel(stage, max(flops / rate, nbytes / (self.bw * self.eff.stream)))
-
-    def gather(self, stage: str, rows: float, row_bytes: float, cached: float = 0.0) -> None:
-        """``rows`` random rows of ``row_bytes`` (``cached`` of them from a table that
-        fits in the last-level cache), fetched in whole granules."""
-        g = self.eff.granule
-        fetched = math.ceil(row_bytes / g) * g
-        rate = self.bw * self.eff.stream * self.eff.gather
-        t = (rows - cached) * fetched / rate + cached * fetched / (rate * self.eff.cache_speedup)
-        self.kernel(stage, t)
-
-
-def _mlp(
-    s: _Step, sysm: System, b: int, k: int, widths: list[int], first_dgrad: bool, relu=True
-) -> int:
-    """An MLP's kernels (with ``relu``: a ReLU after every layer but a last width-1 one,
-    the logit); its parameters."""
-    params = 0
-    for i, n in enumerate(widths):
-        act = relu and not (i == len(widths) - 1 and n == 1)
-        s.gemm("mlp_gemm", b, n, k)
-        if act and not sysm.fused_epilogue:
-            s.stream("mlp_elementwise", 2 * b * n * s.act)  # ReLU: read, write
-        if i > 0 or first_dgrad:
-            s.gemm("mlp_gemm", b, k, n)  # data gradient
-        s.gemm("mlp_gemm", k, n, b)  # weight gradient
-        if not sysm.fused_epilogue:
-            if act:
-                s.stream("mlp_elementwise", 3 * b * n * s.act)  # dReLU: read 2, write 1
-            s.stream("mlp_elementwise", b * n * s.act)  # bias gradient: a reduction
-        params += k * n + n
-        k = n
-    return params
-
-
-def _dense_side(s: _Step, cfg: Config, sysm: System, b: int, dims: list[int]) -> tuple[int, int]:
-    """MLPs, interaction, loss of a rank's B samples; (parameters, activation values)."""
-    m = cfg.model
-    f = len(dims)
-    params = 0
-    dense = m.bottom_mlp[-1] if m.num_dense_features and m.bottom_mlp else 0
-    if m.num_dense_features:
-        params += _mlp(s, sysm, b, m.num_dense_features, m.bottom_mlp, False)
-    emb = sum(dims)
-    acts = sum(m.bottom_mlp) + sum(m.top_mlp)
-    if m.interaction == "dot":
-        d = dims[0]
-        k = f + (1 if dense else 0)
-        pairs = k * (k - 1) // 2 + (k if m.interaction_self else 0)
-        width = -(-(pairs + (d if dense else 0)) // PAD_MULTIPLE) * PAD_MULTIPLE
-        x, z = b * k * d * s.act, b * k * k * s.act
-        if sysm.fused_interaction:
-            s.batched("interaction", 2.0 * b * k * k * d, x + b * width * s.act)
-            s.batched("interaction", 4.0 * b * k * k * d, 2 * x + b * width * s.act)
-        else:
-            s.stream("interaction", 2 * x)  # stack the features
-            s.batched("interaction", 2.0 * b * k * k * d, x + z)
-            s.stream("interaction", z + 2 * b * width * s.act)  # triangle gather + concat
-            s.stream("interaction", z + b * width * s.act)  # its gradient scattered
-            s.batched("interaction", 4.0 * b * k * k * d, 2 * (x + z))  # two bmm's back
-            s.stream("interaction", 2 * x)  # split the features' gradients
-        acts += k * d + k * k + width
-    elif m.interaction == "dcnv2":
-        width = emb + dense
-        s.stream("interaction", 2 * b * width * s.act)  # the concatenation
-        for _ in range(m.dcn_layers):
-            # a cross layer's two low-rank products, no activation between them
-            params += _mlp(s, sysm, b, width, [m.dcn_rank], True, relu=False)
-            params += _mlp(s, sysm, b, m.dcn_rank, [width], True, relu=False)
-            passes = 4 if sysm.fused_epilogue else 12  # x0 * y + x and its gradients
-            s.stream("interaction", passes * b * width * s.act)
-            acts += 2 * width + m.dcn_rank
-        acts += width
-    else:
-        width = emb + dense
-        s.stream("interaction", 4 * b * width * s.act)
-        acts += width
-    params += _mlp(s, sysm, b, width, m.top_mlp, True)
-    for _ in range(3):  # sigmoid BCE forward, backward, mean
-        s.stream("loss", 4 * b * 4)
-    return params, acts
-
-
 def forecast(
     cfg: Config,
     dev: DeviceSpec,
@@ -266,28 +142,43 @@ def forecast(
     b = cfg.train.batch_size // w
     tables = table_infos(cfg)
     dims = [t.dim for t in tables]
-    dense = _Step(dev, eff, precision)
-    params, acts = _dense_side(dense, cfg, system, b, dims)
+    dense = StepKernels(dev, eff, precision)
+    hybrid = system.bottom_on_one_rank and w > 1
+    params, acts = dense_side(dense, cfg, system, b, dims, bottom=not hybrid)
+    shared = params  # data parallel: all-reduced
+    bottom = StepKernels(dev, eff, precision)  # hybrid: rank 0's bottom MLP, the global batch
+    if hybrid:
+        params += bottom_mlp(bottom, cfg, system, cfg.train.batch_size)
+        bottom.a2a = 2 * cfg.train.batch_size * cfg.model.bottom_mlp[-1] * 4 * (w - 1) / w
     opt = cfg.optimizer.name
-    dense.stream("dense_optimizer", params * OPT_BYTES[opt])
+    dense.stream("dense_optimizer", shared * OPT_BYTES[opt])
+    bottom.stream("dense_optimizer", (params - shared) * OPT_BYTES[opt])
     # fp32 weights and gradients, the optimizer's state, bf16/fp16 copies of the weights
     dense_state = params * (8 + OPT_STATE_BYTES[opt] + (2 if dense.act == 2 else 0))
     act_bytes = b * (2 * acts * dense.act + 2 * sum(dims) * 4)
-    if plan is None:
+    if plan is None and hybrid:
+        plan = hybrid_plan(tables, w)
+    elif plan is None:
         budget = int(dev.memory_gb * 1e9 * MEMORY_SHARE) - dense_state - act_bytes
         laws = device_laws(dev, w, system, dense.act)
         plan = plan_for(cfg, w, max(budget, 0), laws=laws)
 
-    best = None
-    for r, emb in enumerate(_embedding_ranks(cfg, dev, eff, system, plan, tables, precision)):
-        _collectives(emb, dev, eff, system, w, params)
-        total = sum(emb.stages.values())
-        if best is None or total > best[0]:
-            best = (total, r, emb)
-    _, slowest, emb = best
+    ranks = list(_embedding_ranks(cfg, dev, eff, system, plan, tables, precision))
+    if hybrid:
+        ranks[0].absorb(bottom)
+    for emb in ranks:
+        _collectives(emb, dev, eff, system, w, shared)
+    # A collective ends when its slowest member's part does: the step is the slowest
+    # rank's compute, then each collective at its slowest rank's time.
+    compute = [sum(v for k, v in e.stages.items() if k not in COLLECTIVES) for e in ranks]
+    slowest = max(range(len(ranks)), key=compute.__getitem__)
+    emb = ranks[slowest]
     stages = {k: dense.stages[k] + emb.stages[k] for k in STAGES}
-    if dev.kind == "gpu":
-        stages["host"] = system.host_ms * 1e-3
+    for k in COLLECTIVES:
+        stages[k] = max(e.stages[k] for e in ranks)
+    kernels = dense.kernels + emb.kernels
+    if dev.kind == "gpu" and system.host != "graph":
+        stages["host"] = _exposed_host(dense, emb, stages, system, precision)
     step = sum(stages.values())
     table_mem = max(plan.memory_per_rank) if any(plan.memory_per_rank) else 0
     return Forecast(
@@ -300,10 +191,55 @@ def forecast(
         cfg.train.batch_size / step,
         int(table_mem + dense_state + act_bytes),
         int(table_mem),
-        dense.kernels + emb.kernels,
+        kernels,
         slowest,
         plan,
     )
+
+
+def _exposed_host(
+    dense: StepKernels, emb: StepKernels, stages: dict, system: System, precision: str
+) -> float:
+    """Host time the device does not hide: all of it when the step waits on the device
+    mid-step (``serial``); with one wait a step (``overlap``), what exceeds the device
+    time; with GradScaler's wait after the backward, that rule before and after it."""
+    op_s = system.host_ops_per_kernel * EAGER_OP_S
+    kernels = {k: dense.stage_kernels[k] + emb.stage_kernels[k] for k in STAGES}
+    host = sum(kernels.values()) * op_s
+    device = sum(stages.values())
+    if system.host == "serial":
+        return host
+    if not (system.scaler_waits and precision == "fp16"):
+        return max(0.0, host - device)
+    after = ("dense_optimizer",) + (
+        ("embedding_update",) if system.embedding_update == "sparse_add" else ()
+    )
+    host_after = sum(kernels[k] for k in after) * op_s
+    device_after = sum(stages[k] for k in after)
+    return max(0.0, host - host_after - (device - device_after)) + max(
+        0.0, host_after - device_after
+    )
+
+
+def hybrid_plan(tables: list[TableInfo], w: int) -> ShardingPlan:
+    """DLE's device mapping: every table whole on one rank, the largest first into the
+    bucket with the fewest bytes, at most ceil(tables / buckets) a bucket; beyond 4
+    ranks rank 0 (the bottom MLP's) holds none."""
+    first = 1 if w > 4 else 0
+    n = w - first
+    cap = -(-len(tables) // n)
+    buckets: list[list[TableInfo]] = [[] for _ in range(n)]
+    for t in sorted(tables, key=lambda t: -t.bytes):
+        open_ = [i for i in range(n) if len(buckets[i]) < cap]
+        i = min(open_, key=lambda i: (sum(x.bytes for x in buckets[i]), i))
+        buckets[i].append(t)
+    rank = {t.name: first + i for i, bucket in enumerate(buckets) for t in bucket}
+    placements = [
+        TablePlacement(t.name, "table_wise", [rank[t.name]], {rank[t.name]: t.bytes}, {})
+        for t in tables
+    ]
+    memory = [sum(t.bytes for t in tables if rank[t.name] == r) for r in range(w)]
+    return ShardingPlan(w, placements, memory, [0.0] * w)
 
 
 def _check_world(cfg: Config, dev: DeviceSpec, w: int) -> int:
@@ -340,7 +276,7 @@ def _embedding_ranks(cfg, dev, eff, system, plan, tables, precision):
             acc["ar"] += work.all_reduce_bytes
     out = []
     for acc in per_rank:
-        s = _Step(dev, eff, precision)
+        s = StepKernels(dev, eff, precision)
         s.a2a, s.ar = acc["a2a"], acc["ar"]
         ids = acc["ids"]
         if ids:
@@ -349,11 +285,21 @@ def _embedding_ranks(cfg, dev, eff, system, plan, tables, precision):
             cached_ids = acc["cached"] / col
             s.stream("embedding_forward", ids * ID_BYTES)
             s.gather("embedding_forward", ids, row, cached_ids)
-            s.stream("embedding_forward", acc["out"] * 4)
-            s.stream("embedding_update", ids * 12 * SORT_PASSES)  # sort (id, position)
-            s.stream("embedding_update", acc["values"] * 4)  # each id's bag gradient
-            state = state_row + col * state_col
-            s.gather("embedding_update", 2 * ids, row + state, 2 * cached_ids)  # read, write
+            pooled = s.act if system.pooled_in_act else 4
+            s.stream("embedding_forward", acc["out"] * pooled)
+            if system.embedding_update == "sparse_add":
+                # the pooled gradient copied into an fp32 sparse gradient (one row a id)
+                s.stream("embedding_update", acc["out"] * pooled + acc["values"] * 4)
+                s.stream("embedding_update", ids * 2 * ID_BYTES)  # its indices
+                if s.act == 2:  # GradScaler unscales the values in place
+                    s.stream("embedding_update", acc["values"] * 8)
+                s.stream("embedding_update", acc["values"] * 4)  # index_add_ reads them
+                s.gather("embedding_update", 2 * ids, row, 2 * cached_ids)  # rows += values
+            else:
+                s.stream("embedding_update", ids * 12 * SORT_PASSES)  # sort (id, position)
+                s.stream("embedding_update", acc["values"] * 4)  # each id's bag gradient
+                state = state_row + col * state_col
+                s.gather("embedding_update", 2 * ids, row + state, 2 * cached_ids)
         out.append(s)
     return out
 
@@ -366,7 +312,7 @@ def _link(dev: DeviceSpec, eff: Efficiency, w: int) -> tuple[float, float]:
     return min(dev.intra_node_gbps, dev.network_gbps) * 1e9 * eff.link, eff.network_latency_s
 
 
-def _collectives(s: _Step, dev, eff, system, w: int, params: int) -> None:
+def _collectives(s: StepKernels, dev, eff, system, w: int, params: int) -> None:
     if w == 1:
         return
     bw, lat = _link(dev, eff, w)

@@ -1,70 +1,127 @@
 """What a training framework does that changes a step (``forecast.System``): the
 forecast is for recscale's own step (``RECSCALE``); the others describe the published
 systems ``benchmarks/forecast_validation.py`` checks the forecast against, each field
-from that system's own documentation (the notes say where) or, where it publishes
-nothing, an assumption said as one."""
+from that system's own code or documentation (the notes say where) or, where it
+publishes nothing, an assumption said as one.
+
+Host time on a GPU (``host``): an eager framework dispatches ``host_ops_per_kernel``
+framework ops (views, detaches and Python-side bookkeeping included) for each kernel
+the step launches, each costing the host ``forecast.EAGER_OP_S``. ``serial``: the step
+waits on the device mid-step (``.item()``, sizes read back), so host and device time
+add; ``overlap``: one wait a step, the host runs ahead and the step is the longer of
+the two; ``graph``: a captured CUDA graph, no host time.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+EPILOGUES = ("eager", "apex", "fused")
+UPDATES = ("fused", "sparse_add")
+HOSTS = ("serial", "overlap", "graph")
+
 
 @dataclass(frozen=True)
 class System:
     name: str
-    fused_epilogue: bool = False  # bias + ReLU (and dReLU + bias grad) inside the GEMM
+    # bias + ReLU and their gradients: "eager" - separate ReLU, dReLU and bias-grad
+    # kernels; "apex" - one bias+ReLU kernel forward, one dReLU+bias-grad kernel back;
+    # "fused" - inside the GEMM's epilogue (cuBLASLt RELU_BIAS / DRELU_BGRAD)
+    epilogue: str = "eager"
     fused_interaction: bool = False  # one dot-interaction kernel forward, one backward
+    concat_features: bool = False  # the interaction's input is stacked by a copy first
+    # the tables' update: "fused" - ids sorted, each row updated once in place (FBGEMM
+    # TBE, recscale's Triton kernel, HugeCTR); "sparse_add" - a sparse gradient
+    # materialised in fp32 and added into the table by index_add_ (torch.optim.SGD)
+    embedding_update: str = "fused"
+    pooled_in_act: bool = False  # the lookup writes pooled vectors in the activation dtype
+    # hybrid parallel as DLE runs it: the bottom MLP on rank 0 over the global batch,
+    # rank 0 holding no table beyond 4 ranks
+    bottom_on_one_rank: bool = False
     comm_overlap: float = 0.0  # share of the all-to-all hidden behind compute
     table_bytes: int = 4  # bytes a stored embedding value
     wire_bytes: int | None = None  # bytes a pooled value / dense gradient sent (None:
     # the precision's activation bytes - 2 under bf16/fp16, else 4)
-    host_ms: float = 0.0  # host time a step on a GPU that the device does not hide
+    host: str = "serial"
+    host_ops_per_kernel: float = 0.0
+    # fp16 under torch's GradScaler: its step reads found_inf back (.item()), a wait
+    # mid-step, so host and device time add whatever ``host`` says
+    scaler_waits: bool = False
     note: str = ""
 
+    def __post_init__(self) -> None:
+        for key, value, allowed in (
+            ("epilogue", self.epilogue, EPILOGUES),
+            ("embedding_update", self.embedding_update, UPDATES),
+            ("host", self.host, HOSTS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"System.{key}: {value!r} is not one of {', '.join(allowed)}")
 
-# recscale on a GPU: eager PyTorch (unfused epilogues, a bmm interaction), the Triton
-# lookup and fused update, fp32 tables and wire, no overlap. Host time: config A at
-# batch 16,384, TF32, on an H100 SXM (docs/gpu.md, 2026-11-24) measured 4.99 ms a step
-# against 0.83 ms of device work forecast here; the rest (4.15 ms) is the eager step's
-# Python, its synchronisations (the fused update sizes its output from the ids) and
-# launches on that machine's host. Config B on the same GPU is the check (held out).
+
+# recscale on a GPU: eager PyTorch (separate ReLU / dReLU / bias-grad kernels, a bmm
+# interaction), the Triton lookup and fused update, fp32 tables and wire, no overlap.
+# Host: one training step of config A dispatches 197 aten ops (counted on the CPU by
+# benchmarks/count_host_ops.py, kernels=torch) for the 55 kernels this forecast lists;
+# the fused update reads the ids' count back (.item()), so host and device time add.
 RECSCALE = System(
     "recscale",
     wire_bytes=4,
-    host_ms=4.15,
+    host="serial",
+    host_ops_per_kernel=197 / 55,
     note="eager PyTorch: unfused epilogues, bmm interaction, fp32 tables and wire",
 )
 
 # NVIDIA DeepLearningExamples, PyTorch DLRM (github.com/NVIDIA/DeepLearningExamples,
-# PyTorch/Recommendation/DLRM, README "Advanced" / "Performance"): a CUDA dot-interaction
-# kernel, cuBLASLt MLPs with bias and ReLU fused, hybrid parallel (tables model
-# parallel, MLPs data parallel), all-to-all not overlapped. Assumed: fp32 tables, the
-# step device-bound at 8-64k samples a GPU (no host term).
+# PyTorch/Recommendation/DLRM, dlrm/scripts/main.py and dlrm/nn): apex's MLP (cuBLAS
+# GEMM, then one bias+ReLU kernel; back, one dReLU+bias-grad kernel), the CUDA dot
+# interaction over the bottom output and embeddings stacked by torch.cat, one joint
+# table gathered by a CUDA kernel that writes the activation dtype, whose backward
+# copies the pooled gradient into an fp32 sparse tensor that torch.optim.SGD adds into
+# the table (index_add_), GradScaler unscaling it under AMP; hybrid parallel with the
+# bottom MLP on rank 0 (dlrm/utils/distributed.py::get_device_mapping), all-to-all not
+# overlapped; torch.cuda.synchronize() once a step, and under AMP GradScaler.step's
+# found_inf read-back mid-step. Assumed: recscale's host ops a
+# kernel (an eager PyTorch step).
 DLE = System(
     "dle",
-    fused_epilogue=True,
+    epilogue="apex",
     fused_interaction=True,
-    note="NVIDIA DeepLearningExamples PyTorch DLRM: fused interaction and MLP epilogues",
+    concat_features=True,
+    embedding_update="sparse_add",
+    pooled_in_act=True,
+    bottom_on_one_rank=True,
+    host="overlap",
+    host_ops_per_kernel=197 / 55,
+    scaler_waits=True,
+    note="NVIDIA DeepLearningExamples PyTorch DLRM: apex MLP, CUDA interaction, sparse SGD",
 )
 # HugeCTR's MLPerf DLRM-DCNv2 (MLCommons training results v4.0 / v5.0, NVIDIA's
 # submission; HugeCTR release notes: fused GEMM + bias + ReLU forward and GEMM + dReLU +
 # bias-grad backward, embedding and bottom-MLP overlap, whole-iteration CUDA graph).
-# Assumed: half the all-to-all hidden, fp32 tables, fp16 on the wire.
+# Assumed: half the all-to-all hidden, fp32 tables, fp16 pooled vectors and wire.
 HUGECTR = System(
     "hugectr",
-    fused_epilogue=True,
+    epilogue="fused",
     fused_interaction=True,
+    pooled_in_act=True,
     comm_overlap=0.5,
+    host="graph",
     note="HugeCTR (MLPerf): fused epilogues, CUDA graph, embedding / bottom-MLP overlap",
 )
 # TorchRec's DLRM example (pytorch/torchrec examples/dlrm, FBGEMM TBE lookup and fused
 # update, TrainPipelineSparseDist: the ids' all-to-all of batch t+1 overlaps step t).
-# Assumed: an eager step's host time as recscale's, the ids' share hidden (~10%).
+# Host: a step of TorchRec 1.8's DLRM (26 one-hot tables, 8 ranks, gloo) dispatches 391
+# ops on rank 0 (benchmarks/count_host_ops.py; 373 on 2 ranks, 379 on 4) for the 61
+# kernels listed here, 16 of them reading a value back (.item(): the all-to-alls'
+# splits), so host and device time add. Assumed: the ids' share of the all-to-all
+# hidden (~10%).
 TORCHREC = System(
     "torchrec",
     comm_overlap=0.1,
     wire_bytes=4,
-    host_ms=4.15,
+    host="serial",
+    host_ops_per_kernel=391 / 61,
     note="TorchRec DLRM example: eager PyTorch, FBGEMM TBE, pipelined input dist",
 )
 # Intel's MLPerf DLRM-DCNv2 on Xeon (MLCommons training results v3.1, Intel's
@@ -72,7 +129,7 @@ TORCHREC = System(
 # is the device: every op pays its dispatch (Efficiency.kernel_s).
 IPEX = System(
     "ipex",
-    fused_epilogue=True,
+    epilogue="fused",
     note="Intel Extension for PyTorch (MLPerf): bf16 AMX GEMMs with fused post-ops",
 )
 

@@ -1,0 +1,208 @@
+"""The kernels of one rank's step, stage by stage, as the forecast (``forecast.py``)
+charges them: each kernel the longer of its arithmetic and its memory traffic, plus a
+fixed cost; a GEMM by tiles and waves (NeuSight), its output tile's store after its
+main loop; the MLPs, the interaction and the loss of a rank's samples as a framework
+(``systems.System``) runs them. Pure arithmetic, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from recscale.config.schema import Config
+from recscale.modules.interaction import PAD_MULTIPLE
+from recscale.perfmodel.devices import DeviceSpec
+from recscale.perfmodel.systems import System
+
+STAGES = (
+    "mlp_gemm",
+    "mlp_elementwise",
+    "interaction",
+    "embedding_forward",
+    "embedding_update",
+    "all_to_all",
+    "all_reduce",
+    "dense_optimizer",
+    "loss",
+    "host",
+)
+COLLECTIVES = ("all_to_all", "all_reduce")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    gemm: float  # share of the peak a full wave of tiles reaches (cuBLAS / oneDNN)
+    tile: tuple[int, int]  # the output tile one unit computes at a time
+    stream: float  # share of the memory rate a streaming kernel reaches
+    granule: int  # bytes the memory serves at least per random access (sector / line)
+    gather: float  # share of the streaming rate random rows reach (of the bytes fetched)
+    cache_speedup: float  # rows of a table that fits in L2 / last-level cache: x faster
+    kernel_s: float  # added to every kernel: GPU launch gap and tail, CPU op dispatch
+    link: float  # share of a link a collective reaches (NCCL bus bandwidth / peak)
+    latency_s: float  # a collective's fixed cost within a node
+    network_latency_s: float
+
+
+# Sources of the GPU terms: cuBLAS reaches ~0.7-0.8 of the dense tensor-core peak on
+# large GEMMs (NVIDIA's published cuBLAS figures; 0.7 taken); HBM streams at ~0.85-0.9
+# of its peak (STREAM-like kernels) and random 128-512 byte rows at ~0.6-0.7 of it
+# (FBGEMM's TBE benchmarks report that range); a kernel boundary (launch gap + the tail
+# of the last wave) costs a few microseconds. CPU terms: oneDNN ~0.65 of the FMA peak,
+# STREAM ~0.75 of the DDR peak, random rows ~0.6 of that, ~10 us an eager op's dispatch.
+GPU = Efficiency(0.70, (128, 128), 0.85, 32, 0.75, 2.0, 2e-6, 0.80, 15e-6, 30e-6)
+CPU = Efficiency(0.65, (64, 64), 0.75, 64, 0.60, 2.0, 10e-6, 0.70, 40e-6, 60e-6)
+EFFICIENCY = {"gpu": GPU, "cpu": CPU}
+
+
+class StepKernels:
+    """Kernels of one rank's step, stage by stage."""
+
+    def __init__(self, dev: DeviceSpec, eff: Efficiency, precision: str) -> None:
+        self.dev, self.eff = dev, eff
+        self.gemm_precision = "fp32" if dev.kind == "cpu" and precision == "tf32" else precision
+        self.act = 2 if precision in ("bf16", "fp16", "fp8") else 4  # activation bytes
+        self.bw = dev.memory_gbps * 1e9
+        self.stages: dict[str, float] = {s: 0.0 for s in STAGES}
+        self.kernels = 0
+        self.stage_kernels: dict[str, int] = dict.fromkeys(STAGES, 0)
+        self.a2a = self.ar = 0.0  # bytes this rank sends: all-to-all, all-reduce (tables)
+
+    def absorb(self, other: StepKernels) -> None:
+        """Add ``other``'s kernels and bytes sent to this rank's."""
+        for k, v in other.stages.items():
+            self.stages[k] += v
+        self.kernels += other.kernels
+        for k, v in other.stage_kernels.items():
+            self.stage_kernels[k] += v
+        self.a2a += other.a2a
+        self.ar += other.ar
+
+    def kernel(self, stage: str, seconds: float) -> None:
+        """One kernel of ``stage`` taking ``seconds`` plus the fixed cost of a kernel."""
+        self.stages[stage] += seconds + self.eff.kernel_s
+        self.kernels += 1
+        self.stage_kernels[stage] += 1
+
+    def stream(self, stage: str, nbytes: float) -> None:
+        self.kernel(stage, nbytes / (self.bw * self.eff.stream))
+
+    def gemm(self, stage: str, m: int, n: int, k: int) -> None:
+        """One GEMM C[m, n] = A[m, k] B[k, n] by tiles and waves: the main loops (the
+        waves' arithmetic, or the operands' bytes if longer), then the output's store -
+        a tile's epilogue writes after its own main loop, so the store adds (split-K:
+        the partial sums written, read back and the sum written)."""
+        e, units = self.eff, self.dev.units
+        tm, tn = e.tile
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        split = 1
+        if tiles < units:  # split the reduction over idle units, >= 128 deep a part
+            split = max(1, min(units // tiles, k // 128))
+        waves = math.ceil(tiles * split / units)
+        per_unit = self.dev.peak_flops(self.gemm_precision) * e.gemm / units
+        compute = waves * 2.0 * tm * tn * math.ceil(k / split) / per_unit
+        rate = self.bw * e.stream
+        loads = (m * k + k * n) * self.act / rate
+        store = m * n * self.act * (1 if split == 1 else 3) / rate
+        self.kernel(stage, max(compute, loads) + store)
+
+    def batched(self, stage: str, flops: float, nbytes: float) -> None:
+        """A batched small-matrix product (the dot interaction): its bytes or its flops
+        at half the GEMM rate (small tiles fill a tensor core / vector unit poorly)."""
+        rate = self.dev.peak_flops(self.gemm_precision) * self.eff.gemm * 0.5
+        self.kernel(stage, max(flops / rate, nbytes / (self.bw * self.eff.stream)))
+
+    def gather(self, stage: str, rows: float, row_bytes: float, cached: float = 0.0) -> None:
+        """``rows`` random rows of ``row_bytes`` (``cached`` of them from a table that
+        fits in the last-level cache), fetched in whole granules."""
+        g = self.eff.granule
+        fetched = math.ceil(row_bytes / g) * g
+        rate = self.bw * self.eff.stream * self.eff.gather
+        t = (rows - cached) * fetched / rate + cached * fetched / (rate * self.eff.cache_speedup)
+        self.kernel(stage, t)
+
+
+def _mlp(
+    s: StepKernels, sysm: System, b: int, k: int, widths: list[int], first_dgrad: bool, relu=True
+) -> int:
+    """An MLP's kernels (with ``relu``: a ReLU after every layer but a last width-1 one,
+    the logit); its parameters. The bias rides in the GEMM; what the epilogue does not
+    fuse (``System.epilogue``) reads and writes the layer's output again."""
+    params = 0
+    for i, n in enumerate(widths):
+        act = relu and not (i == len(widths) - 1 and n == 1)
+        out = b * n * s.act
+        s.gemm("mlp_gemm", b, n, k)
+        if act and sysm.epilogue != "fused":
+            s.stream("mlp_elementwise", 2 * out)  # (bias +) ReLU: read, write
+        if i > 0 or first_dgrad:
+            s.gemm("mlp_gemm", b, k, n)  # data gradient
+        s.gemm("mlp_gemm", k, n, b)  # weight gradient
+        if sysm.epilogue == "eager":
+            if act:
+                s.stream("mlp_elementwise", 3 * out)  # dReLU: read 2, write 1
+            s.stream("mlp_elementwise", out)  # bias gradient: a reduction
+        elif sysm.epilogue == "apex":  # dReLU and the bias gradient in one kernel
+            s.stream("mlp_elementwise", (3 if act else 1) * out)
+        params += k * n + n
+        k = n
+    return params
+
+
+def bottom_mlp(s: StepKernels, cfg: Config, sysm: System, b: int) -> int:
+    """The bottom MLP over ``b`` samples; its parameters."""
+    m = cfg.model
+    if not m.num_dense_features:
+        return 0
+    return _mlp(s, sysm, b, m.num_dense_features, m.bottom_mlp, False)
+
+
+def dense_side(
+    s: StepKernels, cfg: Config, sysm: System, b: int, dims: list[int], bottom: bool = True
+) -> tuple[int, int]:
+    """MLPs (``bottom``: the bottom one too), interaction, loss of a rank's B samples;
+    (parameters, activation values)."""
+    m = cfg.model
+    f = len(dims)
+    dense = m.bottom_mlp[-1] if m.num_dense_features and m.bottom_mlp else 0
+    params = bottom_mlp(s, cfg, sysm, b) if bottom else 0
+    emb = sum(dims)
+    acts = sum(m.bottom_mlp) + sum(m.top_mlp)
+    if m.interaction == "dot":
+        d = dims[0]
+        k = f + (1 if dense else 0)
+        pairs = k * (k - 1) // 2 + (k if m.interaction_self else 0)
+        width = -(-(pairs + (d if dense else 0)) // PAD_MULTIPLE) * PAD_MULTIPLE
+        x, z = b * k * d * s.act, b * k * k * s.act
+        if sysm.concat_features:
+            s.stream("interaction", 2 * x)  # the features stacked by a copy
+        if sysm.fused_interaction:
+            s.batched("interaction", 2.0 * b * k * k * d, x + b * width * s.act)
+            s.batched("interaction", 4.0 * b * k * k * d, 2 * x + b * width * s.act)
+        else:
+            s.stream("interaction", 2 * x)  # stack the features
+            s.batched("interaction", 2.0 * b * k * k * d, x + z)
+            s.stream("interaction", z + 2 * b * width * s.act)  # triangle gather + concat
+            s.stream("interaction", z + b * width * s.act)  # its gradient scattered
+            s.batched("interaction", 4.0 * b * k * k * d, 2 * (x + z))  # two bmm's back
+            s.stream("interaction", 2 * x)  # split the features' gradients
+        acts += k * d + k * k + width
+    elif m.interaction == "dcnv2":
+        width = emb + dense
+        s.stream("interaction", 2 * b * width * s.act)  # the concatenation
+        for _ in range(m.dcn_layers):
+            # a cross layer's two low-rank products, no activation between them
+            params += _mlp(s, sysm, b, width, [m.dcn_rank], True, relu=False)
+            params += _mlp(s, sysm, b, m.dcn_rank, [width], True, relu=False)
+            passes = 4 if sysm.epilogue == "fused" else 12  # x0 * y + x and its gradients
+            s.stream("interaction", passes * b * width * s.act)
+            acts += 2 * width + m.dcn_rank
+        acts += width
+    else:
+        width = emb + dense
+        s.stream("interaction", 4 * b * width * s.act)
+        acts += width
+    params += _mlp(s, sysm, b, width, m.top_mlp, True)
+    for _ in range(3):  # sigmoid BCE forward, backward, mean
+        s.stream("loss", 4 * b * 4)
+    return params, acts
