@@ -86,6 +86,7 @@ def write_inputs(cfg: Config, folder: Path, steps: int, warmup: int) -> tuple[Pa
         "threads": cfg.train.threads or available_cores(),
         "warmup": warmup,
         "steps": steps,
+        "precision": cfg.train.precision,
     }
     spec_path, batch_path = folder / "spec.json", folder / "batches.pt"
     spec_path.write_text(json.dumps(spec))
@@ -178,7 +179,7 @@ def both_fit(cfg: Config) -> tuple[bool, float, float]:
     return need <= free, need, free
 
 
-def recscale_worker(config: str, warmup: int) -> None:
+def recscale_worker(config: str, warmup: int, precision: str) -> None:
     """``--recscale-worker``: ``recscale bench throughput`` in turns read from stdin."""
     from turn_protocol import report_turn, stdin_turns
 
@@ -187,9 +188,8 @@ def recscale_worker(config: str, warmup: int) -> None:
     def echo(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    r = run_throughput(
-        load_config(config), warmup=warmup, echo=echo, turns=stdin_turns(), on_turn=report_turn
-    )
+    cfg = load_config(config, [f"--train.precision={precision}"])
+    r = run_throughput(cfg, warmup=warmup, echo=echo, turns=stdin_turns(), on_turn=report_turn)
     print(json.dumps(r), flush=True)
 
 
@@ -235,12 +235,19 @@ def main() -> None:
         "(--turns of them a round): a slow period of the machine then hits both "
         "sides of a pair; needs memory for both models (falls back otherwise)",
     )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: recscale's train.precision=bf16 against TorchRec under its own bf16 "
+        "autocast (torch.autocast on the CPU around the forward; tables fp32 in both)",
+    )
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--turn-steps", type=int, default=10)
     p.add_argument("--recscale-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.recscale_worker:
-        recscale_worker(args.recscale_worker, args.warmup)
+        recscale_worker(args.recscale_worker, args.warmup, args.precision)
         return
     # TorchRec runs in the environment this script was started in: without the variables
     # importing recscale set (its OpenMP waits, huge pages), which a TorchRec user's
@@ -255,7 +262,7 @@ def main() -> None:
     summary = {}
     with tempfile.TemporaryDirectory(prefix="recscale-peers-") as tmp:
         for name in args.configs:
-            cfg = load_config(name)
+            cfg = load_config(name, [f"--train.precision={args.precision}"])
             spec, batches = write_inputs(cfg, Path(tmp), args.steps, args.warmup)
             peer = [
                 args.torchrec_python,
@@ -270,6 +277,7 @@ def main() -> None:
                 "--config",
                 name,
                 "--json",
+                f"--train.precision={args.precision}",
                 "--steps",
                 str(args.steps),
                 "--warmup",
@@ -282,6 +290,8 @@ def main() -> None:
                 name,
                 "--warmup",
                 str(args.warmup),
+                "--precision",
+                args.precision,
             ]
             interleave = args.interleave
             if interleave:
@@ -314,7 +324,8 @@ def main() -> None:
                     ratio = rs["samples_per_s"] / tr["samples_per_s"]
                 ratios.append(ratio)
                 print(
-                    f"{name} round {r + 1}: recscale {rs['samples_per_s']:,.0f} samples/s "
+                    f"{name} {args.precision} round {r + 1}: "
+                    f"recscale {rs['samples_per_s']:,.0f} samples/s "
                     f"(bound {rs['bound_samples_per_s']:,.0f}, {rs['ratio_to_bound']:.0%}), "
                     f"TorchRec {tr['samples_per_s']:,.0f}: {ratio:.2f}x; peak RSS "
                     f"{rs['peak_rss_bytes'] / 2**30:.2f} vs {tr['peak_rss_bytes'] / 2**30:.2f} "
@@ -327,6 +338,7 @@ def main() -> None:
                             json.dumps(
                                 {
                                     "config": name,
+                                    "precision": args.precision,
                                     "round": r + 1,
                                     "recscale": rs,
                                     "torchrec": tr,
@@ -338,7 +350,10 @@ def main() -> None:
             summary[name] = statistics.median(ratios)
             os.remove(batches)
     for name, ratio in summary.items():
-        print(f"{name}: recscale / TorchRec = {ratio:.2f}x (median of {args.rounds} rounds)")
+        print(
+            f"{name} {args.precision}: recscale / TorchRec = {ratio:.2f}x "
+            f"(median of {args.rounds} rounds)"
+        )
 
 
 if __name__ == "__main__":

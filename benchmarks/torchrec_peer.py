@@ -7,7 +7,9 @@ so both systems train the same shapes on the same ids::
 
     spec     {"table_sizes", "embedding_dim", "bottom_mlp", "top_mlp", "batch_size",
               "sparse_optimizer": "rowwise_adagrad" | "sgd" | "adam", "sparse_lr",
-              "sparse_eps", "dense_lr", "threads", "warmup", "steps"}
+              "sparse_eps", "dense_lr", "threads", "warmup", "steps",
+              "precision": "fp32" | "bf16" (bf16: torch.autocast on the CPU around the
+              forward, as a TorchRec user turns it on)}
     batches  list of {"dense" [B, 13] f32, "values" [N] i64, "lengths" [F*B] i64
               (feature-major, as a KeyedJaggedTensor), "labels" [B] f32}
 
@@ -120,9 +122,12 @@ def main() -> None:
     build_s = time.perf_counter() - t_build
     batches = [to_torchrec(b, len(spec["table_sizes"])) for b in torch.load(args.batches)]
 
+    bf16 = spec.get("precision", "fp32") == "bf16"
+
     def step(batch: Batch) -> None:
         opt.zero_grad(set_to_none=True)
-        loss, _ = model(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = model(batch)
         loss.backward()
         opt.step()
 
