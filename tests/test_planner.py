@@ -208,3 +208,21 @@ def test_cli_plan_shows_the_expected_hit_rate():
     )
     assert r.returncode == 0, r.stderr
     assert "ssd, cache" in r.stdout and "expected hit rate" in r.stdout
+
+
+def test_the_default_ssd_cache_takes_its_share_of_free_memory_less_its_bookkeeping():
+    from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
+    from recscale.planner.from_config import SSD_CACHE_SHARE, default_ssd_cache
+
+    said: list[str] = []
+    rows, row = 500_000_000, 68
+    free = 24e9
+    got = default_ssd_cache(rows * row, rows, int(free), said.append)
+    room = SSD_CACHE_SHARE * free - ROW_INDEX_BYTES * rows
+    assert got == pytest.approx(room * row / (row + SLOT_OVERHEAD_BYTES), rel=1e-6)
+    # rows + slot bookkeeping + the row indices stay within the share
+    assert got + got / row * SLOT_OVERHEAD_BYTES + rows * ROW_INDEX_BYTES <= SSD_CACHE_SHARE * free
+    assert f"{SSD_CACHE_SHARE:.0%} of the 24.0 GB" in said[0]
+    # never more than the tables, never under 1% of them
+    assert default_ssd_cache(10**6, 10**4, int(free), said.append) == 10**6
+    assert default_ssd_cache(10**12, 10**9, 10**9, said.append) == 10**10

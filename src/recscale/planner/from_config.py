@@ -129,8 +129,12 @@ def available_memory(device: torch.device) -> int:
 # The ssd tier's default cache: this share of the memory available at start, its
 # bookkeeping and the tables' row indices included; the rest is left to the model, the
 # data and the page cache (which keeps the file's next-warmest pages, rows ordered by
-# popularity).
-SSD_CACHE_SHARE = 0.5
+# popularity). A slot of the cache holds one row the batches want; a page of the page
+# cache holds ~60 rows of which a few are. On benchmarks/beyond_ram.toml (23 GiB host,
+# docs/performance.md) a 5.3 GB cache (share 0.5) trained at 30.1k samples/s, 7.0 GB
+# (~0.64) at 36.8k, 8.3-8.5 GB (0.65-0.72) at 35.4-36.1k with the process at 21.3-21.7
+# of 23 GiB: past ~0.6 the page cache is gone and the gain with it.
+SSD_CACHE_SHARE = 0.6
 
 
 def default_ssd_cache(
