@@ -260,6 +260,8 @@ def test_dle_hybrid_parallel_puts_the_bottom_mlp_on_rank_0_and_tables_elsewhere(
     assert f.slowest_rank == 0 and f.step_ms > no_bottom.step_ms
     # the all-to-all is its slowest member's: a table rank's, not rank 0's lighter part
     assert f.stage_ms["all_to_all"] > 0.0
+    with pytest.raises(PlanError, match="missing"):  # 96 GB of tables on 2 x 40 GB
+        forecast(cfg, device_spec("a100-40gb"), 2, "tf32", dle)
 
 
 def test_recscales_own_held_out_gpu_measurement_is_forecast_within_15_percent():

@@ -64,6 +64,7 @@ from recscale.perfmodel.step_kernels import (
 from recscale.perfmodel.systems import RECSCALE, System
 from recscale.planner.costs import ALL_TO_ALL_CALLS, ID_BYTES, CostLaws, placement_work
 from recscale.planner.from_config import plan_for, table_infos
+from recscale.planner.plan import PlanError
 from recscale.planner.types import ShardingPlan, TableInfo, TablePlacement
 
 __all__ = [
@@ -147,17 +148,25 @@ def forecast(
     params, acts = dense_side(dense, cfg, system, b, dims, bottom=not hybrid)
     shared = params  # data parallel: all-reduced
     bottom = StepKernels(dev, eff, precision)  # hybrid: rank 0's bottom MLP, the global batch
-    if hybrid:
+    opt = cfg.optimizer.name
+    if hybrid and cfg.model.num_dense_features:
         params += bottom_mlp(bottom, cfg, system, cfg.train.batch_size)
         bottom.a2a = 2 * cfg.train.batch_size * cfg.model.bottom_mlp[-1] * 4 * (w - 1) / w
-    opt = cfg.optimizer.name
+        bottom.stream("dense_optimizer", (params - shared) * OPT_BYTES[opt])
     dense.stream("dense_optimizer", shared * OPT_BYTES[opt])
-    bottom.stream("dense_optimizer", (params - shared) * OPT_BYTES[opt])
     # fp32 weights and gradients, the optimizer's state, bf16/fp16 copies of the weights
     dense_state = params * (8 + OPT_STATE_BYTES[opt] + (2 if dense.act == 2 else 0))
     act_bytes = b * (2 * acts * dense.act + 2 * sum(dims) * 4)
     if plan is None and hybrid:
         plan = hybrid_plan(tables, w)
+        room = dev.memory_gb * 1e9 * MEMORY_SHARE - dense_state - act_bytes
+        if max(plan.memory_per_rank) > room:
+            r = max(range(w), key=plan.memory_per_rank.__getitem__)
+            raise PlanError(
+                f"{system.name} puts {plan.memory_per_rank[r] / 1e9:.2f} GB of tables on "
+                f"rank {r} but a {dev.name} has {max(room, 0) / 1e9:.2f} GB for them: "
+                f"{(plan.memory_per_rank[r] - room) / 1e9:.2f} GB missing"
+            )
     elif plan is None:
         budget = int(dev.memory_gb * 1e9 * MEMORY_SHARE) - dense_state - act_bytes
         laws = device_laws(dev, w, system, dense.act)
