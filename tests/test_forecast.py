@@ -297,8 +297,12 @@ def test_plan_device_cli_prints_and_carries_the_forecast():
     )
     assert 0 < out["predicted_memory_bytes_per_device"] <= 80e9
     assert out["world_size"] == 8 and len(out["memory_per_rank"]) == 8
+    # recscale's host: its counted ops a kernel, each at EAGER_OP_S, all of it exposed
+    assert out["host_ops_per_step"] == round(out["kernels_per_step"] * RECSCALE.host_ops_per_kernel)
+    assert stages["host"] == pytest.approx(out["host_ops_per_step"] * EAGER_OP_S * 1e3, rel=0.01)
     r = cli("plan", "--device", "mi300x", "--config", "A")
     assert r.returncode == 0 and "samples/s" in r.stdout and "mlp_gemm" in r.stdout
+    assert "framework ops a step at 20.9 us" in r.stdout
     r = cli("plan", "--list-devices")
     assert all(n in r.stdout for n in NAMED)
 

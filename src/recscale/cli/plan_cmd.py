@@ -235,7 +235,7 @@ def _list_devices(extra: str | None) -> int:
 def _forecast(cfg, args) -> int:
     """``--device NAME``: the plan for that device and world size, and the forecast."""
     from recscale.perfmodel.devices import device_spec
-    from recscale.perfmodel.forecast import forecast
+    from recscale.perfmodel.forecast import EAGER_OP_S, forecast
     from recscale.perfmodel.systems import SYSTEMS
 
     dev = device_spec(args.device, args.device_file)
@@ -274,6 +274,12 @@ def _forecast(cfg, args) -> int:
         f"{f.samples_per_s:,.0f} samples/s, {f.kernels} kernels a step; "
         f"memory {f.memory_bytes / 1e9:.2f} GB of {dev.memory_gb:g} GB a device"
     )
+    if f.host_ops:
+        how = {
+            "serial": "the step waits on the device mid-step: added to the device's time",
+            "overlap": "one wait a step: what exceeds the device's time",
+        }[f.host_mode]
+        print(f"host: {f.host_ops} framework ops a step at {EAGER_OP_S * 1e6:.1f} us each ({how})")
     if hours is not None:
         print(f"time to train {args.train_samples:,.0f} samples: {hours:.2f} h")
     return 0

@@ -107,6 +107,8 @@ class Forecast:
     kernels: int  # kernels a step launches on the slowest rank
     slowest_rank: int
     plan: ShardingPlan | None = field(default=None, repr=False)
+    host_ops: int = 0  # framework ops the host dispatches a step (GPU, eager systems)
+    host_mode: str = ""  # how they meet the device's time (System.host)
 
     def to_dict(self) -> dict:
         return {
@@ -120,6 +122,7 @@ class Forecast:
             "predicted_memory_bytes_per_device": self.memory_bytes,
             "predicted_table_bytes_per_device": self.table_bytes,
             "kernels_per_step": self.kernels,
+            "host_ops_per_step": self.host_ops,
             "slowest_rank": self.slowest_rank,
         }
 
@@ -186,8 +189,10 @@ def forecast(
     for k in COLLECTIVES:
         stages[k] = max(e.stages[k] for e in ranks)
     kernels = dense.kernels + emb.kernels
+    host_ops = 0
     if dev.kind == "gpu" and system.host != "graph":
         stages["host"] = _exposed_host(dense, emb, stages, system, precision)
+        host_ops = round(kernels * system.host_ops_per_kernel)
     step = sum(stages.values())
     table_mem = max(plan.memory_per_rank) if any(plan.memory_per_rank) else 0
     return Forecast(
@@ -203,6 +208,8 @@ def forecast(
         kernels,
         slowest,
         plan,
+        host_ops,
+        system.host if host_ops else "",
     )
 
 
