@@ -10,9 +10,10 @@ step after a warm-up: forward, backward (with its fused sparse update) and the d
 optimizer. Prints the total and the most frequent ops as JSON. recscale's step runs
 ``model.kernels=torch`` by default - the op sequence of its GPU path, whose Triton
 kernels stand where the torch ops of the reference path are. TorchRec's step is its
-DLRM example's (``DLRMTrain`` under ``DistributedModelParallel``, FBGEMM's table-batched
-embedding with the optimizer fused into the backward), in ``--world-size`` gloo ranks on
-the CPU (the peer venv of ``benchmarks/peers.py``). Counted on 2026-11-25: recscale
+DLRM example's as ``torchrec_peer.py`` builds it (``DLRMTrain`` under
+``DistributedModelParallel``, FBGEMM's table-batched embedding with the optimizer fused
+into the backward), in ``--world-size`` gloo ranks on the CPU (the peer venv of
+``benchmarks/peers.py``). Counted on 2026-11-25: recscale
 config A 197, config B 215; TorchRec 1.8, 26 one-hot tables, rank 0 of 2 / 4 / 8
 ranks 373 / 379 / 391.
 """
@@ -71,65 +72,34 @@ def count_recscale(config: str, overrides: list[str], steps: int) -> str:
 def _torchrec_rank(rank: int, world: int, tables: int, batch: int, steps: int, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.datasets.utils import Batch
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from torchrec_peer import build, to_torchrec  # benchmarks/, beside this file
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = [1000 * (i + 1) for i in range(tables)]
-    configs = [
-        EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=128, num_embeddings=n, feature_names=[f"f{i}"]
-        )
-        for i, n in enumerate(rows)
-    ]
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    dlrm = DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=13,
-        dense_arch_layer_sizes=[512, 256, 128],
-        over_arch_layer_sizes=[1024, 1024, 512, 256, 1],
-        dense_device=torch.device("cpu"),
-    )
-    model = DLRMTrain(dlrm)
-    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
-    sharders = [EmbeddingBagCollectionSharder(fused_params=fused)]
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"))
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(
-        module=model,
-        device=torch.device("cpu"),
-        plan=plan,
-        sharders=sharders,
-        init_data_parallel=world > 1,
-    )
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.SGD(params, lr=0.1),
-    )
-    opt = CombinedOptimizer([dmp.fused_optimizer, dense])
+    spec = {
+        "table_sizes": rows,
+        "embedding_dim": 128,
+        "num_dense": 13,
+        "bottom_mlp": [512, 256, 128],
+        "top_mlp": [1024, 1024, 512, 256, 1],
+        "sparse_optimizer": "sgd",
+        "sparse_lr": 0.1,
+        "dense_lr": 0.1,
+    }
+    model, opt = build(spec, world)
 
-    def make_batch() -> Batch:
-        values = torch.cat([torch.randint(0, n, (batch,)) for n in rows])
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f{i}" for i in range(tables)],
-            values=values,
-            lengths=torch.ones(tables * batch, dtype=torch.int64),
-        )
-        labels = torch.randint(0, 2, (batch,)).float()
-        return Batch(dense_features=torch.randn(batch, 13), sparse_features=kjt, labels=labels)
+    def make_batch():
+        b = {
+            "dense": torch.randn(batch, 13),
+            "values": torch.cat([torch.randint(0, n, (batch,)) for n in rows]),
+            "lengths": torch.ones(tables * batch, dtype=torch.int64),
+            "labels": torch.randint(0, 2, (batch,)).float(),
+        }
+        return to_torchrec(b, tables)
 
-    def step(b: Batch) -> None:
+    def step(b) -> None:
         opt.zero_grad(set_to_none=True)
-        loss, _ = dmp(b)
+        loss, _ = model(b)
         loss.backward()
         opt.step()
 

@@ -56,7 +56,10 @@ OPTIMIZERS = {
 }
 
 
-def build(spec: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(spec: dict, world_size: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """TorchRec's DLRM of ``spec`` on the CPU, sharded by its planner over ``world_size``
+    gloo ranks (the process group already made); DDP over the dense part only beyond
+    one rank (with one it would only add a no-op all-reduce)."""
     device = torch.device("cpu")
     tables = [
         EmbeddingBagConfig(
@@ -81,10 +84,16 @@ def build(spec: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if spec["sparse_optimizer"] != "sgd":
         fused["eps"] = spec["sparse_eps"]
     sharders = [EmbeddingBagCollectionSharder(fused_params=fused)]
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"))
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    topology = Topology(world_size=world_size, compute_device="cpu")
+    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(
+        model, sharders, dist.GroupMember.WORLD
+    )
     dmp = DistributedModelParallel(
-        module=model, device=device, plan=plan, sharders=sharders, init_data_parallel=False
+        module=model,
+        device=device,
+        plan=plan,
+        sharders=sharders,
+        init_data_parallel=world_size > 1,
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),

@@ -221,7 +221,7 @@ def _exposed_host(
     time; with GradScaler's wait after the backward, that rule before and after it."""
     op_s = system.host_ops_per_kernel * EAGER_OP_S
     kernels = {k: dense.stage_kernels[k] + emb.stage_kernels[k] for k in STAGES}
-    host = sum(kernels.values()) * op_s
+    host = (dense.kernels + emb.kernels) * op_s
     device = sum(stages.values())
     if system.host == "serial":
         return host

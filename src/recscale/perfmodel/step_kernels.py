@@ -64,15 +64,18 @@ class StepKernels:
         self.act = 2 if precision in ("bf16", "fp16", "fp8") else 4  # activation bytes
         self.bw = dev.memory_gbps * 1e9
         self.stages: dict[str, float] = {s: 0.0 for s in STAGES}
-        self.kernels = 0
         self.stage_kernels: dict[str, int] = dict.fromkeys(STAGES, 0)
         self.a2a = self.ar = 0.0  # bytes this rank sends: all-to-all, all-reduce (tables)
+
+    @property
+    def kernels(self) -> int:
+        """Kernels this rank's step launches."""
+        return sum(self.stage_kernels.values())
 
     def absorb(self, other: StepKernels) -> None:
         """Add ``other``'s kernels and bytes sent to this rank's."""
         for k, v in other.stages.items():
             self.stages[k] += v
-        self.kernels += other.kernels
         for k, v in other.stage_kernels.items():
             self.stage_kernels[k] += v
         self.a2a += other.a2a
@@ -81,7 +84,6 @@ class StepKernels:
     def kernel(self, stage: str, seconds: float) -> None:
         """One kernel of ``stage`` taking ``seconds`` plus the fixed cost of a kernel."""
         self.stages[stage] += seconds + self.eff.kernel_s
-        self.kernels += 1
         self.stage_kernels[stage] += 1
 
     def stream(self, stage: str, nbytes: float) -> None:
