@@ -321,3 +321,16 @@ def compressed_run(steps: int, batch_size: int):
     kinds = {p.table: p.kind for p in plan.placements}
     torch.distributed.destroy_process_group()
     return preds, kinds
+
+
+def train_and_report_group(steps: int) -> bool:
+    """``train`` as a torchrun worker calls it (no context given): returns whether a
+    process group is still alive afterwards."""
+    from recscale.train.run import train
+
+    torch.set_num_threads(1)
+    cfg = load_config("debug", [f"--train.steps={steps}", "--train.progress=false"])
+    cfg.train.device = "cpu"
+    metrics = train(cfg, None, echo=lambda _m: None)
+    assert metrics["world_size"] == 2
+    return torch.distributed.is_initialized()

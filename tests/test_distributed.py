@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from dist_workers import die_mid_training, reference, sharded_run
+from dist_workers import die_mid_training, reference, sharded_run, train_and_report_group
 
 from recscale.distributed.spawn import run_ranks
 
@@ -69,6 +69,12 @@ def test_sharded_training_matches_single_process(world_size):
     results = run_ranks(sharded_run, world_size, cases, STEPS, BATCH, timeout=240)
     for i, case in enumerate(cases):
         _check(case, [results[r][i] for r in range(world_size)], world_size)
+
+
+def test_a_finished_run_destroys_the_process_group_it_made():
+    """A rank that exits with its gloo groups alive can abort in the interpreter's
+    teardown after its work is done ("terminate called without an active exception")."""
+    assert run_ranks(train_and_report_group, 2, 4, timeout=120) == [False, False]
 
 
 def test_dead_rank_fails_the_others_fast():

@@ -3,7 +3,12 @@
 Layered above ``modules/`` and ``models/``, which never import it.
 """
 
-from recscale.distributed.context import DistContext, init_distributed, launched_by_torchrun
+from recscale.distributed.context import (
+    DistContext,
+    init_distributed,
+    launched_by_torchrun,
+    shutdown,
+)
 from recscale.distributed.model_parallel import one_rank_plan, shard
 from recscale.distributed.sharded_embedding import ShardedEmbeddingBagCollection
 from recscale.planner.from_config import plan_for, table_infos, uniform_plan
@@ -20,6 +25,7 @@ __all__ = [
     "one_rank_plan",
     "plan_for",
     "shard",
+    "shutdown",
     "table_infos",
     "uniform_plan",
 ]

@@ -39,7 +39,7 @@ from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
-from recscale.distributed import DistContext, init_distributed, launched_by_torchrun
+from recscale.distributed import DistContext, init_distributed, launched_by_torchrun, shutdown
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
 from recscale.embedding.sizing import compression_summary
@@ -472,6 +472,7 @@ def train(
     sharded, each rank trains on its slice of every global batch, and only rank 0
     prints, shows progress and writes ``run_dir`` (see ``train/parallel.py``).
     """
+    owns_process_group = ctx is None  # made here (under torchrun): destroyed here
     try:
         job = build_job(cfg, run_dir, echo, ctx, resume)
         start_step = restore_job(job, resume) if resume is not None else 0
@@ -481,10 +482,13 @@ def train(
         _announce(job)
         loop = train_loop(job, start_step, resume is not None)
         save_final(job, loop)
-        return record(job, loop, start_step, resume is not None)
+        metrics = record(job, loop, start_step, resume is not None)
     finally:
         if run_dir is not None:
             locks.release(run_lock(run_dir))
+    if owns_process_group:
+        shutdown(job.ctx)
+    return metrics
 
 
 def run_lock(run_dir: Path) -> Path:
