@@ -86,10 +86,10 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistCont
 def shutdown(ctx: DistContext) -> None:
     """Destroy the process groups of a job that ended normally.
 
-    A process that exits with its gloo groups alive can die in the interpreter's
-    teardown (gloo's worker threads drop tensors that reach for the GIL: SIGABRT,
-    "terminate called without an active exception") after its work is done. Not for a
-    failed rank: a partner may still be inside a collective with it, and destroying
-    would wait on that collective."""
+    A process that exits with its groups alive can abort in the interpreter's teardown
+    after its work is done (SIGABRT, "terminate called without an active exception":
+    once in CI, a rank of the ssd-tier torchrun test; pytorch/pytorch#190489 reports the
+    same of a missing ``destroy_process_group``). Not for a failed rank: a partner may
+    still be inside a collective with it, and destroying would wait on that collective."""
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()

@@ -470,7 +470,8 @@ def train(
 
     Under torchrun (or given ``ctx``) every rank runs this same function: tables are
     sharded, each rank trains on its slice of every global batch, and only rank 0
-    prints, shows progress and writes ``run_dir`` (see ``train/parallel.py``).
+    prints, shows progress and writes ``run_dir`` (see ``train/parallel.py``). The
+    process group made here (no ``ctx`` given) is destroyed when the run ends normally.
     """
     owns_process_group = ctx is None  # made here (under torchrun): destroyed here
     try:
