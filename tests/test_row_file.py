@@ -118,13 +118,13 @@ def test_a_segment_is_written_in_file_order(tmp_path):
     order = np.concatenate([np.random.default_rng(0).permutation(60), 60 + np.arange(40)[::-1]])
     rf = _file(tmp_path, n, 3, order=order)
     data = np.arange(60 * 3, dtype=np.float32).reshape(60, 3)
-    rf.write_segment(0, data)
-    rf.write_segment(60, -np.ones((40, 3), np.float32))
+    rf.write_segment(0, 60, lambda rel: data[rel], chunk=7)  # chunks of file rows
+    rf.write_segment(60, 40, lambda rel: -np.ones((len(rel), 3), np.float32))
     np.testing.assert_array_equal(rf.read(np.arange(60)), data)
     np.testing.assert_array_equal(rf.read(np.arange(60, 100)), -np.ones((40, 3)))
     bad = _file(tmp_path / "b", 10, 3, order=np.array([0, 9, 1, 2, 3, 4, 5, 6, 7, 8]))
     with pytest.raises(ValueError, match="fill a range"):
-        bad.write_segment(0, np.zeros((2, 3), np.float32))
+        bad.write_segment(0, 2, lambda rel: np.zeros((len(rel), 3), np.float32))
 
 
 @pytest.mark.parametrize(
@@ -212,7 +212,13 @@ def test_warm_rows_are_the_hottest_of_each_segment_sharing_the_cache(tmp_path):
         100 + np.flatnonzero(position[100:] - 100 < 200)
     )
     assert set(rows.tolist()) == want and len(rows) == 300
-    assert st.warm(rows) == 300
+    # hottest first across the segments, the earlier segment first among equal ranks
+    rank = position[rows.numpy()] - np.where(rows.numpy() < 100, 0, 100)
+    seg = (rows.numpy() >= 100).astype(np.int64)
+    assert np.array_equal(np.lexsort((seg, rank)), np.arange(300))
+    assert st.warm(rows, pin=120, chunk=37) == 300  # chunks: the same as whole
+    pinned_rows = set(st.row_of_slot[st.pinned].tolist())
+    assert pinned_rows == set(rows[:120].tolist())
     assert bool((st.slot_of_row[rows] >= 0).all()) and st.free.numel() == 0
     # the hottest warm rows outrank the coldest: the cold ones go first
     first, last = rows[0], rows[-1]

@@ -272,16 +272,22 @@ class CachedStorage(RowStorage):
 
     def initialize_segment(self, start: int, weight: torch.Tensor) -> None:
         """Rows ``[start, start + len(weight))`` take ``weight`` and fresh optimizer
-        state, written whole in file order (a table's initial values in one pass)."""
+        state, written in file order a chunk at a time (a table's initial values in one
+        pass, with one chunk of whole rows beside ``weight`` in memory)."""
         n = weight.shape[0]
-        data = np.empty((n, self.width), np.float32)
-        data[:, : self.dim] = weight.float().cpu().numpy()
-        for name, _shape, lo, hi in self._state_cols:
-            data[:, lo:hi] = self.optimizer.init_value(name)
+        values = weight.float().cpu().numpy()
+
+        def make_rows(rel: np.ndarray) -> np.ndarray:
+            data = np.empty((len(rel), self.width), np.float32)
+            data[:, : self.dim] = values[rel]
+            for name, _shape, lo, hi in self._state_cols:
+                data[:, lo:hi] = self.optimizer.init_value(name)
+            return data
+
         with self._lock:
             if bool((self.slot_of_row[start : start + n] >= 0).any()):
                 raise RuntimeError("initialize_segment: rows of the segment are cached")
-            self.rows.write_segment(start, data)
+            self.rows.write_segment(start, n, make_rows)
 
     def warm_rows(self) -> torch.Tensor:
         """The rows a warm start fills the cache with, hottest first: the head of each
@@ -295,14 +301,20 @@ class CachedStorage(RowStorage):
         for k, i in enumerate(todo):  # smallest first: each takes min(rows, equal share)
             share[i] = min(segs[i][1], left // (len(todo) - k))
             left -= share[i]
-        heads = []
+        # rank r of segment i at table[r, i]: read row by row, the rows hottest first, the
+        # segments in order among equal ranks - built in place, without sorting
+        # hundreds of millions of (rank, row) pairs (a warm start beyond RAM spent ~5 GB
+        # on that, in the run's tightest moment for memory)
+        depth = max(share.values(), default=0)
+        table = np.full((depth, len(segs)), -1, np.int32 if self.num_rows < 2**31 else np.int64)
         for i, (start, n) in enumerate(segs):
-            rel = pos[start : start + n].astype(np.int64) - start
-            head = np.flatnonzero(rel < share[i])
-            heads.append((rel[head], start + head))
-        rank = np.concatenate([h[0] for h in heads])
-        rows = np.concatenate([h[1] for h in heads])
-        return torch.from_numpy(rows[np.argsort(rank, kind="stable")])
+            seg = pos[start : start + n]  # file rows start + rank: the head is rank < share
+            head = np.flatnonzero(seg < start + share[i])
+            table[seg[head].astype(np.int64) - start, i] = start + head
+        flat = table.ravel()
+        if any(v < depth for v in share.values()):  # a short segment left holes
+            flat = flat[flat >= 0]
+        return torch.from_numpy(flat.astype(np.int64))
 
     def warm(self, rows: torch.Tensor, pin: int = 0, chunk: int = 1 << 20) -> int:
         """Fill free cache slots with ``rows`` (hottest first) before training; the
@@ -312,17 +324,26 @@ class CachedStorage(RowStorage):
         made resident."""
         with self._lock:
             rows = rows.cpu()
-            rows = rows[self.slot_of_row[rows] < 0][: self.free.numel()]
-            k = rows.numel()
-            for lo in range(0, k, chunk):
+            # chunk by chunk, never a filtered copy of the whole list: count first
+            k = sum(
+                int((self.slot_of_row[rows[lo : lo + chunk]] < 0).sum())
+                for lo in range(0, rows.numel(), chunk)
+            )
+            k = min(k, self.free.numel())
+            done = 0
+            for lo in range(0, rows.numel(), chunk):
+                if done >= k:
+                    break
                 part = rows[lo : lo + chunk]
+                part = part[self.slot_of_row[part] < 0][: k - done]
                 order = torch.argsort(part)  # file order of an ordered file's head: sequential
                 part = part[order]
                 slots = self._reserve(part.numel(), torch.zeros(0, dtype=torch.int64))
                 self._install(part, slots, self.rows.read(part.numpy()))
-                rank = (lo + order).double()
+                rank = (done + order).double()
                 self.score[slots] = 1.0 - rank / max(k, 1)
                 self.pinned[slots] = rank < pin
+                done += part.numel()
             self._unpinned = None
             return k
 

@@ -40,6 +40,7 @@ import stat
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,8 @@ from recscale import native
 
 TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
 ACCESS = ("auto", "pread", "map")
+SEGMENT_CHUNK_ROWS = 1 << 20  # rows an initial segment writes at once (68 MB at width 17)
+RowMaker = Callable[[np.ndarray], np.ndarray]  # segment-relative rows -> [n, width] fp32
 # access=auto maps a file of at most this share of the memory available when it is made:
 # the page cache then holds all of it and nothing evicts a mapped page
 MAP_SHARE = 0.5
@@ -320,21 +323,28 @@ class RowFile:
         data[:, lo:hi] = values
         self.write(rows, data)
 
-    def write_segment(self, start: int, data: np.ndarray) -> None:
-        """Whole rows ``[start, start + len(data))`` at once: placed by their positions
-        in memory, then written as one sequential run (a table's initial values, with no
-        scattered writes to a file larger than memory)."""
-        n = len(data)
+    def write_segment(
+        self, start: int, n: int, make_rows: RowMaker, chunk: int = SEGMENT_CHUNK_ROWS
+    ) -> None:
+        """Whole rows ``[start, start + n)``, which fill a range of file rows, written in
+        file order a chunk at a time (a table's initial values: no scattered writes to a
+        file larger than memory, and only a chunk of rows in memory at once).
+        ``make_rows(rel)`` gives the rows ``start + rel`` (``rel`` int64, any order) as
+        ``[len(rel), width]`` fp32."""
         if self.position is None:
-            lo, placed = start, np.ascontiguousarray(data, dtype=np.float32)
+            lo, rel_at = start, None
         else:
-            pos = self.position[start : start + n].astype(np.int64)
-            lo = int(pos.min())
-            if int(pos.max()) - lo != n - 1:
+            pos = self.position[start : start + n]
+            lo = int(pos.min()) if n else start
+            if n and int(pos.max()) - lo != n - 1:
                 raise ValueError("a segment's rows must fill a range of file rows")
-            placed = np.empty_like(data)
-            placed[pos - lo] = data
-        self._io(True, np.arange(lo, lo + n, dtype=np.int64), placed)  # 256 KB requests
+            rel_at = np.empty(n, np.int64)  # file row lo + k holds segment row rel_at[k]
+            rel_at[pos.astype(np.int64) - lo] = np.arange(n, dtype=np.int64)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            rel = np.arange(a, b, dtype=np.int64) if rel_at is None else rel_at[a:b]
+            data = np.ascontiguousarray(make_rows(rel), dtype=np.float32)
+            self._io(True, np.arange(lo + a, lo + b, dtype=np.int64), data)  # 256 KB requests
 
     def flush(self) -> None:
         self.map.flush()
@@ -366,8 +376,12 @@ class HostRows:
     def write_columns(self, rows: np.ndarray, lo: int, hi: int, values: np.ndarray) -> None:
         self.map[rows, lo:hi] = values
 
-    def write_segment(self, start: int, data: np.ndarray) -> None:
-        self.map[start : start + len(data)] = data
+    def write_segment(
+        self, start: int, n: int, make_rows: RowMaker, chunk: int = SEGMENT_CHUNK_ROWS
+    ) -> None:
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            self.map[start + a : start + b] = make_rows(np.arange(a, b, dtype=np.int64))
 
     def flush(self) -> None:
         pass
