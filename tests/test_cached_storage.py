@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,8 +122,12 @@ def test_lfu_keeps_hot_rows_through_a_scan_where_lru_does_not(tmp_path):
     for policy in ("lfu", "lru"):
         st = _storage(tmp_path, rows=5000, cache=100, policy=policy)
         hot, fresh = list(range(40)), iter(range(100, 5000))
-        for step in range(80):  # the hot rows every 4th batch; three 30-row scans between
-            _lookup(st, hot if step % 4 == 0 else [next(fresh) for _ in range(30)])
+        # the hot rows in the first two batches and every 4th after; 30-row scans between
+        # (used twice before the cache first fills, they outcount any scanned row: with
+        # one use each, LFU could not tell them apart and ties fall either way)
+        for step in range(80):
+            is_hot = step % 4 == 0 or step == 1
+            _lookup(st, hot if is_hot else [next(fresh) for _ in range(30)])
         rates[policy] = st.stats.hit_rate
     assert rates["lfu"] > rates["lru"] + 0.2, rates
 
@@ -382,3 +387,20 @@ def test_the_pipeline_thread_yields_the_cores_to_the_step():
     t.join()
     assert seen["lowered"] and seen["delta"] == seen["expected"]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 99, 100, 150])
+def test_eviction_picks_the_lowest_scores(k):
+    from recscale.embedding.cached_storage import lowest
+
+    rng = np.random.default_rng(k)
+    score = torch.from_numpy(rng.integers(0, 20, 100).astype(np.float64))  # many ties
+    got = lowest(score, k)
+    assert got.numel() == min(k, 100) and got.unique().numel() == got.numel()
+    if 0 < k < 100:
+        # exactly the k smallest: nothing left behind scores below the largest taken
+        taken = score[got].max()
+        rest = torch.ones(100, dtype=torch.bool)
+        rest[got] = False
+        assert bool((score[rest] >= taken).all())
+        assert torch.equal(score[got].sort().values, score.sort().values[:k])

@@ -64,6 +64,17 @@ SLOT_OVERHEAD_BYTES = 26
 ROW_INDEX_BYTES = 8
 
 
+def lowest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of ``k`` smallest entries of a CPU ``score`` (ties: any), unordered.
+    A selection, not a sort: numpy's introselect over 520k scores picks 162k in 1.2 ms
+    where ``torch.topk`` took 19.5 ms (2 threads) - the eviction's largest cost."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if k >= score.numel():
+        return torch.arange(score.numel())
+    return torch.from_numpy(np.argpartition(score.numpy(), k - 1)[:k].astype(np.int64))
+
+
 class CachedStorage(RowStorage):
     def __init__(
         self,
@@ -199,7 +210,7 @@ class CachedStorage(RowStorage):
         cand = self._unpinned
         cand = cand[~blocked[cand] & (self.row_of_slot[cand] >= 0)]
         k = min(k, cand.numel())
-        victims = cand[torch.topk(self.score[cand], k, largest=False).indices]
+        victims = cand[lowest(self.score[cand], k)]
         if victims.numel() < need:
             pinned = int((self.row_of_slot >= 0).sum()) - cand.numel()
             total = pinned + self.free.numel() + need  # all of it wanted resident at once
