@@ -391,7 +391,7 @@ def test_the_pipeline_thread_yields_the_cores_to_the_step():
 
 @pytest.mark.parametrize("k", [0, 1, 7, 99, 100, 150])
 def test_eviction_picks_the_lowest_scores(k):
-    from recscale.embedding.cached_storage import lowest
+    from recscale.embedding.cache_choice import lowest
 
     rng = np.random.default_rng(k)
     score = torch.from_numpy(rng.integers(0, 20, 100).astype(np.float64))  # many ties

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import kernels
+from recscale.embedding.cache_choice import lowest, warm_list
 from recscale.embedding.cache_stats import CacheStats, CacheTooSmallError, Prefetched
 from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
 from recscale.embedding.optimizers import SparseOptimizer
@@ -62,18 +63,6 @@ from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_
 # per table row slot_of_row (4) + its file position (4).
 SLOT_OVERHEAD_BYTES = 26
 ROW_INDEX_BYTES = 8
-
-
-def lowest(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` smallest entries of a CPU ``score`` (ties: any), unordered.
-    A selection, not a sort: numpy's introselect over 520k scores picks 162k in 1.2 ms
-    where ``torch.topk`` took 19.5 ms (2 threads), most of the time an eviction spent
-    choosing its victims."""
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if k >= score.numel():
-        return torch.arange(score.numel())
-    return torch.from_numpy(np.argpartition(score.numpy(), k - 1)[:k].astype(np.int64))
 
 
 class CachedStorage(RowStorage):
@@ -305,28 +294,9 @@ class CachedStorage(RowStorage):
         """The rows a warm start fills the cache with, hottest first: the head of each
         segment's file order, the cache shared equally among the segments (a segment
         smaller than its share gives the rest to the others). Empty without an order."""
-        pos, segs = self._order, self._segments
-        if pos is None or not segs:
+        if self._order is None or not self._segments:
             return torch.zeros(0, dtype=torch.int64)
-        share, left = {}, self.cache_rows
-        todo = sorted(range(len(segs)), key=lambda i: segs[i][1])
-        for k, i in enumerate(todo):  # smallest first: each takes min(rows, equal share)
-            share[i] = min(segs[i][1], left // (len(todo) - k))
-            left -= share[i]
-        # rank r of segment i at table[r, i]: read row by row, the rows hottest first, the
-        # segments in order among equal ranks - built in place, without sorting
-        # hundreds of millions of (rank, row) pairs (a warm start beyond RAM spent ~5 GB
-        # on that, in the run's tightest moment for memory)
-        depth = max(share.values(), default=0)
-        table = np.full((depth, len(segs)), -1, np.int32 if self.num_rows < 2**31 else np.int64)
-        for i, (start, n) in enumerate(segs):
-            seg = pos[start : start + n]  # file rows start + rank: the head is rank < share
-            head = np.flatnonzero(seg < start + share[i])
-            table[seg[head].astype(np.int64) - start, i] = start + head
-        flat = table.ravel()
-        if any(v < depth for v in share.values()):  # a short segment left holes
-            flat = flat[flat >= 0]
-        return torch.from_numpy(flat.astype(np.int64))
+        return torch.from_numpy(warm_list(self._order, self._segments, self.cache_rows))
 
     def warm(self, rows: torch.Tensor, pin: int = 0, chunk: int = 1 << 20) -> int:
         """Fill free cache slots with ``rows`` (hottest first) before training; the
