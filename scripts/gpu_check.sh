@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Check recscale on a CUDA machine in one command: install the project (nothing else:
-# torch and triton must already be there, as on the GPU images), run the whole test
-# suite on the GPU, then `recscale bench throughput` for configs A and B at batch 2048
-# and 16384 (TF32, and bf16 at 16384), and print one summary table.
+# torch and triton must already be there, as on the GPU images), run `recscale bench
+# throughput` for configs A and B (batch 2048 and 16384, TF32, and bf16 at 16384) and
+# for the two published model shapes the forecast is checked against (DeepLearningExamples'
+# DLRM at batch 65536, MLPerf's DLRM-DCNv2 at 6912 a GPU; tables capped at 4 GB), then
+# the whole test suite on the GPU, and print one summary table with each run's stages.
 #
-#   bash scripts/gpu_check.sh            # OUT=gpu_check/ gets the logs and JSON
+#   bash scripts/gpu_check.sh                 # OUT=gpu_check/ gets the logs and JSON
+#   BUDGET_S=480 bash scripts/gpu_check.sh    # the tests stop so that all ends in 480 s
 #
+# Benchmarks come first: they are short and bounded (90 s each); the suite takes the
+# rest, on WORKERS processes (default 8) where pytest-xdist is installed.
 # Exit code: the test suite's (the benchmarks report, they do not fail the check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_check}
+BUDGET_S=${BUDGET_S:-0}
+WORKERS=${WORKERS:-8}
+START=$(date +%s)
 mkdir -p "$OUT"
 
 "$PY" - <<'PYEOF' || { echo "gpu_check: no CUDA device visible to torch" >&2; exit 2; }
@@ -18,43 +26,70 @@ import sys, torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, devices {torch.cuda.device_count()}")
 sys.exit(0 if torch.cuda.is_available() else 1)
 PYEOF
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
+    >"$OUT/nvidia-smi.csv" 2>&1 || true
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || { echo "gpu_check: install failed, see $OUT/install.log" >&2; exit 2; }
 
-echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
-RECSCALE_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
-tests_rc=${PIPESTATUS[0]}
+bench() {  # name, then recscale bench throughput arguments
+    local name=$1
+    shift
+    echo "-- $name"
+    timeout 90 "$PY" -m recscale bench throughput --steps 50 --json --train.device=cuda "$@" \
+        >"$OUT/bench-$name.json" 2>"$OUT/bench-$name.log" \
+        || echo "   failed: see $OUT/bench-$name.log"
+}
 
 echo "== bench throughput =="
 for cfg in A B; do
-    for bs in 2048 16384; do
-        for prec in tf32 bf16; do
-            [ "$prec" = bf16 ] && [ "$bs" = 2048 ] && continue
-            name="$cfg-$bs-$prec"
-            echo "-- $name"
-            "$PY" -m recscale bench throughput --config "$cfg" --steps 50 --json \
-                --train.batch_size="$bs" --train.precision="$prec" --train.device=cuda \
-                >"$OUT/bench-$name.json" 2>"$OUT/bench-$name.log" \
-                || echo "   failed: see $OUT/bench-$name.log"
-        done
+    bench "$cfg-2048-tf32" --config "$cfg" --train.batch_size=2048 --train.precision=tf32
+    for prec in tf32 bf16; do
+        bench "$cfg-16384-$prec" --config "$cfg" --train.batch_size=16384 --train.precision="$prec"
     done
 done
+tables=$("$PY" -c "import sys; sys.path.insert(0, 'benchmarks')
+from forecast_validation import capped; print(capped(4)[0])")
+for prec in tf32 bf16; do
+    bench "dle-65536-$prec" --config criteo_terabyte "$tables" --train.batch_size=65536 \
+        --optimizer.name=sgd --embedding.optimizer=sgd --train.precision="$prec"
+    bench "dcnv2-6912-$prec" --config criteo_multihot_dcnv2 "$tables" \
+        --train.batch_size=6912 --train.precision="$prec"
+done
+
+echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
+args=(-p no:cacheprovider -rfE)
+"$PY" -c "import xdist" 2>/dev/null && args+=(-n "$WORKERS" -v)
+"$PY" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=240)
+left=0
+if [ "$BUDGET_S" -gt 0 ]; then
+    left=$((BUDGET_S - ($(date +%s) - START) - 20))
+    [ "$left" -lt 30 ] && left=30
+fi
+RECSCALE_TEST_DEVICE=cuda timeout "$left" "$PY" -m pytest "${args[@]}" 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
 
 "$PY" - "$OUT" "$tests_rc" <<'PYEOF'
-import json, sys
+import json, re, sys
 from pathlib import Path
 out, rc = Path(sys.argv[1]), int(sys.argv[2])
-tail = (out / "tests.log").read_text().strip().splitlines()
+log = (out / "tests.log").read_text()
+tail = log.strip().splitlines()
+counts = {k: len(re.findall(rf"\b{k}\b tests/", log)) for k in ("PASSED", "FAILED", "ERROR")}
 print("\n== summary ==")
-print(f"tests (RECSCALE_TEST_DEVICE=cuda): {tail[-1] if tail else '?'} (exit {rc})")
-print(f"{'run':<16}{'samples/s':>14}{'bound':>14}{'ratio':>8}{'ms/step':>10}  device")
+print(f"tests (RECSCALE_TEST_DEVICE=cuda): {tail[-1] if tail else '?'} (exit {rc}"
+      + (", stopped at the budget" if rc == 124 else "") + f"); per test: {counts}")
+name = "?"
+print(f"{'run':<18}{'samples/s':>12}{'bound':>12}{'ratio':>7}{'ms/step':>9}  stages (ms)")
 for f in sorted(out.glob("bench-*.json")):
     try:
         r = json.loads(f.read_text())
     except ValueError:
-        print(f"{f.stem[6:]:<16}{'failed':>14}")
+        print(f"{f.stem[6:]:<18}{'failed':>12}")
         continue
-    print(f"{f.stem[6:]:<16}{r['samples_per_s']:>14,.0f}{r['bound_samples_per_s']:>14,.0f}"
-          f"{r['ratio_to_bound']:>8.2f}{r['ms_per_step']:>10.2f}  {r.get('device_name', '?')}")
+    name = r.get("device_name", name)
+    st = " ".join(f"{k} {v:.3f}" for k, v in {**r["stage_ms"], **r["stage_detail_ms"]}.items())
+    print(f"{f.stem[6:]:<18}{r['samples_per_s']:>12,.0f}{r['bound_samples_per_s']:>12,.0f}"
+          f"{r['ratio_to_bound']:>7.2f}{r['ms_per_step']:>9.2f}  {st}")
+print(f"device: {name}")
 PYEOF
 exit "$tests_rc"
