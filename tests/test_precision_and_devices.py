@@ -132,8 +132,9 @@ def test_bf16_says_where_it_runs_and_warns_when_it_will_not_pay(monkeypatch):
 
     def run_lines() -> list[str]:
         lines: list[str] = []
-        train(
-            load_config("debug", [*FAST, "--train.steps=5", "--train.precision=bf16"]),
+        overrides = [*FAST, "--train.steps=5", "--train.precision=bf16", "--train.device=cpu"]
+        train(  # the CPU's note (under RECSCALE_TEST_DEVICE=cuda too)
+            load_config("debug", overrides),
             None,
             echo=lines.append,
         )

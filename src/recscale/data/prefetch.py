@@ -87,8 +87,18 @@ class DeviceFeeder:
         import torch
 
         side = torch.cuda.Stream(device=self._device)
-        pending = None
-        for batch in self._batches:
+        pending, source = None, iter(self._batches)
+        while True:
+            try:
+                batch = next(source)
+            except StopIteration:
+                break
+            except BaseException:
+                # the step whose batch is already here runs first (as on the CPU, where
+                # an error or Ctrl-C while reading batch t+1 comes after step t)
+                if pending is not None:
+                    yield self._hand_over(*pending)
+                raise
             with torch.cuda.stream(side):
                 moved = batch.to(self._device, non_blocking=True)
                 ready = torch.cuda.Event()
