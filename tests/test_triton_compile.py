@@ -32,11 +32,11 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere():
     r = _run("-m", "recscale.embedding.triton_compile", "--dims", "16", "24", "--jobs", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("sm_")]
-    # 2 dims x (4 lookup + 24 update variants) x 2 archs, one line each with its usage
-    assert len(lines) == 112
+    # 2 dims x (4 lookup + 24 update + 2 piece-sum variants) x 2 archs, a line each
+    assert len(lines) == 120
     assert {ln.split()[0] for ln in lines} == {"sm_90", "sm_80"}
     assert all(" ok " in ln and "regs=" in ln and "smem=" in ln for ln in lines)
-    assert "112 of 112 variants compiled" in r.stdout
+    assert "120 of 120 variants compiled" in r.stdout
 
 
 def test_a_variant_the_compiler_rejects_is_reported_not_passed():

@@ -113,6 +113,79 @@ def test_fused_rowwise_adagrad_matches_the_reference_update(tk, device):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dim", [24, 128])
+def test_fused_update_sums_hot_rows_in_pieces_like_the_reference(tk, device, optimizer, dim):
+    """Rows with more ids than ``LIGHT`` are summed in pieces (module doc): counts on both
+    sides of the threshold; heavy rows starting on a window's edge and off it, one whose
+    head is all of it, one ending inside a window; weighted, against a float64
+    ``index_add`` reference, and the same bits on a second run (a fixed order)."""
+    light, w = tk.LIGHT, tk.W
+    # sorted starts: 0, 1, 33, 66, w (on an edge), 2w + 1, 4w + 91, 4w + 94, 4w + 95
+    counts = [1, light, light + 1, w - 66, w + 1, 2 * w + 90, 3, 1, light + 5]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.repeat_interleave(torch.arange(len(counts)) * 7, torch.tensor(counts))
+    ids = ids[torch.randperm(ids.shape[0], generator=g)].to(device)
+    n, rows = ids.shape[0], 7 * len(counts)
+    bag_of_id = torch.randint(0, 50, (n,), generator=g).to(device)
+    psw = torch.rand(n, generator=g).to(device)
+    opt = {"sgd": SparseSGD(0.05), "adam": SparseAdam(0.05)}.get(optimizer) or (
+        SparseRowwiseAdagrad(0.1, eps=1e-8, initial_accumulator=0.1)
+    )
+    weight0 = torch.randn(rows, dim, generator=g).to(device)
+    state0 = {
+        k: torch.full((rows, *s), 0.1, device=device) for k, s in opt.state_shapes(dim).items()
+    }
+    grads = [torch.randn(50, dim, generator=g).to(device) for _ in range(2)]
+    runs = []
+    for _ in range(2):
+        weight, state = weight0.clone(), {k: v.clone() for k, v in state0.items()}
+        for k, gp in enumerate(grads):
+            tk.fused_update(opt, weight, state, ids, bag_of_id, psw, gp, k + 1)
+        runs.append((weight, state))
+    ref_w, ref_s = weight0.clone(), {k: v.clone() for k, v in state0.items()}
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    for k, gp in enumerate(grads):
+        per_id = (gp[bag_of_id] * psw[:, None]).double()
+        summed = torch.zeros(unique.shape[0], dim, device=device, dtype=torch.float64)
+        opt.update_(ref_w, ref_s, unique, summed.index_add_(0, inverse, per_id).float(), k + 1)
+    torch.testing.assert_close(runs[0][0], ref_w, atol=1e-5, rtol=1e-5)
+    for name in ref_s:  # Adam's squares of ~600-id float32 sums: rtol 1e-4
+        torch.testing.assert_close(runs[0][1][name], ref_s[name], atol=1e-5, rtol=1e-4)
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
+def test_fused_update_on_random_mixes_of_light_and_heavy_rows(tk, device):
+    """Random layouts (most rows a few ids, some around ``LIGHT``, some several windows
+    long, in random sorted positions): SGD's step equals the summed gradient exactly
+    enough to catch any id counted twice or missed."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(100 + seed)
+        kinds = torch.randint(0, 10, (60,), generator=g)
+        counts = torch.where(
+            kinds < 6,
+            torch.randint(1, 4, (60,), generator=g),
+            torch.where(
+                kinds < 8,
+                torch.randint(tk.LIGHT - 2, tk.LIGHT + 6, (60,), generator=g),
+                torch.randint(tk.W - 20, 2 * tk.W, (60,), generator=g),
+            ),
+        )
+        rows = 3 * 60
+        ids = torch.repeat_interleave(torch.randperm(rows, generator=g)[:60], counts)
+        ids = ids[torch.randperm(ids.shape[0], generator=g)]
+        n = ids.shape[0]
+        bag_of_id = torch.randint(0, 40, (n,), generator=g)
+        grad = torch.randn(40, 8, generator=g)
+        weight = torch.zeros(rows, 8, device=device)
+        tk.fused_update(
+            SparseSGD(1.0), weight, {}, ids.to(device), bag_of_id.to(device), None,
+            grad.to(device), 1,
+        )  # fmt: skip
+        ref = torch.zeros(rows, 8, dtype=torch.float64).index_add_(0, ids, grad[bag_of_id].double())
+        torch.testing.assert_close(weight.cpu().double(), -ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 def test_training_with_triton_kernels_equals_the_torch_path(tk, device, optimizer):
     """A collection with kernels=triton (lookup + fused backward) trains like kernels=torch."""
     from recscale.config import load_config

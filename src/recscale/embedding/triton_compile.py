@@ -16,7 +16,8 @@ A variant is what makes Triton compile a kernel anew:
     specialization Triton marks an int argument divisible by 16 (and a pointer 16-byte
                    aligned) when it is; a dim D that is a multiple of 16 therefore
                    compiles differently (vectorized loads) from one that is not, and
-                   the count (bags / distinct rows) may be either
+                   the count of bags may be either (the backward's counts are marked
+                   ``do_not_specialize``)
 
 ``python -m recscale.embedding.triton_compile`` prints one line a variant (registers
 from ``ptxas -v``, shared memory from Triton's metadata) and exits 1 on any failure.
@@ -73,13 +74,27 @@ _UPDATE_SIG = {
     "psw_ptr": "*fp32",
     "grad_ptr": "*fp32",
     "dirty_ptr": "*u8",
+    "partial_ptr": "*fp32",
     "U": "i32",
+    "NWIN": "i32",
     "D": "i32",
     "lr": "fp32",
     "eps": "fp32",
     "b1": "fp32",
     "b2": "fp32",
     "step_size": "fp32",
+}
+_PIECE_SIG = {
+    "seg_ptr": "*i64",
+    "inverse_ptr": "*i64",
+    "order_ptr": "*i64",
+    "bag_ptr": "*i64",
+    "psw_ptr": "*fp32",
+    "grad_ptr": "*fp32",
+    "partial_ptr": "*fp32",
+    "N": "i32",
+    "NWIN": "i32",
+    "D": "i32",
 }
 
 
@@ -114,7 +129,7 @@ class Compiled:
 
 def variants(dims=DIMS) -> list[Variant]:
     """Every (kernel, constexprs, divisibility) that ``pooled_lookup`` / ``fused_update``
-    can launch for the given embedding dims."""
+    (with its ``piece_sum``) can launch for the given embedding dims."""
     out: list[Variant] = []
     for dim in dims:
         block_b, block_d = tk._blocks(dim)
@@ -127,7 +142,7 @@ def variants(dims=DIMS) -> list[Variant]:
             div = (("num_bags",) if count16 else ()) + d16
             out.append(Variant("pooled_lookup", dim, ce, sig, div))
         block_u, block_d = tk._blocks(dim)
-        for opt, has_psw, has_dirty, count16 in itertools.product(
+        for opt, has_psw, has_dirty, heavy in itertools.product(
             OPTIMIZERS.values(), (False, True), (False, True), (False, True)
         ):
             sig = dict(_UPDATE_SIG)
@@ -141,11 +156,20 @@ def variants(dims=DIMS) -> list[Variant]:
                 "OPT": opt,
                 "HAS_PSW": has_psw,
                 "HAS_DIRTY": has_dirty,
+                "HEAVY": heavy,
                 "BLOCK_U": block_u,
                 "BLOCK_D": block_d,
+                "LIGHT": tk.LIGHT,
+                "W": tk.W,
             }
-            div = (("U",) if count16 else ()) + d16
-            out.append(Variant("fused_update", dim, ce, sig, div))
+            out.append(Variant("fused_update", dim, ce, sig, d16))  # counts not specialized
+        for has_psw in (False, True):
+            sig = dict(_PIECE_SIG)
+            if not has_psw:
+                sig["psw_ptr"] = "*i64"
+            ce = {"HAS_PSW": has_psw, "LIGHT": tk.LIGHT, "W": tk.W, "SUB": tk._sub(block_d)}
+            ce["BLOCK_D"] = block_d
+            out.append(Variant("piece_sum", dim, ce, sig, d16))
     return out
 
 
@@ -180,7 +204,11 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
 
 
 def compile_variant(v: Variant, arch: int) -> Compiled:
-    fn = tk._pooled_lookup_kernel if v.kernel == "pooled_lookup" else tk._fused_update_kernel
+    fn = {
+        "pooled_lookup": tk._pooled_lookup_kernel,
+        "fused_update": tk._fused_update_kernel,
+        "piece_sum": tk._piece_sum_kernel,
+    }[v.kernel]
     sig = {**v.signature, **dict.fromkeys(v.constexprs, "constexpr")}
     t = time.perf_counter()
     try:

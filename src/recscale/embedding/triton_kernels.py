@@ -13,8 +13,7 @@ Lookup, ``BLOCK_B`` bags x ``BLOCK_D`` columns per program::
     out[bag, :] = sum_{i in [offsets[bag], offsets[bag+1])} psw[i] * weight[rows[i], :]
 
 Backward, ``BLOCK_U`` distinct rows per program. The host sorts the ids by row
-(``torch.sort``; ties keep any order) and cuts the sorted list into one segment per
-distinct row::
+(``torch.sort``, stable) and cuts the sorted list into one segment per distinct row::
 
     unique [U]      distinct rows, ascending
     seg    [U + 1]  segment u holds sorted positions [seg[u], seg[u+1])
@@ -22,7 +21,23 @@ distinct row::
     g_u = sum over the segment of grad_pooled[bag_of_id[i], :] * psw[i]   (registers)
     then SGD / row-wise Adagrad / Adam on weight[unique[u]] and its state, in place.
 
-Every distinct row is owned by one program, so updates never race.
+Every distinct row is owned by one program, so updates never race. A program walks its
+rows' segments one id at a time (three dependent loads an id), so it takes as long as
+its longest segment: a hot row with 20k ids in a batch (a 3-row table at batch 65536, a
+Zipf head) kept one program busy for ~30 ms on an H200 while the rest of the GPU idled.
+Where some segment is longer than ``LIGHT`` ids (the host checks), those "heavy"
+segments are summed first, in parallel, by ``_piece_sum_kernel`` (``SUB`` ids loaded at
+once and reduced as a tile), in pieces keyed by sorted position so that no per-row
+bookkeeping is needed::
+
+    window w   positions [w * W, (w + 1) * W) of the row owning position w * W
+    head h     positions [seg[u], next multiple of W) of the heavy row u starting in
+               [h * (LIGHT + 1), (h + 1) * (LIGHT + 1)) - at most one: heavy rows start
+               more than LIGHT positions apart
+    partial [NWIN + NHEAD, D]   a heavy row's g = its head + its whole windows, in order
+
+The order of every sum is fixed by the sorted ids and the tile shapes, so the result is
+the same on every run (bitwise resume).
 """
 
 from __future__ import annotations
@@ -30,6 +45,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+LIGHT = 32  # segments up to this many ids are summed id by id by their owning program
+W = 256  # positions a window of the heavy rows' pieces
 
 
 @triton.jit
@@ -67,7 +85,7 @@ def _pooled_lookup_kernel(
     tl.store(out, acc, mask=bmask[:, None] & cmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["U", "NWIN"])
 def _fused_update_kernel(
     weight_ptr,
     s1_ptr,
@@ -79,7 +97,9 @@ def _fused_update_kernel(
     psw_ptr,
     grad_ptr,
     dirty_ptr,
+    partial_ptr,
     U,
+    NWIN,
     D,
     lr,
     eps,
@@ -89,8 +109,11 @@ def _fused_update_kernel(
     OPT: tl.constexpr,
     HAS_PSW: tl.constexpr,
     HAS_DIRTY: tl.constexpr,
+    HEAVY: tl.constexpr,
     BLOCK_U: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LIGHT: tl.constexpr,
+    W: tl.constexpr,
 ):
     us = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     umask = us < U
@@ -98,16 +121,31 @@ def _fused_update_kernel(
     cmask = cols < D
     lo = tl.load(seg_ptr + us, mask=umask, other=0)
     count = tl.load(seg_ptr + us + 1, mask=umask, other=0) - lo
+    if HEAVY:
+        heavy = count > LIGHT
+        serial = tl.where(heavy, 0, count)
+    else:  # the host found no segment over LIGHT ids
+        serial = count
     g = tl.zeros([BLOCK_U, BLOCK_D], dtype=tl.float32)
-    for j in range(0, tl.max(count, axis=0)):
-        valid = j < count
+    for j in range(0, tl.max(serial, axis=0)):
+        valid = j < serial
         idx = tl.load(order_ptr + lo + j, mask=valid, other=0)
         bag = tl.load(bag_ptr + idx, mask=valid, other=0)
-        m2 = (j < count[:, None]) & cmask[None, :]  # not from ``valid``: see the lookup
+        m2 = (j < serial[:, None]) & cmask[None, :]  # not from ``valid``: see the lookup
         gv = tl.load(grad_ptr + bag[:, None] * D + cols[None, :], mask=m2, other=0.0)
         if HAS_PSW:
             gv = gv * tl.load(psw_ptr + idx, mask=valid, other=0.0)[:, None]
         g += gv
+    if HEAVY:  # a heavy row: its head piece, then its whole windows (module doc)
+        head = NWIN + lo // (LIGHT + 1)
+        mh = heavy[:, None] & cmask[None, :]
+        g += tl.load(partial_ptr + head[:, None] * D + cols[None, :], mask=mh, other=0.0)
+        first_w = (lo + W - 1) // W
+        windows = tl.where(heavy, tl.maximum((lo + count - 1) // W - first_w + 1, 0), 0)
+        for k in range(0, tl.max(windows, axis=0)):
+            mk = (k < windows[:, None]) & cmask[None, :]
+            wp = partial_ptr + (first_w + k)[:, None] * D + cols[None, :]
+            g += tl.load(wp, mask=mk, other=0.0)
     row = tl.load(unique_ptr + us, mask=umask, other=0)
     m2 = umask[:, None] & cmask[None, :]
     w_ptrs = weight_ptr + row[:, None] * D + cols[None, :]
@@ -131,10 +169,65 @@ def _fused_update_kernel(
         tl.store(dirty_ptr + row, tl.full([BLOCK_U], 1, tl.uint8), mask=umask)
 
 
+@triton.jit(do_not_specialize=["N", "NWIN"])
+def _piece_sum_kernel(
+    seg_ptr,
+    inverse_ptr,
+    order_ptr,
+    bag_ptr,
+    psw_ptr,
+    grad_ptr,
+    partial_ptr,
+    N,
+    NWIN,
+    D,
+    HAS_PSW: tl.constexpr,
+    LIGHT: tl.constexpr,
+    W: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """partial[p] = the gradient summed over piece p (module doc): a window for
+    ``p < NWIN``, else head ``p - NWIN``; a piece of a light row is left unwritten."""
+    p = tl.program_id(0)
+    is_window = p < NWIN
+    h = p - NWIN
+    # the row to look at: a window's first position's; for a head, the row owning the
+    # last position of its range (a heavy row starting in the range reaches past it)
+    probe = tl.where(is_window, p * W, tl.minimum((h + 1) * (LIGHT + 1) - 1, N - 1))
+    u = tl.load(inverse_ptr + probe)
+    lo_u = tl.load(seg_ptr + u)
+    hi_u = tl.load(seg_ptr + u + 1)
+    live = (hi_u - lo_u > LIGHT) & (is_window | (lo_u >= h * (LIGHT + 1)))
+    start = tl.where(is_window, p * W, lo_u)
+    stop = tl.minimum(tl.where(is_window, p * W + W, (lo_u + W - 1) // W * W), hi_u)
+    stop = tl.where(live, stop, start)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s in range(0, W, SUB):
+        pos = start + s + tl.arange(0, SUB)
+        valid = pos < stop
+        idx = tl.load(order_ptr + pos, mask=valid, other=0)
+        bag = tl.load(bag_ptr + idx, mask=valid, other=0)
+        m2 = ((start + s + tl.arange(0, SUB))[:, None] < stop) & cmask[None, :]
+        gv = tl.load(grad_ptr + bag[:, None] * D + cols[None, :], mask=m2, other=0.0)
+        if HAS_PSW:
+            gv = gv * tl.load(psw_ptr + idx, mask=valid, other=0.0)[:, None]
+        acc += tl.sum(gv, axis=0)
+    out = cols < tl.where(live, D, 0)  # not ``cmask & live``: a scalar mask operand
+    tl.store(partial_ptr + p.to(tl.int64) * D + cols, acc, mask=out)
+
+
 def _blocks(dim: int, budget: int = 4096) -> tuple[int, int]:
     """(rows per program, padded dim): about ``budget`` elements of registers a program."""
     block_d = triton.next_power_of_2(dim)
     return max(1, min(64, budget // block_d)), block_d
+
+
+def _sub(block_d: int, budget: int = 4096) -> int:
+    """Ids of a piece loaded at once: a [SUB, BLOCK_D] tile of about ``budget`` elements."""
+    return max(1, min(W, budget // block_d))
 
 
 def pooled_lookup(
@@ -186,14 +279,41 @@ def fused_update(
     if n == 0:
         return
     sorted_rows, order = torch.sort(rows, stable=True)  # a fixed summation order: bitwise resume
-    unique, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    unique, inverse, counts = torch.unique_consecutive(
+        sorted_rows, return_inverse=True, return_counts=True
+    )
     u = unique.shape[0]
     seg = torch.zeros(u + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts, 0, out=seg[1:])
+    # pieces only where a heavy row can be (a row has at most n - u + 1 ids) and is: where
+    # ids are spread the host's work is one reduction more than a plain update
+    heavy = n - u >= LIGHT and int(counts.max()) > LIGHT
     fp = fused_params(optimizer, step)
     s1, s2 = ([state[n] for n in fp.state_names] + [weight, weight])[:2]  # unused: any pointer
     block_u, block_d = _blocks(dim)
-    psw = per_sample_weights
+    psw = rows if per_sample_weights is None else per_sample_weights.contiguous()  # rows: unused
+    bag_of_id, grad_pooled = bag_of_id.contiguous(), grad_pooled.contiguous()
+    n_win, partial = triton.cdiv(n, W), weight  # weight: an unused pointer
+    if heavy:
+        pieces = n_win + triton.cdiv(n, LIGHT + 1)
+        partial = torch.empty(pieces, dim, device=weight.device, dtype=torch.float32)
+        _piece_sum_kernel[(pieces,)](
+            seg,
+            inverse,
+            order,
+            bag_of_id,
+            psw,
+            grad_pooled,
+            partial,
+            n,
+            n_win,
+            dim,
+            HAS_PSW=per_sample_weights is not None,
+            LIGHT=LIGHT,
+            W=W,
+            SUB=_sub(block_d),
+            BLOCK_D=block_d,
+        )
     _fused_update_kernel[(triton.cdiv(u, block_u),)](
         weight,
         s1,
@@ -201,11 +321,13 @@ def fused_update(
         unique,
         seg,
         order,
-        bag_of_id.contiguous(),
-        psw.contiguous() if psw is not None else rows,
-        grad_pooled.contiguous(),
+        bag_of_id,
+        psw,
+        grad_pooled,
         dirty.view(torch.uint8) if dirty is not None else rows,
+        partial,
         u,
+        n_win,
         dim,
         fp.lr,
         fp.eps,
@@ -213,8 +335,11 @@ def fused_update(
         fp.beta2,
         fp.step_size,
         OPT=fp.kind,
-        HAS_PSW=psw is not None,
+        HAS_PSW=per_sample_weights is not None,
         HAS_DIRTY=dirty is not None,
+        HEAVY=heavy,
         BLOCK_U=block_u,
         BLOCK_D=block_d,
+        LIGHT=LIGHT,
+        W=W,
     )
