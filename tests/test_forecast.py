@@ -386,3 +386,24 @@ def test_the_validation_forecasts_every_published_point_from_its_sources():
     med, worst = summary(rows)
     errs = sorted(abs(r["error"]) for r in rows if r["check"])
     assert worst == errs[-1] and min(errs) <= med <= worst
+
+
+def test_the_stage_check_pairs_every_bench_stage_with_its_forecast_stages():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from forecast_stages import GROUPS, MEASURED, compare
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    # every bench stage and every device stage of a one-GPU forecast is in one group
+    bench = {k for b, _ in GROUPS.values() for k in b}
+    assert bench == {"lookup", "forward", "backward", "sparse", "dense_opt"}
+    device = {k for _, f in GROUPS.values() for k in f}
+    assert device | {"host", "all_to_all", "all_reduce"} == set(STAGES)
+    rows = compare()
+    assert len(rows) == len(MEASURED) * (len(GROUPS) + 1)
+    for m in MEASURED:  # the stages (means) add up to the step (the bench's median rate)
+        assert sum(m.stage_ms.values()) == pytest.approx(m.step_ms, rel=0.03) and m.source
+    for r in rows:
+        assert r["forecast_over_measured"] == pytest.approx(
+            r["forecast_ms"] / r["measured_ms"], rel=1e-2
+        )

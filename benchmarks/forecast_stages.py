@@ -1,0 +1,158 @@
+"""recscale's GPU forecast stage by stage against its own step's CUDA-event stage times.
+
+    python benchmarks/forecast_stages.py [--out DIR]
+
+``benchmarks/forecast_validation.py`` checks whole steps against published systems;
+this checks the parts of recscale's own step that ``recscale bench throughput`` times
+on a GPU (CUDA events on the stream, no host sync inside a step), each measured run
+with its command, date and device. The stages compare as::
+
+    bench stage            forecast stages (recscale plan --device ... --json)
+    lookup                 embedding_forward
+    forward + backward     mlp_gemm + mlp_elementwise + interaction + loss
+    sparse                 embedding_update
+    dense_opt              dense_optimizer
+    (whole step)           predicted_step_ms (device stages and the host's time)
+
+Where the step is bound by the host's dispatch (``forecast_host_bound``: the forecast's host
+time above its device time), the events mark when the GPU reached each stage, so the
+stages carry the host's time and only the whole step compares. Writes
+DIR/forecast_stages.csv (default DIR: docs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from forecast_validation import DLE_MODEL, capped
+
+from recscale.config import load_config
+from recscale.perfmodel.devices import device_spec
+from recscale.perfmodel.forecast import forecast
+from recscale.perfmodel.systems import SYSTEMS
+
+H200_RUN = (
+    "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-26: "
+    "recscale bench throughput --steps 50 --train.device=cuda"
+)
+# the bench stages a forecast stage group is compared with
+GROUPS = {
+    "embedding_forward": (("lookup",), ("embedding_forward",)),
+    "dense": (("forward", "backward"), ("mlp_gemm", "mlp_elementwise", "interaction", "loss")),
+    "embedding_update": (("sparse",), ("embedding_update",)),
+    "dense_optimizer": (("dense_opt",), ("dense_optimizer",)),
+}
+
+
+@dataclass(frozen=True)
+class Measured:
+    label: str
+    config: str
+    overrides: list[str]
+    device: str
+    precision: str
+    stage_ms: dict[str, float]  # the bench's stage_ms
+    step_ms: float
+    source: str
+
+
+MEASURED = [
+    Measured(
+        "A 16384 TF32",
+        "A",
+        ["--train.batch_size=16384"],
+        "h200",
+        "tf32",
+        {"lookup": 0.476, "forward": 0.699, "backward": 1.480, "sparse": 0.415, "dense_opt": 0.155},
+        3.24,
+        H200_RUN + " --config A --train.batch_size=16384 --train.precision=tf32",
+    ),
+    Measured(
+        "B 16384 TF32",
+        "B",
+        ["--train.batch_size=16384"],
+        "h200",
+        "tf32",
+        {"lookup": 0.557, "forward": 1.080, "backward": 2.532, "sparse": 0.506, "dense_opt": 0.167},
+        4.76,
+        H200_RUN + " --config B --train.batch_size=16384 --train.precision=tf32",
+    ),
+    # DLE's model with the tables capped at 4 GB; the fused update in the first form of
+    # its hot-row pieces (docs/gpu.md)
+    Measured(
+        "DLE model 65536 TF32",
+        "criteo_terabyte",
+        [*capped(4), *DLE_MODEL, "--train.batch_size=65536"],
+        "h200",
+        "tf32",
+        {"lookup": 0.791, "forward": 3.431, "backward": 7.752, "sparse": 2.318, "dense_opt": 0.024},
+        14.28,
+        H200_RUN + " --config criteo_terabyte (capped(4)) --train.batch_size=65536, SGD",
+    ),
+    Measured(
+        "DCNv2 6912 TF32",
+        "criteo_multihot_dcnv2",
+        [*capped(4), "--train.batch_size=6912"],
+        "h200",
+        "tf32",
+        {"lookup": 0.468, "forward": 1.266, "backward": 3.786, "sparse": 2.182, "dense_opt": 0.248},
+        7.93,
+        H200_RUN + " --config criteo_multihot_dcnv2 (capped(4)) --train.batch_size=6912",
+    ),
+]
+
+
+def compare(points: list[Measured] = MEASURED) -> list[dict]:
+    """One row a (point, stage group): measured and forecast ms, and the ratio."""
+    rows = []
+    for m in points:
+        cfg = load_config(m.config, m.overrides)
+        f = forecast(cfg, device_spec(m.device), 1, m.precision, SYSTEMS["recscale"])
+        host_bound = f.stage_ms["host"] > f.step_ms - f.stage_ms["host"]
+        groups = {
+            g: (sum(m.stage_ms[k] for k in bench), sum(f.stage_ms[k] for k in fc))
+            for g, (bench, fc) in GROUPS.items()
+        }
+        groups["step"] = (m.step_ms, f.step_ms)
+        for g, (measured, predicted) in groups.items():
+            rows.append(
+                {
+                    "point": m.label,
+                    "device": m.device,
+                    "stage": g,
+                    "measured_ms": measured,
+                    "forecast_ms": round(predicted, 4),
+                    "forecast_over_measured": round(predicted / measured, 3),
+                    "forecast_host_bound": host_bound,
+                    "source": m.source,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs")
+    args = ap.parse_args()
+    rows = compare()
+    print(f"{'point':<22} {'stage':<18} {'measured':>9} {'forecast':>9} {'f/m':>6}")
+    for r in rows:
+        note = "  (forecast host-bound)" if r["forecast_host_bound"] else ""
+        print(
+            f"{r['point']:<22} {r['stage']:<18} {r['measured_ms']:>9.3f} "
+            f"{r['forecast_ms']:>9.3f} {r['forecast_over_measured']:>6.2f}"
+            + (note if r["stage"] == "step" else "")
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "forecast_stages.csv", "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
