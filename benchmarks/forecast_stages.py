@@ -23,11 +23,10 @@ DIR/forecast_stages.csv (default DIR: docs/).
 from __future__ import annotations
 
 import argparse
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from forecast_validation import DLE_MODEL, capped
+from forecast_validation import DLE_MODEL, capped, write_csv
 
 from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
@@ -146,12 +145,7 @@ def main() -> None:
             f"{r['forecast_ms']:>9.3f} {r['forecast_over_measured']:>6.2f}"
             + (note if r["stage"] == "step" else "")
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "forecast_stages.csv", "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(rows, Path(args.out) / "forecast_stages.csv")
 
 
 if __name__ == "__main__":

@@ -277,13 +277,18 @@ def main() -> None:
     n = sum(r["check"] for r in rows)
     print(f"published points: {n}, median |error| {med:.1%}, worst {worst:.1%}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "forecast_validation.csv", "w", newline="") as fh:
+    write_csv(rows, out / "forecast_validation.csv")
+    if not args.no_plot:
+        plot(rows, out / "img" / "forecast_predicted_vs_published.png")
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """The rows as CSV, one column a key (the first row's), the folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    if not args.no_plot:
-        plot(rows, out / "img" / "forecast_predicted_vs_published.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
