@@ -168,8 +168,7 @@ def variants(dims=DIMS) -> list[Variant]:
             if not has_psw:
                 sig["psw_ptr"] = "*i64"
             ce = {"HAS_PSW": has_psw, "LIGHT": tk.LIGHT, "W": tk.W, "SUB": tk._sub(block_d)}
-            ce["BLOCK_D"] = block_d
-            out.append(Variant("piece_sum", dim, ce, sig, d16))
+            out.append(Variant("piece_sum", dim, {**ce, "BLOCK_D": block_d}, sig, d16))
     return out
 
 
