@@ -279,9 +279,7 @@ def fused_update(
     if n == 0:
         return
     sorted_rows, order = torch.sort(rows, stable=True)  # a fixed summation order: bitwise resume
-    unique, inverse, counts = torch.unique_consecutive(
-        sorted_rows, return_inverse=True, return_counts=True
-    )
+    unique, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     u = unique.shape[0]
     seg = torch.zeros(u + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts, 0, out=seg[1:])
@@ -295,6 +293,10 @@ def fused_update(
     bag_of_id, grad_pooled = bag_of_id.contiguous(), grad_pooled.contiguous()
     n_win, partial = triton.cdiv(n, W), weight  # weight: an unused pointer
     if heavy:
+        # the distinct row of each sorted position, which the pieces look up
+        inverse = torch.repeat_interleave(
+            torch.arange(u, device=rows.device), counts, output_size=n
+        )
         pieces = n_win + triton.cdiv(n, LIGHT + 1)
         partial = torch.empty(pieces, dim, device=weight.device, dtype=torch.float32)
         _piece_sum_kernel[(pieces,)](
