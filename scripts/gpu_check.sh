@@ -57,7 +57,9 @@ for prec in tf32 bf16; do
 done
 
 echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
-args=(-p no:cacheprovider -rfE)
+# addopts' -q would cancel -v: with -v each result prints as it happens, so a run the
+# budget stops still names the tests that failed before it
+args=(-p no:cacheprovider -o addopts= -rfE)
 "$PY" -c "import xdist" 2>/dev/null && args+=(-n "$WORKERS" -v)
 "$PY" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=240)
 left=0

@@ -186,6 +186,46 @@ def test_fused_update_on_random_mixes_of_light_and_heavy_rows(tk, device):
         torch.testing.assert_close(weight.cpu().double(), -ref, atol=1e-4, rtol=1e-5)
 
 
+def test_fused_update_does_not_depend_on_row_numbering(tk, device):
+    """A row's update is a function of its own ids alone: renumbered rows (cache slots for
+    table rows, a shard's local rows) and other rows' ids around them (which move its
+    sorted positions, so heavy rows start on other window offsets) give the same bits."""
+    g = torch.Generator().manual_seed(7)
+    counts = torch.tensor([tk.W + 40, 2 * tk.W + 3, tk.LIGHT + 1, 3, 700, 1, tk.LIGHT])
+    ids = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    ids = ids[torch.randperm(ids.shape[0], generator=g)]
+    n, dim = ids.shape[0], 24
+    bag_of_id = torch.randint(0, 30, (n,), generator=g)
+    psw = torch.rand(n, generator=g)
+    grad = torch.randn(30, dim, generator=g)
+    weight0 = torch.randn(counts.shape[0], dim, generator=g)
+    opt = SparseRowwiseAdagrad(0.1, eps=1e-8, initial_accumulator=0.1)
+
+    def run(slot_of_row, rows, filler):
+        """``ids`` renumbered by ``slot_of_row`` (all >= 7), with ``filler`` ids of rows
+        0..6 inserted at random places."""
+        at = torch.randperm(n + filler, generator=g)[:n].sort().values
+        full = torch.randint(0, counts.shape[0], (n + filler,), generator=g)
+        full[at] = slot_of_row[ids]
+        bags, weights = torch.zeros(n + filler, dtype=torch.int64), torch.zeros(n + filler)
+        bags[at], weights[at] = bag_of_id, psw
+        weight = torch.zeros(rows, dim)
+        weight[slot_of_row] = weight0
+        state = {"sum": torch.full((rows,), 0.1, device=device)}
+        weight = weight.to(device)
+        tk.fused_update(
+            opt, weight, state, full.to(device), bags.to(device), weights.to(device),
+            grad.to(device), 1,
+        )  # fmt: skip
+        return weight[slot_of_row.to(device)].cpu(), state["sum"][slot_of_row.to(device)].cpu()
+
+    first = run(torch.arange(counts.shape[0]), counts.shape[0], 0)
+    for filler in (5, 100, 517):
+        slots = torch.randperm(2000, generator=g)[: counts.shape[0]] + counts.shape[0]
+        other = run(slots, 2000 + counts.shape[0], filler)
+        assert torch.equal(first[0], other[0]) and torch.equal(first[1], other[1]), filler
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 def test_training_with_triton_kernels_equals_the_torch_path(tk, device, optimizer):
     """A collection with kernels=triton (lookup + fused backward) trains like kernels=torch."""

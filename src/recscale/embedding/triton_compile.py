@@ -76,7 +76,6 @@ _UPDATE_SIG = {
     "dirty_ptr": "*u8",
     "partial_ptr": "*fp32",
     "U": "i32",
-    "NWIN": "i32",
     "D": "i32",
     "lr": "fp32",
     "eps": "fp32",
@@ -93,7 +92,6 @@ _PIECE_SIG = {
     "grad_ptr": "*fp32",
     "partial_ptr": "*fp32",
     "N": "i32",
-    "NWIN": "i32",
     "D": "i32",
 }
 

@@ -27,17 +27,21 @@ its longest segment: a hot row with 20k ids in a batch (a 3-row table at batch 6
 Zipf head) kept one program busy for ~30 ms on an H200 while the rest of the GPU idled.
 Where some segment is longer than ``LIGHT`` ids (the host checks), those "heavy"
 segments are summed first, in parallel, by ``_piece_sum_kernel`` (``SUB`` ids loaded at
-once and reduced as a tile), in pieces keyed by sorted position so that no per-row
-bookkeeping is needed::
+once and reduced as a tile), in pieces of ``W`` ids counted from the row's own first id,
+so that a row's sum depends on its ids alone, not on where other rows put them in the
+sorted list (cache slots vs table rows, a shard's local rows: the same bits). A piece is
+found from the block of ``LIGHT + 1`` sorted positions its first id falls in, with no
+per-row bookkeeping: a block holds at most two piece starts::
 
-    window w   positions [w * W, (w + 1) * W) of the row owning position w * W
-    head h     positions [seg[u], next multiple of W) of the heavy row u starting in
-               [h * (LIGHT + 1), (h + 1) * (LIGHT + 1)) - at most one: heavy rows start
-               more than LIGHT positions apart
-    partial [NWIN + NHEAD, D]   a heavy row's g = its head + its whole windows, in order
+    piece 2b       the one starting in block b [b * (LIGHT + 1), (b + 1) * (LIGHT + 1))
+                   of the row owning the block's first position (W > LIGHT + 1: one)
+    piece 2b + 1   the first piece of a heavy row starting inside block b (after its
+                   first position; it owns the block's last position: it is > LIGHT long)
+    partial [2 * NBLK, D]   heavy row u's g = its pieces k = 0, 1, ... in order, piece k
+                            starting at seg[u] + k * W
 
-The order of every sum is fixed by the sorted ids and the tile shapes, so the result is
-the same on every run (bitwise resume).
+The order of every sum is fixed by the row's ids (in their batch order: the sort is
+stable) and the tile shapes, so the result is the same on every run (bitwise resume).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import triton
 import triton.language as tl
 
 LIGHT = 32  # segments up to this many ids are summed id by id by their owning program
-W = 256  # positions a window of the heavy rows' pieces
+W = 256  # ids a piece of a heavy row
 
 
 @triton.jit
@@ -85,7 +89,7 @@ def _pooled_lookup_kernel(
     tl.store(out, acc, mask=bmask[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["U", "NWIN"])
+@triton.jit(do_not_specialize=["U"])
 def _fused_update_kernel(
     weight_ptr,
     s1_ptr,
@@ -99,7 +103,6 @@ def _fused_update_kernel(
     dirty_ptr,
     partial_ptr,
     U,
-    NWIN,
     D,
     lr,
     eps,
@@ -136,16 +139,13 @@ def _fused_update_kernel(
         if HAS_PSW:
             gv = gv * tl.load(psw_ptr + idx, mask=valid, other=0.0)[:, None]
         g += gv
-    if HEAVY:  # a heavy row: its head piece, then its whole windows (module doc)
-        head = NWIN + lo // (LIGHT + 1)
-        mh = heavy[:, None] & cmask[None, :]
-        g += tl.load(partial_ptr + head[:, None] * D + cols[None, :], mask=mh, other=0.0)
-        first_w = (lo + W - 1) // W
-        windows = tl.where(heavy, tl.maximum((lo + count - 1) // W - first_w + 1, 0), 0)
-        for k in range(0, tl.max(windows, axis=0)):
-            mk = (k < windows[:, None]) & cmask[None, :]
-            wp = partial_ptr + (first_w + k)[:, None] * D + cols[None, :]
-            g += tl.load(wp, mask=mk, other=0.0)
+    if HEAVY:  # a heavy row: its pieces in order (module doc)
+        pieces = tl.where(heavy, (count + W - 1) // W, 0)
+        first = 2 * (lo // (LIGHT + 1)) + (lo % (LIGHT + 1) != 0)  # piece 0's slot
+        for k in range(0, tl.max(pieces, axis=0)):
+            slot = tl.where(k == 0, first, 2 * ((lo + k * W) // (LIGHT + 1)))
+            mk = (k < pieces[:, None]) & cmask[None, :]
+            g += tl.load(partial_ptr + slot[:, None] * D + cols[None, :], mask=mk, other=0.0)
     row = tl.load(unique_ptr + us, mask=umask, other=0)
     m2 = umask[:, None] & cmask[None, :]
     w_ptrs = weight_ptr + row[:, None] * D + cols[None, :]
@@ -169,7 +169,7 @@ def _fused_update_kernel(
         tl.store(dirty_ptr + row, tl.full([BLOCK_U], 1, tl.uint8), mask=umask)
 
 
-@triton.jit(do_not_specialize=["N", "NWIN"])
+@triton.jit(do_not_specialize=["N"])
 def _piece_sum_kernel(
     seg_ptr,
     inverse_ptr,
@@ -179,7 +179,6 @@ def _piece_sum_kernel(
     grad_ptr,
     partial_ptr,
     N,
-    NWIN,
     D,
     HAS_PSW: tl.constexpr,
     LIGHT: tl.constexpr,
@@ -187,25 +186,25 @@ def _piece_sum_kernel(
     SUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """partial[p] = the gradient summed over piece p (module doc): a window for
-    ``p < NWIN``, else head ``p - NWIN``; a piece of a light row is left unwritten."""
+    """partial[p] = the gradient summed over piece p (module doc); a slot with no piece
+    is left unwritten."""
     p = tl.program_id(0)
-    is_window = p < NWIN
-    h = p - NWIN
-    # the row to look at: a window's first position's; for a head, the row owning the
-    # last position of its range (a heavy row starting in the range reaches past it)
-    probe = tl.where(is_window, p * W, tl.minimum((h + 1) * (LIGHT + 1) - 1, N - 1))
+    b0 = p // 2 * (LIGHT + 1)  # the block's first position
+    inner = p % 2 == 1
+    # the row to look at: the owner of the block's first position, or of its last (a
+    # heavy row starting inside the block reaches past it)
+    probe = tl.where(inner, tl.minimum(b0 + LIGHT, N - 1), b0)
     u = tl.load(inverse_ptr + probe)
-    lo_u = tl.load(seg_ptr + u)
-    hi_u = tl.load(seg_ptr + u + 1)
-    live = (hi_u - lo_u > LIGHT) & (is_window | (lo_u >= h * (LIGHT + 1)))
-    start = tl.where(is_window, p * W, lo_u)
-    stop = tl.minimum(tl.where(is_window, p * W + W, (lo_u + W - 1) // W * W), hi_u)
-    stop = tl.where(live, stop, start)
+    lo = tl.load(seg_ptr + u)
+    hi = tl.load(seg_ptr + u + 1)
+    # piece 2b: the row's first piece start at or after b0; piece 2b + 1: the row's start
+    start = tl.where(inner, lo, lo + (b0 - lo + W - 1) // W * W)
+    live = (hi - lo > LIGHT) & tl.where(inner, lo > b0, (start < b0 + LIGHT + 1) & (start < hi))
+    stop = tl.where(live, tl.minimum(start + W, hi), start)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(0, W, SUB):
+    for s in range(0, stop - start, SUB):  # no iteration where there is no piece
         pos = start + s + tl.arange(0, SUB)
         valid = pos < stop
         idx = tl.load(order_ptr + pos, mask=valid, other=0)
@@ -291,13 +290,13 @@ def fused_update(
     block_u, block_d = _blocks(dim)
     psw = rows if per_sample_weights is None else per_sample_weights.contiguous()  # rows: unused
     bag_of_id, grad_pooled = bag_of_id.contiguous(), grad_pooled.contiguous()
-    n_win, partial = triton.cdiv(n, W), weight  # weight: an unused pointer
+    partial = weight  # an unused pointer unless there are pieces
     if heavy:
         # the distinct row of each sorted position, which the pieces look up
         inverse = torch.repeat_interleave(
             torch.arange(u, device=rows.device), counts, output_size=n
         )
-        pieces = n_win + triton.cdiv(n, LIGHT + 1)
+        pieces = 2 * triton.cdiv(n, LIGHT + 1)
         partial = torch.empty(pieces, dim, device=weight.device, dtype=torch.float32)
         _piece_sum_kernel[(pieces,)](
             seg,
@@ -308,7 +307,6 @@ def fused_update(
             grad_pooled,
             partial,
             n,
-            n_win,
             dim,
             HAS_PSW=per_sample_weights is not None,
             LIGHT=LIGHT,
@@ -329,7 +327,6 @@ def fused_update(
         dirty.view(torch.uint8) if dirty is not None else rows,
         partial,
         u,
-        n_win,
         dim,
         fp.lr,
         fp.eps,
