@@ -93,9 +93,12 @@ def test_bindings_are_the_headers_python_block():
             want = (
                 (ctypes.c_char_p if "char" in c else ctypes.c_void_p)
                 if "*" in c
-                else {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}[
-                    c.replace("const ", "")
-                ]
+                else {
+                    "int64_t": ctypes.c_int64,
+                    "int": ctypes.c_int,
+                    "float": ctypes.c_float,
+                    "double": ctypes.c_double,
+                }[c.replace("const ", "")]
             )
             assert t is want, (name, c, t)
         assert restype is {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "void": None}[ret]

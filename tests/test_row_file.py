@@ -162,6 +162,32 @@ def test_auto_access_maps_a_file_the_memory_holds_and_preads_a_larger_one(tmp_pa
     assert shared.access == ("pread" if native.library() is not None else "map")
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_settled_map_the_memory_holds_keeps_the_runs_writes_off_the_file(
+    tmp_path, monkeypatch, fits
+):
+    """After ``settle`` a mapped file that fits is copy-on-write: reads see every write,
+    the file keeps the settled rows (nothing for the kernel to write back mid-run). One
+    the memory may not hold stays shared: its pages remain the kernel's to drop."""
+    from recscale.embedding import row_file
+
+    monkeypatch.setattr(row_file, "mem_available", lambda: 1 << 30)
+    rf = _file(tmp_path, 1000, 4, access="map")
+    first = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    rf.write(np.arange(1000), first)
+    if not fits:
+        monkeypatch.setattr(row_file, "mem_available", lambda: 1000 * 16)
+    rf.settle()
+    assert rf.private == fits
+    rows = np.array([3, 500, 999])
+    rf.write(rows, -first[rows])
+    want = first.copy()
+    want[rows] *= -1
+    assert np.array_equal(rf.read(np.arange(1000)), want)
+    on_disk = np.frombuffer(os.pread(rf.fd, 1000 * 16, 0), np.float32).reshape(1000, 4)
+    assert np.array_equal(on_disk, first if fits else want)
+
+
 def test_an_order_of_the_wrong_length_is_refused(tmp_path):
     rf = _file(tmp_path, 10, 2)
     with pytest.raises(ValueError, match="one position per row"):
@@ -264,6 +290,8 @@ def test_the_tier_file_is_on_the_disk_before_step_0(tmp_path, monkeypatch, warm)
     train(load_config("debug", over), None, echo=lines.append)
     assert synced, "no fdatasync of the tier's file"
     assert any("initial rows on the disk" in x for x in lines), lines
+    # the debug tables' file is small: mapped copy-on-write for the run, and said so
+    assert any("mapped copy-on-write for the run" in x for x in lines), lines
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from recscale.config.schema import CACHE_POLICIES as POLICIES
-from recscale.embedding import kernels
+from recscale.embedding import cache_index, kernels
 from recscale.embedding.cache_choice import lowest, warm_list
 from recscale.embedding.cache_stats import CacheStats, CacheTooSmallError, Prefetched
 from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
@@ -115,7 +115,6 @@ class CachedStorage(RowStorage):
         else:
             self.path = Path(path)
             self.rows = RowFile(self.path, num_rows, col, io_depth, io_access)
-        self.file = self.rows.map
         for name, _shape, lo, hi in self._state_cols:  # a new (fallocated) file reads as zeros
             if optimizer.init_value(name) != 0.0:
                 for r in range(0, num_rows, 1 << 18):
@@ -159,6 +158,12 @@ class CachedStorage(RowStorage):
             yield "host_rows", self._host, False
 
     # -- the slow tier ------------------------------------------------------------------
+    @property
+    def file(self) -> np.ndarray:
+        """The slow tier's rows as an array, in file-row order: the file's current map
+        (``RowFile.settle`` may replace it) or the host tier's array."""
+        return self.rows.map
+
     def _pack(self, slots: torch.Tensor) -> np.ndarray:
         out = np.empty((slots.shape[0], self.width), np.float32)
         idx = slots.to(self.device)
@@ -195,7 +200,8 @@ class CachedStorage(RowStorage):
         if self._unpinned is None:
             self._unpinned = torch.nonzero(~self.pinned).squeeze(1)
         blocked = torch.zeros(c, dtype=torch.bool)
-        for p in [keep, *(e.slots for e in self._prefetch_pins), *self._update_pins]:
+        blocked[keep[keep >= 0]] = True  # a batch's probe: its misses are -1
+        for p in [*(e.slots for e in self._prefetch_pins), *self._update_pins]:
             blocked[p] = True
         cand = self._unpinned
         cand = cand[~blocked[cand] & (self.row_of_slot[cand] >= 0)]
@@ -227,11 +233,13 @@ class CachedStorage(RowStorage):
         self.free = self.free[: self.free.numel() - n]
         return slots
 
-    def _install(self, rows: torch.Tensor, slots: torch.Tensor, data: np.ndarray) -> None:
+    def _install(self, rows: torch.Tensor, slots: torch.Tensor, data: np.ndarray) -> bool:
         """Put rows read from the file into reserved slots. A row another thread brought
-        in meanwhile keeps its slot (its copy may be newer); ours goes back to free."""
+        in meanwhile keeps its slot (its copy may be newer); ours goes back to free.
+        Returns whether every row took the slot it was given."""
         fresh = self.slot_of_row[rows] < 0
-        if not bool(fresh.all()):
+        all_fresh = bool(fresh.all())
+        if not all_fresh:
             self.free = torch.cat([self.free, slots[~fresh]])
             rows, slots, data = rows[fresh], slots[fresh], data[fresh.numpy()]
         self._unpack_into(slots, data)
@@ -239,6 +247,7 @@ class CachedStorage(RowStorage):
         self.row_of_slot[slots] = rows
         self.slot_of_row[rows] = slots.int()
         self.cache_dirty[slots] = False
+        return all_fresh
 
     def _make_resident(self, uniq: torch.Tensor) -> torch.Tensor:
         """Slots of the sorted unique ``rows``, fetching the missing ones (under the lock)."""
@@ -251,13 +260,12 @@ class CachedStorage(RowStorage):
         return slots
 
     def _touch(self, slots: torch.Tensor) -> None:
+        """A batch used ``slots`` (distinct)."""
         self._clock += 1
-        if self.policy == "lru":
-            self.score[slots] = float(self._clock)
-        else:
-            if self._clock % self.decay_every == 0:
-                self.score.mul_(0.5)
-            self.score[slots] += 1.0
+        lru = self.policy == "lru"
+        if not lru and self._clock % self.decay_every == 0:
+            self.score.mul_(0.5)
+        cache_index.touch(self.score, slots, lru, float(self._clock) if lru else 1.0)
 
     # -- order and warm start -------------------------------------------------------------
     def set_row_order(self, position: np.ndarray | None, segments: list[tuple[int, int]]) -> None:
@@ -360,10 +368,10 @@ class CachedStorage(RowStorage):
         rows = rows.cpu()
         uniq, inverse = unique_ids(rows)  # first-appearance order: slots need no sort
         with self._lock:
-            slots = self.slot_of_row[uniq].long()
-            missing = uniq[slots < 0]
+            slots, missing_at = cache_index.probe(self.slot_of_row, uniq)
+            missing = uniq[missing_at]
             try:
-                reserved = self._reserve(missing.numel(), slots[slots >= 0])
+                reserved = self._reserve(missing.numel(), slots)
             except CacheTooSmallError as e:
                 if not (self._prefetch_pins or self._update_pins):
                     raise  # one batch alone does not fit: nothing to give up but the run
@@ -383,8 +391,10 @@ class CachedStorage(RowStorage):
             if missing.numel():
                 if self._write_backs != generation:  # a write-back may have raced our read
                     data = self.rows.read(missing.numpy())
-                self._install(missing, reserved, data)
-            slots = self.slot_of_row[uniq].long()
+                if self._install(missing, reserved, data):
+                    slots[missing_at] = reserved
+                else:  # another thread installed some of them meanwhile
+                    slots = self.slot_of_row[uniq].long()
             self._touch(slots)
             slot_ids = slots[inverse].to(self.device, non_blocking=True)
             self._prefetch_pins.append(Prefetched(rows, slots, slot_ids))

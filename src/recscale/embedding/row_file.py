@@ -24,6 +24,15 @@ so that memory caches the warm rows just beyond the hot-row cache. Without the n
 library numpy indexes the memory map, one fault at a time (``map``: also the tests'
 view).
 
+Once settled before step 0 (``settle``), a mapped file that fits (the same test) is
+mapped again privately (copy-on-write) for the run: a page the training writes becomes
+the process's own and is never written back mid-run. Through the shared map the kernel
+wrote dirty pages back 30 s after they were dirtied (``vm.dirty_expire_centisecs``),
+write-protecting each (TLB shootdowns on every core) so that the next write faulted
+again - over a 1,700-step run of config A at a 10% cache that was 8.9 ms a step of the
+prefetch thread and the mean step 1.6x the median (docs/performance.md). The private
+pages take at most the file's size, which fits in half the memory available.
+
 The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
 rows by id, whatever their order here).
 """
@@ -239,6 +248,7 @@ class RowFile:
         # read-ahead window (128 KB+) for one 68-byte row.
         if hasattr(mmap, "MADV_RANDOM") and getattr(self.map, "_mmap", None) is not None:
             self.map._mmap.madvise(mmap.MADV_RANDOM)
+        self.private = False  # the map is copy-on-write (``settle``)
         self.position: np.ndarray | None = None
         self.stats = IOStats()
         self._lib = native.library()
@@ -350,12 +360,23 @@ class RowFile:
         self.map.flush()
 
     def settle(self) -> None:
-        """Wait until the rows written so far are on the disk (``fdatasync``). Called
-        once the tables are initialized (or restored), before step 0: otherwise the kernel
-        writes those dirty pages back 30 s on (``vm.dirty_expire_centisecs``), in the
-        middle of training, and every mapped page it cleans faults again on the next
-        write - config A at a 10% cache lost 3-4x on the steps it overlapped."""
+        """Wait until the rows written so far are on the disk (``fdatasync``), then, for
+        a mapped file that fits in ``MAP_SHARE`` of the memory available, map it again
+        privately (module doc). Called once the tables are initialized (or restored),
+        before step 0: otherwise the kernel writes those dirty pages back 30 s on, in the
+        middle of training - config A at a 10% cache lost 3-4x on the steps it
+        overlapped."""
         os.fdatasync(self.fd)
+        if self.access != "map" or self.private:
+            return
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        if self.num_rows * self.row_bytes > MAP_SHARE * mem_available() / local:
+            return  # a file the memory may not hold keeps pages the kernel can drop
+        with open(self.fd, "rb", closefd=False) as f:
+            private = np.memmap(f, dtype=np.float32, mode="c", shape=self.map.shape)
+        if hasattr(mmap, "MADV_RANDOM") and getattr(private, "_mmap", None) is not None:
+            private._mmap.madvise(mmap.MADV_RANDOM)
+        self.map, self.private = private, True
 
 
 class HostRows:

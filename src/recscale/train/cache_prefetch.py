@@ -85,9 +85,16 @@ def settle_files(ebc, echo) -> None:
     for f in files:
         f.settle()
     size = sum(f.num_rows * f.row_bytes for f in files)
+    private = sum(f.num_rows * f.row_bytes for f in files if f.private)
     echo(
         f"recscale: ssd tier: {size / 1e9:.2f} GB of initial rows on the disk in "
         f"{time.perf_counter() - t:.1f} s (before step 0, not as a stall mid-run)"
+        + (
+            f"; {private / 1e9:.2f} GB of it mapped copy-on-write for the run (the memory "
+            "holds it: the pages training writes stay in memory, not written back)"
+            if private
+            else ""
+        )
     )
 
 
