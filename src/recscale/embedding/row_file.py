@@ -29,9 +29,9 @@ mapped again privately (copy-on-write) for the run: a page the training writes b
 the process's own and is never written back mid-run. Through the shared map the kernel
 wrote dirty pages back 30 s after they were dirtied (``vm.dirty_expire_centisecs``),
 write-protecting each (TLB shootdowns on every core) so that the next write faulted
-again - over a 1,700-step run of config A at a 10% cache that was 8.9 ms a step of the
-prefetch thread and the mean step 1.6x the median (docs/performance.md). The private
-pages take at most the file's size, which fits in half the memory available.
+again - over a 1,700-step run of config A at a 10% cache the mean rate fell to 0.73 of
+the median (0.89 copy-on-write; docs/performance.md). The private pages take at most
+the file's size, which fits in half the memory available.
 
 The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
 rows by id, whatever their order here).
