@@ -188,6 +188,20 @@ def test_a_settled_map_the_memory_holds_keeps_the_runs_writes_off_the_file(
     assert np.array_equal(on_disk, first if fits else want)
 
 
+def test_copy_on_write_maps_must_fit_together(tmp_path, monkeypatch):
+    """Two files that each fit in half the memory but not together: the first settled
+    goes copy-on-write, the second stays shared."""
+    from recscale.embedding import row_file
+
+    monkeypatch.setattr(row_file, "mem_available", lambda: 3 * 1000 * 16)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = (_file(tmp_path / d, 1000, 4, access="map") for d in "ab")
+    taken = a.settle(0)
+    assert taken == 1000 * 16 and a.private
+    assert b.settle(taken) == 0 and not b.private
+
+
 def test_an_order_of_the_wrong_length_is_refused(tmp_path):
     rf = _file(tmp_path, 10, 2)
     with pytest.raises(ValueError, match="one position per row"):

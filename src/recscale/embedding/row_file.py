@@ -78,6 +78,13 @@ def mem_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def fits_in_memory(nbytes: int) -> bool:
+    """Whether ``nbytes`` of file take at most ``MAP_SHARE`` of the memory available now,
+    shared among the ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return nbytes <= MAP_SHARE * mem_available() / local
+
+
 class TierFileError(RuntimeError):
     """The ssd tier's file cannot be made or used: in use by another run, no space, no
     access, an I/O error."""
@@ -233,10 +240,8 @@ class RowFile:
             raise ValueError(f"ssd access must be one of {ACCESS}, got {access!r}")
         self.path, self.num_rows, self.width, self.depth = Path(path), num_rows, width, depth
         self.row_bytes = width * 4
-        if access == "auto":  # ranks on this host (torchrun) share its memory
-            local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-            fits = num_rows * self.row_bytes <= MAP_SHARE * mem_available() / local
-            access = "map" if fits else "pread"
+        if access == "auto":
+            access = "map" if fits_in_memory(num_rows * self.row_bytes) else "pread"
         self.access = access
         self.fd = claim_file(self.path, num_rows * self.row_bytes)
         if hasattr(os, "posix_fadvise"):
@@ -359,24 +364,27 @@ class RowFile:
     def flush(self) -> None:
         self.map.flush()
 
-    def settle(self) -> None:
+    def settle(self, taken: int = 0) -> int:
         """Wait until the rows written so far are on the disk (``fdatasync``), then, for
-        a mapped file that fits in ``MAP_SHARE`` of the memory available, map it again
-        privately (module doc). Called once the tables are initialized (or restored),
-        before step 0: otherwise the kernel writes those dirty pages back 30 s on, in the
-        middle of training - config A at a 10% cache lost 3-4x on the steps it
-        overlapped."""
+        a mapped file that fits in ``MAP_SHARE`` of the memory available beside the
+        ``taken`` bytes other files of this process already map privately, map it again
+        privately (module doc). Returns the bytes now mapped privately (0 or the file's).
+        Called once the tables are initialized (or restored), before step 0 and before
+        any other thread uses the file: otherwise the kernel writes those dirty pages
+        back 30 s on, in the middle of training - config A at a 10% cache lost 3-4x on
+        the steps it overlapped."""
         os.fdatasync(self.fd)
-        if self.access != "map" or self.private:
-            return
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        if self.num_rows * self.row_bytes > MAP_SHARE * mem_available() / local:
-            return  # a file the memory may not hold keeps pages the kernel can drop
+        nbytes = self.num_rows * self.row_bytes
+        if self.private:
+            return nbytes
+        if self.access != "map" or not fits_in_memory(taken + nbytes):
+            return 0  # a file the memory may not hold keeps pages the kernel can drop
         with open(self.fd, "rb", closefd=False) as f:
             private = np.memmap(f, dtype=np.float32, mode="c", shape=self.map.shape)
         if hasattr(mmap, "MADV_RANDOM") and getattr(private, "_mmap", None) is not None:
             private._mmap.madvise(mmap.MADV_RANDOM)
         self.map, self.private = private, True
+        return nbytes
 
 
 class HostRows:

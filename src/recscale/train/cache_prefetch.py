@@ -82,10 +82,10 @@ def settle_files(ebc, echo) -> None:
     if not files:
         return
     t = time.perf_counter()
+    private = 0  # bytes mapped copy-on-write: together they must fit, not each alone
     for f in files:
-        f.settle()
+        private += f.settle(private)
     size = sum(f.num_rows * f.row_bytes for f in files)
-    private = sum(f.num_rows * f.row_bytes for f in files if f.private)
     echo(
         f"recscale: ssd tier: {size / 1e9:.2f} GB of initial rows on the disk in "
         f"{time.perf_counter() - t:.1f} s (before step 0, not as a stall mid-run)"
