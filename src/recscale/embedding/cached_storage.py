@@ -160,8 +160,7 @@ class CachedStorage(RowStorage):
     # -- the slow tier ------------------------------------------------------------------
     @property
     def file(self) -> np.ndarray:
-        """The slow tier's rows as an array, in file-row order: the file's current map
-        (``RowFile.settle`` may replace it) or the host tier's array."""
+        """The slow tier's rows in file-row order (the map ``RowFile.settle`` may swap)."""
         return self.rows.map
 
     def _pack(self, slots: torch.Tensor) -> np.ndarray:
@@ -226,7 +225,7 @@ class CachedStorage(RowStorage):
         self.stats.evictions += victims.numel()
 
     def _reserve(self, n: int, keep: torch.Tensor) -> torch.Tensor:
-        """Take ``n`` free slots (evicting if needed, never a slot in ``keep``)."""
+        """Take ``n`` free slots (evicting if needed, never a slot in ``keep``; -1s ignored)."""
         if n > self.free.numel():
             self._evict(n - self.free.numel(), keep)
         slots = self.free[self.free.numel() - n :]
@@ -254,7 +253,7 @@ class CachedStorage(RowStorage):
         slots = self.slot_of_row[uniq].long()
         missing = uniq[slots < 0]
         if missing.numel():
-            reserved = self._reserve(missing.numel(), slots[slots >= 0])
+            reserved = self._reserve(missing.numel(), slots)
             self._install(missing, reserved, self.rows.read(missing.numpy()))
             slots = self.slot_of_row[uniq].long()
         return slots
