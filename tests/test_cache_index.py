@@ -36,3 +36,6 @@ def test_cache_probe_and_touch_match_torch_indexing(monkeypatch, native_pass):
         want[slots] = value if lru else want[slots] + value
         cache_index.touch(score, slots, lru, value)
         assert torch.equal(score, want)
+    for bad in (-1, 100_000, 2**40):  # an id beyond the table: an error, never a read
+        with pytest.raises(IndexError, match="out of bounds"):
+            cache_index.probe(slot_of_row, torch.tensor([5, bad, 7]))

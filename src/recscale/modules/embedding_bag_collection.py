@@ -337,14 +337,16 @@ class EmbeddingBagCollection(nn.Module):
         groups = [(i, g) for i, g in enumerate(self.groups) if g.storage.tier != "device"]
         if not groups:
             return
-        lengths = offsets[1:] - offsets[:-1]
-        feature = torch.repeat_interleave(
-            torch.arange(self.num_features, device=values.device).repeat_interleave(batch_size),
-            lengths,
-            output_size=values.shape[0],
+        # bags are feature-major: feature f's ids are one run, between these offsets
+        per_feature = offsets[::batch_size].diff()
+        n = values.shape[0]
+        offset = torch.repeat_interleave(self.feature_row_offset, per_feature, output_size=n)
+        rows = values + offset
+        group = (
+            torch.repeat_interleave(self.group_of_feature, per_feature, output_size=n)
+            if len(self.groups) > 1
+            else None
         )
-        rows = values + self.feature_row_offset[feature]
-        group = self.group_of_feature[feature] if len(self.groups) > 1 else None
         for i, g in groups:
             g.storage.prefetch(rows if group is None else rows[group == i])
 

@@ -5,7 +5,8 @@
  *   score       [C] float64    a slot's LFU count or LRU clock
  *
  * recscale_cache_probe: slots[i] = slot_of_row[rows[i]] (int64), and the indices i of
- *   the rows not cached, ascending, in missing[0..k); returns k.
+ *   the rows not cached, ascending, in missing[0..k); returns k, or -1 - i where rows[i]
+ *   is outside [0, num_rows) (nothing is read there).
  * recscale_cache_touch: score[slots[i]] += value (LFU) or = value (LRU); slots distinct
  *   and in [0, C).
  *
@@ -21,11 +22,13 @@
 
 #define AHEAD 16
 
-int64_t recscale_cache_probe(const int32_t *slot_of_row, const int64_t *rows, int64_t n,
-                             int64_t *slots, int64_t *missing) {
+int64_t recscale_cache_probe(const int32_t *slot_of_row, int64_t num_rows, const int64_t *rows,
+                             int64_t n, int64_t *slots, int64_t *missing) {
     int64_t k = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) __builtin_prefetch(&slot_of_row[rows[i + AHEAD]], 0, 0);
+        if (i + AHEAD < n && (uint64_t)rows[i + AHEAD] < (uint64_t)num_rows)
+            __builtin_prefetch(&slot_of_row[rows[i + AHEAD]], 0, 0);
+        if ((uint64_t)rows[i] >= (uint64_t)num_rows) return -1 - i;
         const int64_t s = slot_of_row[rows[i]];
         slots[i] = s;
         if (s < 0) missing[k++] = i;

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 19
+#define RECSCALE_NATIVE_ABI 20
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -72,8 +72,8 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
 void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                        void *buf);
 int64_t recscale_unique_ids(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse);
-int64_t recscale_cache_probe(const int32_t *slot_of_row, const int64_t *rows, int64_t n,
-                             int64_t *slots, int64_t *missing);
+int64_t recscale_cache_probe(const int32_t *slot_of_row, int64_t num_rows, const int64_t *rows,
+                             int64_t n, int64_t *slots, int64_t *missing);
 void recscale_cache_touch(double *score, const int64_t *slots, int64_t n, int lru,
                           double value);
 /* @python-end */
