@@ -248,15 +248,15 @@ class CachedStorage(RowStorage):
         self.cache_dirty[slots] = False
         return all_fresh
 
-    def _make_resident(self, uniq: torch.Tensor) -> torch.Tensor:
-        """Slots of the sorted unique ``rows``, fetching the missing ones (under the lock)."""
-        slots = self.slot_of_row[uniq].long()
-        missing = uniq[slots < 0]
-        if missing.numel():
+    def _make_resident(self, uniq: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(slots of the distinct ``uniq``, how many were missing), fetching those; lock held."""
+        slots, missing_at = cache_index.probe(self.slot_of_row, uniq)
+        if missing_at.numel():
+            missing = uniq[missing_at]
             reserved = self._reserve(missing.numel(), slots)
             self._install(missing, reserved, self.rows.read(missing.numpy()))
-            slots = self.slot_of_row[uniq].long()
-        return slots
+            slots[missing_at] = reserved
+        return slots, missing_at.numel()
 
     def _touch(self, slots: torch.Tensor) -> None:
         """A batch used ``slots`` (distinct)."""
@@ -440,9 +440,9 @@ class CachedStorage(RowStorage):
                     per_sample_weights=per_sample_weights,
                     include_last_offset=True,
                 )
+            slots, misses = self._make_resident(uniq)
             self.stats.lookups += uniq.numel()
-            self.stats.hits += int((self.slot_of_row[uniq] >= 0).sum())
-            slots = self._make_resident(uniq)
+            self.stats.hits += uniq.numel() - misses
             self._touch(slots)
             self._update_pins.append(slots)
             slot_ids = slots[inverse].to(dev)
@@ -534,7 +534,7 @@ class CachedStorage(RowStorage):
         with self._lock:
             rows = rows.cpu()
             uniq = torch.unique(rows)
-            slots = self._make_resident(uniq)
+            slots, _ = self._make_resident(uniq)
             order = torch.searchsorted(uniq, rows)
             self.step += 1
             self.optimizer.update_(
