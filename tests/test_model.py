@@ -4,7 +4,8 @@ from helpers import random_jagged
 
 from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.models.dlrm import build_model
-from recscale.modules.interaction import DotInteraction
+from recscale.modules import interaction
+from recscale.modules.interaction import DotInteraction, SymmetricGram, gram_row_multiple
 
 
 @pytest.mark.parametrize("kernel", ["torch", "numba"])
@@ -51,6 +52,46 @@ def test_fused_interaction_gradient_matches_torch(self_interaction, has_dense):
     for a, c in zip(grads["torch"], grads["numba"]):
         if a is not None:
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_symmetric_gram_gradient_is_autograds_bmm_gradient():
+    t = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(SymmetricGram.apply, (t,))
+    dz = torch.randn(3, 5, 5, dtype=torch.float64)
+    (SymmetricGram.apply(t) * dz).sum().backward()
+    ours, t.grad = t.grad, None
+    (torch.bmm(t, t.transpose(1, 2)) * dz).sum().backward()
+    torch.testing.assert_close(ours, t.grad)
+
+
+def test_gram_rows_padded_to_tensor_core_alignment_on_accelerators_only():
+    assert gram_row_multiple(torch.empty(2)) == 1
+    assert gram_row_multiple(torch.empty(2, device="meta")) == 4  # fp32 / TF32: 16 bytes
+    assert gram_row_multiple(torch.empty(2, device="meta", dtype=torch.bfloat16)) == 8
+
+
+@pytest.mark.parametrize("multiple", [4, 8])
+@pytest.mark.parametrize("self_interaction", [False, True])
+@pytest.mark.parametrize("has_dense", [False, True])
+def test_padded_gram_rows_change_no_output_and_no_gradient(
+    monkeypatch, multiple, self_interaction, has_dense
+):
+    """The GPU pads T's rows (27 -> 28 or 32) with zeros; the pairs and every gradient
+    are the unpadded ones (here on the CPU, the padding forced)."""
+    b, f, d = 6, 5, 8  # k = 5 or 6 rows: padded either way
+    results = []
+    for m in (1, multiple):
+        monkeypatch.setattr(interaction, "gram_row_multiple", lambda x, m=m: m)
+        g = torch.Generator().manual_seed(7)
+        dense = torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_(has_dense)
+        pooled = torch.randn(b, f * d, generator=g, dtype=torch.float64, requires_grad=True)
+        inter = DotInteraction(f, d, has_dense, self_interaction, kernel="torch")
+        out = inter(dense if has_dense else None, pooled)
+        (out * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum().backward()
+        results.append((out.detach(), pooled.grad, dense.grad if has_dense else None))
+    for a, c in zip(*results):
+        if a is not None:
+            torch.testing.assert_close(a, c)
 
 
 def test_under_cpu_autocast_the_interaction_runs_the_fp32_kernel_on_bf16_inputs():

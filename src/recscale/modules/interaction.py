@@ -20,6 +20,44 @@ from recscale.modules import dot_interaction_cpu
 PAD_MULTIPLE = 8
 
 
+def gram_row_multiple(x: torch.Tensor) -> int:
+    """The row count ``T`` is padded to a multiple of before its Gram matrix ``T T^T``.
+
+    On a GPU, cuBLAS runs a batched GEMM on tensor cores only when its leading
+    dimensions are 16-byte aligned: ``[B, 27, 27]`` (DLRM's 26 tables + dense) fell to
+    FP32 FFMA kernels even in TF32 - on an H200, 2.3 ms of DLE's 12.6 ms of kernels a step
+    (benchmarks/gpu_profile.py, docs/gpu.md). Zero rows add nothing to the real pairs.
+    """
+    if x.device.type == "cpu":
+        return 1
+    try:
+        autocast = torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        autocast = False
+    half = autocast or x.dtype in (torch.bfloat16, torch.float16)
+    return 8 if half else 4
+
+
+class SymmetricGram(torch.autograd.Function):
+    """``Z = T T^T`` for ``T`` ``[B, K, D]``, with a backward of one batched GEMM:
+    ``dT = (dZ + dZ^T) T``. Autograd's own bmm backward takes two GEMMs (one per operand,
+    both ``T``) and adds a transposed ``[B, K, D]`` gradient to a contiguous one - a
+    strided add over the step's largest activation."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, t_BKD: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(t_BKD)
+        return torch.bmm(t_BKD, t_BKD.transpose(1, 2))
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dz_BKK: torch.Tensor) -> torch.Tensor:
+        (t_BKD,) = ctx.saved_tensors
+        s_BKK = dz_BKK + dz_BKK.transpose(1, 2)
+        return torch.bmm(s_BKK, t_BKD)  # under autocast, in its dtype (as forward's)
+
+
 class DotInteraction(nn.Module):
     """DLRM's dot interaction: pairwise dot products of the F(+1) vectors.
 
@@ -43,8 +81,10 @@ class DotInteraction(nn.Module):
         self.self_interaction, self.kernel = self_interaction, kernel
         k = num_features + (1 if has_dense else 0)
         iu = torch.triu_indices(k, k, offset=0 if self_interaction else 1)
-        self.register_buffer("flat_index", iu[0] * k + iu[1], persistent=False)
-        self.num_pairs = iu.shape[1]
+        # the pairs' rows and columns in T T^T; flattened per padded row count (_pairs)
+        self.register_buffer("pair_rc", iu, persistent=False)
+        self.num_rows, self.num_pairs = k, iu.shape[1]
+        self._flat: dict[tuple[int, torch.device], torch.Tensor] = {}
         width = self.num_pairs + (dim if has_dense else 0)
         self.out_dim = -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
         self.pad = self.out_dim - width
@@ -85,13 +125,27 @@ class DotInteraction(nn.Module):
             )
         b = pooled_BX.shape[0]
         emb_BFD = pooled_BX.reshape(b, self.num_features, self.dim)
-        t_BKD = torch.cat([dense_BD.unsqueeze(1), emb_BFD], dim=1) if self.has_dense else emb_BFD
-        z_BKK = torch.bmm(t_BKD, t_BKD.transpose(1, 2))
+        rows = [dense_BD.unsqueeze(1)] if self.has_dense else []
+        rows.append(emb_BFD)
+        m = gram_row_multiple(pooled_BX)
+        kp = -(-self.num_rows // m) * m
+        if kp > self.num_rows:
+            rows.append(emb_BFD.new_zeros(b, kp - self.num_rows, self.dim))
+        t_BKD = torch.cat(rows, dim=1) if len(rows) > 1 else emb_BFD
+        z_BKK = SymmetricGram.apply(t_BKD)
         parts = [dense_BD] if self.has_dense else []
-        parts.append(z_BKK.flatten(1).index_select(1, self.flat_index))
+        parts.append(z_BKK.flatten(1).index_select(1, self._pairs(kp, z_BKK.device)))
         if self.pad:
             parts.append(pooled_BX.new_zeros(b, self.pad))
         return torch.cat(parts, dim=1)
+
+    def _pairs(self, kp: int, device: torch.device) -> torch.Tensor:
+        """The pairs' flat positions in a ``[kp, kp]`` Gram matrix."""
+        key = (kp, device)
+        if key not in self._flat:
+            rc = self.pair_rc.to(device)
+            self._flat[key] = rc[0] * kp + rc[1]
+        return self._flat[key]
 
 
 class CatInteraction(nn.Module):
