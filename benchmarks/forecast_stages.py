@@ -26,15 +26,15 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from forecast_validation import DLE_MODEL, capped, write_csv
+from forecast_validation import DLE_MODEL, RECSCALE_UNPADDED, capped, write_csv
 
 from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
 from recscale.perfmodel.forecast import forecast
-from recscale.perfmodel.systems import SYSTEMS
 
 H200_RUN = (
-    "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-26: "
+    "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-26, "
+    "tree da3844c: "
     "recscale bench throughput --steps 50 --train.device=cuda"
 )
 # the bench stages a forecast stage group is compared with
@@ -65,8 +65,8 @@ MEASURED = [
         ["--train.batch_size=16384"],
         "h200",
         "tf32",
-        {"lookup": 0.476, "forward": 0.699, "backward": 1.480, "sparse": 0.415, "dense_opt": 0.155},
-        3.24,
+        {"lookup": 0.559, "forward": 0.879, "backward": 1.542, "sparse": 0.490, "dense_opt": 0.150},
+        3.53,
         H200_RUN + " --config A --train.batch_size=16384 --train.precision=tf32",
     ),
     Measured(
@@ -75,20 +75,19 @@ MEASURED = [
         ["--train.batch_size=16384"],
         "h200",
         "tf32",
-        {"lookup": 0.557, "forward": 1.080, "backward": 2.532, "sparse": 0.506, "dense_opt": 0.167},
-        4.76,
+        {"lookup": 0.558, "forward": 1.105, "backward": 2.398, "sparse": 0.607, "dense_opt": 0.145},
+        4.75,
         H200_RUN + " --config B --train.batch_size=16384 --train.precision=tf32",
     ),
-    # DLE's model with the tables capped at 4 GB; the fused update in the first form of
-    # its hot-row pieces (docs/gpu.md)
+    # DLE's model with the tables capped at 4 GB
     Measured(
         "DLE model 65536 TF32",
         "criteo_terabyte",
         [*capped(4), *DLE_MODEL, "--train.batch_size=65536"],
         "h200",
         "tf32",
-        {"lookup": 0.791, "forward": 3.431, "backward": 7.752, "sparse": 2.318, "dense_opt": 0.024},
-        14.28,
+        {"lookup": 0.847, "forward": 3.440, "backward": 7.765, "sparse": 1.341, "dense_opt": 0.043},
+        13.43,
         H200_RUN + " --config criteo_terabyte (capped(4)) --train.batch_size=65536, SGD",
     ),
     Measured(
@@ -97,8 +96,8 @@ MEASURED = [
         [*capped(4), "--train.batch_size=6912"],
         "h200",
         "tf32",
-        {"lookup": 0.468, "forward": 1.266, "backward": 3.786, "sparse": 2.182, "dense_opt": 0.248},
-        7.93,
+        {"lookup": 0.724, "forward": 1.321, "backward": 4.043, "sparse": 1.320, "dense_opt": 0.286},
+        7.74,
         H200_RUN + " --config criteo_multihot_dcnv2 (capped(4)) --train.batch_size=6912",
     ),
 ]
@@ -109,7 +108,7 @@ def compare(points: list[Measured] = MEASURED) -> list[dict]:
     rows = []
     for m in points:
         cfg = load_config(m.config, m.overrides)
-        f = forecast(cfg, device_spec(m.device), 1, m.precision, SYSTEMS["recscale"])
+        f = forecast(cfg, device_spec(m.device), 1, m.precision, RECSCALE_UNPADDED)
         host_bound = f.stage_ms["host"] > f.step_ms - f.stage_ms["host"]
         groups = {
             g: (sum(m.stage_ms[k] for k in bench), sum(f.stage_ms[k] for k in fc))

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
 from recscale.perfmodel.forecast import STAGES, forecast
-from recscale.perfmodel.systems import SYSTEMS
+from recscale.perfmodel.systems import RECSCALE, SYSTEMS
 
 # Criteo 1TB vocabularies (criteo_terabyte preset), capped: NVIDIA's "small" (frequency
 # threshold 15, 15 GB of fp32 tables) and "large" (threshold 3, 82 GB) variants keep the
@@ -70,6 +70,15 @@ TORCHREC_TABLES = "--model.table_sizes=" + ",".join(
 # (GPUs, samples a GPU, published train records/s)
 TORCHREC_POINTS = [(8, 256, 284_615), (4, 4096, 1_458_176), (8, 2048, 1_671_168)]
 TORCHREC_POINTS += [(8, 8192, 5_373_952)]
+
+
+# recscale as its own GPU points ran (trees up to da3844c): the interaction's Gram matrix
+# through autograd's bmm over 27 unpadded rows; config A dispatched 197 ops a step
+# (benchmarks/count_host_ops.py at that tree) for the 56 kernels this form lists
+RECSCALE_UNPADDED = replace(
+    RECSCALE, name="recscale-unpadded", gram="autograd", host_ops_per_kernel=197 / 56
+)
+SYSTEM_OF = {**SYSTEMS, RECSCALE_UNPADDED.name: RECSCALE_UNPADDED}
 
 
 @dataclass(frozen=True)
@@ -201,7 +210,7 @@ POINTS = [
         "h100-sxm",
         1,
         "tf32",
-        "recscale",
+        "recscale-unpadded",
         3.29e6,
         "docs/gpu.md, 2026-11-24: recscale bench throughput, H100 80GB HBM3",
         check=False,
@@ -213,7 +222,7 @@ POINTS = [
         "h100-sxm",
         1,
         "tf32",
-        "recscale",
+        "recscale-unpadded",
         2.49e6,
         "docs/gpu.md, 2026-11-24: recscale bench throughput, H100 80GB HBM3",
         check=False,
@@ -225,7 +234,7 @@ def evaluate(points: list[Point] = POINTS) -> list[dict]:
     rows = []
     for p in points:
         cfg = load_config(p.config, p.overrides)
-        f = forecast(cfg, device_spec(p.device), p.world_size, p.precision, SYSTEMS[p.system])
+        f = forecast(cfg, device_spec(p.device), p.world_size, p.precision, SYSTEM_OF[p.system])
         rows.append(
             {
                 "point": p.label,

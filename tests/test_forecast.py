@@ -302,7 +302,7 @@ def test_plan_device_cli_prints_and_carries_the_forecast():
     assert stages["host"] == pytest.approx(out["host_ops_per_step"] * EAGER_OP_S * 1e3, rel=0.01)
     r = cli("plan", "--device", "mi300x", "--config", "A")
     assert r.returncode == 0 and "samples/s" in r.stdout and "mlp_gemm" in r.stdout
-    assert "framework ops a step at 20.9 us" in r.stdout
+    assert f"framework ops a step at {EAGER_OP_S * 1e6:.1f} us" in r.stdout
     r = cli("plan", "--list-devices")
     assert all(n in r.stdout for n in NAMED)
 
@@ -405,5 +405,7 @@ def test_the_stage_check_pairs_every_bench_stage_with_its_forecast_stages():
         assert sum(m.stage_ms.values()) == pytest.approx(m.step_ms, rel=0.03) and m.source
     for r in rows:
         assert r["forecast_over_measured"] == pytest.approx(
-            r["forecast_ms"] / r["measured_ms"], rel=1e-2
+            r["forecast_ms"] / r["measured_ms"],
+            rel=1e-2,
+            abs=1e-3,  # rounded to 3 decimals
         )

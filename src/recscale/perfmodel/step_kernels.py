@@ -108,10 +108,14 @@ class StepKernels:
         store = m * n * self.act * (1 if split == 1 else 3) / rate
         self.kernel(stage, max(compute, loads) + store)
 
-    def batched(self, stage: str, flops: float, nbytes: float) -> None:
+    def batched(self, stage: str, flops: float, nbytes: float, aligned: bool = True) -> None:
         """A batched small-matrix product (the dot interaction): its bytes or its flops
-        at half the GEMM rate (small tiles fill a tensor core / vector unit poorly)."""
-        rate = self.dev.peak_flops(self.gemm_precision) * self.eff.gemm * 0.5
+        at half the GEMM rate (small tiles fill a tensor core / vector unit poorly).
+        ``aligned=False``: leading dimensions not a multiple of 16 bytes, which cuBLAS
+        runs on the FP32 cores whatever the precision (an H200 profile: 27 x 27 x 128
+        batches in TF32 at 15-17 TFLOP/s, FP32 FFMA kernels)."""
+        precision = self.gemm_precision if aligned or self.dev.kind == "cpu" else "fp32"
+        rate = self.dev.peak_flops(precision) * self.eff.gemm * 0.5
         self.kernel(stage, max(flops / rate, nbytes / (self.bw * self.eff.stream)))
 
     def gather(self, stage: str, rows: float, row_bytes: float, cached: float = 0.0) -> None:
@@ -170,23 +174,34 @@ def dense_side(
     params = bottom_mlp(s, cfg, sysm, b) if bottom else 0
     emb = sum(dims)
     acts = sum(m.bottom_mlp) + sum(m.top_mlp)
+    gpu = s.dev.kind != "cpu"
     if m.interaction == "dot":
         d = dims[0]
         k = f + (1 if dense else 0)
         pairs = k * (k - 1) // 2 + (k if m.interaction_self else 0)
         width = -(-(pairs + (d if dense else 0)) // PAD_MULTIPLE) * PAD_MULTIPLE
-        x, z = b * k * d * s.act, b * k * k * s.act
-        if sysm.concat_features:
-            s.stream("interaction", 2 * x)  # the features stacked by a copy
         if sysm.fused_interaction:
+            x = b * k * d * s.act
+            if sysm.concat_features:
+                s.stream("interaction", 2 * x)  # the features stacked by a copy
             s.batched("interaction", 2.0 * b * k * k * d, x + b * width * s.act)
             s.batched("interaction", 4.0 * b * k * k * d, 2 * x + b * width * s.act)
         else:
+            # rows padded as modules/interaction.gram_row_multiple pads them
+            mult = (8 if s.act == 2 else 4) if sysm.gram == "padded" and gpu else 1
+            kp = -(-k // mult) * mult
+            aligned = kp * s.act % 16 == 0
+            x, z = b * kp * d * s.act, b * kp * kp * s.act
             s.stream("interaction", 2 * x)  # stack the features
-            s.batched("interaction", 2.0 * b * k * k * d, x + z)
+            s.batched("interaction", 2.0 * b * kp * kp * d, x + z, aligned)
             s.stream("interaction", z + 2 * b * width * s.act)  # triangle gather + concat
             s.stream("interaction", z + b * width * s.act)  # its gradient scattered
-            s.batched("interaction", 4.0 * b * k * k * d, 2 * (x + z))  # two bmm's back
+            if sysm.gram == "padded":
+                s.stream("interaction", 3 * z)  # dZ + dZ^T
+                s.batched("interaction", 2.0 * b * kp * kp * d, 2 * x + z, aligned)
+            else:  # a bmm for each operand, then their T gradients added (one strided)
+                s.batched("interaction", 4.0 * b * kp * kp * d, 2 * (x + z), aligned)
+                s.stream("interaction", 3 * x)
             s.stream("interaction", 2 * x)  # split the features' gradients
         acts += k * d + k * k + width
     elif m.interaction == "dcnv2":

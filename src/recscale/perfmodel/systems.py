@@ -19,6 +19,7 @@ from dataclasses import dataclass
 EPILOGUES = ("eager", "apex", "fused")
 UPDATES = ("fused", "sparse_add")
 HOSTS = ("serial", "overlap", "graph")
+GRAMS = ("autograd", "padded")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class System:
     epilogue: str = "eager"
     fused_interaction: bool = False  # one dot-interaction kernel forward, one backward
     concat_features: bool = False  # the interaction's input is stacked by a copy first
+    # an unfused dot interaction's Gram matrix T T^T: "autograd" - torch.bmm as it comes
+    # (K = 27 rows: leading dimensions cuBLAS cannot run on tensor cores) and autograd's
+    # backward, two bmm's and a strided add; "padded" - rows padded to 16 bytes on a GPU
+    # and one bmm back, (dZ + dZ^T) T (modules/interaction.py)
+    gram: str = "autograd"
     # the tables' update: "fused" - ids sorted, each row updated once in place (FBGEMM
     # TBE, recscale's Triton kernel, HugeCTR); "sparse_add" - a sparse gradient
     # materialised in fp32 and added into the table by index_add_ (torch.optim.SGD)
@@ -54,21 +60,25 @@ class System:
             ("epilogue", self.epilogue, EPILOGUES),
             ("embedding_update", self.embedding_update, UPDATES),
             ("host", self.host, HOSTS),
+            ("gram", self.gram, GRAMS),
         ):
             if value not in allowed:
                 raise ValueError(f"System.{key}: {value!r} is not one of {', '.join(allowed)}")
 
 
 # recscale on a GPU: eager PyTorch (separate ReLU / dReLU / bias-grad kernels, a bmm
-# interaction), the Triton lookup and fused update, fp32 tables and wire, no overlap.
-# Host: one training step of config A dispatches 197 aten ops (counted on the CPU by
-# benchmarks/count_host_ops.py, kernels=torch) for the 55 kernels this forecast lists;
-# the fused update reads the ids' count back (.item()), so host and device time add.
+# interaction over rows padded to tensor-core alignment), the Triton lookup and fused
+# update, fp32 tables and wire, no overlap.
+# Host: one training step of config A dispatches 195 aten ops (counted on the CPU by
+# benchmarks/count_host_ops.py, kernels=torch: 194, plus the Gram rows' zero padding a
+# GPU adds) for the 56 kernels this forecast lists; the fused update reads the ids'
+# count back (.item()), so host and device time add.
 RECSCALE = System(
     "recscale",
+    gram="padded",
     wire_bytes=4,
     host="serial",
-    host_ops_per_kernel=197 / 55,
+    host_ops_per_kernel=195 / 56,
     note="eager PyTorch: unfused epilogues, bmm interaction, fp32 tables and wire",
 )
 
@@ -92,7 +102,7 @@ DLE = System(
     pooled_in_act=True,
     bottom_on_one_rank=True,
     host="overlap",
-    host_ops_per_kernel=197 / 55,
+    host_ops_per_kernel=195 / 56,
     scaler_waits=True,
     note="NVIDIA DeepLearningExamples PyTorch DLRM: apex MLP, CUDA interaction, sparse SGD",
 )
@@ -110,7 +120,8 @@ HUGECTR = System(
     note="HugeCTR (MLPerf): fused epilogues, CUDA graph, embedding / bottom-MLP overlap",
 )
 # TorchRec's DLRM example (pytorch/torchrec examples/dlrm, FBGEMM TBE lookup and fused
-# update, TrainPipelineSparseDist: the ids' all-to-all of batch t+1 overlaps step t).
+# update, TrainPipelineSparseDist: the ids' all-to-all of batch t+1 overlaps step t;
+# InteractionArch: torch.bmm over the stacked features, autograd's backward).
 # Host: a step of TorchRec 1.8's DLRM (26 one-hot tables, 8 ranks, gloo) dispatches 391
 # ops on rank 0 (benchmarks/count_host_ops.py; 373 on 2 ranks, 379 on 4) for the 61
 # kernels listed here, 16 of them reading a value back (.item(): the all-to-alls'
