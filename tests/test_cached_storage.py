@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from recscale.embedding.cached_storage import (
     remove_empty_temp_dirs,
 )
 from recscale.embedding.optimizers import SparseSGD
-from recscale.train.cache_prefetch import CachePrefetcher
+from recscale.train.cache_prefetch import CachePrefetcher, prefetch_on_thread
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
@@ -154,16 +155,19 @@ def test_reads_and_writes_see_the_cache_and_the_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "tier, row_order, warm",
+    "tier, row_order, warm, prefetch, access",
     [
-        ("ssd", "frequency", False),  # cold: prefetch brings the rows
-        ("ssd", "frequency", True),
-        ("ssd", "id", True),
-        ("host", "frequency", True),  # the GPU's host tier warms and pins the same way
+        ("ssd", "frequency", False, "thread", "auto"),  # cold: the thread brings the rows
+        ("ssd", "frequency", False, "inline", "auto"),  # cold: each lookup brings its own
+        ("ssd", "frequency", False, "inline", "pread"),  # rows through buffers, not moved
+        ("ssd", "frequency", True, "thread", "auto"),
+        ("ssd", "id", True, "thread", "auto"),
+        ("host", "frequency", True, "thread", "auto"),  # the GPU's host tier: warmed, pinned
+        ("host", "frequency", False, "auto", "auto"),
     ],
 )
 def test_training_with_prefetch_matches_memory_and_reports_the_cache(
-    tmp_path, tier, row_order, warm
+    tmp_path, tier, row_order, warm, prefetch, access
 ):
     over = [
         "--train.steps=60",
@@ -183,6 +187,8 @@ def test_training_with_prefetch_matches_memory_and_reports_the_cache(
                 f"--embedding.warm_start={str(warm).lower()}",
                 f"--embedding.row_order={row_order}",
                 f"--embedding.ssd_dir={tmp_path}",
+                f"--embedding.cache_prefetch={prefetch}",
+                f"--embedding.ssd_access={access}",
             ],
         ),
         None,
@@ -191,8 +197,14 @@ def test_training_with_prefetch_matches_memory_and_reports_the_cache(
     assert ssd["auc"] == mem["auc"] and ssd["logloss"] == mem["logloss"]
     cache = ssd["embedding_cache"]
     assert cache["bytes_read"] > 0
+    said = [s for s in lines if "cache prefetch:" in s]
+    assert len(said) == 1, lines
+    threaded = "prefetch: a background thread" in said[0]
+    if prefetch != "auto":
+        assert threaded == (prefetch == "thread")
     if not warm:  # a warm cache may hold every row these steps use
-        assert 0 < cache["hit_rate"] < 1 and cache["prefetched"] > 0
+        assert 0 < cache["hit_rate"] < 1
+        assert (cache["prefetched"] > 0) == threaded  # inline: the lookups bring misses
     warmed = [s for s in lines if "warm start" in s]
     # id order has no hot head to start from
     assert len(warmed) == (warm and row_order == "frequency")
@@ -404,3 +416,37 @@ def test_eviction_picks_the_lowest_scores(k):
         rest[got] = False
         assert bool((score[rest] >= taken).all())
         assert torch.equal(score[got].sort().values, score.sort().values[:k])
+
+
+def _tiers(*kinds):
+    """A stand-in collection whose cached storages are ``kinds``: (device, path, loaded)."""
+    storages = [
+        SimpleNamespace(
+            device=torch.device(dev),
+            path=path,
+            rows=SimpleNamespace(private=loaded),
+            cache_stats=lambda: object(),
+        )
+        for dev, path, loaded in kinds
+    ]
+    return SimpleNamespace(storages=lambda: storages)
+
+
+@pytest.mark.parametrize(
+    "kinds, threads, cores, mode, thread",
+    [
+        ([("cpu", "f", True)], 2, 2, "auto", False),  # a loaded file, every core busy
+        ([("cpu", "f", True)], 2, 4, "auto", True),  # a core free for the thread
+        ([("cpu", None, False)], 2, 2, "auto", False),  # the host tier on the CPU
+        ([("cpu", "f", False)], 2, 2, "auto", True),  # rows wait on the disk
+        ([("cpu", "f", True), ("cuda", None, False)], 2, 2, "auto", True),  # a GPU cache
+        ([("cpu", "f", True)], 2, 2, "thread", True),
+        ([("cpu", "f", False)], 1, 8, "inline", False),
+    ],
+)
+def test_the_prefetch_runs_inline_only_where_a_thread_would_take_the_steps_core(
+    kinds, threads, cores, mode, thread
+):
+    cfg = load_config("debug", [f"--embedding.cache_prefetch={mode}"]).embedding
+    on_thread, why = prefetch_on_thread(_tiers(*kinds), cfg, threads, cores)
+    assert on_thread == thread and why

@@ -85,6 +85,39 @@ def test_the_native_row_copy_gathers_and_scatters_as_numpy_does(width):
 
 
 @needs_native
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built")
+def test_the_native_row_move_copies_between_a_table_and_cache_slots_both_ways():
+    """A row's columns split over the cache's parts (weights [C, 3], a row-wise state [C],
+    a [C, 2, 2] state), against numpy indexing, both directions; bad indices refused."""
+    from recscale.embedding.row_file import row_move
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((500, 8)).astype(np.float32)
+    weight, rowwise, square = torch.zeros(40, 3), torch.zeros(40), torch.zeros(40, 2, 2)
+    parts = [(weight, 0), (rowwise, 3), (square, 4)]
+    pos = rng.choice(500, 30, replace=False)
+    slots = rng.choice(40, 30, replace=False)
+    row_move(table, pos, slots, parts, to_table=False)
+    assert np.array_equal(weight.numpy()[slots], table[pos, :3])
+    assert np.array_equal(rowwise.numpy()[slots], table[pos, 3])
+    assert np.array_equal(square.numpy()[slots].reshape(30, 4), table[pos, 4:])
+    weight.mul_(-1)
+    rowwise.add_(7)
+    square.mul_(2)
+    want = table.copy()
+    want[pos, :3] *= -1
+    want[pos, 3] += 7
+    want[pos, 4:] *= 2
+    row_move(table, pos, slots, parts, to_table=True)
+    assert np.array_equal(table, want)
+    with pytest.raises(IndexError, match="row outside"):
+        row_move(table, np.array([500]), np.array([0]), parts, to_table=False)
+    with pytest.raises(IndexError, match="slot outside"):
+        row_move(table, np.array([0]), np.array([40]), parts, to_table=False)
+    with pytest.raises(IndexError, match="columns"):
+        row_move(table, np.array([0]), np.array([0]), [(square, 5)], to_table=False)
+
+
 @pytest.mark.parametrize("depth", [1, 8])
 def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(tmp_path, depth):
     """``recscale_row_io`` (the disk probe's reader): one request a run of neighbours,
@@ -163,12 +196,12 @@ def test_auto_access_maps_a_file_the_memory_holds_and_preads_a_larger_one(tmp_pa
 
 
 @pytest.mark.parametrize("fits", [True, False])
-def test_a_settled_map_the_memory_holds_keeps_the_runs_writes_off_the_file(
+def test_a_settled_file_the_memory_holds_keeps_the_runs_writes_off_the_file(
     tmp_path, monkeypatch, fits
 ):
-    """After ``settle`` a mapped file that fits is copy-on-write: reads see every write,
-    the file keeps the settled rows (nothing for the kernel to write back mid-run). One
-    the memory may not hold stays shared: its pages remain the kernel's to drop."""
+    """After ``settle`` a mapped file that fits is loaded into memory: reads see every
+    write, the file keeps the settled rows (nothing for the kernel to write back mid-run).
+    One the memory may not hold stays mapped: its pages remain the kernel's to drop."""
     from recscale.embedding import row_file
 
     monkeypatch.setattr(row_file, "mem_available", lambda: 1 << 30)
@@ -179,6 +212,7 @@ def test_a_settled_map_the_memory_holds_keeps_the_runs_writes_off_the_file(
         monkeypatch.setattr(row_file, "mem_available", lambda: 1000 * 16)
     rf.settle()
     assert rf.private == fits
+    assert isinstance(rf.map, np.memmap) != fits  # loaded: process memory, not the map
     rows = np.array([3, 500, 999])
     rf.write(rows, -first[rows])
     want = first.copy()
@@ -186,11 +220,25 @@ def test_a_settled_map_the_memory_holds_keeps_the_runs_writes_off_the_file(
     assert np.array_equal(rf.read(np.arange(1000)), want)
     on_disk = np.frombuffer(os.pread(rf.fd, 1000 * 16, 0), np.float32).reshape(1000, 4)
     assert np.array_equal(on_disk, first if fits else want)
+    rf.flush()  # a loaded file's flush writes nothing back
+    on_disk = np.frombuffer(os.pread(rf.fd, 1000 * 16, 0), np.float32).reshape(1000, 4)
+    assert np.array_equal(on_disk, first if fits else want)
 
 
-def test_copy_on_write_maps_must_fit_together(tmp_path, monkeypatch):
+def test_loading_a_file_cut_short_is_an_error_naming_it(tmp_path, monkeypatch):
+    from recscale.embedding import row_file
+
+    monkeypatch.setattr(row_file, "mem_available", lambda: 1 << 30)
+    rf = _file(tmp_path, 1000, 4, access="map")
+    os.ftruncate(rf.fd, 1000 * 16 - 100)
+    with pytest.raises(row_file.TierFileError, match=r"read .* while loading it into memory"):
+        rf.settle()
+    assert not rf.private
+
+
+def test_loaded_files_must_fit_together(tmp_path, monkeypatch):
     """Two files that each fit in half the memory but not together: the first settled
-    goes copy-on-write, the second stays shared."""
+    is loaded into memory, the second stays mapped."""
     from recscale.embedding import row_file
 
     monkeypatch.setattr(row_file, "mem_available", lambda: 3 * 1000 * 16)
@@ -304,8 +352,8 @@ def test_the_tier_file_is_on_the_disk_before_step_0(tmp_path, monkeypatch, warm)
     train(load_config("debug", over), None, echo=lines.append)
     assert synced, "no fdatasync of the tier's file"
     assert any("initial rows on the disk" in x for x in lines), lines
-    # the debug tables' file is small: mapped copy-on-write for the run, and said so
-    assert any("mapped copy-on-write for the run" in x for x in lines), lines
+    # the debug tables' file is small: loaded into memory for the run, and said so
+    assert any("loaded into memory for the run" in x for x in lines), lines
 
 
 @pytest.mark.parametrize(

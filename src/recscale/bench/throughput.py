@@ -39,7 +39,13 @@ from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
-from recscale.train.cache_prefetch import cache_report, cached_storages, warm_caches
+from recscale.train.cache_prefetch import (
+    available_cores,
+    cache_report,
+    cached_storages,
+    prefetch_on_thread,
+    warm_caches,
+)
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
@@ -166,10 +172,15 @@ def run_throughput(
         + " ..."
     )
     # host/ssd tiers: the embedding pipeline brings batch t+1's rows in while step t runs
-    # (as in training); the step time then includes any wait for it (prefetch_wait).
-    source = None
+    # (as in training, where ``prefetch_on_thread`` says so; else each lookup brings its
+    # own); the step time then includes any wait for it (prefetch_wait).
+    source, prefetch_mode = None, None
     if tiered:
-        source = iter(EmbeddingPipeline(iter(batches), model.embeddings, device))
+        ahead, why = prefetch_on_thread(model.embeddings, cfg.embedding, threads, available_cores())
+        prefetch_mode = "thread" if ahead else "inline"
+        echo(f"cache prefetch: {'a background thread' if ahead else 'inline'} ({why})")
+        if ahead:
+            source = iter(EmbeddingPipeline(iter(batches), model.embeddings, device))
     waits: list[float] = []
 
     def next_batch(i: int, record: bool):
@@ -276,7 +287,11 @@ def run_throughput(
     io = tier_io(model.embeddings, DiskCounters.now().since(disk_start), steps, b, echo)
     return {
         **(
-            {"embedding_cache": cache, "prefetch_wait_ms": 1e3 * sum(waits) / steps}
+            {
+                "embedding_cache": cache,
+                "cache_prefetch": prefetch_mode,
+                "prefetch_wait_ms": 1e3 * sum(waits) / steps,
+            }
             if cache
             else {}
         ),

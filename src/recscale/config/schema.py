@@ -198,6 +198,12 @@ class EmbeddingConfig:
     # call), auto (map when the file takes at most half the memory available at start,
     # shared among the host's ranks - the page cache then holds it whole - else pread).
     ssd_access: str = "auto"
+    # Where a cached tier's next batch is made resident: thread (the pipeline's background
+    # thread, while the step computes), inline (the lookup brings its own misses in), or
+    # auto: inline for one process whose tier rows are in memory (a loaded ssd file, host
+    # rows on the CPU) when the step's threads take every core - there the thread only
+    # takes a core from the step's parallel regions - else thread.
+    cache_prefetch: str = "auto"
     # ssd tier's file layout: frequency (each table's rows hottest first, from the data's
     # id popularity: a page read brings rows of like heat, and the page cache holds the
     # warm rows densely) or id. Checkpoints store rows by id either way.
@@ -284,6 +290,7 @@ class EmbeddingConfig:
             )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "map"))
+        _choice("embedding.cache_prefetch", self.cache_prefetch, ("auto", "thread", "inline"))
         if not 1 <= int(self.io_depth) <= 256:
             raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
         _choice("embedding.row_order", self.row_order, ROW_ORDERS)

@@ -44,8 +44,9 @@ import torch.nn.functional as F
 
 from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import cache_index, kernels
-from recscale.embedding.cache_choice import lowest, warm_list
+from recscale.embedding.cache_choice import lowest
 from recscale.embedding.cache_stats import CacheStats, CacheTooSmallError, Prefetched
+from recscale.embedding.cache_warm import CacheWarmStart
 from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier's errors)
@@ -65,7 +66,7 @@ SLOT_OVERHEAD_BYTES = 26
 ROW_INDEX_BYTES = 8
 
 
-class CachedStorage(RowStorage):
+class CachedStorage(CacheWarmStart, RowStorage):
     def __init__(
         self,
         num_rows: int,
@@ -160,8 +161,28 @@ class CachedStorage(RowStorage):
     # -- the slow tier ------------------------------------------------------------------
     @property
     def file(self) -> np.ndarray:
-        """The slow tier's rows in file-row order (the map ``RowFile.settle`` may swap)."""
+        """The slow tier's rows in file-row order (the map, or the array ``RowFile.settle``
+        loads)."""
         return self.rows.map
+
+    def _direct_parts(self) -> list | None:
+        """The cache's parts (tensor, first column in a file row) where rows move straight
+        between the slow tier and the cache (``RowFile.move``: a CPU cache, the tier in
+        memory, the native library); None where they go through a buffer."""
+        if self.device.type != "cpu" or not getattr(self.rows, "moves_rows", False):
+            return None
+        return [(self.cache_weight, 0)] + [
+            (self.cache_state[name], lo) for name, _shape, lo, _hi in self._state_cols
+        ]
+
+    def _fetch(self, rows: torch.Tensor, slots: torch.Tensor) -> np.ndarray | None:
+        """Read ``rows`` for reserved ``slots``: straight into them (None returned) where
+        the tier allows it, else into a buffer for ``_install`` to unpack."""
+        parts = self._direct_parts()
+        if parts is None:
+            return self.rows.read(rows.numpy())
+        self.rows.move(rows.numpy(), slots.numpy(), parts, to_table=False)
+        return None
 
     def _pack(self, slots: torch.Tensor) -> np.ndarray:
         out = np.empty((slots.shape[0], self.width), np.float32)
@@ -183,9 +204,13 @@ class CachedStorage(RowStorage):
         if slots.numel() == 0:
             return
         rows = self.row_of_slot[slots]
-        order = torch.argsort(rows)  # sorted rows: sequential-ish file access
-        slots, rows = slots[order], rows[order]
-        self.rows.write(rows.numpy(), self._pack(slots))
+        parts = self._direct_parts()
+        if parts is not None:
+            self.rows.move(rows.numpy(), slots.numpy(), parts, to_table=True)
+        else:
+            order = torch.argsort(rows)  # sorted rows: sequential-ish file access
+            slots, rows = slots[order], rows[order]
+            self.rows.write(rows.numpy(), self._pack(slots))
         self._write_backs += 1
         self.cache_dirty[slots] = False
         self.stats.bytes_written += rows.numel() * self.width * 4
@@ -232,16 +257,19 @@ class CachedStorage(RowStorage):
         self.free = self.free[: self.free.numel() - n]
         return slots
 
-    def _install(self, rows: torch.Tensor, slots: torch.Tensor, data: np.ndarray) -> bool:
-        """Put rows read from the file into reserved slots. A row another thread brought
-        in meanwhile keeps its slot (its copy may be newer); ours goes back to free.
-        Returns whether every row took the slot it was given."""
+    def _install(self, rows: torch.Tensor, slots: torch.Tensor, data: np.ndarray | None) -> bool:
+        """Put rows read from the file into reserved slots (``data``: from ``_fetch``;
+        None: already there). A row another thread brought in meanwhile keeps its slot
+        (its copy may be newer); ours goes back to free. Returns whether every row took
+        the slot it was given."""
         fresh = self.slot_of_row[rows] < 0
         all_fresh = bool(fresh.all())
         if not all_fresh:
             self.free = torch.cat([self.free, slots[~fresh]])
-            rows, slots, data = rows[fresh], slots[fresh], data[fresh.numpy()]
-        self._unpack_into(slots, data)
+            rows, slots = rows[fresh], slots[fresh]
+            data = None if data is None else data[fresh.numpy()]
+        if data is not None:
+            self._unpack_into(slots, data)
         self.stats.bytes_read += rows.numel() * self.width * 4
         self.row_of_slot[slots] = rows
         self.slot_of_row[rows] = slots.int()
@@ -254,7 +282,7 @@ class CachedStorage(RowStorage):
         if missing_at.numel():
             missing = uniq[missing_at]
             reserved = self._reserve(missing.numel(), slots)
-            self._install(missing, reserved, self.rows.read(missing.numpy()))
+            self._install(missing, reserved, self._fetch(missing, reserved))
             slots[missing_at] = reserved
         return slots, missing_at.numel()
 
@@ -265,88 +293,6 @@ class CachedStorage(RowStorage):
         if not lru and self._clock % self.decay_every == 0:
             self.score.mul_(0.5)
         cache_index.touch(self.score, slots, lru, float(self._clock) if lru else 1.0)
-
-    # -- order and warm start -------------------------------------------------------------
-    def set_row_order(self, position: np.ndarray | None, segments: list[tuple[int, int]]) -> None:
-        """The rows' popularity order: ``position`` (logical row -> rank place, each of
-        the ``segments`` (start, rows) - one per table part - a permutation of its own
-        range, its hottest rows first); before any row is written. The ssd tier lays
-        its file out by it; both tiers warm and pin their caches from its head (the
-        host tier keeps its rows in id order: memory has no pages to fill)."""
-        if isinstance(self.rows, RowFile):
-            self.rows.set_order(position)
-        self._order = position
-        self._segments = list(segments)
-
-    def initialize_segment(self, start: int, weight: torch.Tensor) -> None:
-        """Rows ``[start, start + len(weight))`` take ``weight`` and fresh optimizer
-        state, written in file order a chunk at a time (a table's initial values in one
-        pass, with one chunk of whole rows beside ``weight`` in memory)."""
-        n = weight.shape[0]
-        values = weight.float().cpu().numpy()
-
-        def make_rows(rel: np.ndarray) -> np.ndarray:
-            data = np.empty((len(rel), self.width), np.float32)
-            data[:, : self.dim] = values[rel]
-            for name, _shape, lo, hi in self._state_cols:
-                data[:, lo:hi] = self.optimizer.init_value(name)
-            return data
-
-        with self._lock:
-            if bool((self.slot_of_row[start : start + n] >= 0).any()):
-                raise RuntimeError("initialize_segment: rows of the segment are cached")
-            self.rows.write_segment(start, n, make_rows)
-
-    def warm_rows(self) -> torch.Tensor:
-        """The rows a warm start fills the cache with, hottest first: the head of each
-        segment's file order, the cache shared equally among the segments (a segment
-        smaller than its share gives the rest to the others). Empty without an order."""
-        if self._order is None or not self._segments:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.from_numpy(warm_list(self._order, self._segments, self.cache_rows))
-
-    def warm(self, rows: torch.Tensor, pin: int = 0, chunk: int = 1 << 20) -> int:
-        """Fill free cache slots with ``rows`` (hottest first) before training; the
-        first ``pin`` stay resident for the run (at most all but two batches' worth of
-        the cache is advisable); the others' scores fall from 1 to 0 along the list, so
-        any row a batch uses outranks them and the coldest go first. Returns the rows
-        made resident."""
-        with self._lock:
-            rows = rows.cpu()
-            # chunk by chunk, never a filtered copy of the whole list: count first
-            k = sum(
-                int((self.slot_of_row[rows[lo : lo + chunk]] < 0).sum())
-                for lo in range(0, rows.numel(), chunk)
-            )
-            k = min(k, self.free.numel())
-            done = 0
-            for lo in range(0, rows.numel(), chunk):
-                if done >= k:
-                    break
-                part = rows[lo : lo + chunk]
-                part = part[self.slot_of_row[part] < 0][: k - done]
-                order = torch.argsort(part)  # file order of an ordered file's head: sequential
-                part = part[order]
-                slots = self._reserve(part.numel(), torch.zeros(0, dtype=torch.int64))
-                self._install(part, slots, self.rows.read(part.numpy()))
-                rank = (done + order).double()
-                self.score[slots] = 1.0 - rank / max(k, 1)
-                self.pinned[slots] = rank < pin
-                done += part.numel()
-            self._unpinned = None
-            return k
-
-    def enable_slipstream(self, threshold: float, interval: int, max_bytes: int = 64 << 20):
-        """Skip stale hot rows' updates (``embedding/slipstream.py``): the pinned rows are
-        the hot set, the hottest that fit ``max_bytes`` of snapshot watched."""
-        with self._lock:
-            hot = torch.nonzero(self.pinned).squeeze(1)
-            keep = max(1, max_bytes // (4 * self.dim))
-            if hot.numel() > keep:  # the hottest: highest warm-start score
-                hot = hot[torch.argsort(self.score[hot], descending=True)[:keep]]
-            self.slipstream = Slipstream(
-                hot, self.cache_weight, self.cache_rows, threshold, interval
-            )
 
     def io_stats(self) -> dict[str, float]:
         return self.rows.stats.as_dict()
@@ -385,11 +331,11 @@ class CachedStorage(RowStorage):
                 )
                 return
             generation = self._write_backs
-        data = self.rows.read(missing.numpy()) if missing.numel() else None  # unlocked: slow
+        data = self._fetch(missing, reserved) if missing.numel() else None  # unlocked: slow
         with self._lock:
             if missing.numel():
                 if self._write_backs != generation:  # a write-back may have raced our read
-                    data = self.rows.read(missing.numpy())
+                    data = self._fetch(missing, reserved)
                 if self._install(missing, reserved, data):
                     slots[missing_at] = reserved
                 else:  # another thread installed some of them meanwhile
@@ -429,7 +375,7 @@ class CachedStorage(RowStorage):
         with self._lock:
             if for_update and self._prefetch_pins:  # prefetched, then not looked up
                 self._prefetch_pins.pop(0)
-            uniq, inverse = torch.unique(rows, return_inverse=True)
+            uniq, inverse = unique_ids(rows)  # first-appearance order: slots need no sort
             if not for_update:  # evaluation: read misses straight from the file, admit nothing
                 table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
                 return F.embedding_bag(

@@ -25,13 +25,16 @@ library numpy indexes the memory map, one fault at a time (``map``: also the tes
 view).
 
 Once settled before step 0 (``settle``), a mapped file that fits (the same test) is
-mapped again privately (copy-on-write) for the run: a page the training writes becomes
-the process's own and is never written back mid-run. Through the shared map the kernel
-wrote dirty pages back 30 s after they were dirtied (``vm.dirty_expire_centisecs``),
-write-protecting each (TLB shootdowns on every core) so that the next write faulted
-again - over a 1,700-step run of config A at a 10% cache the mean rate fell to 0.73 of
-the median (0.89 copy-on-write; docs/performance.md). The private pages take at most
-the file's size, which fits in half the memory available.
+read whole into the process's memory for the run (an array numpy backs with huge pages
+where the kernel allows them): the run's writes stay there, never written back mid-run.
+Through the shared map the kernel wrote dirty pages back 30 s after they were dirtied
+(``vm.dirty_expire_centisecs``), write-protecting each (TLB shootdowns on every core) so
+that the next write faulted again - over a 1,700-step run of config A at a 10% cache
+the mean rate fell to 0.73 of the median. A copy-on-write map of the file kept the
+writes off it but paid a fault the first time each 4 KB page was read and again when it
+was first written (~0.5 us a row averaged over 400 steps of config A, against ~21 ns a
+row in the loaded array; docs/performance.md). The array takes the file's size, which
+fits in half the memory available.
 
 The file is scratch space for one run (a crash leaves it as it may be; checkpoints store
 rows by id, whatever their order here).
@@ -54,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from recscale import native
 
@@ -206,6 +210,55 @@ def row_copy(table: np.ndarray, write: bool, pos: np.ndarray, buf: np.ndarray) -
     )
 
 
+def row_move(
+    table: np.ndarray,
+    pos: np.ndarray,
+    slots: np.ndarray,
+    parts: list[tuple[torch.Tensor, int]],
+    to_table: bool,
+) -> None:
+    """Rows between ``table [R, width]`` (file rows ``pos``) and cache ``slots`` with no
+    buffer between (native ``recscale_row_move``): ``parts`` are ``(cache, col)`` - a
+    C-contiguous float32 CPU tensor ``[C, w]`` (or ``[C]``: w = 1) holding columns
+    ``[col, col + w)`` of each row. ``to_table``: a write-back, else an install. Bounds
+    are checked here. The native library must be loaded."""
+    if not table.flags.c_contiguous or table.dtype != np.float32:
+        raise ValueError("row_move needs a C-contiguous float32 table")
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    if pos.shape != slots.shape:
+        raise ValueError(f"row_move: {pos.shape[0]} rows for {slots.shape[0]} slots")
+    if len(pos) == 0:
+        return
+    if int(pos.min()) < 0 or int(pos.max()) >= table.shape[0]:
+        raise IndexError(f"row_move: a row outside [0, {table.shape[0]:,})")
+    bases, widths, cols = [], [], []
+    for cache, col in parts:
+        w = int(cache[0].numel()) if cache.dim() > 1 else 1
+        if not (cache.is_contiguous() and cache.dtype == torch.float32) or cache.is_cuda:
+            raise ValueError("row_move needs C-contiguous float32 CPU caches")
+        if col < 0 or col + w > table.shape[1]:
+            raise IndexError(f"row_move: columns [{col}, {col + w}) outside the row")
+        if int(slots.min()) < 0 or int(slots.max()) >= cache.shape[0]:
+            raise IndexError(f"row_move: a slot outside [0, {cache.shape[0]:,})")
+        bases.append(cache.data_ptr())
+        widths.append(w)
+        cols.append(col)
+    base, width, column = (np.asarray(x, dtype=np.int64) for x in (bases, widths, cols))
+    native.library().recscale_row_move(
+        table.ctypes.data_as(ctypes.c_void_p),
+        table.shape[1],
+        pos.ctypes.data_as(ctypes.c_void_p),
+        slots.ctypes.data_as(ctypes.c_void_p),
+        len(pos),
+        int(to_table),
+        len(parts),
+        base.ctypes.data_as(ctypes.c_void_p),
+        width.ctypes.data_as(ctypes.c_void_p),
+        column.ctypes.data_as(ctypes.c_void_p),
+    )
+
+
 @dataclass
 class IOStats:
     rows_read: int = 0
@@ -253,7 +306,7 @@ class RowFile:
         # read-ahead window (128 KB+) for one 68-byte row.
         if hasattr(mmap, "MADV_RANDOM") and getattr(self.map, "_mmap", None) is not None:
             self.map._mmap.madvise(mmap.MADV_RANDOM)
-        self.private = False  # the map is copy-on-write (``settle``)
+        self.private = False  # the rows are loaded into memory for the run (``settle``)
         self.position: np.ndarray | None = None
         self.stats = IOStats()
         self._lib = native.library()
@@ -283,9 +336,10 @@ class RowFile:
         t = time.perf_counter()
         if self.access == "map":  # numpy on the map: a copy, or one fault at a time
             # a mapped page past the end of a file cut short under the run is SIGBUS, not
-            # an error: check the size first (one fstat a batch)
+            # an error: check the size first (one fstat a batch; rows loaded into memory
+            # by ``settle`` no longer read the file)
             size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
-            if size < want:
+            if size < want and not self.private:
                 raise TierFileError(
                     f"the ssd tier's file {self.path} was cut short under the run "
                     f"({size:,} of {want:,} bytes)"
@@ -331,6 +385,34 @@ class RowFile:
         self._io(True, pos[order], np.ascontiguousarray(data[order], dtype=np.float32))
         self.stats.rows_written += len(pos)
 
+    @property
+    def moves_rows(self) -> bool:
+        """Whether ``move`` can copy rows straight between this file and a CPU cache: in
+        memory (loaded by ``settle``, or mapped) with the native library."""
+        return self.access == "map" and self._lib is not None
+
+    def move(self, rows: np.ndarray, slots: np.ndarray, parts: list, to_table: bool) -> None:
+        """Rows ``rows`` to (``to_table``) or from cache ``slots`` (``row_move``), counted
+        as reads or writes. Only where ``moves_rows``."""
+        t = time.perf_counter()
+        if not self.private:  # a mapped page past a cut-short end is SIGBUS: see _io
+            size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
+            if size < want:
+                raise TierFileError(
+                    f"the ssd tier's file {self.path} was cut short under the run "
+                    f"({size:,} of {want:,} bytes)"
+                )
+        pos = self.positions(np.asarray(rows, dtype=np.int64))
+        row_move(self.map, pos, slots, parts, to_table)
+        st = self.stats
+        st.requests += len(pos)
+        st.batches += 1
+        st.seconds += time.perf_counter() - t
+        if to_table:
+            st.rows_written += len(pos)
+        else:
+            st.rows_read += len(pos)
+
     def write_columns(self, rows: np.ndarray, lo: int, hi: int, values: np.ndarray) -> None:
         """Columns ``[lo, hi)`` of ``rows`` (the rest of each row kept)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -362,13 +444,14 @@ class RowFile:
             self._io(True, np.arange(lo + a, lo + b, dtype=np.int64), data)  # 256 KB requests
 
     def flush(self) -> None:
-        self.map.flush()
+        if not self.private:  # a loaded file's rows are the run's own (module doc)
+            self.map.flush()
 
     def settle(self, taken: int = 0) -> int:
         """Wait until the rows written so far are on the disk (``fdatasync``), then, for
         a mapped file that fits in ``MAP_SHARE`` of the memory available beside the
-        ``taken`` bytes other files of this process already map privately, map it again
-        privately (module doc). Returns the bytes now mapped privately (0 or the file's).
+        ``taken`` bytes other files of this process already hold, read it whole into
+        memory for the run (module doc). Returns the bytes now held (0 or the file's).
         Called once the tables are initialized (or restored), before step 0 and before
         any other thread uses the file: otherwise the kernel writes those dirty pages
         back 30 s on, in the middle of training - config A at a 10% cache lost 3-4x on
@@ -379,11 +462,18 @@ class RowFile:
             return nbytes
         if self.access != "map" or not fits_in_memory(taken + nbytes):
             return 0  # a file the memory may not hold keeps pages the kernel can drop
-        with open(self.fd, "rb", closefd=False) as f:
-            private = np.memmap(f, dtype=np.float32, mode="c", shape=self.map.shape)
-        if hasattr(mmap, "MADV_RANDOM") and getattr(private, "_mmap", None) is not None:
-            private._mmap.madvise(mmap.MADV_RANDOM)
-        self.map, self.private = private, True
+        rows = np.empty(self.map.shape, np.float32)  # numpy advises huge pages for it
+        view = memoryview(rows.reshape(-1).view(np.uint8))
+        chunk = 64 << 20
+        for at in range(0, nbytes, chunk):
+            part = view[at : at + chunk]
+            got = os.preadv(self.fd, [part], at)
+            if got != len(part):  # the file cut short under the run, or a read error
+                raise TierFileError(
+                    f"the ssd tier's file {self.path} read {got:,} of {len(part):,} bytes "
+                    f"at {at:,} while loading it into memory"
+                )
+        self.map, self.private = rows, True
         return nbytes
 
 

@@ -193,3 +193,36 @@ void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int
             memcpy(b + i * row_bytes, row, (size_t)row_bytes);
     }
 }
+
+/* Rows between a table in memory (a loaded or mapped tier file: `table_width` floats a
+ * row, file row `pos[i]`) and the cache's slots, with no buffer between: part `p` of a
+ * row is columns [part_col[p], part_col[p] + part_width[p]) of the table row and row
+ * `slots[i]` of the C-contiguous float array at address `part_base[p]` (`part_width[p]`
+ * floats a row: the cached weights, then each optimizer state). `to_table`: cache ->
+ * table (a write-back), else table -> cache (an install). As in recscale_row_copy, the
+ * rows `ROW_AHEAD` entries on are prefetched on both sides while this one is copied.
+ * Indices are the caller's to check. */
+void recscale_row_move(float *table, int64_t table_width, const int64_t *pos,
+                       const int64_t *slots, int64_t n, int to_table, int64_t parts,
+                       const int64_t *part_base, const int64_t *part_width,
+                       const int64_t *part_col) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + ROW_AHEAD < n) {
+            int64_t j = i + ROW_AHEAD;
+            prefetch_row((const char *)(table + pos[j] * table_width), table_width * 4,
+                         to_table);
+            for (int64_t p = 0; p < parts; p++) {
+                const float *cell = (const float *)(intptr_t)part_base[p] + slots[j] * part_width[p];
+                prefetch_row((const char *)cell, part_width[p] * 4, !to_table);
+            }
+        }
+        float *row = table + pos[i] * table_width;
+        for (int64_t p = 0; p < parts; p++) {
+            float *cell = (float *)(intptr_t)part_base[p] + slots[i] * part_width[p];
+            if (to_table)
+                memcpy(row + part_col[p], cell, (size_t)part_width[p] * sizeof(float));
+            else
+                memcpy(cell, row + part_col[p], (size_t)part_width[p] * sizeof(float));
+        }
+    }
+}

@@ -46,9 +46,11 @@ from recscale.embedding.sizing import compression_summary
 from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import (
+    available_cores,
     cache_report,
     cached_storages,
     hit_rate_since,
+    prefetch_on_thread,
     warm_caches,
 )
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
@@ -289,8 +291,16 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     stream = DeviceFeeder(stream, ctx.device)  # CUDA: pinned, copied ahead on a side stream
     pipeline = None
     # A thread runs ahead when there is something to overlap: an input all-to-all, or
-    # the prefetch of a cached tier (one process, device tables: neither).
-    if (cfg.distributed.pipeline and not ebc.identity) or ebc.tiered():
+    # the prefetch of a cached tier (one process, device tables: neither; a tier whose
+    # prefetch is CPU work with no core free for it: inline, ``prefetch_on_thread``).
+    dist_ahead = cfg.distributed.pipeline and not ebc.identity
+    prefetch_ahead = False
+    if ebc.tiered():
+        prefetch_ahead, why = prefetch_on_thread(ebc, cfg.embedding, job.threads, available_cores())
+        if not dist_ahead:
+            where = "a background thread" if prefetch_ahead else "inline, in each lookup"
+            job.echo(f"recscale: cache prefetch: {where} ({why})")
+    if dist_ahead or prefetch_ahead:
         stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device)
     cached = bool(cached_storages(ebc))
     batches, wait_s, window_wait, cache_seen = iter(stream), 0.0, 0.0, (0, 0)
