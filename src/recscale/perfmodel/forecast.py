@@ -88,10 +88,10 @@ MEMORY_SHARE = 0.9  # of a device's memory the forecast lets a plan use (runtime
 # Host time of one framework op of an eager PyTorch step on a GPU server's host (Python,
 # autograd, dispatch, launch), learned from recscale's own run: config A at batch
 # 16,384, TF32, on an H100 SXM (docs/gpu.md, 2026-11-24) took 4.98 ms a step against
-# 0.90 ms of device work forecast here for the code of that day (its interaction:
+# 0.93 ms of device work forecast here for the code of that day (its interaction:
 # ``System.gram="autograd"``), for 197 ops a step (benchmarks/count_host_ops.py); the
-# rest, 4.08 ms, is 20.7 us an op. Config B on the same GPU is held out.
-EAGER_OP_S = 20.7e-6
+# rest, 4.05 ms, is 20.6 us an op. Config B on the same GPU is held out.
+EAGER_OP_S = 20.6e-6
 
 
 @dataclass

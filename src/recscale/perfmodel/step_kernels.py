@@ -42,6 +42,11 @@ class Efficiency:
     link: float  # share of a link a collective reaches (NCCL bus bandwidth / peak)
     latency_s: float  # a collective's fixed cost within a node
     network_latency_s: float
+    # share of the streaming rate torch.cat reaches stacking [B, 1, D] and [B, F, D]
+    # along dim 1 (the dot interaction's input): an H200 profile of DLE's shape ran
+    # CatArrayBatchedCopy at 1.66 TB/s (0.35 of HBM's peak, 0.41 of the streaming rate;
+    # docs/perfmodel.md); on a CPU no such measurement: the streaming rate
+    stack: float = 1.0
 
 
 # Sources of the GPU terms: cuBLAS reaches ~0.7-0.8 of the dense tensor-core peak on
@@ -50,7 +55,7 @@ class Efficiency:
 # (FBGEMM's TBE benchmarks report that range); a kernel boundary (launch gap + the tail
 # of the last wave) costs a few microseconds. CPU terms: oneDNN ~0.65 of the FMA peak,
 # STREAM ~0.75 of the DDR peak, random rows ~0.6 of that, ~10 us an eager op's dispatch.
-GPU = Efficiency(0.70, (128, 128), 0.85, 32, 0.75, 2.0, 2e-6, 0.80, 15e-6, 30e-6)
+GPU = Efficiency(0.70, (128, 128), 0.85, 32, 0.75, 2.0, 2e-6, 0.80, 15e-6, 30e-6, 0.41)
 CPU = Efficiency(0.65, (64, 64), 0.75, 64, 0.60, 2.0, 10e-6, 0.70, 40e-6, 60e-6)
 EFFICIENCY = {"gpu": GPU, "cpu": CPU}
 
@@ -86,8 +91,9 @@ class StepKernels:
         self.stages[stage] += seconds + self.eff.kernel_s
         self.stage_kernels[stage] += 1
 
-    def stream(self, stage: str, nbytes: float) -> None:
-        self.kernel(stage, nbytes / (self.bw * self.eff.stream))
+    def stream(self, stage: str, nbytes: float, share: float = 1.0) -> None:
+        """A kernel moving ``nbytes`` at the streaming rate (``share`` of it)."""
+        self.kernel(stage, nbytes / (self.bw * self.eff.stream * share))
 
     def gemm(self, stage: str, m: int, n: int, k: int) -> None:
         """One GEMM C[m, n] = A[m, k] B[k, n] by tiles and waves: the main loops (the
@@ -183,7 +189,7 @@ def dense_side(
         if sysm.fused_interaction:
             x = b * k * d * s.act
             if sysm.concat_features:
-                s.stream("interaction", 2 * x)  # the features stacked by a copy
+                s.stream("interaction", 2 * x, s.eff.stack)  # the features stacked by a copy
             s.batched("interaction", 2.0 * b * k * k * d, x + b * width * s.act)
             s.batched("interaction", 4.0 * b * k * k * d, 2 * x + b * width * s.act)
         else:
@@ -192,7 +198,7 @@ def dense_side(
             kp = -(-k // mult) * mult
             aligned = kp * s.act % 16 == 0
             x, z = b * kp * d * s.act, b * kp * kp * s.act
-            s.stream("interaction", 2 * x)  # stack the features
+            s.stream("interaction", 2 * x, s.eff.stack)  # stack the features (torch.cat)
             s.batched("interaction", 2.0 * b * kp * kp * d, x + z, aligned)
             s.stream("interaction", z + 2 * b * width * s.act)  # triangle gather + concat
             s.stream("interaction", z + b * width * s.act)  # its gradient scattered
