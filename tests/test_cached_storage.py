@@ -401,18 +401,28 @@ def test_the_pipeline_thread_yields_the_cores_to_the_step():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
 
 
-@pytest.mark.parametrize("k", [0, 1, 7, 99, 100, 150])
-def test_eviction_picks_the_lowest_scores(k):
+@pytest.mark.parametrize("n", [100, 200_000])  # introselect; a sampled cut first
+@pytest.mark.parametrize("kind", ["ties", "distinct", "skewed"])
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.07, 0.31, 0.99, 1.0, 1.5])
+def test_eviction_picks_the_lowest_scores(n, kind, share):
     from recscale.embedding.cache_choice import lowest
 
-    rng = np.random.default_rng(k)
-    score = torch.from_numpy(rng.integers(0, 20, 100).astype(np.float64))  # many ties
+    k = int(n * share)
+    rng = np.random.default_rng(k + n)
+    values = {
+        "ties": rng.integers(0, 20, n).astype(np.float64),
+        "distinct": rng.random(n),
+        # LFU-like: most slots at one count, a long tail above it
+        "skewed": np.where(rng.random(n) < 0.8, 1.0, rng.exponential(5, n)),
+    }[kind]
+    score = torch.from_numpy(values)
     got = lowest(score, k)
-    assert got.numel() == min(k, 100) and got.unique().numel() == got.numel()
-    if 0 < k < 100:
+    assert got.dtype == torch.int64
+    assert got.numel() == min(k, n) and got.unique().numel() == got.numel()
+    if 0 < k < n:
         # exactly the k smallest: nothing left behind scores below the largest taken
         taken = score[got].max()
-        rest = torch.ones(100, dtype=torch.bool)
+        rest = torch.ones(n, dtype=torch.bool)
         rest[got] = False
         assert bool((score[rest] >= taken).all())
         assert torch.equal(score[got].sort().values, score.sort().values[:k])
