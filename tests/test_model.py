@@ -64,6 +64,17 @@ def test_symmetric_gram_gradient_is_autograds_bmm_gradient():
     torch.testing.assert_close(ours, t.grad)
 
 
+def test_symmetric_gram_under_autocast_returns_the_inputs_dtype():
+    t = torch.randn(4, 6, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = SymmetricGram.apply(t)
+    assert z.dtype == torch.bfloat16
+    z.float().sum().backward()
+    assert t.grad.dtype == torch.float32
+    ref = 2 * torch.ones(4, 6, 6) @ t.detach()  # d/dT sum(T T^T) = (1 + 1^T) T
+    torch.testing.assert_close(t.grad, ref, rtol=2e-2, atol=2e-2)
+
+
 def test_gram_rows_padded_to_tensor_core_alignment_on_accelerators_only():
     assert gram_row_multiple(torch.empty(2)) == 1
     assert gram_row_multiple(torch.empty(2, device="meta")) == 4  # fp32 / TF32: 16 bytes

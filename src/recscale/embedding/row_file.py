@@ -467,7 +467,12 @@ class RowFile:
         chunk = 64 << 20
         for at in range(0, nbytes, chunk):
             part = view[at : at + chunk]
-            got = os.preadv(self.fd, [part], at)
+            if hasattr(os, "preadv"):
+                got = os.preadv(self.fd, [part], at)
+            else:  # no preadv (macOS before 11): a copy through bytes
+                data = os.pread(self.fd, len(part), at)
+                part[: len(data)] = data
+                got = len(data)
             if got != len(part):  # the file cut short under the run, or a read error
                 raise TierFileError(
                     f"the ssd tier's file {self.path} read {got:,} of {len(part):,} bytes "

@@ -55,7 +55,9 @@ class SymmetricGram(torch.autograd.Function):
     def backward(ctx, dz_BKK: torch.Tensor) -> torch.Tensor:
         (t_BKD,) = ctx.saved_tensors
         s_BKK = dz_BKK + dz_BKK.transpose(1, 2)
-        return torch.bmm(s_BKK, t_BKD)  # under autocast, in its dtype (as forward's)
+        if s_BKK.dtype != t_BKD.dtype and not torch.is_autocast_enabled(t_BKD.device.type):
+            s_BKK = s_BKK.to(t_BKD.dtype)  # a forward under an autocast this backward lacks
+        return torch.bmm(s_BKK, t_BKD)  # under CUDA autocast, in its dtype (as forward's)
 
 
 class DotInteraction(nn.Module):
