@@ -198,11 +198,9 @@ class EmbeddingConfig:
     # call), auto (map when the file takes at most half the memory available at start,
     # shared among the host's ranks - the page cache then holds it whole - else pread).
     ssd_access: str = "auto"
-    # Where a cached tier's next batch is made resident: thread (the pipeline's background
-    # thread, while the step computes), inline (the lookup brings its own misses in), or
-    # auto: inline for one process whose tier rows are in memory (a loaded ssd file, host
-    # rows on the CPU) when the step's threads take every core - there the thread only
-    # takes a core from the step's parallel regions - else thread.
+    # Where a cached tier's next batch is made resident: thread (ahead, on the pipeline's
+    # thread), inline (each lookup brings its misses), auto (inline where the tier is in
+    # memory and the step's threads take every core; train/cache_prefetch.py).
     cache_prefetch: str = "auto"
     # ssd tier's file layout: frequency (each table's rows hottest first, from the data's
     # id popularity: a page read brings rows of like heat, and the page cache holds the

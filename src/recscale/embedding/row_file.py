@@ -331,19 +331,24 @@ class RowFile:
         return rows if self.position is None else self.position[rows].astype(np.int64)
 
     # -- batched I/O ----------------------------------------------------------------------
+    def _check_mapped_size(self) -> None:
+        """A mapped page past the end of a file cut short under the run is SIGBUS, not an
+        error: check the size before a batch touches the map (one fstat; rows loaded into
+        memory by ``settle`` no longer read the file)."""
+        if self.private:
+            return
+        size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
+        if size < want:
+            raise TierFileError(
+                f"the ssd tier's file {self.path} was cut short under the run "
+                f"({size:,} of {want:,} bytes)"
+            )
+
     def _io(self, write: bool, pos: np.ndarray, buf: np.ndarray) -> None:
         """Rows ``buf[i]`` from / to file rows ``pos[i]`` (ascending for coalescing)."""
         t = time.perf_counter()
         if self.access == "map":  # numpy on the map: a copy, or one fault at a time
-            # a mapped page past the end of a file cut short under the run is SIGBUS, not
-            # an error: check the size first (one fstat a batch; rows loaded into memory
-            # by ``settle`` no longer read the file)
-            size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
-            if size < want and not self.private:
-                raise TierFileError(
-                    f"the ssd tier's file {self.path} was cut short under the run "
-                    f"({size:,} of {want:,} bytes)"
-                )
+            self._check_mapped_size()
             if self._lib is not None:  # the next rows' misses overlapped (row_io.c)
                 row_copy(self.map, write, pos, buf)
             elif write:
@@ -395,13 +400,7 @@ class RowFile:
         """Rows ``rows`` to (``to_table``) or from cache ``slots`` (``row_move``), counted
         as reads or writes. Only where ``moves_rows``."""
         t = time.perf_counter()
-        if not self.private:  # a mapped page past a cut-short end is SIGBUS: see _io
-            size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
-            if size < want:
-                raise TierFileError(
-                    f"the ssd tier's file {self.path} was cut short under the run "
-                    f"({size:,} of {want:,} bytes)"
-                )
+        self._check_mapped_size()
         pos = self.positions(np.asarray(rows, dtype=np.int64))
         row_move(self.map, pos, slots, parts, to_table)
         st = self.stats
