@@ -40,7 +40,6 @@ from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
 from recscale.train.cache_prefetch import (
-    available_cores,
     cache_report,
     cached_storages,
     prefetch_on_thread,
@@ -50,7 +49,7 @@ from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
 from recscale.train.precision import bf16_hardware, bf16_note
-from recscale.train.step import backward_and_step, forward_loss, setup_process
+from recscale.train.step import available_cores, backward_and_step, forward_loss, setup_process
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
 

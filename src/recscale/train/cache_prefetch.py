@@ -12,7 +12,6 @@ row the other still needs, whatever ids consecutive batches share.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Iterator
 
@@ -49,13 +48,6 @@ def cached_storages(ebc) -> list:
     return [s for s in ebc.storages() if s.cache_stats() is not None]
 
 
-def available_cores() -> int:
-    """Cores this process may run on (its affinity where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def prefetch_on_thread(ebc, cfg: EmbeddingConfig, threads: int, cores: int) -> tuple[bool, str]:
     """Whether the cached tiers' prefetch runs on a background thread (the pipeline's)
     rather than inline in each lookup, and why (``embedding.cache_prefetch``).
@@ -64,8 +56,8 @@ def prefetch_on_thread(ebc, cfg: EmbeddingConfig, threads: int, cores: int) -> t
     it: every cached tier keeps its cache and rows in this process's memory (an ssd file
     ``settle`` loaded, the host tier on the CPU) and the step's ``threads`` take all
     ``cores``. There a background thread takes a core from the step's OpenMP regions,
-    which then wait for it (config A, 10% ssd cache, 2 vCPUs: forward + backward 25 ->
-    33 ms a step, for the 5-6 ms of row work it moved off the step). A tier that waits
+    which then wait for it (config A, 10% ssd cache, 2 vCPUs: forward + backward 23-25
+    -> 28-30 ms a step, more than the ~5 ms of row work it took off the step). A tier that waits
     on a disk, or a GPU cache, keeps the thread: its waits overlap the step."""
     if cfg.cache_prefetch != "auto":
         return cfg.cache_prefetch == "thread", f"embedding.cache_prefetch={cfg.cache_prefetch}"

@@ -46,7 +46,6 @@ from recscale.embedding.sizing import compression_summary
 from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
 from recscale.train.cache_prefetch import (
-    available_cores,
     cache_report,
     cached_storages,
     hit_rate_since,
@@ -61,6 +60,7 @@ from recscale.train.precision import autocast, bf16_note
 from recscale.train.progress import Progress
 from recscale.train.schedule import LRSchedule, scheduled
 from recscale.train.step import (
+    available_cores,
     backward_and_step,
     forward_loss,
     setup_process,
