@@ -2,10 +2,12 @@
 timed steps of ``recscale bench throughput``).
 
     python benchmarks/gpu_profile.py --out DIR [--steps 10] -- --config A --train.batch_size=16384
-    python benchmarks/gpu_profile.py --out DIR --preset dle      # DLE's model, 65536, TF32
+    python benchmarks/gpu_profile.py --out DIR --preset dle -- --train.precision=tf32
 
-Arguments after ``--`` are ``recscale bench throughput`` overrides (``--config NAME``
-first). Runs the bench's warm-up untraced, then traces ``--steps`` steps and writes
+Arguments after ``--`` are ``recscale bench throughput`` overrides: with ``--preset``
+(DLE's model at 65536, DCNv2 at 6912, A, B at 16384), added to each preset's; else the
+run itself (``--config NAME`` among them). The precision is the CLI's default (fp32)
+unless given. Runs the bench's warm-up untraced, then traces ``--steps`` steps and writes
 DIR/<label>-kernels.csv: one row a kernel name with its calls and device time a step,
 the kernel's class (gemm, elementwise, reduction, triton:<name>, copy, other) and, per
 class, the share of the traced device time; it prints the classes and the 15 longest
@@ -121,7 +123,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (see profile())")
     ap.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[])
     args = ap.parse_args(own)
-    runs = [(p, PRESETS[p]) for p in args.preset] + ([("custom", overrides)] if overrides else [])
+    # overrides after -- go to each preset (e.g. --train.precision=tf32), or make the run
+    runs = [(p, PRESETS[p] + overrides) for p in args.preset]
+    if not runs and overrides:
+        runs = [("custom", overrides)]
     if not runs:
         ap.error("name a --preset or give bench overrides after --")
     out = Path(args.out)

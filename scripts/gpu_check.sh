@@ -3,8 +3,9 @@
 # torch and triton must already be there, as on the GPU images), run `recscale bench
 # throughput` for configs A and B (batch 2048 and 16384, TF32, and bf16 at 16384) and
 # for the two published model shapes the forecast is checked against (DeepLearningExamples'
-# DLRM at batch 65536, MLPerf's DLRM-DCNv2 at 6912 a GPU; tables capped at 4 GB), then
-# the whole test suite on the GPU, and print one summary table with each run's stages.
+# DLRM at batch 65536, MLPerf's DLRM-DCNv2 at 6912 a GPU; tables capped at 4 GB), a
+# kernel-by-kernel profile of the first in TF32, then the whole test suite on the GPU,
+# and print one summary table with each run's stages.
 #
 #   bash scripts/gpu_check.sh                 # OUT=gpu_check/ gets the logs and JSON
 #   BUDGET_S=480 bash scripts/gpu_check.sh    # the tests stop so that all ends in 480 s
@@ -55,6 +56,12 @@ for prec in tf32 bf16; do
     bench "dcnv2-6912-$prec" --config criteo_multihot_dcnv2 "$tables" \
         --train.batch_size=6912 --train.precision="$prec"
 done
+
+# DLE's step kernel by kernel (benchmarks/gpu_profile.py): where a GPU step's time goes
+echo "-- profile dle-65536-tf32"
+timeout 90 "$PY" benchmarks/gpu_profile.py --out "$OUT" --preset dle -- --train.precision=tf32 \
+    >"$OUT/profile-dle.txt" 2>&1 || echo "   failed: see $OUT/profile-dle.txt"
+grep -A9 "^== dle" "$OUT/profile-dle.txt" || true
 
 echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
 # addopts' -q would cancel -v: with -v each result prints as it happens, so a run the
