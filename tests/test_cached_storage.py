@@ -434,7 +434,7 @@ def _tiers(*kinds):
         SimpleNamespace(
             device=torch.device(dev),
             path=path,
-            rows=SimpleNamespace(private=loaded),
+            rows=SimpleNamespace(loaded=loaded or path is None),  # host rows: in memory
             cache_stats=lambda: object(),
         )
         for dev, path, loaded in kinds

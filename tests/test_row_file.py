@@ -211,7 +211,7 @@ def test_a_settled_file_the_memory_holds_keeps_the_runs_writes_off_the_file(
     if not fits:
         monkeypatch.setattr(row_file, "mem_available", lambda: 1000 * 16)
     rf.settle()
-    assert rf.private == fits
+    assert rf.loaded == fits
     assert isinstance(rf.map, np.memmap) != fits  # loaded: process memory, not the map
     rows = np.array([3, 500, 999])
     rf.write(rows, -first[rows])
@@ -233,7 +233,7 @@ def test_loading_a_file_cut_short_is_an_error_naming_it(tmp_path, monkeypatch):
     os.ftruncate(rf.fd, 1000 * 16 - 100)
     with pytest.raises(row_file.TierFileError, match=r"read .* while loading it into memory"):
         rf.settle()
-    assert not rf.private
+    assert not rf.loaded
 
 
 def test_loaded_files_must_fit_together(tmp_path, monkeypatch):
@@ -246,8 +246,8 @@ def test_loaded_files_must_fit_together(tmp_path, monkeypatch):
     (tmp_path / "b").mkdir()
     a, b = (_file(tmp_path / d, 1000, 4, access="map") for d in "ab")
     taken = a.settle(0)
-    assert taken == 1000 * 16 and a.private
-    assert b.settle(taken) == 0 and not b.private
+    assert taken == 1000 * 16 and a.loaded
+    assert b.settle(taken) == 0 and not b.loaded
 
 
 def test_an_order_of_the_wrong_length_is_refused(tmp_path):

@@ -169,7 +169,7 @@ class CachedStorage(CacheWarmStart, RowStorage):
         """The cache's parts (tensor, first column in a file row) where rows move straight
         between the slow tier and the cache (``RowFile.move``: a CPU cache, the tier in
         memory, the native library); None where they go through a buffer."""
-        if self.device.type != "cpu" or not getattr(self.rows, "moves_rows", False):
+        if self.device.type != "cpu" or not self.rows.moves_rows:
             return None
         return [(self.cache_weight, 0)] + [
             (self.cache_state[name], lo) for name, _shape, lo, _hi in self._state_cols

@@ -232,6 +232,8 @@ def row_move(
         return
     if int(pos.min()) < 0 or int(pos.max()) >= table.shape[0]:
         raise IndexError(f"row_move: a row outside [0, {table.shape[0]:,})")
+    if int(slots.min()) < 0 or int(slots.max()) >= min(cache.shape[0] for cache, _ in parts):
+        raise IndexError(f"row_move: a slot outside the cache ({int(slots.max())})")
     bases, widths, cols = [], [], []
     for cache, col in parts:
         w = int(cache[0].numel()) if cache.dim() > 1 else 1
@@ -239,8 +241,6 @@ def row_move(
             raise ValueError("row_move needs C-contiguous float32 CPU caches")
         if col < 0 or col + w > table.shape[1]:
             raise IndexError(f"row_move: columns [{col}, {col + w}) outside the row")
-        if int(slots.min()) < 0 or int(slots.max()) >= cache.shape[0]:
-            raise IndexError(f"row_move: a slot outside [0, {cache.shape[0]:,})")
         bases.append(cache.data_ptr())
         widths.append(w)
         cols.append(col)
@@ -306,7 +306,7 @@ class RowFile:
         # read-ahead window (128 KB+) for one 68-byte row.
         if hasattr(mmap, "MADV_RANDOM") and getattr(self.map, "_mmap", None) is not None:
             self.map._mmap.madvise(mmap.MADV_RANDOM)
-        self.private = False  # the rows are loaded into memory for the run (``settle``)
+        self.loaded = False  # the rows are loaded into memory for the run (``settle``)
         self.position: np.ndarray | None = None
         self.stats = IOStats()
         self._lib = native.library()
@@ -335,7 +335,7 @@ class RowFile:
         """A mapped page past the end of a file cut short under the run is SIGBUS, not an
         error: check the size before a batch touches the map (one fstat; rows loaded into
         memory by ``settle`` no longer read the file)."""
-        if self.private:
+        if self.loaded:
             return
         size, want = os.fstat(self.fd).st_size, self.num_rows * self.row_bytes
         if size < want:
@@ -443,7 +443,7 @@ class RowFile:
             self._io(True, np.arange(lo + a, lo + b, dtype=np.int64), data)  # 256 KB requests
 
     def flush(self) -> None:
-        if not self.private:  # a loaded file's rows are the run's own (module doc)
+        if not self.loaded:  # a loaded file's rows are the run's own (module doc)
             self.map.flush()
 
     def settle(self, taken: int = 0) -> int:
@@ -457,7 +457,7 @@ class RowFile:
         the steps it overlapped."""
         os.fdatasync(self.fd)
         nbytes = self.num_rows * self.row_bytes
-        if self.private:
+        if self.loaded:
             return nbytes
         if self.access != "map" or not fits_in_memory(taken + nbytes):
             return 0  # a file the memory may not hold keeps pages the kernel can drop
@@ -477,13 +477,16 @@ class RowFile:
                     f"the ssd tier's file {self.path} read {got:,} of {len(part):,} bytes "
                     f"at {at:,} while loading it into memory"
                 )
-        self.map, self.private = rows, True
+        self.map, self.loaded = rows, True
         return nbytes
 
 
 class HostRows:
     """The host tier's rows: the same interface over a host array (pinned under CUDA),
     in id order."""
+
+    loaded = True  # in this process's memory, as a loaded RowFile's
+    moves_rows = False  # through buffers (``RowFile.move`` is the file's)
 
     def __init__(self, array: np.ndarray) -> None:
         self.map, self.position, self.stats = array, None, IOStats()

@@ -34,8 +34,13 @@ def gram_row_multiple(x: torch.Tensor) -> int:
         autocast = torch.is_autocast_enabled(x.device.type)
     except RuntimeError:  # a device type autocast does not know (meta)
         autocast = False
-    half = autocast or x.dtype in (torch.bfloat16, torch.float16)
-    return 8 if half else 4
+    return gram_multiple(True, autocast or x.dtype in (torch.bfloat16, torch.float16))
+
+
+def gram_multiple(accelerator: bool, half: bool) -> int:
+    """16 bytes of rows on an accelerator (4 fp32 / TF32, 8 bf16 / fp16); none on a CPU
+    (the performance model pads as the module does through this)."""
+    return (8 if half else 4) if accelerator else 1
 
 
 class SymmetricGram(torch.autograd.Function):

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from recscale.config.schema import Config
-from recscale.modules.interaction import PAD_MULTIPLE
+from recscale.modules.interaction import PAD_MULTIPLE, gram_multiple
 from recscale.perfmodel.devices import DeviceSpec
 from recscale.perfmodel.systems import System
 
@@ -194,7 +194,7 @@ def dense_side(
             s.batched("interaction", 4.0 * b * k * k * d, 2 * x + b * width * s.act)
         else:
             # rows padded as modules/interaction.gram_row_multiple pads them
-            mult = (8 if s.act == 2 else 4) if sysm.gram == "padded" and gpu else 1
+            mult = gram_multiple(sysm.gram == "padded" and gpu, s.act == 2)
             kp = -(-k // mult) * mult
             aligned = kp * s.act % 16 == 0
             x, z = b * kp * d * s.act, b * kp * kp * s.act

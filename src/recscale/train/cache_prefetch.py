@@ -62,10 +62,7 @@ def prefetch_on_thread(ebc, cfg: EmbeddingConfig, threads: int, cores: int) -> t
     if cfg.cache_prefetch != "auto":
         return cfg.cache_prefetch == "thread", f"embedding.cache_prefetch={cfg.cache_prefetch}"
     storages = cached_storages(ebc)
-    in_memory = all(
-        st.device.type == "cpu" and (st.path is None or getattr(st.rows, "private", False))
-        for st in storages
-    )
+    in_memory = all(st.device.type == "cpu" and st.rows.loaded for st in storages)
     if not in_memory:
         return True, "rows wait on the disk or a copy to the device: the thread overlaps them"
     if cores > threads:
@@ -110,17 +107,17 @@ def settle_files(ebc, echo) -> None:
     if not files:
         return
     t = time.perf_counter()
-    private = 0  # bytes loaded into memory: together they must fit, not each alone
+    loaded = 0  # bytes loaded into memory: together they must fit, not each alone
     for f in files:
-        private += f.settle(private)
+        loaded += f.settle(loaded)
     size = sum(f.num_rows * f.row_bytes for f in files)
     echo(
         f"recscale: ssd tier: {size / 1e9:.2f} GB of initial rows on the disk in "
         f"{time.perf_counter() - t:.1f} s (before step 0, not as a stall mid-run)"
         + (
-            f"; {private / 1e9:.2f} GB of it loaded into memory for the run (the memory "
+            f"; {loaded / 1e9:.2f} GB of it loaded into memory for the run (the memory "
             "holds it: training reads and writes rows there, the file is not written mid-run)"
-            if private
+            if loaded
             else ""
         )
     )
