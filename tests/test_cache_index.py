@@ -39,3 +39,77 @@ def test_cache_probe_and_touch_match_torch_indexing(monkeypatch, native_pass):
     for bad in (-1, 100_000, 2**40):  # an id beyond the table: an error, never a read
         with pytest.raises(IndexError, match="out of bounds"):
             cache_index.probe(slot_of_row, torch.tensor([5, bad, 7]))
+
+
+def _native_or_fallback(monkeypatch, native_pass: bool) -> None:
+    if not native_pass:
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.skip("native library not built")
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_unique_probe_dedupes_and_probes_like_unique_then_indexing(monkeypatch, native_pass):
+    """One pass (native) or torch.unique + probe (fallback): the distinct ids (order of
+    first appearance natively, any order otherwise), uniq[inverse] == ids, each distinct
+    id's slot and the ascending indices of those not cached; ids outside the map refused."""
+    from recscale.embedding import cache_index
+
+    _native_or_fallback(monkeypatch, native_pass)
+    g = torch.Generator().manual_seed(5)
+    slot_of_row = torch.full((50_000,), -1, dtype=torch.int32)
+    cached = torch.randperm(50_000, generator=g)[:2000]
+    slot_of_row[cached] = torch.randperm(4000, generator=g)[:2000].int()
+    hot = torch.cat([cached[:300], torch.randperm(50_000, generator=g)[:300]])
+    for n in (0, 1, 9, 6000):  # 6000 ids drawn from 600: heavy repeats
+        ids = hot[torch.randint(0, hot.numel(), (n,), generator=g)]
+        uniq, inverse, slots, missing_at = cache_index.unique_probe(slot_of_row, ids)
+        assert torch.equal(uniq[inverse], ids)
+        assert torch.equal(torch.sort(uniq).values, torch.unique(ids))
+        if native_pass and n:  # first appearance
+            first = [ids.tolist().index(u) for u in uniq.tolist()]
+            assert first == sorted(first)
+        assert torch.equal(slots, slot_of_row[uniq].long())
+        assert torch.equal(missing_at, torch.nonzero(slots < 0).squeeze(1))
+    for bad in (-1, 50_000):
+        with pytest.raises(IndexError, match="out of bounds"):
+            cache_index.unique_probe(slot_of_row, torch.tensor([5, 5, bad, 7]))
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_install_candidates_and_clear_keep_the_maps_inverse(monkeypatch, native_pass):
+    """Install rows into free slots, pick eviction candidates (unblocked slots that hold a
+    row, with their scores, in order), clear victims: against the same steps done by
+    plain indexing, and the two maps stay each other's inverse."""
+    from recscale.embedding import cache_index
+
+    _native_or_fallback(monkeypatch, native_pass)
+    g = torch.Generator().manual_seed(7)
+    num_rows, c = 10_000, 600
+    slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32)
+    row_of_slot = torch.full((c,), -1, dtype=torch.int64)
+    dirty = torch.ones(c, dtype=torch.bool)
+    score = torch.rand(c, generator=g, dtype=torch.float64)
+    rows = torch.randperm(num_rows, generator=g)[:400]
+    slots = torch.randperm(c, generator=g)[:400]
+    cache_index.install(slot_of_row, row_of_slot, dirty, rows, slots)
+    assert torch.equal(row_of_slot[slots], rows) and torch.equal(slot_of_row[rows].long(), slots)
+    assert int((slot_of_row >= 0).sum()) == 400 and int((row_of_slot >= 0).sum()) == 400
+    assert not bool(dirty[slots].any()) and int(dirty.sum()) == c - 400
+
+    look = torch.sort(torch.randperm(c, generator=g)[:450]).values
+    blocked = torch.zeros(c, dtype=torch.bool)
+    blocked[torch.randperm(c, generator=g)[:100]] = True
+    cand, cand_score = cache_index.candidates(look, blocked, row_of_slot, score)
+    want = look[~blocked[look] & (row_of_slot[look] >= 0)]
+    assert torch.equal(cand, want) and torch.equal(cand_score, score[want])
+
+    victims = cand[:50]
+    gone = row_of_slot[victims].clone()
+    cache_index.clear(slot_of_row, row_of_slot, score, victims)
+    assert bool((slot_of_row[gone] == -1).all()) and bool((row_of_slot[victims] == -1).all())
+    assert bool((score[victims] == 0).all())
+    used = torch.nonzero(row_of_slot >= 0).squeeze(1)
+    assert used.numel() == 350
+    assert torch.equal(slot_of_row[row_of_slot[used]].long(), used)
+    assert int((slot_of_row >= 0).sum()) == 350

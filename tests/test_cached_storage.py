@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from recscale import native
 from recscale.config import load_config
 from recscale.distributed import DistContext
 from recscale.embedding.cached_storage import (
@@ -81,6 +82,38 @@ def test_small_cache_trains_exactly_like_memory(optimizer, kernels, tier):
     assert torch.equal(w0, w1)
     assert all(torch.equal(s0[k], s1[k]) for k in s0)
     assert torch.equal(p0, p1)
+    _assert_slots_consistent(st)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built")
+def test_training_pools_from_the_cache_natively_and_updates_without_a_second_probe(
+    monkeypatch,
+):
+    """On the CPU the training lookup of a cached table group runs the native pooled pass
+    over the cache's slots (not the storage's torch lookup), and the update takes each
+    id's slot from the lookup's pin instead of probing the map again - and training still
+    equals training in memory (eviction on every step)."""
+    from recscale.embedding import cached_storage
+
+    w0, s0, p0, _ = _train_tables("device", "rowwise_adagrad", "auto")
+    torch_lookups, reused = [], []
+    real_lookup, real_same = CachedStorage.lookup, cached_storage._same_tensor
+
+    def lookup(self, rows, offsets, psw, for_update=False):
+        torch_lookups.append(for_update)
+        return real_lookup(self, rows, offsets, psw, for_update)
+
+    def same(a, b):
+        reused.append(real_same(a, b))
+        return reused[-1]
+
+    monkeypatch.setattr(CachedStorage, "lookup", lookup)
+    monkeypatch.setattr(cached_storage, "_same_tensor", same)
+    w1, s1, p1, st = _train_tables("ssd", "rowwise_adagrad", "auto", cache_bytes=6000 * 36)
+    assert st.stats.evictions > 0
+    assert True not in torch_lookups  # evaluation may use it; training never
+    assert len(reused) == 12 and all(reused)
+    assert torch.equal(w0, w1) and torch.equal(s0["sum"], s1["sum"]) and torch.equal(p0, p1)
     _assert_slots_consistent(st)
 
 

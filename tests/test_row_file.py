@@ -118,6 +118,37 @@ def test_the_native_row_move_copies_between_a_table_and_cache_slots_both_ways():
         row_move(table, np.array([0]), np.array([0]), [(square, 5)], to_table=False)
 
 
+@needs_native
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built")
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_row_move_maps_logical_rows_through_the_file_order(dtype):
+    """With a row order, entry i is file row position[rows[i]] (the pass maps int32
+    orders itself, int64 ones are mapped first): equal to moving the mapped rows; a
+    position outside the table is refused."""
+    from recscale.embedding.row_file import row_move
+
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((300, 5)).astype(np.float32)
+    position = rng.permutation(300).astype(dtype)
+    rows = rng.choice(300, 50, replace=False)
+    slots = rng.choice(64, 50, replace=False)
+    got, want = torch.zeros(64, 4), torch.zeros(64, 4)
+    got_state, want_state = torch.zeros(64), torch.zeros(64)
+    row_move(table, rows, slots, [(got, 0), (got_state, 4)], False, position)
+    row_move(table, position[rows], slots, [(want, 0), (want_state, 4)], False)
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    assert np.array_equal(got.numpy()[slots], table[position[rows], :4])
+    got.add_(1)
+    row_move(table, rows, slots, [(got, 0), (got_state, 4)], True, position)
+    assert np.array_equal(table[position[rows], :4], got.numpy()[slots])
+    bad = position.copy()
+    bad[rows[3]] = 300
+    with pytest.raises(IndexError, match="outside the table"):
+        row_move(table, rows, slots, [(got, 0)], False, bad)
+    with pytest.raises(IndexError, match="row outside"):
+        row_move(table, np.array([300]), np.array([0]), [(got, 0)], False, position)
+
+
 @pytest.mark.parametrize("depth", [1, 8])
 def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(tmp_path, depth):
     """``recscale_row_io`` (the disk probe's reader): one request a run of neighbours,

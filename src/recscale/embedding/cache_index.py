@@ -1,7 +1,10 @@
-"""The tier cache's per-batch index passes (``native/cache_index.c``), with torch's
-indexing as the fallback where the native library is not built::
+"""The tier cache's per-batch index passes (``native/cache_index.c``,
+``native/unique_ids.c``), with torch's indexing as the fallback where the native
+library is not built::
 
     slot_of_row [rows] int32   the slot caching a row, -1 = on the file only
+    row_of_slot [C] int64      the row a slot holds, -1 = free
+    dirty       [C] bool       a slot's row changed since it was read
     score       [C] float64    a slot's LFU count or LRU clock
 
 Each access lands at random in arrays of millions of entries; the native passes
@@ -40,6 +43,129 @@ def probe(slot_of_row: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, 
     if k < 0:
         _out_of_bounds(int(rows[-1 - k]), slot_of_row.numel())
     return slots, missing_at[:k]
+
+
+def unique_probe(
+    slot_of_row: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(uniq, inverse, slots, missing_at)``: a batch's distinct ``ids`` in order of first
+    appearance natively (``uniq[inverse] == ids``), each one's slot (int64, -1 = not
+    cached) and the ascending indices into ``uniq`` of those not cached - :func:`unique_ids`
+    and :func:`probe` in one native pass. An id outside ``slot_of_row`` is an
+    ``IndexError``."""
+    lib = native.library()
+    n = ids.numel()
+    too_many = n >= 2**31 - 1  # the hash table holds int32 indices
+    if lib is None or slot_of_row.dtype != torch.int32 or ids.dtype != torch.int64 or too_many:
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        return (uniq, inverse, *probe(slot_of_row, uniq))
+    ids = ids.contiguous()
+    out = torch.empty(4, n, dtype=torch.int64)
+    counts = torch.zeros(2, dtype=torch.int64)
+    uniq, inverse, slots, missing_at = out
+    rc = lib.recscale_unique_probe(
+        ids.data_ptr(),
+        n,
+        slot_of_row.data_ptr(),
+        slot_of_row.numel(),
+        uniq.data_ptr(),
+        inverse.data_ptr(),
+        slots.data_ptr(),
+        missing_at.data_ptr(),
+        counts.data_ptr(),
+    )
+    if rc == -1:
+        raise MemoryError("unique_probe: no memory for the hash table")
+    if rc < 0:
+        _out_of_bounds(int(ids.view(-1)[-2 - rc]), slot_of_row.numel())
+    u, k = counts.tolist()
+    return uniq[:u], inverse.view(ids.shape), slots[:u], missing_at[:k]
+
+
+def install(
+    slot_of_row: torch.Tensor,
+    row_of_slot: torch.Tensor,
+    dirty: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``rows`` now live in ``slots`` (distinct, in range, int64): both maps set, the
+    slots clean."""
+    lib = native.library()
+    ok = (slot_of_row.dtype, row_of_slot.dtype, dirty.dtype) == (
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
+    if lib is None or not ok or rows.dtype != torch.int64 or slots.dtype != torch.int64:
+        row_of_slot[slots] = rows
+        slot_of_row[rows] = slots.to(slot_of_row.dtype)
+        dirty[slots] = False
+        return
+    rows, slots = rows.contiguous(), slots.contiguous()
+    lib.recscale_cache_install(
+        slot_of_row.data_ptr(),
+        row_of_slot.data_ptr(),
+        dirty.data_ptr(),
+        rows.data_ptr(),
+        slots.data_ptr(),
+        rows.numel(),
+    )
+
+
+def candidates(
+    slots: torch.Tensor, blocked: torch.Tensor, row_of_slot: torch.Tensor, score: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eviction's candidates among ``slots`` (int64): those not ``blocked`` (bool ``[C]``)
+    that hold a row, and their scores - in ``slots``' order."""
+    lib = native.library()
+    ok = (blocked.dtype, row_of_slot.dtype, score.dtype) == (
+        torch.bool,
+        torch.int64,
+        torch.float64,
+    )
+    if lib is None or not ok or slots.dtype != torch.int64:
+        cand = slots[~blocked[slots] & (row_of_slot[slots] >= 0)]
+        return cand, score[cand]
+    slots = slots.contiguous()
+    cand = torch.empty_like(slots)
+    cand_score = torch.empty(slots.numel(), dtype=torch.float64)
+    k = lib.recscale_cache_candidates(
+        slots.data_ptr(),
+        slots.numel(),
+        blocked.data_ptr(),
+        row_of_slot.data_ptr(),
+        score.data_ptr(),
+        cand.data_ptr(),
+        cand_score.data_ptr(),
+    )
+    return cand[:k], cand_score[:k]
+
+
+def clear(
+    slot_of_row: torch.Tensor, row_of_slot: torch.Tensor, score: torch.Tensor, victims: torch.Tensor
+) -> None:
+    """``victims`` (distinct int64 slots, each holding a row) leave the cache: their rows
+    unmapped, the slots empty, their scores 0."""
+    lib = native.library()
+    ok = (slot_of_row.dtype, row_of_slot.dtype, score.dtype) == (
+        torch.int32,
+        torch.int64,
+        torch.float64,
+    )
+    if lib is None or not ok or victims.dtype != torch.int64:
+        slot_of_row[row_of_slot[victims]] = -1
+        row_of_slot[victims] = -1
+        score[victims] = 0
+        return
+    victims = victims.contiguous()
+    lib.recscale_cache_clear(
+        slot_of_row.data_ptr(),
+        row_of_slot.data_ptr(),
+        score.data_ptr(),
+        victims.data_ptr(),
+        victims.numel(),
+    )
 
 
 def _out_of_bounds(row: int, num_rows: int) -> None:

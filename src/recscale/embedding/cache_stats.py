@@ -44,4 +44,14 @@ class CacheStats:
 class Prefetched:
     rows: torch.Tensor  # the batch's rows, to recognise its lookup
     slots: torch.Tensor  # its distinct rows' slots (pinned until the lookup)
-    slot_ids: torch.Tensor  # per id: what the lookup pools
+    slot_ids: torch.Tensor  # per id (CPU int64): what the lookup pools
+    device_slot_ids: torch.Tensor  # the same on the cache's device
+
+
+@dataclass
+class UpdatePin:
+    """A batch looked up for an update not yet applied: its slots stay resident."""
+
+    rows: torch.Tensor  # the rows the lookup was given (the update gets the same tensor)
+    slots: torch.Tensor  # its distinct rows' slots
+    slot_ids: torch.Tensor  # per id (CPU int64): the update's slots, no second probe

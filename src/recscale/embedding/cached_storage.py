@@ -45,7 +45,12 @@ import torch.nn.functional as F
 from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import cache_index, kernels
 from recscale.embedding.cache_choice import lowest
-from recscale.embedding.cache_stats import CacheStats, CacheTooSmallError, Prefetched
+from recscale.embedding.cache_stats import (
+    CacheStats,
+    CacheTooSmallError,
+    Prefetched,
+    UpdatePin,
+)
 from recscale.embedding.cache_warm import CacheWarmStart
 from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
 from recscale.embedding.optimizers import SparseOptimizer
@@ -138,7 +143,7 @@ class CachedStorage(CacheWarmStart, RowStorage):
         self.free = torch.arange(c - 1, -1, -1)  # a stack: free slots, popped from the end
         self._prefetch_pins: list[Prefetched] = []  # prefetched batches not yet looked up
         self._prefetch_off = False  # set when the cache cannot hold two batches at once
-        self._update_pins: list[torch.Tensor] = []  # looked up for an update not yet applied
+        self._update_pins: list[UpdatePin] = []  # looked up for an update not yet applied
         self.dirty: torch.Tensor | None = None
         self.stats = CacheStats()
         self.slipstream: Slipstream | None = None  # off unless enable_slipstream
@@ -225,12 +230,13 @@ class CachedStorage(CacheWarmStart, RowStorage):
             self._unpinned = torch.nonzero(~self.pinned).squeeze(1)
         blocked = torch.zeros(c, dtype=torch.bool)
         blocked[keep[keep >= 0]] = True  # a batch's probe: its misses are -1
-        for p in [*(e.slots for e in self._prefetch_pins), *self._update_pins]:
+        for p in [*(e.slots for e in self._prefetch_pins), *(u.slots for u in self._update_pins)]:
             blocked[p] = True
-        cand = self._unpinned
-        cand = cand[~blocked[cand] & (self.row_of_slot[cand] >= 0)]
+        cand, cand_score = cache_index.candidates(
+            self._unpinned, blocked, self.row_of_slot, self.score
+        )
         k = min(k, cand.numel())
-        victims = cand[lowest(self.score[cand], k)]
+        victims = cand[lowest(cand_score, k)]
         if victims.numel() < need:
             pinned = int((self.row_of_slot >= 0).sum()) - cand.numel()
             total = pinned + self.free.numel() + need  # all of it wanted resident at once
@@ -243,9 +249,7 @@ class CachedStorage(CacheWarmStart, RowStorage):
                 + (" or lower embedding.warm_pin_share" if held else "")
             )
         self._write_back(victims)
-        self.slot_of_row[self.row_of_slot[victims]] = -1
-        self.row_of_slot[victims] = -1
-        self.score[victims] = 0
+        cache_index.clear(self.slot_of_row, self.row_of_slot, self.score, victims)
         self.free = torch.cat([self.free, victims])
         self.stats.evictions += victims.numel()
 
@@ -257,32 +261,42 @@ class CachedStorage(CacheWarmStart, RowStorage):
         self.free = self.free[: self.free.numel() - n]
         return slots
 
-    def _install(self, rows: torch.Tensor, slots: torch.Tensor, data: np.ndarray | None) -> bool:
+    def _install(
+        self,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        data: np.ndarray | None,
+        checked: bool = False,
+    ) -> bool:
         """Put rows read from the file into reserved slots (``data``: from ``_fetch``;
         None: already there). A row another thread brought in meanwhile keeps its slot
-        (its copy may be newer); ours goes back to free. Returns whether every row took
-        the slot it was given."""
-        fresh = self.slot_of_row[rows] < 0
-        all_fresh = bool(fresh.all())
-        if not all_fresh:
-            self.free = torch.cat([self.free, slots[~fresh]])
-            rows, slots = rows[fresh], slots[fresh]
-            data = None if data is None else data[fresh.numpy()]
+        (its copy may be newer); ours goes back to free. ``checked``: the lock was held
+        since the rows were probed missing, so none can have been. Returns whether every
+        row took the slot it was given."""
+        all_fresh = True
+        if not checked:
+            fresh = self.slot_of_row[rows] < 0
+            all_fresh = bool(fresh.all())
+            if not all_fresh:
+                self.free = torch.cat([self.free, slots[~fresh]])
+                rows, slots = rows[fresh], slots[fresh]
+                data = None if data is None else data[fresh.numpy()]
         if data is not None:
             self._unpack_into(slots, data)
         self.stats.bytes_read += rows.numel() * self.width * 4
-        self.row_of_slot[slots] = rows
-        self.slot_of_row[rows] = slots.int()
-        self.cache_dirty[slots] = False
+        cache_index.install(self.slot_of_row, self.row_of_slot, self.cache_dirty, rows, slots)
         return all_fresh
 
-    def _make_resident(self, uniq: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(slots of the distinct ``uniq``, how many were missing), fetching those; lock held."""
-        slots, missing_at = cache_index.probe(self.slot_of_row, uniq)
+    def _make_resident(
+        self, uniq: torch.Tensor, probed: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """(slots of the distinct ``uniq``, how many were missing), fetching those; lock
+        held. ``probed``: ``(slots, missing_at)`` of ``uniq``, probed under this lock hold."""
+        slots, missing_at = probed or cache_index.probe(self.slot_of_row, uniq)
         if missing_at.numel():
             missing = uniq[missing_at]
             reserved = self._reserve(missing.numel(), slots)
-            self._install(missing, reserved, self._fetch(missing, reserved))
+            self._install(missing, reserved, self._fetch(missing, reserved), checked=True)
             slots[missing_at] = reserved
         return slots, missing_at.numel()
 
@@ -341,8 +355,9 @@ class CachedStorage(CacheWarmStart, RowStorage):
                 else:  # another thread installed some of them meanwhile
                     slots = self.slot_of_row[uniq].long()
             self._touch(slots)
-            slot_ids = slots[inverse].to(self.device, non_blocking=True)
-            self._prefetch_pins.append(Prefetched(rows, slots, slot_ids))
+            slot_ids = slots[inverse]
+            device_ids = slot_ids.to(self.device, non_blocking=True)
+            self._prefetch_pins.append(Prefetched(rows, slots, slot_ids, device_ids))
             self.stats.lookups += uniq.numel()
             self.stats.hits += uniq.numel() - missing.numel()
             self.stats.prefetched += missing.numel()
@@ -352,54 +367,61 @@ class CachedStorage(CacheWarmStart, RowStorage):
         with self._lock:
             self._prefetch_pins.clear()
 
-    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        dev = self.device
-        rows = rows.cpu()
-        entry = self._prefetch_pins[0] if for_update and self._prefetch_pins else None
+    def native_slot_table(self) -> torch.Tensor | None:
+        w = self.cache_weight
+        if w.device.type != "cpu":
+            return None
+        kernel = kernels.choose_once(self, self.kernel, "lookup", w, self.dim, 128)
+        return w if kernel == "native" else None
+
+    def slots_for_update(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._resident_for_update(rows.cpu())[0]
+
+    def _resident_for_update(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each id's slot (CPU, then on the cache's device) with the batch's rows resident
+        and pinned until its update: the prefetched entry where this batch is the oldest
+        one prefetched, else brought in now."""
+        entry = self._prefetch_pins[0] if self._prefetch_pins else None
         if entry is not None and entry.rows.shape == rows.shape and torch.equal(entry.rows, rows):
             # The oldest prefetched batch is this one: resident, pinned, counted. No lock
             # (the prefetch thread may hold it for a while at its lower priority): its
             # slots join the update pins before they leave the prefetch pins (list ops are
             # atomic), so eviction never sees them unpinned, and the prefetch thread
             # writes only other slots' rows.
-            self._update_pins.append(entry.slots)
+            self._update_pins.append(UpdatePin(rows, entry.slots, entry.slot_ids))
             self._prefetch_pins.pop(0)
-            return F.embedding_bag(
-                entry.slot_ids,
-                self.cache_weight,
-                offsets,
-                mode="sum",
-                per_sample_weights=per_sample_weights,
-                include_last_offset=True,
-            )
+            return entry.slot_ids, entry.device_slot_ids
         with self._lock:
-            if for_update and self._prefetch_pins:  # prefetched, then not looked up
+            if self._prefetch_pins:  # prefetched, then not looked up
                 self._prefetch_pins.pop(0)
-            uniq, inverse = unique_ids(rows)  # first-appearance order: slots need no sort
-            if not for_update:  # evaluation: read misses straight from the file, admit nothing
-                table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
-                return F.embedding_bag(
-                    inverse.to(dev),
-                    table,
-                    offsets,
-                    mode="sum",
-                    per_sample_weights=per_sample_weights,
-                    include_last_offset=True,
-                )
-            slots, misses = self._make_resident(uniq)
+            uniq, inverse, *probed = cache_index.unique_probe(self.slot_of_row, rows)
+            slots, misses = self._make_resident(uniq, tuple(probed))
             self.stats.lookups += uniq.numel()
             self.stats.hits += uniq.numel() - misses
             self._touch(slots)
-            self._update_pins.append(slots)
-            slot_ids = slots[inverse].to(dev)
-            return F.embedding_bag(
-                slot_ids,
-                self.cache_weight,
-                offsets,
-                mode="sum",
-                per_sample_weights=per_sample_weights,
-                include_last_offset=True,
-            )
+            slot_ids = slots[inverse]
+            self._update_pins.append(UpdatePin(rows, slots, slot_ids))
+            return slot_ids, slot_ids.to(self.device)
+
+    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        dev = self.device
+        rows = rows.cpu()
+        if for_update:
+            ids = self._resident_for_update(rows)[1]
+            table = self.cache_weight
+        else:  # evaluation: read misses straight from the file, admit nothing
+            with self._lock:
+                uniq, inverse = unique_ids(rows)
+                table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
+            ids = inverse.to(dev)
+        return F.embedding_bag(
+            ids,
+            table,
+            offsets,
+            mode="sum",
+            per_sample_weights=per_sample_weights,
+            include_last_offset=True,
+        )
 
     def track_dirty(self, enabled: bool) -> None:
         self.dirty = torch.zeros(self.num_rows, dtype=torch.bool) if enabled else None
@@ -416,9 +438,13 @@ class CachedStorage(CacheWarmStart, RowStorage):
         unlocked = self.slipstream is None and self._update_pins and kernel in ("native", "numba")
         with contextlib.nullcontext() if unlocked else self._lock:
             rows = rows.cpu()
-            slots = self.slot_of_row[rows].long()
-            if bool((slots < 0).any()):
-                raise RuntimeError("a row was evicted between its lookup and its update")
+            pin = self._update_pins[0] if self._update_pins else None
+            if pin is not None and _same_tensor(pin.rows, rows):
+                slots = pin.slot_ids  # pinned since the lookup: still where it put them
+            else:
+                slots = self.slot_of_row[rows].long()
+                if bool((slots < 0).any()):
+                    raise RuntimeError("a row was evicted between its lookup and its update")
             if self.slipstream is not None:
                 rows, slots, segments, bag_of_id, per_sample_weights = self.slipstream.skip(
                     self.stats, rows, slots, segments, bag_of_id, per_sample_weights
@@ -544,3 +570,14 @@ class CachedStorage(CacheWarmStart, RowStorage):
                 self.cache_state[name][slots[hit].to(self.device)] = v.to(self.device)[
                     hit.to(self.device)
                 ]
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same memory, shape and strides (one tensor reached twice, e.g. saved for a
+    backward): a pin holds ``a`` alive, so its memory cannot have been reused."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

@@ -88,25 +88,102 @@ def native_pooled_lookup(
     (``native/embedding_lookup.c``, features split over threads), from feature-major
     jagged ``values``/``offsets``. Returns ``(pooled, rows, bag_of_id)``, or the index of
     the first id outside its table (the caller raises)."""
+    values = values.to(torch.int64).contiguous()
+    rows = torch.empty(values.shape[0], dtype=torch.int64)
+    bag_of_id = torch.empty(values.shape[0], dtype=torch.int64)
+    pooled = torch.empty(row_offset.shape[0] * batch_size, table.shape[1])  # fp32 always
+    bad = _native_pass(
+        table,
+        values,
+        offsets,
+        batch_size,
+        row_offset,
+        table_sizes,
+        per_sample_weights,
+        pooled,
+        rows,
+        bag_of_id,
+    )
+    return bad if bad is not None else (pooled, rows, bag_of_id)
+
+
+def native_rows(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    row_offset: torch.Tensor,
+    table_sizes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | int:
+    """:func:`native_pooled_lookup`'s ``(rows, bag_of_id)`` alone, nothing pooled (a
+    cache's first pass: its slots are known once the rows are), or the index of the
+    first id outside its table."""
+    values = values.to(torch.int64).contiguous()
+    rows = torch.empty(values.shape[0], dtype=torch.int64)
+    bag_of_id = torch.empty(values.shape[0], dtype=torch.int64)
+    bad = _native_pass(
+        None, values, offsets, batch_size, row_offset, table_sizes, None, None, rows, bag_of_id
+    )
+    return bad if bad is not None else (rows, bag_of_id)
+
+
+def native_pool_slots(
+    table: torch.Tensor,
+    slot_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    num_features: int,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Sum-pooled ``[B*F, D]`` (sample-major, as :func:`native_pooled_lookup`) of the
+    rows ``slot_ids`` (one per id, feature-major jagged by ``offsets``) of a cache's
+    ``table``: the same pass with the slots for values, every feature's rows at 0."""
+    n = slot_ids.shape[0]
+    zeros = torch.zeros(num_features, dtype=torch.int64)
+    size = torch.full((num_features,), table.shape[0], dtype=torch.int64)
+    pooled = torch.empty(num_features * batch_size, table.shape[1])
+    scratch = torch.empty(2 * n, dtype=torch.int64)  # rows / bag_of_id again: unused
+    bad = _native_pass(
+        table,
+        slot_ids.contiguous(),
+        offsets,
+        batch_size,
+        zeros,
+        size,
+        per_sample_weights,
+        pooled,
+        scratch[:n],
+        scratch[n:],
+    )
+    if bad is not None:
+        raise RuntimeError(f"a cache slot outside the cache ({int(slot_ids[bad])})")
+    return pooled
+
+
+def _native_pass(
+    table, values, offsets, batch_size, row_offset, table_sizes, psw, pooled, rows, bag_of_id
+) -> int | None:
+    """``recscale_pooled_lookup`` over every feature (split over threads); ``table``
+    None: rows and bag_of_id only. None, or the first bad id's index."""
     lib = native.library()
     num_f = row_offset.shape[0]
-    values = values.to(torch.int64).contiguous()
     offsets = offsets.to(torch.int64).contiguous()
-    psw = per_sample_weights
     psw = psw.to(torch.float32).contiguous() if psw is not None else None
-    n, dim = values.shape[0], table.shape[1]
-    pooled = torch.empty(num_f * batch_size, dim)  # fp32 whatever the stored rows are
-    rows = torch.empty(n, dtype=torch.int64)
-    bag_of_id = torch.empty(n, dtype=torch.int64)
-    head = (table.data_ptr(), dim, values.data_ptr(), offsets.data_ptr(), batch_size, num_f)
+    head = (
+        table.data_ptr() if table is not None else None,
+        table.shape[1] if table is not None else 0,
+        values.data_ptr(),
+        offsets.data_ptr(),
+        batch_size,
+        num_f,
+    )
     tail = (
         row_offset.data_ptr(),
         table_sizes.data_ptr(),
         psw.data_ptr() if psw is not None else None,
-        pooled.data_ptr(),
+        pooled.data_ptr() if pooled is not None else None,
         rows.data_ptr(),
         bag_of_id.data_ptr(),
-        native.ROW_FORMATS[table.dtype],
+        native.ROW_FORMATS[table.dtype] if table is not None else 0,
     )
 
     def part(_p: int, f0: int, f1: int) -> tuple:
@@ -116,4 +193,4 @@ def native_pooled_lookup(
     if -2 in rcs:
         raise RuntimeError("native pooled lookup: unsupported dim")
     bad = [rc for rc in rcs if rc >= 0]
-    return min(bad) if bad else (pooled, rows, bag_of_id)
+    return min(bad) if bad else None

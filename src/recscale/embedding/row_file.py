@@ -210,28 +210,38 @@ def row_copy(table: np.ndarray, write: bool, pos: np.ndarray, buf: np.ndarray) -
     )
 
 
+MOVE_SPLIT_ROWS = 2048  # fewer rows are moved on the calling thread alone
+
+
 def row_move(
     table: np.ndarray,
-    pos: np.ndarray,
+    rows: np.ndarray,
     slots: np.ndarray,
     parts: list[tuple[torch.Tensor, int]],
     to_table: bool,
+    position: np.ndarray | None = None,
 ) -> None:
-    """Rows between ``table [R, width]`` (file rows ``pos``) and cache ``slots`` with no
-    buffer between (native ``recscale_row_move``): ``parts`` are ``(cache, col)`` - a
-    C-contiguous float32 CPU tensor ``[C, w]`` (or ``[C]``: w = 1) holding columns
-    ``[col, col + w)`` of each row. ``to_table``: a write-back, else an install. Bounds
-    are checked here. The native library must be loaded."""
+    """Rows between ``table [R, width]`` and cache ``slots`` with no buffer between
+    (native ``recscale_row_move``): entry i is file row ``position[rows[i]]`` (``position``
+    None: ``rows[i]``); ``parts`` are ``(cache, col)`` - a C-contiguous float32 CPU tensor
+    ``[C, w]`` (or ``[C]``: w = 1) holding columns ``[col, col + w)`` of each row.
+    ``to_table``: a write-back, else an install. Bounds are checked (rows and slots here,
+    file rows in the pass). The native library must be loaded."""
     if not table.flags.c_contiguous or table.dtype != np.float32:
         raise ValueError("row_move needs a C-contiguous float32 table")
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
-    if pos.shape != slots.shape:
-        raise ValueError(f"row_move: {pos.shape[0]} rows for {slots.shape[0]} slots")
-    if len(pos) == 0:
+    if rows.shape != slots.shape:
+        raise ValueError(f"row_move: {rows.shape[0]} rows for {slots.shape[0]} slots")
+    if len(rows) == 0:
         return
-    if int(pos.min()) < 0 or int(pos.max()) >= table.shape[0]:
-        raise IndexError(f"row_move: a row outside [0, {table.shape[0]:,})")
+    limit = table.shape[0] if position is None else position.shape[0]
+    if int(rows.min()) < 0 or int(rows.max()) >= limit:
+        raise IndexError(f"row_move: a row outside [0, {limit:,})")
+    if position is not None and position.dtype != np.int32:  # the pass maps int32 only
+        rows, position = position[rows].astype(np.int64), None
+        if int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]:
+            raise IndexError("row_move: a row's file row is outside the table")
     if int(slots.min()) < 0 or int(slots.max()) >= min(cache.shape[0] for cache, _ in parts):
         raise IndexError(f"row_move: a slot outside the cache ({int(slots.max())})")
     bases, widths, cols = [], [], []
@@ -245,18 +255,26 @@ def row_move(
         widths.append(w)
         cols.append(col)
     base, width, column = (np.asarray(x, dtype=np.int64) for x in (bases, widths, cols))
-    native.library().recscale_row_move(
-        table.ctypes.data_as(ctypes.c_void_p),
+    if position is not None:
+        position = np.ascontiguousarray(position)
+    head = (
+        table.ctypes.data,
         table.shape[1],
-        pos.ctypes.data_as(ctypes.c_void_p),
-        slots.ctypes.data_as(ctypes.c_void_p),
-        len(pos),
-        int(to_table),
-        len(parts),
-        base.ctypes.data_as(ctypes.c_void_p),
-        width.ctypes.data_as(ctypes.c_void_p),
-        column.ctypes.data_as(ctypes.c_void_p),
+        table.shape[0],
+        None if position is None else position.ctypes.data,
     )
+    tail = (int(to_table), len(parts), base.ctypes.data, width.ctypes.data, column.ctypes.data)
+
+    def part(_p: int, lo: int, hi: int) -> tuple:
+        return (*head, rows.ctypes.data + 8 * lo, slots.ctypes.data + 8 * lo, hi - lo, *tail)
+
+    # Each row is a few cache misses on each side: a second thread overlaps twice as many
+    # (rows and slots are distinct, so the parts never write the same memory).
+    threads = torch.get_num_threads() if len(rows) >= MOVE_SPLIT_ROWS else 1
+    rcs = native.parallel_call(native.library(), "recscale_row_move", len(rows), part, threads)
+    bad = [(p, rc) for p, rc in enumerate(rcs) if rc < 0]
+    if bad:  # a part stops at its first bad entry: any one names a bad row
+        raise IndexError("row_move: a row's file row is outside the table")
 
 
 @dataclass
@@ -401,16 +419,15 @@ class RowFile:
         as reads or writes. Only where ``moves_rows``."""
         t = time.perf_counter()
         self._check_mapped_size()
-        pos = self.positions(np.asarray(rows, dtype=np.int64))
-        row_move(self.map, pos, slots, parts, to_table)
+        row_move(self.map, rows, slots, parts, to_table, self.position)
         st = self.stats
-        st.requests += len(pos)
+        st.requests += len(rows)
         st.batches += 1
         st.seconds += time.perf_counter() - t
         if to_table:
-            st.rows_written += len(pos)
+            st.rows_written += len(rows)
         else:
-            st.rows_read += len(pos)
+            st.rows_read += len(rows)
 
     def write_columns(self, rows: np.ndarray, lo: int, hi: int, values: np.ndarray) -> None:
         """Columns ``[lo, hi)`` of ``rows`` (the rest of each row kept)."""

@@ -166,6 +166,19 @@ class RowStorage(nn.Module, ABC):
             self._buffers["step"] = step
         return out
 
+    def native_slot_table(self) -> torch.Tensor | None:
+        """A cache's ``[slots, dim]`` CPU table that ``recscale.native``'s lookup may pool
+        from with the slots :meth:`slots_for_update` hands out, or None (the default).
+        Only valid for storages whose backward is ``apply_pooled_gradients`` on the rows
+        given to ``slots_for_update``."""
+        return None
+
+    def slots_for_update(self, rows: torch.Tensor) -> torch.Tensor:
+        """Make a training batch's ``rows`` (one per id) resident in
+        :meth:`native_slot_table` until their update, as ``lookup(..., for_update=True)``
+        does, and return each id's slot (CPU int64)."""
+        raise NotImplementedError(f"{type(self).__name__} has no slot table")
+
     def native_lookup_table(self) -> torch.Tensor | None:
         """The ``[rows, dim]`` weight that ``recscale.native``'s fused lookup
         (``embedding_lookup.c``) may read and pool directly, or None (the default: the

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recscale.embedding.lookup import native_pooled_lookup, pooled_lookup
+from recscale import native
+from recscale.embedding.lookup import (
+    native_pool_slots,
+    native_pooled_lookup,
+    native_rows,
+    pooled_lookup,
+)
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage
 
@@ -381,6 +387,7 @@ class EmbeddingBagCollection(nn.Module):
         num_f, b = self.num_features, batch_size
         if len(self.groups) == 1 and self.pooling == "sum":
             group = self.groups[0]
+            training = torch.is_grad_enabled() and self.placeholder.requires_grad
             table = group.storage.native_lookup_table()
             if table is not None and values.device.type == "cpu":
                 done = native_pooled_lookup(
@@ -399,6 +406,27 @@ class EmbeddingBagCollection(nn.Module):
                         pooled,
                     )
                     return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
+            elif values.device.type == "cpu" and training and native.library() is not None:
+                cache = group.storage.native_slot_table()
+                if cache is not None:  # a cache in host memory: rows, then slots, then pool
+                    done = native_rows(
+                        values, offsets, b, self.feature_row_offset, self.table_sizes
+                    )
+                    if not isinstance(done, int):  # else the path below raises
+                        rows, bag_of_id = done
+                        slot_ids = group.storage.slots_for_update(rows)
+                        pooled = native_pool_slots(cache, slot_ids, offsets, b, num_f, weights)
+                        pooled = pooled_lookup(
+                            group.storage,
+                            self.placeholder,
+                            rows,
+                            offsets,
+                            bag_of_id,
+                            offsets[::b],
+                            weights,
+                            pooled,
+                        )
+                        return pooled.view(b, num_f, group.dim)
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]
         bag_of_id = torch.repeat_interleave(

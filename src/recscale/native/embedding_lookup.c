@@ -20,6 +20,11 @@
  *
  * Replaces, on the CPU, about ten torch ops (repeat_interleave, the id checks, the row
  * offsets) plus embedding_bag.
+ *
+ * weight == NULL: the checks, rows and bag_of_id only, nothing pooled (out unused) - a
+ * cache's first pass: its slots are known only once the rows are (cached_storage.py);
+ * the second pass pools with the slots for values, a zero row_offset and the cache's
+ * size for every table_size.
  */
 #include <stdint.h>
 
@@ -117,6 +122,25 @@ RS_AVX2 static int64_t features(const void *weight, int64_t wt, int64_t d, const
 }
 #endif
 
+/* weight == NULL: features [f0, f1)'s checks, rows and bag_of_id (see the top) */
+static int64_t ids_only(const int64_t *values, const int64_t *offsets, int64_t b, int64_t nf,
+                        int64_t f0, int64_t f1, const int64_t *row_offset,
+                        const int64_t *table_size, int64_t *rows, int64_t *bag_of_id) {
+    for (int64_t f = f0; f < f1; ++f) {
+        const int64_t lo = offsets[f * b], hi = offsets[(f + 1) * b];
+        for (int64_t n = lo; n < hi; ++n)
+            if (values[n] < 0 || values[n] >= table_size[f]) return n;
+        for (int64_t j = f * b; j < (f + 1) * b; ++j) {
+            const int64_t o = (j - f * b) * nf + f;
+            for (int64_t n = offsets[j]; n < offsets[j + 1]; ++n) {
+                rows[n] = values[n] + row_offset[f];
+                bag_of_id[n] = o;
+            }
+        }
+    }
+    return -1;
+}
+
 /* -1 on success; n >= 0: values[n] is outside its table (features before it are done);
  * -2: unsupported here (no AVX2 build, d not a multiple of 8 in 8 .. 128, unknown wt). */
 int64_t recscale_pooled_lookup(const void *weight, int64_t dim, const int64_t *values,
@@ -125,6 +149,9 @@ int64_t recscale_pooled_lookup(const void *weight, int64_t dim, const int64_t *v
                                const int64_t *row_offset, const int64_t *table_size,
                                const float *psw, float *out, int64_t *rows, int64_t *bag_of_id,
                                int64_t wt) {
+    if (!weight)
+        return ids_only(values, offsets, batch_size, num_features, f0, f1, row_offset, table_size,
+                        rows, bag_of_id);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (dim <= 0 || dim % 8 != 0 || dim > 128 || wt < RS_F32 || wt > RS_BF16) return -2;
     return features(weight, wt, dim, values, offsets, batch_size, num_features, f0, f1, row_offset,

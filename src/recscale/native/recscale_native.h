@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 21
+#define RECSCALE_NATIVE_ABI 22
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -71,15 +71,25 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
                         void *buf, int64_t depth);
 void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                        void *buf);
-void recscale_row_move(float *table, int64_t table_width, const int64_t *pos,
-                       const int64_t *slots, int64_t n, int to_table, int64_t parts,
-                       const int64_t *part_base, const int64_t *part_width,
-                       const int64_t *part_col);
+int64_t recscale_row_move(float *table, int64_t table_width, int64_t table_rows,
+                          const int32_t *position, const int64_t *rows, const int64_t *slots,
+                          int64_t n, int to_table, int64_t parts, const int64_t *part_base,
+                          const int64_t *part_width, const int64_t *part_col);
 int64_t recscale_unique_ids(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse);
 int64_t recscale_cache_probe(const int32_t *slot_of_row, int64_t num_rows, const int64_t *rows,
                              int64_t n, int64_t *slots, int64_t *missing);
+int64_t recscale_unique_probe(const int64_t *ids, int64_t n, const int32_t *slot_of_row,
+                              int64_t num_rows, int64_t *uniq, int64_t *inverse, int64_t *slots,
+                              int64_t *missing, int64_t *counts);
+void recscale_cache_install(int32_t *slot_of_row, int64_t *row_of_slot, uint8_t *dirty,
+                            const int64_t *rows, const int64_t *slots, int64_t n);
 void recscale_cache_touch(double *score, const int64_t *slots, int64_t n, int lru,
                           double value);
+int64_t recscale_cache_candidates(const int64_t *slots, int64_t n, const uint8_t *blocked,
+                                  const int64_t *row_of_slot, const double *score, int64_t *cand,
+                                  double *cand_score);
+void recscale_cache_clear(int32_t *slot_of_row, int64_t *row_of_slot, double *score,
+                          const int64_t *victims, int64_t n);
 /* @python-end */
 
 /* Between the C files only. */

@@ -195,28 +195,40 @@ void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int
 }
 
 /* Rows between a table in memory (a loaded or mapped tier file: `table_width` floats a
- * row, file row `pos[i]`) and the cache's slots, with no buffer between: part `p` of a
- * row is columns [part_col[p], part_col[p] + part_width[p]) of the table row and row
- * `slots[i]` of the C-contiguous float array at address `part_base[p]` (`part_width[p]`
- * floats a row: the cached weights, then each optimizer state). `to_table`: cache ->
- * table (a write-back), else table -> cache (an install). As in recscale_row_copy, the
- * rows `ROW_AHEAD` entries on are prefetched on both sides while this one is copied.
- * Indices are the caller's to check. */
-void recscale_row_move(float *table, int64_t table_width, const int64_t *pos,
-                       const int64_t *slots, int64_t n, int to_table, int64_t parts,
-                       const int64_t *part_base, const int64_t *part_width,
-                       const int64_t *part_col) {
+ * row, `table_rows` rows) and the cache's slots, with no buffer between. Entry i is
+ * logical row `rows[i]`, at file row `position[rows[i]]` (position NULL: the file row is
+ * rows[i]); part `p` of a row is columns [part_col[p], part_col[p] + part_width[p]) of
+ * the table row and row `slots[i]` of the C-contiguous float array at address
+ * `part_base[p]` (`part_width[p]` floats a row: the cached weights, then each optimizer
+ * state). `to_table`: cache -> table (a write-back), else table -> cache (an install).
+ * As in recscale_row_copy, the rows `ROW_AHEAD` entries on are prefetched on both sides
+ * while this one is copied, and their positions twice as far on. Returns 0, or -1 - i
+ * where entry i's file row is outside the table (entries before it are moved). Rows and
+ * slots are the caller's to check. */
+static inline int64_t file_row(const int32_t *position, const int64_t *rows, int64_t i) {
+    return position ? (int64_t)position[rows[i]] : rows[i];
+}
+
+int64_t recscale_row_move(float *table, int64_t table_width, int64_t table_rows,
+                          const int32_t *position, const int64_t *rows, const int64_t *slots,
+                          int64_t n, int to_table, int64_t parts, const int64_t *part_base,
+                          const int64_t *part_width, const int64_t *part_col) {
+    if (position)
+        for (int64_t i = 0; i < n && i < 2 * ROW_AHEAD; i++) __builtin_prefetch(&position[rows[i]], 0, 0);
     for (int64_t i = 0; i < n; i++) {
+        if (position && i + 2 * ROW_AHEAD < n) __builtin_prefetch(&position[rows[i + 2 * ROW_AHEAD]], 0, 0);
         if (i + ROW_AHEAD < n) {
-            int64_t j = i + ROW_AHEAD;
-            prefetch_row((const char *)(table + pos[j] * table_width), table_width * 4,
-                         to_table);
+            int64_t j = i + ROW_AHEAD, fj = file_row(position, rows, j);
+            if ((uint64_t)fj < (uint64_t)table_rows)
+                prefetch_row((const char *)(table + fj * table_width), table_width * 4, to_table);
             for (int64_t p = 0; p < parts; p++) {
                 const float *cell = (const float *)(intptr_t)part_base[p] + slots[j] * part_width[p];
                 prefetch_row((const char *)cell, part_width[p] * 4, !to_table);
             }
         }
-        float *row = table + pos[i] * table_width;
+        const int64_t fi = file_row(position, rows, i);
+        if ((uint64_t)fi >= (uint64_t)table_rows) return -1 - i;
+        float *row = table + fi * table_width;
         for (int64_t p = 0; p < parts; p++) {
             float *cell = (float *)(intptr_t)part_base[p] + slots[i] * part_width[p];
             if (to_table)
@@ -225,4 +237,5 @@ void recscale_row_move(float *table, int64_t table_width, const int64_t *pos,
                 memcpy(cell, row + part_col[p], (size_t)part_width[p] * sizeof(float));
         }
     }
+    return 0;
 }

@@ -50,7 +50,7 @@ int recscale_team_init(const char *path) {
 }
 
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
-       K_DOT_FORWARD, K_DOT_BACKWARD, N_KERNELS };
+       K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, N_KERNELS };
 static const char *const kernel_names[N_KERNELS] = {
     [K_LOOKUP] = "recscale_pooled_lookup",
     [K_SPARSE_UPDATE] = "recscale_sparse_update",
@@ -59,6 +59,7 @@ static const char *const kernel_names[N_KERNELS] = {
     [K_NARROW_FORWARD] = "recscale_narrow_forward",
     [K_DOT_FORWARD] = "recscale_dot_forward",
     [K_DOT_BACKWARD] = "recscale_dot_backward",
+    [K_ROW_MOVE] = "recscale_row_move",
 };
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
@@ -96,6 +97,9 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_DOT_BACKWARD:
         return recscale_dot_backward(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8), I(9),
                                      I(10), I(11), I(12), I(13), I(14), I(15), I(16));
+    case K_ROW_MOVE:
+        return recscale_row_move(P(0), I(1), I(2), P(3), P(4), P(5), I(6), (int)I(7), I(8), P(9),
+                                 P(10), P(11));
     default:
         return -1000;
     }
