@@ -52,6 +52,7 @@ from recscale.embedding.cache_stats import (
     UpdatePin,
 )
 from recscale.embedding.cache_warm import CacheWarmStart
+from recscale.embedding.cached_row_access import CachedRowAccess
 from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier's errors)
@@ -71,7 +72,7 @@ SLOT_OVERHEAD_BYTES = 26
 ROW_INDEX_BYTES = 8
 
 
-class CachedStorage(CacheWarmStart, RowStorage):
+class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
     def __init__(
         self,
         num_rows: int,
@@ -519,57 +520,6 @@ class CachedStorage(CacheWarmStart, RowStorage):
             self.cache_dirty[slots] = True
             if self.dirty is not None:
                 self.dirty[rows] = True
-
-    def flush(self) -> None:
-        """Write every dirty cached row back to the file."""
-        with self._lock:
-            self._write_back(torch.nonzero(self.cache_dirty).squeeze(1))
-            self.rows.flush()
-
-    def _gather(self, rows: torch.Tensor) -> np.ndarray:
-        """Current ``[len(rows), D + S]`` values, from the cache where resident."""
-        slots = self.slot_of_row[rows].long()
-        out = self.rows.read(rows.numpy())  # a fresh array: overlaid below
-        hit = slots >= 0
-        if bool(hit.any()):
-            out[hit.numpy()] = self._pack(slots[hit])
-        return out
-
-    def read_rows(self, rows):
-        with self._lock:
-            return torch.from_numpy(self._gather(rows.cpu())[:, : self.dim].copy())
-
-    def read_state(self, rows):
-        with self._lock:
-            data = torch.from_numpy(self._gather(rows.cpu()))
-            return {
-                name: data[:, lo:hi].reshape(-1, *shape).clone()
-                for name, shape, lo, hi in self._state_cols
-            }
-
-    @torch.no_grad()
-    def write_rows(self, rows, values):
-        with self._lock:
-            rows = rows.cpu()
-            self.rows.write_columns(rows.numpy(), 0, self.dim, values.float().cpu().numpy())
-            slots = self.slot_of_row[rows].long()
-            hit = slots >= 0
-            self.cache_weight[slots[hit].to(self.device)] = values.float().to(self.device)[
-                hit.to(self.device)
-            ]
-
-    @torch.no_grad()
-    def write_state(self, rows, state):
-        with self._lock:
-            rows = rows.cpu()
-            slots = self.slot_of_row[rows].long()
-            hit = slots >= 0
-            for name, _shape, lo, hi in self._state_cols:
-                v = state[name].float().cpu()
-                self.rows.write_columns(rows.numpy(), lo, hi, v.reshape(-1, hi - lo).numpy())
-                self.cache_state[name][slots[hit].to(self.device)] = v.to(self.device)[
-                    hit.to(self.device)
-                ]
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -272,8 +272,7 @@ def row_move(
     # (rows and slots are distinct, so the parts never write the same memory).
     threads = torch.get_num_threads() if len(rows) >= MOVE_SPLIT_ROWS else 1
     rcs = native.parallel_call(native.library(), "recscale_row_move", len(rows), part, threads)
-    bad = [(p, rc) for p, rc in enumerate(rcs) if rc < 0]
-    if bad:  # a part stops at its first bad entry: any one names a bad row
+    if min(rcs) < 0:  # a part stops at its first bad entry (the rest of it unmoved)
         raise IndexError("row_move: a row's file row is outside the table")
 
 

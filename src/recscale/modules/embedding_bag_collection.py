@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recscale import native
 from recscale.embedding.lookup import (
     native_pool_slots,
     native_pooled_lookup,
@@ -406,8 +405,8 @@ class EmbeddingBagCollection(nn.Module):
                         pooled,
                     )
                     return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
-            elif values.device.type == "cpu" and training and native.library() is not None:
-                cache = group.storage.native_slot_table()
+            elif values.device.type == "cpu" and training:
+                cache = group.storage.native_slot_table()  # only where the native pass runs
                 if cache is not None:  # a cache in host memory: rows, then slots, then pool
                     done = native_rows(
                         values, offsets, b, self.feature_row_offset, self.table_sizes
