@@ -3,6 +3,7 @@ order by popularity, warm starts, the disk probe and their errors."""
 
 from __future__ import annotations
 
+import errno
 import os
 from types import SimpleNamespace
 
@@ -149,32 +150,51 @@ def test_row_move_maps_logical_rows_through_the_file_order(dtype):
         row_move(table, np.array([300]), np.array([0]), [(got, 0)], False, position)
 
 
-@pytest.mark.parametrize("depth", [1, 8])
-def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(tmp_path, depth):
-    """``recscale_row_io`` (the disk probe's reader): one request a run of neighbours,
-    the rows where they are in the file, a failure as -errno."""
+@pytest.mark.parametrize(
+    "depth, engine, nowait_first",
+    [(1, "auto", True), (8, "auto", True), (8, "threads", False), (1, "io_uring", False)]
+    + [(8, "io_uring", False), (300, "io_uring", False)],
+)
+def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(
+    tmp_path, depth, engine, nowait_first
+):
+    """``recscale_row_io`` (the tier's reader and the disk probe's): one request a run of
+    neighbours, the rows where they are in the file, a failure as -errno - through the
+    page-cache pass, the threads and io_uring (each forced, every request through it)."""
+    from recscale.embedding.row_file import io_uring_available
+
+    if engine == "io_uring" and not io_uring_available():
+        pytest.skip("io_uring cannot be had here (kernel, seccomp or RECSCALE_IO_URING=0)")
     data = np.arange(10000 * 4, dtype=np.float32).reshape(10000, 4)
     path = tmp_path / "f"
     data.tofile(path)
     fd = os.open(path, os.O_RDWR)
+
+    def io(write, pos, buf):
+        return row_io(fd, write, pos, buf, depth, engine, nowait_first)
+
     try:
         buf = np.empty((100, 4), np.float32)
-        assert row_io(fd, False, np.arange(100, 200), buf, depth) == 1
+        assert io(False, np.arange(100, 200), buf) == 1
         np.testing.assert_array_equal(buf, data[100:200])
         pos = np.arange(0, 10000, 2)
         buf = np.empty((len(pos), 4), np.float32)
-        assert row_io(fd, False, pos, buf, depth) == len(pos)  # no neighbours
+        assert io(False, pos, buf) == len(pos)  # no neighbours
         np.testing.assert_array_equal(buf, data[pos])
         buf = np.empty((10000, 4), np.float32)
-        assert row_io(fd, False, np.arange(10000), buf, depth) == 1  # 160 KB: one run
+        assert io(False, np.arange(10000), buf) == 1  # 160 KB: one run
+        np.testing.assert_array_equal(buf, data)
         new = -np.ones((3, 4), np.float32)
-        assert row_io(fd, True, np.array([7, 8, 500]), new, depth) == 2
+        assert io(True, np.array([7, 8, 500]), new) == 2
         assert np.fromfile(path, np.float32).reshape(10000, 4)[[7, 8, 500]].tolist() == (
             new.tolist()
         )
-        assert row_io(fd, False, np.array([10005]), np.empty((1, 4), np.float32), depth) < 0
+        assert io(False, np.array([10005]), np.empty((1, 4), np.float32)) < 0  # past the end
     finally:
         os.close(fd)
+    if engine == "io_uring":  # a request the kernel fails comes back as -errno (EBADF)
+        one = np.empty((1, 4), np.float32)
+        assert row_io(-1, False, np.array([0]), one, depth, engine, False) == -errno.EBADF
 
 
 def test_a_segment_is_written_in_file_order(tmp_path):

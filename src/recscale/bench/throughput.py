@@ -37,6 +37,7 @@ from recscale.bench.hardware import (
 from recscale.config.schema import Config
 from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
+from recscale.embedding.row_file import io_uring_available
 from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
 from recscale.train.cache_prefetch import (
@@ -404,6 +405,7 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
     out: dict[str, Any] = {
         "io_depth": depth,
         "ssd_access": access,
+        "io_engine": "io_uring" if io_uring_available() else "threads",
         "rows_read_per_step": per_step["rows_read"],
         "rows_written_per_step": per_step["rows_written"],
         "requests_per_step": per_step["io_requests"],
@@ -435,6 +437,7 @@ def format_tier_io(io: dict[str, Any]) -> str:
     d = io["io_depth"]
     how = (
         f"{io['requests_per_step']:,.0f} requests ({io['requests_per_s']:,.0f}/s at depth {d}"
+        f" through {io.get('io_engine', 'threads')}"
         if io["ssd_access"] == "pread"
         else f"copies through the file's map ({io['ssd_access']}"
     )

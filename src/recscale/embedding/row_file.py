@@ -171,10 +171,31 @@ def claim_file(path: Path, nbytes: int) -> int:
     return fd
 
 
-def row_io(fd: int, write: bool, pos: np.ndarray, buf: np.ndarray, depth: int) -> int:
+IO_ENGINES = {"auto": 0, "threads": 1, "io_uring": 2}
+
+
+def io_uring_available() -> bool:
+    """Whether this process can use io_uring for the tier's reads and writes (a kernel
+    that has it, not forbidden by seccomp or ``RECSCALE_IO_URING=0``)."""
+    lib = native.library()
+    return lib is not None and bool(lib.recscale_io_uring_available())
+
+
+def row_io(
+    fd: int,
+    write: bool,
+    pos: np.ndarray,
+    buf: np.ndarray,
+    depth: int,
+    engine: str = "auto",
+    nowait_first: bool = True,
+) -> int:
     """Rows ``buf[i]`` (``buf [n, row_bytes]``, C-contiguous) from / to file rows
     ``pos[i]`` of ``fd`` through the native ``recscale_row_io`` (adjacent rows one
-    request, up to ``depth`` in flight). Returns the requests issued, or -errno; the
+    request, up to ``depth`` in flight; what waits for the disk through io_uring where
+    it can be had, else ``depth`` threads - ``engine`` forces one; ``nowait_first``
+    False: no page-cache pass first, every request through the engine). Returns the
+    requests issued, or -errno (-ENOSYS: ``io_uring`` forced where there is none); the
     native library must be loaded."""
     pos = np.ascontiguousarray(pos, dtype=np.int64)
     return native.library().recscale_row_io(
@@ -185,6 +206,7 @@ def row_io(fd: int, write: bool, pos: np.ndarray, buf: np.ndarray, depth: int) -
         buf.nbytes // max(len(pos), 1),
         buf.ctypes.data_as(ctypes.c_void_p),
         depth,
+        IO_ENGINES[engine] | (0 if nowait_first else 4),
     )
 
 

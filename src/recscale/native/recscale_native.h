@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 22
+#define RECSCALE_NATIVE_ABI 23
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -68,7 +68,8 @@ int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_
                       int64_t *done);
 
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
-                        void *buf, int64_t depth);
+                        void *buf, int64_t depth, int64_t engine);
+int recscale_io_uring_available(void);
 void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                        void *buf);
 int64_t recscale_row_move(float *table, int64_t table_width, int64_t table_rows,
@@ -93,6 +94,8 @@ void recscale_cache_clear(int32_t *slot_of_row, int64_t *row_of_slot, double *sc
 /* @python-end */
 
 /* Between the C files only. */
+int rs_uring_rw(int fd, int write, int64_t n, const int64_t *off, char *const *ptr,
+                const int64_t *len, int64_t depth);
 int recscale_dot_forward_wide(const float *dense, const float *emb, float *out, int64_t b0,
                               int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
                               int64_t width, int64_t dsb, int64_t esb, int64_t esf);

@@ -10,12 +10,15 @@
  * RUN_BYTES. The caller first issues every run with RWF_NOWAIT: what the page cache
  * holds is copied at once, on this thread, with no thread started (a table that fits in
  * memory pays one syscall a run, nothing more). The runs that would wait for the disk
- * are then shared among `depth` threads (the caller is one of them) by an atomic
- * counter, so a slow request holds up only its own thread. Blocking syscalls on threads
- * rather than io_uring: they work on every kernel and under seccomp profiles that
- * forbid io_uring, and a read blocked on the disk costs no CPU. Where RWF_NOWAIT is not
- * supported (old kernels, some filesystems, most buffered writes) every run goes to the
- * threads.
+ * are then issued through io_uring where the kernel offers it (row_uring.c: the caller
+ * alone submits and reaps, ~4-5 us of kernel CPU a 4 KiB read on a VM), else shared
+ * among `depth` threads (the caller is one of them) by an atomic counter, so a slow
+ * request holds up only its own thread (~7-9 us a read: a blocked pread is two context
+ * switches). `engine`: 0 = io_uring if it can be had, else the threads; 1 = the threads;
+ * 2 = io_uring or -ENOSYS; + 4: no RWF_NOWAIT pass, every run a slow one (tests: a file
+ * just written is all in the page cache). RECSCALE_IO_URING=0 in the environment turns
+ * io_uring off. Where RWF_NOWAIT is not supported (old kernels, some filesystems, most buffered
+ * writes) every run is a slow one.
  *
  * Returns the number of requests issued (>= 0), or -errno of the first that failed (the
  * buffer's contents are then undefined; the file's, for a write, partly written).
@@ -108,8 +111,29 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* the slow runs through io_uring: 0, an errno, or -1 (io_uring unavailable) */
+static int slow_runs_uring(io_job *j, int64_t depth) {
+    const int64_t n = j->nruns;
+    int64_t *off = malloc((size_t)(2 * n) * sizeof(int64_t));
+    char **ptr = malloc((size_t)n * sizeof(char *));
+    if (!off || !ptr) {
+        free(off), free(ptr);
+        return ENOMEM;
+    }
+    int64_t *len = off + n;
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t r = j->slow[k], first = j->run_start[r], skip = j->run_done[r];
+        off[k] = j->pos[first] * j->row_bytes + skip;
+        ptr[k] = j->buf + first * j->row_bytes + skip;
+        len[k] = (j->run_start[r + 1] - first) * j->row_bytes - skip;
+    }
+    const int e = rs_uring_rw(j->fd, j->write, n, off, ptr, len, depth);
+    free(off), free(ptr);
+    return e;
+}
+
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
-                        void *buf, int64_t depth) {
+                        void *buf, int64_t depth, int64_t engine) {
     if (n <= 0) return 0;
     int64_t max_rows = RUN_BYTES / row_bytes > 0 ? RUN_BYTES / row_bytes : 1;
     int64_t *run_start = malloc((size_t)(3 * n + 1) * sizeof(int64_t));
@@ -122,7 +146,8 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
     run_start[nruns] = n;
     int64_t *run_done = run_start + n + 1, *slow = run_done + n, nslow = 0;
     io_job j = {fd, write, pos, buf, row_bytes, run_start, run_done, slow, 0, 0, 0};
-    int nowait = 1;
+    int nowait = !(engine & 4);
+    engine &= 3;
     for (int64_t r = 0; r < nruns; r++) {
         run_done[r] = 0;
         int got = nowait ? try_run_nowait(&j, r) : -1;
@@ -135,6 +160,17 @@ int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_
         slow[nslow++] = r;
     }
     j.nruns = nslow;
+    if (nslow > 0 && engine != 1) {
+        const int e = slow_runs_uring(&j, depth);
+        if (e >= 0) {
+            free(run_start);
+            return e ? -(int64_t)e : nruns;
+        }
+        if (engine == 2) {
+            free(run_start);
+            return -ENOSYS;
+        }
+    }
     int64_t threads = depth < nslow ? depth : nslow;
     if (threads > MAX_DEPTH) threads = MAX_DEPTH;
     pthread_t tid[MAX_DEPTH];
