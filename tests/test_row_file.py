@@ -513,3 +513,35 @@ def test_the_io_bound_needs_a_page_a_step_from_the_disk(monkeypatch, tmp_path, d
         assert io["io_bound_samples_per_s"] == pytest.approx(2048 * 8000 / 5)
     else:
         assert "io_bound_samples_per_s" not in io and "no I/O bound" in line
+
+
+def test_each_threads_io_ring_is_closed_when_the_thread_exits(tmp_path):
+    """io_uring keeps one ring a thread; threads that read and exit leave no descriptor
+    behind (a run starts a prefetch thread per pipeline)."""
+    import threading
+
+    from recscale.embedding.row_file import io_uring_available
+
+    if not io_uring_available() or not os.path.isdir("/proc/self/fd"):
+        pytest.skip("io_uring (or /proc) cannot be had here")
+    data = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    path = tmp_path / "f"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    got = []
+
+    def read():
+        buf = np.empty((10, 4), np.float32)
+        got.append(row_io(fd, False, np.arange(0, 1000, 100), buf, 4, "io_uring", False))
+        np.testing.assert_array_equal(buf, data[::100])
+
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            t = threading.Thread(target=read)
+            t.start()
+            t.join()
+        assert got == [10] * 20
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(fd)

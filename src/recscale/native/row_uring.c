@@ -10,7 +10,7 @@
  * at depth 32-64, 2-vCPU Xeon, kernel 6.18). Beyond memory the reads share the step's
  * cores, so their CPU is the step's.
  *
- * One ring a thread (created on first use, kept for the thread's life: ~3 mmaps a
+ * One ring a thread (created on first use, closed when the thread exits: ~3 mmaps a
  * thread, none a call). Where io_uring cannot be had (an old kernel, a seccomp profile
  * or a sysctl that forbids it) the first attempt says so and row_io.c keeps its threads.
  * A short transfer is resubmitted for the rest; on an error the requests in flight are
@@ -20,6 +20,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #include "recscale_native.h"
@@ -45,9 +46,23 @@ typedef struct {
     unsigned *sq_tail, *sq_mask, *sq_array, *cq_head, *cq_tail, *cq_mask;
     struct io_uring_sqe *sqes;
     struct io_uring_cqe *cqes;
+    void *maps[3];
+    size_t map_bytes[3];
 } ring_t;
 
 static _Thread_local ring_t ring = {-1};
+static pthread_key_t ring_key; /* its destructor closes a thread's ring when it exits */
+static pthread_once_t ring_key_once = PTHREAD_ONCE_INIT;
+
+static void close_ring(void *arg) {
+    ring_t *r = arg;
+    for (int k = 0; k < 3; k++)
+        if (r->maps[k] && r->maps[k] != MAP_FAILED) munmap(r->maps[k], r->map_bytes[k]);
+    if (r->fd >= 0) close(r->fd);
+    r->fd = -1;
+}
+
+static void make_key(void) { pthread_key_create(&ring_key, close_ring); }
 
 static ring_t *thread_ring(void) {
     if (ring.fd == -2) return NULL;
@@ -68,8 +83,12 @@ static ring_t *thread_ring(void) {
                     IORING_OFF_CQ_RING);
     void *sqes = mmap(0, p.sq_entries * sizeof(struct io_uring_sqe), PROT_READ | PROT_WRITE,
                       MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQES);
+    ring.fd = fd;
+    ring.maps[0] = sq, ring.maps[1] = cq, ring.maps[2] = sqes;
+    ring.map_bytes[0] = sq_bytes, ring.map_bytes[1] = cq_bytes;
+    ring.map_bytes[2] = p.sq_entries * sizeof(struct io_uring_sqe);
     if (sq == MAP_FAILED || cq == MAP_FAILED || sqes == MAP_FAILED) {
-        close(fd);
+        close_ring(&ring);
         ring.fd = -2;
         return NULL;
     }
@@ -81,7 +100,8 @@ static ring_t *thread_ring(void) {
     ring.cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
     ring.sqes = sqes;
     ring.cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
-    ring.fd = fd;
+    pthread_once(&ring_key_once, make_key);
+    pthread_setspecific(ring_key, &ring);
     return &ring;
 }
 
