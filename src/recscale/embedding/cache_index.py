@@ -91,13 +91,8 @@ def install(
 ) -> None:
     """``rows`` now live in ``slots`` (distinct, in range, int64): both maps set, the
     slots clean."""
-    lib = native.library()
-    ok = (slot_of_row.dtype, row_of_slot.dtype, dirty.dtype) == (
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    )
-    if lib is None or not ok or rows.dtype != torch.int64 or slots.dtype != torch.int64:
+    lib = _native_for((slot_of_row, torch.int32), (row_of_slot, torch.int64), (dirty, torch.bool))
+    if lib is None or rows.dtype != torch.int64 or slots.dtype != torch.int64:
         row_of_slot[slots] = rows
         slot_of_row[rows] = slots.to(slot_of_row.dtype)
         dirty[slots] = False
@@ -118,13 +113,8 @@ def candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eviction's candidates among ``slots`` (int64): those not ``blocked`` (bool ``[C]``)
     that hold a row, and their scores - in ``slots``' order."""
-    lib = native.library()
-    ok = (blocked.dtype, row_of_slot.dtype, score.dtype) == (
-        torch.bool,
-        torch.int64,
-        torch.float64,
-    )
-    if lib is None or not ok or slots.dtype != torch.int64:
+    lib = _native_for((blocked, torch.bool), (row_of_slot, torch.int64), (score, torch.float64))
+    if lib is None or slots.dtype != torch.int64:
         cand = slots[~blocked[slots] & (row_of_slot[slots] >= 0)]
         return cand, score[cand]
     slots = slots.contiguous()
@@ -147,13 +137,10 @@ def clear(
 ) -> None:
     """``victims`` (distinct int64 slots, each holding a row) leave the cache: their rows
     unmapped, the slots empty, their scores 0."""
-    lib = native.library()
-    ok = (slot_of_row.dtype, row_of_slot.dtype, score.dtype) == (
-        torch.int32,
-        torch.int64,
-        torch.float64,
+    lib = _native_for(
+        (slot_of_row, torch.int32), (row_of_slot, torch.int64), (score, torch.float64)
     )
-    if lib is None or not ok or victims.dtype != torch.int64:
+    if lib is None or victims.dtype != torch.int64:
         slot_of_row[row_of_slot[victims]] = -1
         row_of_slot[victims] = -1
         score[victims] = 0
@@ -166,6 +153,13 @@ def clear(
         victims.data_ptr(),
         victims.numel(),
     )
+
+
+def _native_for(*typed: tuple[torch.Tensor, torch.dtype]):
+    """The native library where it is built and the index arrays have the dtypes its
+    passes take, else None (torch's indexing runs)."""
+    lib = native.library()
+    return lib if lib is not None and all(t.dtype == d for t, d in typed) else None
 
 
 def _out_of_bounds(row: int, num_rows: int) -> None:

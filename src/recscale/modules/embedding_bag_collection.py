@@ -381,51 +381,51 @@ class EmbeddingBagCollection(nn.Module):
         pooled = self._pooled(values, offsets, batch_size, weights)
         return pooled if pooled.dim() == 3 else pooled.view(batch_size, self.num_features, -1)
 
+    def _native_pooled(
+        self, storage: RowStorage, values, offsets, b: int, weights
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(pooled [B*F, D] sample-major, rows, bag_of_id)`` by the native pass where
+        the storage allows it: over its table, or - training on a cache in host memory -
+        rows first, then the cache's slots for them; None otherwise or on an id outside
+        its table."""
+        table = storage.native_lookup_table()
+        if table is not None:
+            done = native_pooled_lookup(
+                table, values, offsets, b, self.feature_row_offset, self.table_sizes, weights
+            )
+            return None if isinstance(done, int) else done
+        if not (torch.is_grad_enabled() and self.placeholder.requires_grad):
+            return None  # evaluation reads a cached tier's misses without admitting them
+        cache = storage.native_slot_table()  # only where the native pass runs
+        if cache is None:
+            return None
+        done = native_rows(values, offsets, b, self.feature_row_offset, self.table_sizes)
+        if isinstance(done, int):
+            return None
+        rows, bag_of_id = done
+        slot_ids = storage.slots_for_update(rows)
+        pooled = native_pool_slots(cache, slot_ids, offsets, b, self.num_features, weights)
+        return pooled, rows, bag_of_id
+
     def _pooled(self, values, offsets, batch_size, weights) -> torch.Tensor:
         """``[B, F, D]`` (one group; see ``pooled_by_feature``) or ``[B, sum_f D_f]``."""
         num_f, b = self.num_features, batch_size
-        if len(self.groups) == 1 and self.pooling == "sum":
+        if len(self.groups) == 1 and self.pooling == "sum" and values.device.type == "cpu":
             group = self.groups[0]
-            training = torch.is_grad_enabled() and self.placeholder.requires_grad
-            table = group.storage.native_lookup_table()
-            if table is not None and values.device.type == "cpu":
-                done = native_pooled_lookup(
-                    table, values, offsets, b, self.feature_row_offset, self.table_sizes, weights
+            done = self._native_pooled(group.storage, values, offsets, b, weights)
+            if done is not None:  # else the path below runs (and raises on a bad id)
+                pooled, rows, bag_of_id = done
+                pooled = pooled_lookup(
+                    group.storage,
+                    self.placeholder,
+                    rows,
+                    offsets,
+                    bag_of_id,
+                    offsets[::b],
+                    weights,
+                    pooled,
                 )
-                if not isinstance(done, int):  # else an id is out of range: the path below raises
-                    pooled, rows, bag_of_id = done
-                    pooled = pooled_lookup(
-                        group.storage,
-                        self.placeholder,
-                        rows,
-                        offsets,
-                        bag_of_id,
-                        offsets[::b],
-                        weights,
-                        pooled,
-                    )
-                    return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
-            elif values.device.type == "cpu" and training:
-                cache = group.storage.native_slot_table()  # only where the native pass runs
-                if cache is not None:  # a cache in host memory: rows, then slots, then pool
-                    done = native_rows(
-                        values, offsets, b, self.feature_row_offset, self.table_sizes
-                    )
-                    if not isinstance(done, int):  # else the path below raises
-                        rows, bag_of_id = done
-                        slot_ids = group.storage.slots_for_update(rows)
-                        pooled = native_pool_slots(cache, slot_ids, offsets, b, num_f, weights)
-                        pooled = pooled_lookup(
-                            group.storage,
-                            self.placeholder,
-                            rows,
-                            offsets,
-                            bag_of_id,
-                            offsets[::b],
-                            weights,
-                            pooled,
-                        )
-                        return pooled.view(b, num_f, group.dim)
+                return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
         lengths = offsets[1:] - offsets[:-1]
         n = values.shape[0]
         bag_of_id = torch.repeat_interleave(

@@ -82,7 +82,8 @@ int64_t recscale_cache_candidates(const int64_t *slots, int64_t n, const uint8_t
 
 void recscale_cache_clear(int32_t *slot_of_row, int64_t *row_of_slot, double *score,
                           const int64_t *victims, int64_t n) {
-    for (int64_t i = 0; i < n && i < 2 * AHEAD; i++) __builtin_prefetch(&row_of_slot[victims[i]], 1, 0);
+    for (int64_t i = 0; i < n && i < 2 * AHEAD; i++)
+        __builtin_prefetch(&row_of_slot[victims[i]], 1, 0);
     for (int64_t i = 0; i < n; i++) {
         if (i + 2 * AHEAD < n) __builtin_prefetch(&row_of_slot[victims[i + 2 * AHEAD]], 1, 0);
         if (i + AHEAD < n) __builtin_prefetch(&slot_of_row[row_of_slot[victims[i + AHEAD]]], 1, 0);

@@ -17,8 +17,8 @@
  * switches). `engine`: 0 = io_uring if it can be had, else the threads; 1 = the threads;
  * 2 = io_uring or -ENOSYS; + 4: no RWF_NOWAIT pass, every run a slow one (tests: a file
  * just written is all in the page cache). RECSCALE_IO_URING=0 in the environment turns
- * io_uring off. Where RWF_NOWAIT is not supported (old kernels, some filesystems, most buffered
- * writes) every run is a slow one.
+ * io_uring off. Where RWF_NOWAIT is not supported (old kernels, some filesystems, most
+ * buffered writes) every run is a slow one.
  *
  * Returns the number of requests issued (>= 0), or -errno of the first that failed (the
  * buffer's contents are then undefined; the file's, for a write, partly written).
@@ -250,9 +250,11 @@ int64_t recscale_row_move(float *table, int64_t table_width, int64_t table_rows,
                           int64_t n, int to_table, int64_t parts, const int64_t *part_base,
                           const int64_t *part_width, const int64_t *part_col) {
     if (position)
-        for (int64_t i = 0; i < n && i < 2 * ROW_AHEAD; i++) __builtin_prefetch(&position[rows[i]], 0, 0);
+        for (int64_t i = 0; i < n && i < 2 * ROW_AHEAD; i++)
+            __builtin_prefetch(&position[rows[i]], 0, 0);
     for (int64_t i = 0; i < n; i++) {
-        if (position && i + 2 * ROW_AHEAD < n) __builtin_prefetch(&position[rows[i + 2 * ROW_AHEAD]], 0, 0);
+        if (position && i + 2 * ROW_AHEAD < n)
+            __builtin_prefetch(&position[rows[i + 2 * ROW_AHEAD]], 0, 0);
         if (i + ROW_AHEAD < n) {
             int64_t j = i + ROW_AHEAD, fj = file_row(position, rows, j);
             if ((uint64_t)fj < (uint64_t)table_rows)
