@@ -493,3 +493,14 @@ def test_the_prefetch_runs_inline_only_where_a_thread_would_take_the_steps_core(
     cfg = load_config("debug", [f"--embedding.cache_prefetch={mode}"]).embedding
     on_thread, why = prefetch_on_thread(_tiers(*kinds), cfg, threads, cores)
     assert on_thread == thread and why
+
+
+def test_a_storage_keeping_rows_in_place_gives_each_row_as_its_slot():
+    """RowStorage.slots_for_update's default (no cache): a row is its own slot, on the
+    CPU - the cache's override is what moves rows (tests above)."""
+    from recscale.embedding.storage import DeviceStorage
+
+    st = DeviceStorage(50, 8, SparseSGD(0.1))
+    rows = torch.tensor([3, 49, 3, 0])
+    assert st.native_slot_table() is None
+    assert torch.equal(st.slots_for_update(rows), rows)

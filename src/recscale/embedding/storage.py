@@ -176,8 +176,9 @@ class RowStorage(nn.Module, ABC):
     def slots_for_update(self, rows: torch.Tensor) -> torch.Tensor:
         """Make a training batch's ``rows`` (one per id) resident in
         :meth:`native_slot_table` until their update, as ``lookup(..., for_update=True)``
-        does, and return each id's slot (CPU int64)."""
-        raise NotImplementedError(f"{type(self).__name__} has no slot table")
+        does, and return each id's slot (CPU int64). Here, for a storage that keeps its
+        rows in place: a row is its own slot."""
+        return rows.cpu()
 
     def native_lookup_table(self) -> torch.Tensor | None:
         """The ``[rows, dim]`` weight that ``recscale.native``'s fused lookup
