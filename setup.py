@@ -25,6 +25,7 @@ setup(
                 "src/recscale/native/unique_ids.c",
                 "src/recscale/native/row_io.c",
                 "src/recscale/native/row_uring.c",
+                "src/recscale/native/row_direct.c",
                 "src/recscale/native/cache_index.c",
             ],
             # headers: a change to one rebuilds the extension (and ships them in an sdist)

@@ -17,7 +17,8 @@ from recscale.config.errors import ConfigError
 from recscale.embedding.cached_storage import CachedStorage, CacheTooSmallError
 from recscale.embedding.optimizers import SparseSGD
 from recscale.embedding.placement import file_order
-from recscale.embedding.row_file import RowFile, TierFileError, row_copy, row_io
+from recscale.embedding.row_file import RowFile, TierFileError
+from recscale.embedding.row_io import row_copy, row_io, row_io_direct
 from recscale.train.data_source import make_synthetic, popularity_ranks
 from recscale.train.run import train
 
@@ -32,7 +33,7 @@ def _file(tmp_path, rows=5000, width=5, depth=32, order=None, access="auto"):
 
 @pytest.mark.parametrize("depth", [0, 1, 32])
 @pytest.mark.parametrize("ordered", [False, True])
-@pytest.mark.parametrize("access", ["pread", "map"])
+@pytest.mark.parametrize("access", ["pread", "direct", "map"])
 def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered, access):
     n, w = 5000, 5
     rng = np.random.default_rng(depth)
@@ -40,6 +41,8 @@ def test_batched_reads_and_writes_match_an_array(tmp_path, depth, ordered, acces
     rf = _file(tmp_path, n, w, depth, order, access)
     if depth == 0 or native.library() is None:
         assert rf.access == "map"  # nothing else can serve it
+    elif access == "direct" and rf.direct_refused:  # a filesystem without O_DIRECT
+        assert rf.access == "pread" and rf.direct_fd is None
     else:
         assert rf.access == access
     ref = np.zeros((n, w), np.float32)
@@ -90,7 +93,7 @@ def test_the_native_row_copy_gathers_and_scatters_as_numpy_does(width):
 def test_the_native_row_move_copies_between_a_table_and_cache_slots_both_ways():
     """A row's columns split over the cache's parts (weights [C, 3], a row-wise state [C],
     a [C, 2, 2] state), against numpy indexing, both directions; bad indices refused."""
-    from recscale.embedding.row_file import row_move
+    from recscale.embedding.row_io import row_move
 
     rng = np.random.default_rng(0)
     table = rng.standard_normal((500, 8)).astype(np.float32)
@@ -126,7 +129,7 @@ def test_row_move_maps_logical_rows_through_the_file_order(dtype):
     """With a row order, entry i is file row position[rows[i]] (the pass maps int32
     orders itself, int64 ones are mapped first): equal to moving the mapped rows; a
     position outside the table is refused."""
-    from recscale.embedding.row_file import row_move
+    from recscale.embedding.row_io import row_move
 
     rng = np.random.default_rng(1)
     table = rng.standard_normal((300, 5)).astype(np.float32)
@@ -161,7 +164,7 @@ def test_the_pread_reader_coalesces_neighbours_and_reads_at_depth(
     """``recscale_row_io`` (the tier's reader and the disk probe's): one request a run of
     neighbours, the rows where they are in the file, a failure as -errno - through the
     page-cache pass, the threads and io_uring (each forced, every request through it)."""
-    from recscale.embedding.row_file import io_uring_available
+    from recscale.embedding.row_io import io_uring_available
 
     if engine == "io_uring" and not io_uring_available():
         pytest.skip("io_uring cannot be had here (kernel, seccomp or RECSCALE_IO_URING=0)")
@@ -215,6 +218,7 @@ def test_a_segment_is_written_in_file_order(tmp_path):
     "access, words",
     [
         pytest.param("pread", "cannot read from", marks=needs_native),
+        pytest.param("direct", "cannot read from", marks=needs_native),
         ("map", "was cut short under the run"),  # not a SIGBUS from a mapped page
     ],
 )
@@ -225,6 +229,58 @@ def test_a_failed_read_is_one_line_naming_the_file(tmp_path, access, words):
     with pytest.raises(TierFileError, match=words) as err:
         rf.read(np.array([5, 500]))
     assert "rows.f32" in str(err.value) and "\n" not in str(err.value)
+
+
+def _direct_file(tmp_path, rows, width, depth=8):
+    rf = _file(tmp_path, rows, width, depth, access="direct")
+    if rf.direct_refused:
+        pytest.skip(f"{tmp_path}: {rf.direct_refused}")
+    return rf
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 17, 1024, 1500, 3000])  # within, across 2 and 3 blocks
+def test_direct_io_moves_whole_blocks_and_keeps_the_neighbours_of_each_row(tmp_path, width):
+    """access=direct: rows in blocks shared with rows not written keep those rows' bytes
+    (the read-modify-write of each partly covered block), rows straddling blocks whole,
+    the file padded to whole blocks, and reads through the map see the direct writes."""
+    n = 2003
+    rng = np.random.default_rng(width)
+    rf = _direct_file(tmp_path, n, width)
+    assert rf.access == "direct"
+    assert os.fstat(rf.fd).st_size % 4096 == 0 and os.fstat(rf.fd).st_size >= n * width * 4
+    ref = rng.standard_normal((n, width)).astype(np.float32)
+    rf.write_segment(0, n, lambda rel: ref[rel])
+    np.testing.assert_array_equal(rf.read(np.arange(n)), ref)
+    for _ in range(10):
+        rows = rng.choice(n, int(rng.integers(1, 300)), replace=False)
+        data = rng.standard_normal((len(rows), width)).astype(np.float32)
+        rf.write(rows, data)
+        ref[rows] = data
+        probe = rng.choice(n, 200, replace=False)
+        np.testing.assert_array_equal(rf.read(probe), ref[probe])
+    np.testing.assert_array_equal(np.asarray(rf.map), ref)
+
+
+@needs_native
+def test_direct_io_refuses_rows_out_of_order(tmp_path):
+    rf = _direct_file(tmp_path, 100, 4)
+    buf = np.zeros((2, 4), np.float32)
+    assert row_io_direct(rf.direct_fd, False, np.array([5, 3]), buf, 4) == -errno.EINVAL
+    assert row_io_direct(rf.direct_fd, False, np.array([3, 3]), buf, 4) == -errno.EINVAL
+
+
+def test_direct_access_falls_back_to_pread_where_o_direct_is_refused(tmp_path, monkeypatch):
+    import recscale.embedding.row_file as row_file
+
+    monkeypatch.setattr(row_file, "open_direct", lambda fd: (None, "O_DIRECT refused: test"))
+    rf = _file(tmp_path, 100, 4, access="direct")
+    if native.library() is None:
+        assert rf.access == "map"
+        return
+    assert rf.access == "pread" and rf.direct_refused == "O_DIRECT refused: test"
+    rf.write(np.array([7]), np.ones((1, 4), np.float32))
+    np.testing.assert_array_equal(rf.read(np.array([7])), np.ones((1, 4), np.float32))
 
 
 def test_auto_access_maps_a_file_the_memory_holds_and_preads_a_larger_one(tmp_path, monkeypatch):
@@ -520,7 +576,7 @@ def test_each_threads_io_ring_is_closed_when_the_thread_exits(tmp_path):
     behind (a run starts a prefetch thread per pipeline)."""
     import threading
 
-    from recscale.embedding.row_file import io_uring_available
+    from recscale.embedding.row_io import io_uring_available
 
     if not io_uring_available() or not os.path.isdir("/proc/self/fd"):
         pytest.skip("io_uring (or /proc) cannot be had here")

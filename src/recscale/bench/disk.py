@@ -23,7 +23,7 @@ import numpy as np
 
 from recscale import native
 from recscale.bench.hardware import best_on_record, record_path
-from recscale.embedding.row_file import row_io
+from recscale.embedding.row_io import row_io
 
 PAGE = 4096
 

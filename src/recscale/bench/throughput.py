@@ -37,7 +37,7 @@ from recscale.bench.hardware import (
 from recscale.config.schema import Config
 from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
-from recscale.embedding.row_file import io_uring_available
+from recscale.embedding.row_io import io_uring_available
 from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
 from recscale.train.cache_prefetch import (
@@ -438,7 +438,8 @@ def format_tier_io(io: dict[str, Any]) -> str:
     how = (
         f"{io['requests_per_step']:,.0f} requests ({io['requests_per_s']:,.0f}/s at depth {d}"
         f" through {io.get('io_engine', 'threads')}"
-        if io["ssd_access"] == "pread"
+        + (", O_DIRECT" if io["ssd_access"] == "direct" else "")
+        if io["ssd_access"] in ("pread", "direct")
         else f"copies through the file's map ({io['ssd_access']}"
     )
     line = (

@@ -194,9 +194,11 @@ class EmbeddingConfig:
     # write-backs, coalesced where adjacent); 1 = one at a time.
     io_depth: int = 32
     # How the ssd tier's file is read and written: pread (batched requests at io_depth,
-    # the file never mapped), map (through its memory map: a copy a row, no system
-    # call), auto (map when the file takes at most half the memory available at start,
-    # shared among the host's ranks - the page cache then holds it whole - else pread).
+    # the file never mapped), direct (pread's batches through O_DIRECT: whole blocks,
+    # no page cache; pread where the filesystem refuses it), map (through its memory
+    # map: a copy a row, no system call), auto (map when the file takes at most half the
+    # memory available at start, shared among the host's ranks - the page cache then
+    # holds it whole - else pread).
     ssd_access: str = "auto"
     # Where a cached tier's next batch is made resident: thread (ahead, on the pipeline's
     # thread), inline (each lookup brings its misses), auto (inline where the tier is in
@@ -287,7 +289,7 @@ class EmbeddingConfig:
                 f"{self.placement!r} keeps fp32 rows (use embedding.placement=device)",
             )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
-        _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "map"))
+        _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "direct", "map"))
         _choice("embedding.cache_prefetch", self.cache_prefetch, ("auto", "thread", "inline"))
         if not 1 <= int(self.io_depth) <= 256:
             raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 23
+#define RECSCALE_NATIVE_ABI 24
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -70,6 +70,9 @@ int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                         void *buf, int64_t depth, int64_t engine);
 int recscale_io_uring_available(void);
+int64_t recscale_row_io_direct(int fd, int write, const int64_t *pos, int64_t n,
+                               int64_t row_bytes, void *buf, int64_t depth, int64_t engine,
+                               int64_t block);
 void recscale_row_copy(void *base, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                        void *buf);
 int64_t recscale_row_move(float *table, int64_t table_width, int64_t table_rows,
