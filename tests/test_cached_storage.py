@@ -193,6 +193,7 @@ def test_reads_and_writes_see_the_cache_and_the_file(tmp_path):
         ("ssd", "frequency", False, "thread", "auto"),  # cold: the thread brings the rows
         ("ssd", "frequency", False, "inline", "auto"),  # cold: each lookup brings its own
         ("ssd", "frequency", False, "inline", "pread"),  # rows through buffers, not moved
+        ("ssd", "frequency", False, "thread", "direct"),  # O_DIRECT (pread where refused)
         ("ssd", "frequency", True, "thread", "auto"),
         ("ssd", "id", True, "thread", "auto"),
         ("host", "frequency", True, "thread", "auto"),  # the GPU's host tier: warmed, pinned

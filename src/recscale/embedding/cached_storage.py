@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from recscale import native
 from recscale.config.schema import CACHE_POLICIES as POLICIES
 from recscale.embedding import cache_index, kernels
 from recscale.embedding.cache_choice import lowest
@@ -62,6 +63,7 @@ from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier'
     TierFileError,
     remove_empty_temp_dirs,
 )
+from recscale.embedding.row_io import row_move
 from recscale.embedding.slipstream import Slipstream
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
 
@@ -175,7 +177,14 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
         """The cache's parts (tensor, first column in a file row) where rows move straight
         between the slow tier and the cache (``RowFile.move``: a CPU cache, the tier in
         memory, the native library); None where they go through a buffer."""
-        if self.device.type != "cpu" or not self.rows.moves_rows:
+        if not self.rows.moves_rows:
+            return None
+        return self._cpu_parts()
+
+    def _cpu_parts(self) -> list | None:
+        """The cache's parts (tensor, first column in a row) where the native row copy can
+        reach them (a CPU cache, the native library), else None."""
+        if self.device.type != "cpu" or native.library() is None:
             return None
         return [(self.cache_weight, 0)] + [
             (self.cache_state[name], lo) for name, _shape, lo, _hi in self._state_cols
@@ -192,6 +201,10 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
 
     def _pack(self, slots: torch.Tensor) -> np.ndarray:
         out = np.empty((slots.shape[0], self.width), np.float32)
+        parts = self._cpu_parts()
+        if parts is not None:  # one native pass (each slot's row a few cache misses)
+            row_move(out, np.arange(len(out)), slots.numpy(), parts, True, split=False)
+            return out
         idx = slots.to(self.device)
         out[:, : self.dim] = self.cache_weight[idx].cpu().numpy()
         for name, _shape, lo, hi in self._state_cols:
@@ -199,6 +212,11 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
         return out
 
     def _unpack_into(self, slots: torch.Tensor, data: np.ndarray) -> None:
+        parts = self._cpu_parts()
+        if parts is not None:  # one native pass, not an index_put a part
+            data = np.ascontiguousarray(data, dtype=np.float32)
+            row_move(data, np.arange(len(data)), slots.numpy(), parts, False, split=False)
+            return
         t = torch.from_numpy(np.ascontiguousarray(data)).to(self.device, non_blocking=True)
         idx = slots.to(self.device)
         self.cache_weight[idx] = t[:, : self.dim]

@@ -124,13 +124,16 @@ def row_move(
     parts: list[tuple[torch.Tensor, int]],
     to_table: bool,
     position: np.ndarray | None = None,
+    split: bool = True,
 ) -> None:
     """Rows between ``table [R, width]`` and cache ``slots`` with no buffer between
     (native ``recscale_row_move``): entry i is file row ``position[rows[i]]`` (``position``
     None: ``rows[i]``); ``parts`` are ``(cache, col)`` - a C-contiguous float32 CPU tensor
     ``[C, w]`` (or ``[C]``: w = 1) holding columns ``[col, col + w)`` of each row.
-    ``to_table``: a write-back, else an install. Bounds are checked (rows and slots here,
-    file rows in the pass). The native library must be loaded."""
+    ``to_table``: a write-back, else an install. ``split``: 2,048 rows or more are split
+    over torch's threads (False: all on the calling thread - a background thread's move
+    beside a step that has the team busy). Bounds are checked (rows and slots here, file
+    rows in the pass). The native library must be loaded."""
     if not table.flags.c_contiguous or table.dtype != np.float32:
         raise ValueError("row_move needs a C-contiguous float32 table")
     rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -174,7 +177,7 @@ def row_move(
 
     # Each row is a few cache misses on each side: a second thread overlaps twice as many
     # (rows and slots are distinct, so the parts never write the same memory).
-    threads = torch.get_num_threads() if len(rows) >= MOVE_SPLIT_ROWS else 1
+    threads = torch.get_num_threads() if split and len(rows) >= MOVE_SPLIT_ROWS else 1
     rcs = native.parallel_call(native.library(), "recscale_row_move", len(rows), part, threads)
     if min(rcs) < 0:  # a part stops at its first bad entry (the rest of it unmoved)
         raise IndexError("row_move: a row's file row is outside the table")
