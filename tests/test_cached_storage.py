@@ -193,6 +193,7 @@ def test_reads_and_writes_see_the_cache_and_the_file(tmp_path):
         ("ssd", "frequency", False, "thread", "auto"),  # cold: the thread brings the rows
         ("ssd", "frequency", False, "inline", "auto"),  # cold: each lookup brings its own
         ("ssd", "frequency", False, "inline", "pread"),  # rows through buffers, not moved
+        ("ssd", "frequency", False, "thread", "pread"),  # reads land on the reader thread
         ("ssd", "frequency", False, "thread", "direct"),  # O_DIRECT (pread where refused)
         ("ssd", "frequency", True, "thread", "auto"),
         ("ssd", "id", True, "thread", "auto"),
@@ -505,3 +506,39 @@ def test_a_storage_keeping_rows_in_place_gives_each_row_as_its_slot():
     rows = torch.tensor([3, 49, 3, 0])
     assert st.native_slot_table() is None
     assert torch.equal(st.slots_for_update(rows), rows)
+
+
+def test_prefetched_reads_land_before_anything_reads_their_rows(tmp_path):
+    """Beyond memory (pread access) a prefetch returns once its reads are issued: the
+    rows hold their slots at once (a later batch's probe finds them), and the batch's
+    lookup, a checkpoint's read and a later batch all see the rows' values - never a slot
+    whose data has not landed - however slow the disk."""
+    import time
+
+    st = CachedStorage(
+        400, 4, SparseSGD(0.1), tmp_path / "t.f32", 100, io_access="pread", io_depth=4
+    )
+    if not st.reads_land_later():
+        pytest.skip("no native library: the file is mapped, reads land at once")
+    values = torch.arange(400 * 4, dtype=torch.float32).reshape(400, 4)
+    st.write_rows(torch.arange(400), values)
+    read = st.rows.read
+
+    def slow_read(rows):
+        time.sleep(0.2)
+        return read(rows)
+
+    st.rows.read = slow_read
+    first = torch.tensor([5, 17, 300, 5, 42])
+    second = torch.tensor([17, 99, 300, 7])  # shares rows with the batch in flight
+    st.prefetch(first)
+    assert bool((st.slot_of_row[first] >= 0).all())  # slots taken before the data lands
+    st.prefetch(second)
+    assert not st._prefetch_pins[0].landing.done()
+    # a checkpoint's read waits for both batches' reads
+    assert torch.equal(st.read_rows(torch.tensor([300, 99, 5])), values[[300, 99, 5]])
+    for batch in (first, second):
+        pooled = st.lookup(batch, torch.tensor([0, len(batch)]), None, for_update=True)
+        assert torch.equal(pooled, values[batch].sum(0, keepdim=True))
+        st.apply_gradients(batch[:0], torch.zeros(0, 4))
+    assert st.stats.read_wait_seconds >= 0.0 and st.stats.lookups == 8

@@ -43,6 +43,7 @@ from recscale.native.team import team_status
 from recscale.train.cache_prefetch import (
     cache_report,
     cached_storages,
+    prefetch_depth,
     prefetch_on_thread,
     warm_caches,
 )
@@ -180,7 +181,8 @@ def run_throughput(
         prefetch_mode = "thread" if ahead else "inline"
         echo(f"cache prefetch: {'a background thread' if ahead else 'inline'} ({why})")
         if ahead:
-            source = iter(EmbeddingPipeline(iter(batches), model.embeddings, device))
+            depth = prefetch_depth(model.embeddings)
+            source = iter(EmbeddingPipeline(iter(batches), model.embeddings, device, depth))
     waits: list[float] = []
 
     def next_batch(i: int, record: bool):
@@ -290,7 +292,8 @@ def run_throughput(
             {
                 "embedding_cache": cache,
                 "cache_prefetch": prefetch_mode,
-                "prefetch_wait_ms": 1e3 * sum(waits) / steps,
+                # the step waiting for its batch, or in its lookup for the batch's reads
+                "prefetch_wait_ms": 1e3 * cache["prefetch_stall_seconds"] / steps,
             }
             if cache
             else {}

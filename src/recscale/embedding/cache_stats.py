@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class CacheStats:
     evictions: int = 0
     id_updates: int = 0  # ids whose row update was due (Slipstream on)
     skipped: int = 0  # ... of which Slipstream skipped as stale
+    read_wait_seconds: float = 0.0  # lookups waiting for their batch's reads to land
 
     @property
     def hit_rate(self) -> float:
@@ -37,6 +39,7 @@ class CacheStats:
             "evictions": self.evictions,
             "id_updates": self.id_updates,
             "skipped_updates": self.skipped,
+            "read_wait_seconds": self.read_wait_seconds,
         }
 
 
@@ -44,8 +47,11 @@ class CacheStats:
 class Prefetched:
     rows: torch.Tensor  # the batch's rows, to recognise its lookup
     slots: torch.Tensor  # its distinct rows' slots (pinned until the lookup)
-    slot_ids: torch.Tensor  # per id (CPU int64): what the lookup pools
-    device_slot_ids: torch.Tensor  # the same on the cache's device
+    slot_ids: torch.Tensor | None  # per id (CPU int64): what the lookup pools
+    device_slot_ids: torch.Tensor | None  # the same on the cache's device
+    # reads still landing (CachedStorage._complete): the lookup waits for this future,
+    # whose result is None or the error the reads met
+    landing: Future | None = None
 
 
 @dataclass

@@ -44,7 +44,7 @@ class CacheWarmStart:
                 data[:, lo:hi] = self.optimizer.init_value(name)
             return data
 
-        with self._lock:
+        with self._settled():
             if bool((self.slot_of_row[start : start + n] >= 0).any()):
                 raise RuntimeError("initialize_segment: rows of the segment are cached")
             self.rows.write_segment(start, n, make_rows)
@@ -63,7 +63,7 @@ class CacheWarmStart:
         the cache is advisable); the others' scores fall from 1 to 0 along the list, so
         any row a batch uses outranks them and the coldest go first. Returns the rows
         made resident."""
-        with self._lock:
+        with self._settled():
             rows = rows.cpu()
             # chunk by chunk, never a filtered copy of the whole list: count first
             k = sum(
@@ -91,7 +91,7 @@ class CacheWarmStart:
     def enable_slipstream(self, threshold: float, interval: int, max_bytes: int = 64 << 20):
         """Skip stale hot rows' updates (``embedding/slipstream.py``): the pinned rows are
         the hot set, the hottest that fit ``max_bytes`` of snapshot watched."""
-        with self._lock:
+        with self._settled():
             hot = torch.nonzero(self.pinned).squeeze(1)
             keep = max(1, max_bytes // (4 * self.dim))
             if hot.numel() > keep:  # the hottest: highest warm-start score

@@ -19,7 +19,7 @@ class CachedRowAccess:
 
     def flush(self) -> None:
         """Write every dirty cached row back to the file."""
-        with self._lock:
+        with self._settled():
             self._write_back(torch.nonzero(self.cache_dirty).squeeze(1))
             self.rows.flush()
 
@@ -33,11 +33,11 @@ class CachedRowAccess:
         return out
 
     def read_rows(self, rows):
-        with self._lock:
+        with self._settled():
             return torch.from_numpy(self._gather(rows.cpu())[:, : self.dim].copy())
 
     def read_state(self, rows):
-        with self._lock:
+        with self._settled():
             data = torch.from_numpy(self._gather(rows.cpu()))
             return {
                 name: data[:, lo:hi].reshape(-1, *shape).clone()
@@ -46,7 +46,7 @@ class CachedRowAccess:
 
     @torch.no_grad()
     def write_rows(self, rows, values):
-        with self._lock:
+        with self._settled():
             rows = rows.cpu()
             self.rows.write_columns(rows.numpy(), 0, self.dim, values.float().cpu().numpy())
             slots = self.slot_of_row[rows].long()
@@ -57,7 +57,7 @@ class CachedRowAccess:
 
     @torch.no_grad()
     def write_state(self, rows, state):
-        with self._lock:
+        with self._settled():
             rows = rows.cpu()
             slots = self.slot_of_row[rows].long()
             hit = slots >= 0

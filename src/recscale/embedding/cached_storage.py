@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,7 @@ from recscale.embedding.cache_stats import (
     UpdatePin,
 )
 from recscale.embedding.cache_warm import CacheWarmStart
+from recscale.embedding.cached_prefetch import CachePrefetching
 from recscale.embedding.cached_row_access import CachedRowAccess
 from recscale.embedding.cpu_kernels import fused_update_cpu, unique_ids
 from recscale.embedding.optimizers import SparseOptimizer
@@ -74,7 +76,7 @@ SLOT_OVERHEAD_BYTES = 26
 ROW_INDEX_BYTES = 8
 
 
-class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
+class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorage):
     def __init__(
         self,
         num_rows: int,
@@ -153,6 +155,10 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
         self._clock = 0
         self._write_backs = 0  # generation: an unlocked read older than a write-back re-reads
         self._lock = threading.RLock()
+        # Reads of prefetched batches still landing (``_complete`` on ``_reader``, one
+        # thread, batches in order) while the prefetch thread plans the next batch.
+        self._reader: ThreadPoolExecutor | None = None
+        self._landing: list[Future] = []
 
     def homes(self):
         yield from super().homes()
@@ -335,57 +341,6 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
     def device(self) -> torch.device:
         return self.cache_weight.device
 
-    def prefetch(self, rows: torch.Tensor) -> None:
-        """Make ``rows`` resident now (before their lookup) and pin them until updated.
-
-        Does the lookup's bookkeeping too (unique ids, slots, scores), so the training
-        thread's lookup of the same batch only pools; the file is read without holding
-        the lock, so the training thread keeps running meanwhile."""
-        if self._prefetch_off:
-            return
-        rows = rows.cpu()
-        uniq, inverse = unique_ids(rows)  # first-appearance order: slots need no sort
-        with self._lock:
-            slots, missing_at = cache_index.probe(self.slot_of_row, uniq)
-            missing = uniq[missing_at]
-            try:
-                reserved = self._reserve(missing.numel(), slots)
-            except CacheTooSmallError as e:
-                if not (self._prefetch_pins or self._update_pins):
-                    raise  # one batch alone does not fit: nothing to give up but the run
-                # The batch in flight and this one do not fit together: stop prefetching
-                # (each lookup then brings its own rows in) rather than stop training.
-                self._prefetch_off = True
-                warnings.warn(
-                    f"{e}; prefetching ahead is off for this table group (lookups now wait "
-                    "for their misses)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return
-            generation = self._write_backs
-        data = self._fetch(missing, reserved) if missing.numel() else None  # unlocked: slow
-        with self._lock:
-            if missing.numel():
-                if self._write_backs != generation:  # a write-back may have raced our read
-                    data = self._fetch(missing, reserved)
-                if self._install(missing, reserved, data):
-                    slots[missing_at] = reserved
-                else:  # another thread installed some of them meanwhile
-                    slots = self.slot_of_row[uniq].long()
-            self._touch(slots)
-            slot_ids = slots[inverse]
-            device_ids = slot_ids.to(self.device, non_blocking=True)
-            self._prefetch_pins.append(Prefetched(rows, slots, slot_ids, device_ids))
-            self.stats.lookups += uniq.numel()
-            self.stats.hits += uniq.numel() - missing.numel()
-            self.stats.prefetched += missing.numel()
-
-    def clear_prefetch(self) -> None:
-        """Forget prefetched batches that will not be looked up (the pipeline stopped)."""
-        with self._lock:
-            self._prefetch_pins.clear()
-
     def native_slot_table(self) -> torch.Tensor | None:
         w = self.cache_weight
         if w.device.type != "cpu":
@@ -402,6 +357,10 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
         one prefetched, else brought in now."""
         entry = self._prefetch_pins[0] if self._prefetch_pins else None
         if entry is not None and entry.rows.shape == rows.shape and torch.equal(entry.rows, rows):
+            if entry.landing is not None:  # its reads may still be in flight
+                t = time.perf_counter()
+                entry.landing.result()  # their error, if any, is raised here
+                self.stats.read_wait_seconds += time.perf_counter() - t
             # The oldest prefetched batch is this one: resident, pinned, counted. No lock
             # (the prefetch thread may hold it for a while at its lower priority): its
             # slots join the update pins before they leave the prefetch pins (list ops are
@@ -410,7 +369,7 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
             self._update_pins.append(UpdatePin(rows, entry.slots, entry.slot_ids))
             self._prefetch_pins.pop(0)
             return entry.slot_ids, entry.device_slot_ids
-        with self._lock:
+        with self._settled():
             if self._prefetch_pins:  # prefetched, then not looked up
                 self._prefetch_pins.pop(0)
             uniq, inverse, *probed = cache_index.unique_probe(self.slot_of_row, rows)
@@ -429,7 +388,7 @@ class CachedStorage(CacheWarmStart, CachedRowAccess, RowStorage):
             ids = self._resident_for_update(rows)[1]
             table = self.cache_weight
         else:  # evaluation: read misses straight from the file, admit nothing
-            with self._lock:
+            with self._settled():
                 uniq, inverse = unique_ids(rows)
                 table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
             ids = inverse.to(dev)

@@ -49,6 +49,7 @@ from recscale.train.cache_prefetch import (
     cache_report,
     cached_storages,
     hit_rate_since,
+    prefetch_depth,
     prefetch_on_thread,
     warm_caches,
 )
@@ -301,7 +302,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
             where = "a background thread" if prefetch_ahead else "inline, in each lookup"
             job.echo(f"recscale: cache prefetch: {where} ({why})")
     if dist_ahead or prefetch_ahead:
-        stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device)
+        stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device, prefetch_depth(ebc))
     cached = bool(cached_storages(ebc))
     batches, wait_s, window_wait, cache_seen = iter(stream), 0.0, 0.0, (0, 0)
     step = saved_step = start_step
