@@ -43,7 +43,7 @@ class CachePrefetching:
         Does the lookup's bookkeeping too (unique ids, slots, scores), so the training
         thread's lookup of the same batch only pools; the file is read without holding
         the lock, so the training thread keeps running meanwhile. Where the rows come
-        from the disk (``_reads_land_later``) the reads land on the reader thread and
+        from the disk (``reads_land_later``) the reads land on the reader thread and
         this returns once they are issued: the caller plans the next batch while they
         are in flight, and the lookup waits for its own batch's."""
         if self._prefetch_off:
