@@ -48,16 +48,23 @@ def row_io(
     False: no page-cache pass first, every request through the engine). Returns the
     requests issued, or -errno (-ENOSYS: ``io_uring`` forced where there is none); the
     native library must be loaded."""
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    pos = np.ascontiguousarray(pos, dtype=np.int64)  # referenced until the call returns
     return native.library().recscale_row_io(
+        *_rows_args(fd, write, pos, buf), depth, IO_ENGINES[engine] | (0 if nowait_first else 4)
+    )
+
+
+def _rows_args(fd: int, write: bool, pos: np.ndarray, buf: np.ndarray) -> tuple:
+    """The leading (fd, write, pos, n, row_bytes, buf) of the native row I/O calls."""
+    n = len(pos)
+    ptr = ctypes.c_void_p
+    return (
         fd,
         int(write),
-        pos.ctypes.data_as(ctypes.c_void_p),
-        len(pos),
-        buf.nbytes // max(len(pos), 1),
-        buf.ctypes.data_as(ctypes.c_void_p),
-        depth,
-        IO_ENGINES[engine] | (0 if nowait_first else 4),
+        pos.ctypes.data_as(ptr),
+        n,
+        buf.nbytes // max(n, 1),
+        buf.ctypes.data_as(ptr),
     )
 
 
@@ -66,17 +73,9 @@ def row_io_direct(fd: int, write: bool, pos: np.ndarray, buf: np.ndarray, depth:
     ``recscale_row_io_direct``): whole ``DIRECT_BLOCK`` blocks from the disk through an
     aligned bounce buffer, a write's partly covered blocks read first. ``pos`` strictly
     ascending; the file padded to whole blocks. Returns the requests issued or -errno."""
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    pos = np.ascontiguousarray(pos, dtype=np.int64)  # referenced until the call returns
     return native.library().recscale_row_io_direct(
-        fd,
-        int(write),
-        pos.ctypes.data_as(ctypes.c_void_p),
-        len(pos),
-        buf.nbytes // max(len(pos), 1),
-        buf.ctypes.data_as(ctypes.c_void_p),
-        depth,
-        IO_ENGINES["auto"],
-        DIRECT_BLOCK,
+        *_rows_args(fd, write, pos, buf), depth, IO_ENGINES["auto"], DIRECT_BLOCK
     )
 
 
