@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -598,6 +599,11 @@ def test_each_threads_io_ring_is_closed_when_the_thread_exits(tmp_path):
             t.start()
             t.join()
         assert got == [10] * 20
+        # Thread.join returns when the thread's Python state is gone, a moment before the
+        # OS thread runs its exit destructors (which close the ring): wait that moment out
+        deadline = time.monotonic() + 5.0
+        while len(os.listdir("/proc/self/fd")) != before and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         os.close(fd)
