@@ -193,12 +193,10 @@ class EmbeddingConfig:
     # ssd tier: reads and writes of rows in flight at once (a batch's misses and
     # write-backs, coalesced where adjacent); 1 = one at a time.
     io_depth: int = 32
-    # How the ssd tier's file is read and written: pread (batched requests at io_depth,
-    # the file never mapped), direct (pread's batches through O_DIRECT: whole blocks,
-    # no page cache; pread where the filesystem refuses it), map (through its memory
-    # map: a copy a row, no system call), auto (map when the file takes at most half the
-    # memory available at start, shared among the host's ranks - the page cache then
-    # holds it whole - else pread).
+    # How the ssd tier's file is read and written (docs/tiered_storage.md): pread
+    # (batched requests at io_depth), direct (the same through O_DIRECT, no page cache),
+    # map (its memory map: a copy a row), auto (map when the file takes at most half the
+    # memory available at start, shared among the host's ranks, else pread).
     ssd_access: str = "auto"
     # Where a cached tier's next batch is made resident: thread (ahead, on the pipeline's
     # thread), inline (each lookup brings its misses), auto (inline where the tier is in

@@ -34,7 +34,7 @@ class CachePrefetching:
     """``prefetch``, ``reads_land_later``, ``clear_prefetch`` and the wait for reads in
     flight (``_settled``)."""
 
-    _reader: ThreadPoolExecutor | None = None
+    _reader: ThreadPoolExecutor | None  # set in CachedStorage.__init__
     _landing: list[Future]
 
     def prefetch(self, rows: torch.Tensor) -> None:
