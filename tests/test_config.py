@@ -50,6 +50,30 @@ def test_override_types():
     assert cfg.data.zipf_alpha == 1.0 and isinstance(cfg.data.zipf_alpha, float)
 
 
+def test_integers_in_scientific_notation_and_lists_in_brackets():
+    """Bytes and rows as "9e9" (whole numbers only) and lists as the TOML file writes
+    them, on the command line and in a file."""
+    cfg = load_config(
+        None,
+        ["--embedding.cache_bytes=9e9", "--model.bottom_mlp=[512, 256, 64, 16]"],
+    )
+    assert cfg.embedding.cache_bytes == 9_000_000_000 and isinstance(cfg.embedding.cache_bytes, int)
+    assert cfg.model.bottom_mlp == [512, 256, 64, 16]
+    for bad in ("2.5", "1e-3", "inf", "nan", "1e30"):
+        with pytest.raises(ConfigError, match="expected an integer"):
+            load_config(None, [f"--train.batch_size={bad}"])
+
+
+def test_a_toml_float_that_is_whole_is_an_integer(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text("[embedding]\ncache_bytes = 2e9\n[train]\nbatch_size = 512.0\n")
+    cfg = load_config(str(p))
+    assert cfg.embedding.cache_bytes == 2_000_000_000 and cfg.train.batch_size == 512
+    p.write_text("[train]\nbatch_size = 512.5\n")
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        load_config(str(p))
+
+
 @pytest.mark.parametrize(
     "overrides,key",
     [

@@ -8,6 +8,7 @@ values of the wrong type raise :class:`ConfigError` naming the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -47,8 +48,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin is list:
         (item_type,) = typing.get_args(annotation)
-        if isinstance(value, str):  # command line: "512,256,1" or "" for empty
-            value = [v for v in value.replace(" ", "").split(",") if v]
+        if isinstance(value, str):  # command line: "512,256,1", "[512, 256, 1]", "" empty
+            text = value.replace(" ", "")
+            if text.startswith("[") and text.endswith("]"):  # as the TOML file writes it
+                text = text[1:-1]
+            value = [v for v in text.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {value!r}")
         return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
@@ -65,11 +69,19 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(key, f"expected an integer, got {value!r}")
         if isinstance(value, int):
             return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            return int(value)  # TOML's 9e9
         if isinstance(value, str):
             try:
                 return int(value.replace("_", ""))
             except ValueError:
                 pass
+            try:  # "9e9" (bytes, rows): a whole number in scientific notation
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if number.is_integer() and abs(number) < 2**63:
+                return int(number)
         raise ConfigError(key, f"expected an integer, got {value!r}")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
