@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from recscale.config import load_config
 from recscale.planner import (
@@ -226,3 +227,47 @@ def test_the_default_ssd_cache_takes_its_share_of_free_memory_less_its_bookkeepi
     # never more than the tables, never under 1% of them
     assert default_ssd_cache(10**6, 10**4, int(free), said.append) == 10**6
     assert default_ssd_cache(10**12, 10**9, 10**9, said.append) == 10**10
+
+
+def test_an_explicit_ssd_cache_the_memory_cannot_hold_is_a_config_error(monkeypatch):
+    """cache_bytes past the memory available (with bookkeeping, row indices and the
+    largest table's initial draw) names the key before anything is allocated; past
+    SSD_CACHE_WARN_SHARE of it, a warning; within it, nothing said."""
+    from recscale.config.errors import ConfigError
+    from recscale.config.loader import load_config
+    from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
+    from recscale.planner import from_config
+
+    rows, dim = [4_000_000, 1_000_000], 8  # the debug preset's dim
+    row = dim * 4 + 4  # row-wise Adagrad: one fp32 of state a row
+    tables = sum(rows) * row
+    draw = rows[0] * dim * 4
+    index = ROW_INDEX_BYTES * sum(rows)
+
+    def tiers(cache: int, free: int):
+        monkeypatch.setattr(from_config, "available_memory", lambda _device: free)
+        cfg = load_config(
+            "debug",
+            [
+                "--model.table_sizes=" + ",".join(map(str, rows)),
+                "--embedding.placement=ssd",
+                "--embedding.optimizer=rowwise_adagrad",
+                f"--embedding.cache_bytes={cache}",
+            ],
+        )
+        said: list[str] = []
+        return from_config.configured_tiers(cfg, said.append, torch.device("cpu"), 1), said
+
+    cache = tables // 5
+    need = cache + SLOT_OVERHEAD_BYTES * cache / row + index + draw
+    got, said = tiers(cache, int(need * 2))
+    assert sum(c for _t, c in got) == pytest.approx(cache, abs=2) and not said
+    _, said = tiers(cache, int(need / 0.9))  # fits, but past the warning's share
+    assert len(said) == 1 and "warning: embedding.cache_bytes" in said[0]
+    with pytest.raises(ConfigError) as err:
+        tiers(cache, int(need * 0.95))
+    assert err.value.key == "embedding.cache_bytes" and "at most" in str(err.value)
+    # the suggested size fits
+    most = int(str(err.value).split("at most ")[1].split(" fits")[0].replace(",", ""))
+    assert most < cache
+    tiers(most, int(need * 0.95))

@@ -158,6 +158,53 @@ def default_ssd_cache(
     return budget
 
 
+# Above this share of the memory available, an explicit ssd cache is warned about: the
+# rest is the page cache's, the data's and the initialization's (a table's initial rows
+# are drawn whole to be written in file order - 1.4 GB for a 22M-row table of dim 16).
+SSD_CACHE_WARN_SHARE = 0.8
+
+
+def check_ssd_cache_fits(
+    cfg: Config, sizes: list[int], world_size: int, echo: Callable[[str], None]
+) -> None:
+    """An explicit ``embedding.cache_bytes`` for the ssd tier on the CPU, against the
+    memory available to each rank: the cache with its per-slot bookkeeping, the per-row
+    indices and the largest table's initial draw (fp32 rows, at most 4 GB: larger tables
+    are drawn a chunk at a time). More than the memory: a ConfigError naming the key,
+    before anything is allocated (not a kernel OOM kill minutes into initialization);
+    more than ``SSD_CACHE_WARN_SHARE`` of it: a warning."""
+    e, m = cfg.embedding, cfg.model
+    w = max(world_size, 1)
+    free = available_memory(torch.device("cpu")) // w
+    total = max(sum(sizes), 1)
+    rows = sum(m.table_sizes) // w
+    row = total / max(sum(m.table_sizes), 1)
+    cache = min(e.cache_bytes, total) // w  # a cache holds at most the tables
+    slots = cache / row
+    draw = max((min(n * d, 1 << 30) * 4 for n, d in zip(m.table_sizes, m.dims())), default=0)
+    need = cache + SLOT_OVERHEAD_BYTES * slots + ROW_INDEX_BYTES * rows + draw
+    what = (
+        f"a cache of {cache / 1e9:.2f} GB{' a rank' if w > 1 else ''} needs {need / 1e9:.2f} "
+        f"GB of memory with its bookkeeping ({SLOT_OVERHEAD_BYTES} bytes a slot), the tables' "
+        f"row indices ({ROW_INDEX_BYTES} bytes a row) and the largest table's initial draw "
+        f"({draw / 1e9:.2f} GB); {free / 1e9:.2f} GB of memory is available"
+        + (" to each rank" if w > 1 else "")
+    )
+    if need > free:
+        most = max(0.0, (free - ROW_INDEX_BYTES * rows - draw) * row / (row + SLOT_OVERHEAD_BYTES))
+        raise ConfigError(
+            "embedding.cache_bytes",
+            f"{what}: at most {int(most * w):,} fits, or leave it 0 for the default "
+            f"({SSD_CACHE_SHARE:.0%} of the memory available)",
+        )
+    if need > SSD_CACHE_WARN_SHARE * free:
+        echo(
+            f"recscale: warning: embedding.cache_bytes: {what} - "
+            f"{need / max(free, 1):.0%} of it, little left for the page cache and the run "
+            "(the kernel may kill the process for memory)"
+        )
+
+
 def default_memory_per_rank(device: torch.device, local_world: int) -> int:
     """Half of the device's memory (CUDA) or of the host memory shared by the local ranks."""
     if device.type == "cuda":
@@ -242,6 +289,8 @@ def configured_tiers(
                 sum(sizes) // max(world_size, 1), rows, free, echo, world_size
             )
             budget *= max(world_size, 1)  # split by table bytes below, then among the ranks
+        elif e.placement == "ssd" and (device is None or device.type == "cpu"):
+            check_ssd_cache_fits(cfg, sizes, world_size, echo)
         tiers = [(e.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes]
     else:
         return None
