@@ -329,7 +329,7 @@ def test_the_tier_file_is_on_the_disk_before_step_0(tmp_path, monkeypatch, warm)
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("--embedding.io_depth=-1", "embedding.io_depth"),
+        ("--embedding.io_depth=0", "embedding.io_depth"),
         ("--embedding.io_depth=1000", "embedding.io_depth"),
         ("--embedding.row_order=random", "embedding.row_order"),
         ("--embedding.order_sample_rows=0", "embedding.order_sample_rows"),

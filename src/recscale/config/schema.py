@@ -191,9 +191,8 @@ class EmbeddingConfig:
     # Cache eviction: lfu (use counts, halved every 1000 lookups) or lru.
     cache_policy: str = "lfu"
     # ssd tier: reads and writes of rows in flight at once (a batch's misses and
-    # write-backs, coalesced where adjacent); 1 = one at a time; 0 = auto: 64 through
-    # io_uring, 32 through the threads engine (embedding/row_io.py::default_io_depth).
-    io_depth: int = 0
+    # write-backs, coalesced where adjacent); 1 = one at a time.
+    io_depth: int = 32
     # How the ssd tier's file is read and written (docs/tiered_storage.md): pread
     # (batched requests at io_depth), direct (the same through O_DIRECT, no page cache),
     # map (its memory map: a copy a row), auto (map when the file takes at most half the
@@ -290,10 +289,8 @@ class EmbeddingConfig:
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "direct", "map"))
         _choice("embedding.cache_prefetch", self.cache_prefetch, ("auto", "thread", "inline"))
-        if not 0 <= int(self.io_depth) <= 256:
-            raise ConfigError(
-                "embedding.io_depth", f"must be in [0, 256] (0 = auto), got {self.io_depth}"
-            )
+        if not 1 <= int(self.io_depth) <= 256:
+            raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
         _choice("embedding.row_order", self.row_order, ROW_ORDERS)
         if not 0.0 <= float(self.slipstream_threshold) < 1.0:
             raise ConfigError(

@@ -23,7 +23,6 @@ from recscale.config.schema import EmbeddingConfig
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX, CachedStorage
 from recscale.embedding.compressed import build_compressed
 from recscale.embedding.low_precision import device_rows
-from recscale.embedding.row_io import default_io_depth
 from recscale.embedding.sizing import row_bytes
 
 
@@ -129,7 +128,7 @@ def storage_factory(
             policy=cfg.cache_policy,
             kernel=kern,
             device=device,
-            io_depth=cfg.io_depth or default_io_depth(),
+            io_depth=cfg.io_depth,
             io_access=cfg.ssd_access,
         )
         if rank_of_id is not None:

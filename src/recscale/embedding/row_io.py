@@ -32,20 +32,6 @@ def io_uring_available() -> bool:
     return lib is not None and bool(lib.recscale_io_uring_available())
 
 
-# The depth ``embedding.io_depth=0`` takes. Through io_uring one thread keeps 64
-# requests in flight as cheaply as 32 (an NVMe drive wants a deep queue for its rated
-# rate); beyond RAM on host E's virtio disk 64 trained 1-3.5% faster than 32 in three of
-# four runs, the fourth lost to a memory growth that squeezed the page cache
-# (docs/performance.md). The threads engine needs a blocking thread a request: 64 of
-# them lost 8% to 32 there.
-IO_URING_DEPTH, THREADS_DEPTH = 64, 32
-
-
-def default_io_depth() -> int:
-    """Requests in flight for ``io_depth=0``: by the engine this process can use."""
-    return IO_URING_DEPTH if io_uring_available() else THREADS_DEPTH
-
-
 def row_io(
     fd: int,
     write: bool,

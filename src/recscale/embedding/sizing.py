@@ -23,6 +23,10 @@ from recscale.embedding.compressed import (
 from recscale.embedding.low_precision import bytes_per_value, row_overhead, table_bytes
 from recscale.embedding.optimizers import build_sparse_optimizer
 
+# A tier's table part is drawn whole (to be written in file order) up to this many fp32
+# values, 4 GB; a larger one a chunk at a time. Memory beside the cache at initialization.
+INIT_DRAW_MAX_VALUES = 1 << 30
+
 
 def state_bytes(cfg: EmbeddingConfig, dim: int) -> int:
     """Bytes of one row's optimizer state (fp32)."""

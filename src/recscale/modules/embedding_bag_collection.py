@@ -30,10 +30,10 @@ from recscale.embedding.lookup import (
     pooled_lookup,
 )
 from recscale.embedding.optimizers import SparseOptimizer
+from recscale.embedding.sizing import INIT_DRAW_MAX_VALUES
 from recscale.embedding.storage import DeviceStorage, RowStorage
 
 _INIT_CHUNK_ROWS = 1 << 16
-_SEGMENT_VALUES = 1 << 30  # a tier's part drawn whole up to 4 GB of fp32 (init in file order)
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class EmbeddingBagCollection(nn.Module):
                     p.table_dim,
                     *rect,
                 )
-            elif storage.tier != "device" and n * group.dim <= _SEGMENT_VALUES:
+            elif storage.tier != "device" and n * group.dim <= INIT_DRAW_MAX_VALUES:
                 # a tier's file: the part's rows drawn at once and written in file order
                 # (scattered writes to a file larger than memory would each read a page)
                 weight = torch.empty(n, group.dim)

@@ -20,7 +20,12 @@ from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYT
 from recscale.embedding.compressed import table_compressions
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
 from recscale.embedding.row_file import mem_available
-from recscale.embedding.sizing import compressed_table_bytes, row_bytes, state_bytes
+from recscale.embedding.sizing import (
+    INIT_DRAW_MAX_VALUES,
+    compressed_table_bytes,
+    row_bytes,
+    state_bytes,
+)
 from recscale.planner.costs import CostLaws
 from recscale.planner.plan import (
     Constraints,
@@ -181,7 +186,9 @@ def check_ssd_cache_fits(
     row = total / max(sum(m.table_sizes), 1)
     cache = min(e.cache_bytes, total) // w  # a cache holds at most the tables
     slots = cache / row
-    draw = max((min(n * d, 1 << 30) * 4 for n, d in zip(m.table_sizes, m.dims())), default=0)
+    draw = max(
+        (min(n * d, INIT_DRAW_MAX_VALUES) * 4 for n, d in zip(m.table_sizes, m.dims())), default=0
+    )
     need = cache + SLOT_OVERHEAD_BYTES * slots + ROW_INDEX_BYTES * rows + draw
     what = (
         f"a cache of {cache / 1e9:.2f} GB{' a rank' if w > 1 else ''} needs {need / 1e9:.2f} "
