@@ -19,6 +19,7 @@ from recscale.config.schema import EmbeddingConfig
 from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection
+from recscale.train.host_memory import release_free_memory
 
 
 class CachePrefetcher:
@@ -138,10 +139,21 @@ def warm_caches(ebc, echo, cfg: EmbeddingConfig) -> None:
     ``embedding.warm_start``: fill each ssd/host cache with its hottest rows (the head of
     its file order) before the first step - after any restore, so the rows read are the
     restored ones; the hottest ``embedding.warm_pin_share`` of each cache stay for the
-    run."""
+    run. Then the blocks initialization and the warm start freed go back to the system
+    (``release_free_memory``)."""
     settle_files(ebc, echo)
-    if not cfg.warm_start:
-        return
+    if cfg.warm_start:
+        _warm(ebc, echo, cfg)
+    if cached_storages(ebc):  # the initialization's and warm start's freed blocks
+        freed = release_free_memory()
+        if freed >= 100 << 20:
+            echo(
+                f"recscale: {freed / 1e9:.2f} GB of memory freed by initialization given back "
+                "before step 0 (train.host_memory=retain keeps what steps reuse)"
+            )
+
+
+def _warm(ebc, echo, cfg: EmbeddingConfig) -> None:
     t = time.perf_counter()
     rows = cached = pinned = 0
     for st in cached_storages(ebc):

@@ -15,6 +15,11 @@ The price is the heap's fragmentation: the process's peak RSS can exceed what wa
 ever live at once (DCNv2 preset: 7.5 -> 10.2-11.1 GiB; config A: +2%; config B: none).
 ``system`` leaves malloc as it was. Only glibc has these knobs; elsewhere (musl,
 macOS) both settings are the system's behaviour.
+
+What ``retain`` keeps that no step will reuse - a tier's initialization (each table's
+rows drawn whole, its ranks, the warm start's read buffers), freed in the middle of
+the heap - is handed back once before step 0 (``release_free_memory``): beyond RAM
+those holes are memory the page cache and the run need.
 """
 
 from __future__ import annotations
@@ -56,3 +61,29 @@ def set_host_memory(mode: str) -> bool:
         ok &= libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_AT_TOP if retain else 128 * 1024) == 1
         _state["retain"] = retain and ok
     return _state["retain"]
+
+
+def anon_memory() -> int:
+    """This process's resident anonymous memory in bytes (``RssAnon``), or -1 where
+    ``/proc`` does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
+def release_free_memory() -> int:
+    """Give the free pages inside malloc's heaps back to the system (glibc's
+    ``malloc_trim(0)``: the middle of each heap, not only its top) and return the bytes
+    of anonymous memory that went (0 where unknown or not glibc)."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return 0
+    before = anon_memory()
+    libc.malloc_trim(0)
+    after = anon_memory()
+    return max(0, before - after) if before >= 0 and after >= 0 else 0
