@@ -71,6 +71,7 @@ from recscale.embedding.row_io import (  # noqa: F401  (io_uring_available re-ex
     row_io_direct,
     row_move,
 )
+from recscale.procfs import proc_bytes
 
 TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
 ACCESS = ("auto", "pread", "direct", "map")
@@ -83,13 +84,9 @@ MAP_SHARE = 0.5
 
 def mem_available() -> int:
     """The host's MemAvailable (bytes), else its free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 

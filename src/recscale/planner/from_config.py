@@ -142,6 +142,12 @@ def available_memory(device: torch.device) -> int:
 SSD_CACHE_SHARE = 0.6
 
 
+def _cache_bytes_in(room: float, row: float) -> float:
+    """The cache bytes (rows of ``row`` bytes) that ``room`` bytes of memory hold with
+    each slot's bookkeeping beside its row."""
+    return room * row / (row + SLOT_OVERHEAD_BYTES)
+
+
 def default_ssd_cache(
     table_bytes: int, table_rows: int, free: int, echo: Callable[[str], None], ranks: int = 1
 ) -> int:
@@ -151,7 +157,7 @@ def default_ssd_cache(
     bookkeeping; at least 1% of the tables. Says what it chose."""
     row = table_bytes / max(table_rows, 1)
     room = SSD_CACHE_SHARE * free - ROW_INDEX_BYTES * table_rows
-    budget = int(min(table_bytes, max(room * row / (row + SLOT_OVERHEAD_BYTES), table_bytes / 100)))
+    budget = int(min(table_bytes, max(_cache_bytes_in(room, row), table_bytes / 100)))
     echo(
         f"recscale: ssd tier: cache {budget / 1e9:.2f} GB ({budget / max(table_bytes, 1):.0%} "
         f"of the tables' {table_bytes / 1e9:.2f} GB) from {SSD_CACHE_SHARE:.0%} of the "
@@ -198,7 +204,7 @@ def check_ssd_cache_fits(
         + (" to each rank" if w > 1 else "")
     )
     if need > free:
-        most = max(0.0, (free - ROW_INDEX_BYTES * rows - draw) * row / (row + SLOT_OVERHEAD_BYTES))
+        most = max(0.0, _cache_bytes_in(free - ROW_INDEX_BYTES * rows - draw, row))
         raise ConfigError(
             "embedding.cache_bytes",
             f"{what}: at most {int(most * w):,} fits, or leave it 0 for the default "

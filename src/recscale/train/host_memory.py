@@ -28,6 +28,7 @@ import ctypes
 import sys
 
 from recscale.config.schema import HOST_MEMORY
+from recscale.procfs import proc_bytes
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # malloc.h
 _KEEP_AT_TOP = 2**31 - 1  # mallopt takes an int: the most it can be told (2 GiB)
@@ -66,14 +67,8 @@ def set_host_memory(mode: str) -> bool:
 def anon_memory() -> int:
     """This process's resident anonymous memory in bytes (``RssAnon``), or -1 where
     ``/proc`` does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return -1
+    anon = proc_bytes("/proc/self/status", "RssAnon")
+    return -1 if anon is None else anon
 
 
 def release_free_memory() -> int:

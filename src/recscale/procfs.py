@@ -1,0 +1,17 @@
+"""Linux's ``/proc`` key files (``/proc/meminfo``, ``/proc/self/status``): one reader."""
+
+from __future__ import annotations
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """The value of ``key`` (``MemAvailable``, ``RssAnon``...) in a ``/proc`` file whose
+    lines read ``Key:   1234 kB``, in bytes; None where the file or the key is missing
+    (not Linux, an older kernel)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
