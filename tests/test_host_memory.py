@@ -80,3 +80,42 @@ def test_release_gives_back_a_retained_hole_and_keeps_live_blocks():
     # what it reports is what went (the process's own small allocations aside)
     assert abs(int(freed) - (int(kept) - int(after))) < 8 << 20
     assert float(live) == float(1 << 20)  # the block above it is intact
+
+
+# When each mode is in force, in a child process (mallopt is process-wide): the model is
+# built and the caches warmed under malloc's own behaviour, the steps under retain - and
+# so again in a second run in the same process, the first having left retain on.
+PHASES_CHILD = """
+import recscale.bench.throughput as bench
+import recscale.train.run as run
+from recscale.config import load_config
+from recscale.train.host_memory import retained
+seen = []
+def spy(module, name):
+    real = getattr(module, name)
+    def spied(*a, **k):
+        seen.append(f"{name}:{retained()}")
+        return real(*a, **k)
+    setattr(module, name, spied)
+spy(run, "warm_caches"); spy(run, "train_loop"); spy(bench, "warm_caches")
+quiet = lambda _m: None
+for _ in range(2):
+    run.train(load_config("debug", ["--train.steps=2", "--data.eval_samples=256"]), echo=quiet)
+r = bench.run_throughput(load_config("debug"), steps=2, warmup=1, echo=quiet)
+seen.append(f"bench_retained:{r['host_memory_retained']}")
+print(" ".join(seen))
+"""
+
+
+@pytest.mark.skipif(_glibc() is None, reason="malloc tuning is glibc's")
+def test_initialization_runs_under_malloc_defaults_and_steps_under_retain():
+    r = subprocess.run([sys.executable, "-c", PHASES_CHILD], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [
+        "warm_caches:False",
+        "train_loop:True",
+        "warm_caches:False",
+        "train_loop:True",
+        "warm_caches:False",
+        "bench_retained:True",
+    ]

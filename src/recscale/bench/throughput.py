@@ -51,7 +51,13 @@ from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
 from recscale.train.precision import bf16_hardware, bf16_note
-from recscale.train.step import available_cores, backward_and_step, forward_loss, setup_process
+from recscale.train.step import (
+    available_cores,
+    backward_and_step,
+    forward_loss,
+    setup_process,
+    start_steps,
+)
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
 
@@ -116,7 +122,7 @@ def run_throughput(
     iterator is first advanced after the warm-up and may wait (e.g. on stdin) between
     turns: only the turns' own time counts.
     """
-    device, threads, retain = setup_process(cfg)  # as training sets its process up
+    device, threads = setup_process(cfg)  # as training sets its process up
     precision = cfg.train.precision
     clock = Clock(device)
     b = cfg.train.batch_size
@@ -129,6 +135,7 @@ def run_throughput(
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
     warm_caches(model.embeddings, echo, cfg.embedding)
+    retain = start_steps(cfg)
     if tiered and turns is not None:
         raise ValueError(
             "bench throughput: turns need the tables on the device "

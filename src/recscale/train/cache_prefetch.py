@@ -149,7 +149,7 @@ def warm_caches(ebc, echo, cfg: EmbeddingConfig) -> None:
         if freed >= 100 << 20:
             echo(
                 f"recscale: {freed / 1e9:.2f} GB of memory freed by initialization given back "
-                "before step 0 (train.host_memory=retain keeps what steps reuse)"
+                "before step 0"
             )
 
 

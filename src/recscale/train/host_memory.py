@@ -16,10 +16,13 @@ ever live at once (DCNv2 preset: 7.5 -> 10.2-11.1 GiB; config A: +2%; config B: 
 ``system`` leaves malloc as it was. Only glibc has these knobs; elsewhere (musl,
 macOS) both settings are the system's behaviour.
 
-What ``retain`` keeps that no step will reuse - a tier's initialization (each table's
-rows drawn whole, its ranks, the warm start's read buffers), freed in the middle of
-the heap - is handed back once before step 0 (``release_free_memory``): beyond RAM
-those holes are memory the page cache and the run need.
+The mode applies from step 0 (``train/step.py::start_steps``); building the model, a
+restore and a tier's warm start run under malloc's own behaviour (``setup_process``
+sets ``system``). Retained, a tier's initialization - each table's rows drawn whole
+(GBs), its ranks, the warm start's read buffers - was freed into the middle of the heap
+and stayed resident: beyond RAM the process held 1.8-2.8 GB of such holes, memory the
+page cache and the run need. What smaller blocks leave in the heap is handed back once
+before step 0 (``release_free_memory``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ def set_host_memory(mode: str) -> bool:
         ok = libc.mallopt(_M_MMAP_MAX, 0 if retain else 65536) == 1
         ok &= libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_AT_TOP if retain else 128 * 1024) == 1
         _state["retain"] = retain and ok
+    return _state["retain"]
+
+
+def retained() -> bool:
+    """Whether freed large blocks are now kept in the process (``retain`` in force)."""
     return _state["retain"]
 
 

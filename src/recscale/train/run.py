@@ -65,6 +65,7 @@ from recscale.train.step import (
     backward_and_step,
     forward_loss,
     setup_process,
+    start_steps,
 )
 from recscale.train.stop import stop_at_step_boundary
 
@@ -184,7 +185,7 @@ def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
 
 
 def _process(cfg: Config, ctx: DistContext | None) -> tuple[DistContext, int]:
-    device, threads, _retained = setup_process(cfg)
+    device, threads = setup_process(cfg)
     if ctx is None:
         ctx = (
             init_distributed(device, cfg.distributed.timeout_s)
@@ -489,6 +490,7 @@ def train(
         job = build_job(cfg, run_dir, echo, ctx, resume)
         start_step = restore_job(job, resume) if resume is not None else 0
         warm_caches(job.model.embeddings, job.echo, job.cfg.embedding)
+        start_steps(job.cfg)
         if job.run_dir is not None:  # only now: a failed resume leaves the run's config alone
             write_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
         _announce(job)

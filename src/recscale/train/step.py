@@ -53,18 +53,26 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def setup_process(cfg: Config) -> tuple[torch.device, int, bool]:
-    """Seed, matmul precision, host-memory mode (before any table is allocated) and
-    torch threads (the cores shared among this host's ranks); returns ``(device,
-    threads, freed host memory retained)``."""
+def setup_process(cfg: Config) -> tuple[torch.device, int]:
+    """Seed, matmul precision, malloc's own behaviour for building the model, and torch
+    threads (the cores shared among this host's ranks); returns ``(device, threads)``.
+    ``train.host_memory`` applies from step 0 (``start_steps``)."""
     t = cfg.train
     torch.manual_seed(t.seed)
     set_matmul_precision(t.precision)
-    retained = set_host_memory(t.host_memory)
+    # a tier's initialization draws and frees blocks of GBs that no step reuses: under
+    # "system" malloc unmaps them on free; retained, they stayed as holes in the heap
+    set_host_memory("system")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = t.threads or available_cores() // local or 1
     torch.set_num_threads(threads)
-    return resolve_device(t.device), threads, retained
+    return resolve_device(t.device), threads
+
+
+def start_steps(cfg: Config) -> bool:
+    """Just before step 0 (after the model, any restore and the warm start): apply
+    ``train.host_memory``; returns whether freed host memory is now retained."""
+    return set_host_memory(cfg.train.host_memory)
 
 
 def forward_loss(
