@@ -197,3 +197,41 @@ def test_each_threads_io_ring_is_closed_when_the_thread_exits(tmp_path):
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         os.close(fd)
+
+
+def _ring_read(fd, data, out):
+    buf = np.empty((10, 4), np.float32)
+    n = row_io(fd, False, np.arange(0, 1000, 100), buf, 4, "io_uring", False)
+    out.append((n, bool(np.array_equal(buf, data[::100]))))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path):
+    """A thread's ring belongs to the process that set it up: its queues are shared
+    memory, so a child forked after the parent read sets up its own (its reads could
+    otherwise reap the parent's completions), and the parent's stays the parent's."""
+    from recscale.embedding.row_io import io_uring_available
+
+    if not io_uring_available():
+        pytest.skip("io_uring cannot be had here")
+    data = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    data.tofile(tmp_path / "f")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        got = []
+        _ring_read(fd, data, got)  # this thread's ring, set up by this process
+        pid = os.fork()
+        if pid == 0:  # the child: the same thread, the parent's ring inherited
+            ok = []
+            try:
+                _ring_read(fd, data, ok)
+                ok.append(native.library().recscale_io_uring_owner() == os.getpid())
+            finally:
+                os._exit(0 if ok == [(10, True), True] else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        _ring_read(fd, data, got)  # the parent's ring still its own
+        assert got == [(10, True), (10, True)]
+        assert native.library().recscale_io_uring_owner() == os.getpid()
+    finally:
+        os.close(fd)

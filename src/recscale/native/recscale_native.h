@@ -70,6 +70,8 @@ int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                         void *buf, int64_t depth, int64_t engine);
 int recscale_io_uring_available(void);
+/* the process that set up the calling thread's ring (0: none yet, or no io_uring) */
+int recscale_io_uring_owner(void);
 int64_t recscale_row_io_direct(int fd, int write, const int64_t *pos, int64_t n,
                                int64_t row_bytes, void *buf, int64_t depth, int64_t engine,
                                int64_t block);
