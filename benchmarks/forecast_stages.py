@@ -32,18 +32,6 @@ from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
 from recscale.perfmodel.forecast import forecast
 
-
-def h200_run(tree: str) -> str:
-    return (
-        "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-26, "
-        f"tree {tree}: recscale bench throughput --steps 50 --train.device=cuda"
-    )
-
-
-# trees up to da3844c ran the interaction's Gram matrix over 27 unpadded rows through
-# autograd (forecast as "recscale-unpadded"); f2be6a5 pads it on a GPU ("recscale")
-H200_RUN, H200_PADDED_RUN = h200_run("da3844c"), h200_run("f2be6a5")
-CAPPED = " (capped(4))"
 # the bench stages a forecast stage group is compared with
 GROUPS = {
     "embedding_forward": (("lookup",), ("embedding_forward",)),
@@ -66,92 +54,59 @@ class Measured:
     system: str = "recscale-unpadded"  # forecast_validation.SYSTEM_OF key: the code that ran
 
 
-MEASURED = [
-    Measured(
-        "A 16384 TF32",
-        "A",
-        ["--train.batch_size=16384"],
-        "h200",
-        "tf32",
-        {"lookup": 0.559, "forward": 0.879, "backward": 1.542, "sparse": 0.490, "dense_opt": 0.150},
-        3.53,
-        H200_RUN + " --config A --train.batch_size=16384 --train.precision=tf32",
-    ),
-    Measured(
-        "B 16384 TF32",
-        "B",
-        ["--train.batch_size=16384"],
-        "h200",
-        "tf32",
-        {"lookup": 0.558, "forward": 1.105, "backward": 2.398, "sparse": 0.607, "dense_opt": 0.145},
-        4.75,
-        H200_RUN + " --config B --train.batch_size=16384 --train.precision=tf32",
-    ),
-    # DLE's model with the tables capped at 4 GB
-    Measured(
-        "DLE model 65536 TF32",
+# The four points each H200 run measured: (label, config, overrides, the bench's
+# command-line tail)
+POINTS = [
+    ("A 16384 TF32", "A", ["--train.batch_size=16384"], "--config A --train.batch_size=16384"),
+    ("B 16384 TF32", "B", ["--train.batch_size=16384"], "--config B --train.batch_size=16384"),
+    (
+        "DLE model 65536 TF32",  # DLE's model with the tables capped at 4 GB
         "criteo_terabyte",
         [*capped(4), *DLE_MODEL, "--train.batch_size=65536"],
-        "h200",
-        "tf32",
-        {"lookup": 0.847, "forward": 3.440, "backward": 7.765, "sparse": 1.341, "dense_opt": 0.043},
-        13.43,
-        H200_RUN + " --config criteo_terabyte (capped(4)) --train.batch_size=65536, SGD",
+        "--config criteo_terabyte (capped(4)) --train.batch_size=65536, SGD",
     ),
-    Measured(
+    (
         "DCNv2 6912 TF32",
         "criteo_multihot_dcnv2",
         [*capped(4), "--train.batch_size=6912"],
-        "h200",
-        "tf32",
-        {"lookup": 0.724, "forward": 1.321, "backward": 4.043, "sparse": 1.320, "dense_opt": 0.286},
-        7.74,
-        H200_RUN + " --config criteo_multihot_dcnv2 (capped(4)) --train.batch_size=6912",
+        "--config criteo_multihot_dcnv2 (capped(4)) --train.batch_size=6912",
     ),
+]
+# Each run's stage_ms (lookup, forward, backward, sparse, dense_opt) and median step ms a
+# point, in POINTS' order. Trees up to da3844c ran the interaction's Gram matrix over 27
+# unpadded rows through autograd (forecast as "recscale-unpadded"); f2be6a5 pads it on a
+# GPU ("recscale").
+RUNS = {
+    ("da3844c", "recscale-unpadded", ""): [
+        ((0.559, 0.879, 1.542, 0.490, 0.150), 3.53),
+        ((0.558, 1.105, 2.398, 0.607, 0.145), 4.75),
+        ((0.847, 3.440, 7.765, 1.341, 0.043), 13.43),
+        ((0.724, 1.321, 4.043, 1.320, 0.286), 7.74),
+    ],
+    ("f2be6a5", "recscale", " padded"): [
+        ((0.707, 1.258, 1.853, 0.563, 0.226), 4.58),
+        ((0.648, 1.183, 2.112, 0.622, 0.183), 4.69),
+        ((0.920, 3.410, 5.677, 1.328, 0.036), 11.36),
+        ((0.799, 1.397, 4.069, 1.276, 0.435), 7.94),
+    ],
+}
+STAGE_KEYS = ("lookup", "forward", "backward", "sparse", "dense_opt")
+MEASURED = [
     Measured(
-        "A 16384 TF32 padded",
-        "A",
-        ["--train.batch_size=16384"],
+        label + suffix,
+        config,
+        overrides,
         "h200",
         "tf32",
-        {"lookup": 0.707, "forward": 1.258, "backward": 1.853, "sparse": 0.563, "dense_opt": 0.226},
-        4.58,
-        H200_PADDED_RUN + " --config A --train.batch_size=16384 --train.precision=tf32",
-        "recscale",
-    ),
-    Measured(
-        "B 16384 TF32 padded",
-        "B",
-        ["--train.batch_size=16384"],
-        "h200",
-        "tf32",
-        {"lookup": 0.648, "forward": 1.183, "backward": 2.112, "sparse": 0.622, "dense_opt": 0.183},
-        4.69,
-        H200_PADDED_RUN + " --config B --train.batch_size=16384 --train.precision=tf32",
-        "recscale",
-    ),
-    Measured(
-        "DLE model 65536 TF32 padded",
-        "criteo_terabyte",
-        [*capped(4), *DLE_MODEL, "--train.batch_size=65536"],
-        "h200",
-        "tf32",
-        {"lookup": 0.920, "forward": 3.410, "backward": 5.677, "sparse": 1.328, "dense_opt": 0.036},
-        11.36,
-        H200_PADDED_RUN + " --config criteo_terabyte" + CAPPED + " --train.batch_size=65536, SGD",
-        "recscale",
-    ),
-    Measured(
-        "DCNv2 6912 TF32 padded",
-        "criteo_multihot_dcnv2",
-        [*capped(4), "--train.batch_size=6912"],
-        "h200",
-        "tf32",
-        {"lookup": 0.799, "forward": 1.397, "backward": 4.069, "sparse": 1.276, "dense_opt": 0.435},
-        7.94,
-        H200_PADDED_RUN + " --config criteo_multihot_dcnv2" + CAPPED + " --train.batch_size=6912",
-        "recscale",
-    ),
+        dict(zip(STAGE_KEYS, stages)),
+        step,
+        "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-26, "
+        f"tree {tree}: recscale bench throughput --steps 50 --train.device=cuda {tail} "
+        "--train.precision=tf32",
+        system,
+    )
+    for (tree, system, suffix), runs in RUNS.items()
+    for (label, config, overrides, tail), (stages, step) in zip(POINTS, runs)
 ]
 
 
@@ -186,7 +141,7 @@ def compare(points: list[Measured] = MEASURED) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
     args = ap.parse_args()
     rows = compare()
     print(f"{'point':<28} {'stage':<18} {'measured':>9} {'forecast':>9} {'f/m':>6}")

@@ -264,7 +264,7 @@ def summary(rows: list[dict]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     rows = evaluate()
