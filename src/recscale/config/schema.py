@@ -450,9 +450,8 @@ class TrainConfig:
     # Arithmetic of the MLPs and the interaction: fp32, tf32 (CUDA: TF32 tensor-core
     # GEMMs), or bf16 (autocast; fp32 master weights, tables and optimizer state).
     precision: str = "fp32"
-    # Freed host memory between steps, from step 0: retain (keep it in the process; no
-    # re-faulting of the large activations every step) or system (malloc's default:
-    # unmap large blocks). Building the model always runs under malloc's default.
+    # Freed host memory from step 0 (the model is built under malloc's default): retain
+    # (keep it; no re-faulting of large activations each step) or system (unmap them).
     host_memory: str = "retain"
 
     def validate(self) -> None:
