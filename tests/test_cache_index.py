@@ -76,6 +76,64 @@ def test_unique_probe_dedupes_and_probes_like_unique_then_indexing(monkeypatch, 
             cache_index.unique_probe(slot_of_row, torch.tensor([5, 5, bad, 7]))
 
 
+def _one_pass(slot_of_row: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    """recscale_unique_probe over all of ``ids`` on one thread: the reference."""
+    lib, n = native.library(), ids.numel()
+    out, counts = torch.empty(4, max(n, 1), dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    ptrs = [t.data_ptr() for t in out]
+    assert (
+        lib.recscale_unique_probe(
+            ids.data_ptr(), n, slot_of_row.data_ptr(), slot_of_row.numel(), *ptrs, counts.data_ptr()
+        )
+        == 0
+    )
+    u, k = counts.tolist()
+    return [out[0, :u], out[1, :n], out[2, :u], out[3, :k]]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_unique_probe_in_parts_equals_the_one_pass(monkeypatch, threads):
+    """A batch whose ids fall into runs of disjoint values (feature-major ids, a table a
+    feature) is deduped in parts on several threads; the result must be the one pass's
+    exactly - distinct ids in first-appearance order, inverse, slots, missing indices.
+    Where no run is disjoint (features sharing one table, shuffled ids) it stays one pass.
+    The cuts found are valid ones, and a bad id in a later part is still the first one
+    named."""
+    from recscale.embedding import cache_index
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("native library not built")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(cache_index, "PARALLEL_MIN_IDS", 1)
+    g = torch.Generator().manual_seed(11)
+    features, batch, rows = 7, 3000, 20_000
+    slot_of_row = torch.full((features * rows,), -1, dtype=torch.int32)
+    cached = torch.randperm(features * rows, generator=g)[:30_000]
+    slot_of_row[cached] = torch.arange(30_000, dtype=torch.int32)
+    skewed = (torch.rand(features, batch, generator=g) ** 4 * rows).long()  # heavy repeats
+    own = (skewed + torch.arange(features)[:, None] * rows).reshape(-1)
+    shared = skewed.reshape(-1)  # every feature over one table: no disjoint runs
+    for ids in (own, shared, own[torch.randperm(own.numel(), generator=g)], own[:5000]):
+        bounds = torch.empty(threads + 1, dtype=torch.int64)
+        parts = lib.recscale_disjoint_cuts(ids.data_ptr(), ids.numel(), threads, bounds.data_ptr())
+        b = bounds[: parts + 1].tolist()
+        assert b[0] == 0 and b[-1] == ids.numel() and b == sorted(set(b))
+        for cut in b[1:-1]:  # every value before a cut is below every value after it
+            assert int(ids[:cut].max()) < int(ids[cut:].min())
+        if ids is own:
+            assert parts == threads  # a cut near each target: the features' boundaries
+        got = cache_index.unique_probe(slot_of_row, ids)
+        for name, a, want in zip(
+            ("uniq", "inverse", "slots", "missing"), got, _one_pass(slot_of_row, ids)
+        ):
+            assert torch.equal(a, want), name
+    bad = own.clone()
+    bad[-10], bad[-3] = features * rows + 5, -1  # both in the last part: the first named
+    with pytest.raises(IndexError, match=f"row {features * rows + 5} is out of bounds"):
+        cache_index.unique_probe(slot_of_row, bad)
+
+
 @pytest.mark.parametrize("native_pass", [True, False])
 def test_install_candidates_and_clear_keep_the_maps_inverse(monkeypatch, native_pass):
     """Install rows into free slots, pick eviction candidates (unblocked slots that hold a

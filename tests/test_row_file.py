@@ -343,12 +343,55 @@ def test_bad_io_settings_name_the_key(override, key):
 
 
 @needs_native
-def test_the_disk_probe_reads_at_depth(tmp_path):
-    from recscale.bench.disk import measure_random_read_iops
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_disk_probe_reads_the_tiers_file_at_depth(monkeypatch, tmp_path, direct):
+    """The probe reads 4 KiB blocks of the tier's own file, every one through the batched
+    reader (O_DIRECT where the filesystem takes it; else buffered, the file's pages
+    dropped), at depth 1 and at the tier's depth; it leaves the file as it was, stops
+    after its time limit, and a file too small to probe is an OSError naming it."""
+    from recscale.bench import disk
 
-    got = measure_random_read_iops(tmp_path, depth=8, file_bytes=8 << 20, reads=256)
-    assert got["qd1"] > 0 and got["qd8"] > 0
-    assert not list(tmp_path.iterdir())  # the probe file is gone
+    path = tmp_path / "rows.f32"
+    data = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    if direct:
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip("this filesystem refuses O_DIRECT")
+    else:  # as on tmpfs: O_DIRECT refused at open
+        real_open = os.open
+
+        def no_direct(p, flags, *a):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(22, "Invalid argument")
+            return real_open(p, flags, *a)
+
+        monkeypatch.setattr(disk.os, "open", no_direct)
+    calls = []
+    for name in ("row_io", "row_io_direct"):
+        real = getattr(disk, name)
+
+        def spy(fd, write, pos, buf, depth, _real=real, _name=name):
+            calls.append((_name, write, depth, len(pos)))
+            assert (np.diff(pos) > 0).all() and pos.max() < (8 << 20) // 4096
+            return _real(fd, write, pos, buf, depth)
+
+        monkeypatch.setattr(disk, name, spy)
+    got = disk.measure_file_read_iops(path, depth=8, reads=256)
+    assert got["qd1"] > 0 and got["qd8"] > 0 and got["direct"] == float(direct)
+    assert got["file_bytes"] == 8 << 20
+    used = "row_io_direct" if direct else "row_io"
+    assert {c[0] for c in calls} == {used} and not any(c[1] for c in calls)
+    assert {c[2] for c in calls} == {1, 8}
+    assert sum(c[3] for c in calls) == 64 + 256  # a quarter of the reads at depth 1
+    assert path.read_bytes() == data.tobytes()
+    calls.clear()
+    disk.measure_file_read_iops(path, depth=8, reads=1024, seconds=0.0)
+    assert len(calls) == 2  # one chunk a depth: the time was up after each
+    (tmp_path / "tiny").write_bytes(b"x" * 100)
+    with pytest.raises(OSError, match="tiny"):
+        disk.measure_file_read_iops(tmp_path / "tiny", depth=8)
 
 
 def test_pinned_warm_rows_outlive_any_scan(tmp_path):
@@ -425,10 +468,18 @@ def test_the_io_bound_needs_a_page_a_step_from_the_disk(monkeypatch, tmp_path, d
         },
     )
     ebc = SimpleNamespace(storages=lambda: [st])
-    monkeypatch.setattr(throughput, "disk_iops", lambda *_a: {"qd1": 1000.0, "qd32": 8000.0})
+    probed = []
+
+    def probe(path, depth):
+        probed.append((path, depth))
+        return {"qd1": 1000.0, "qd32": 8000.0, "file_bytes": 3e9, "direct": 1.0}
+
+    st.path.write_bytes(b"")
+    monkeypatch.setattr(throughput, "measure_file_read_iops", probe)
     io = throughput.tier_io(ebc, DiskCounters(disk_bytes, 0), steps=10, batch=2048, echo=print)
     line = throughput.format_tier_io(io)
     if bounded:  # 5 pages a step at 8,000 reads/s: 1,600 steps/s of 2048 samples
         assert io["io_bound_samples_per_s"] == pytest.approx(2048 * 8000 / 5)
-    else:
-        assert "io_bound_samples_per_s" not in io and "no I/O bound" in line
+        assert probed == [(st.path, 32)] and "over the tier's 3.0 GB file (O_DIRECT)" in line
+    else:  # nothing to bound: the disk is not probed
+        assert "io_bound_samples_per_s" not in io and "no I/O bound" in line and not probed

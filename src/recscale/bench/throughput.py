@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from recscale import native
-from recscale.bench.disk import DiskCounters, disk_iops
+from recscale.bench.disk import DiskCounters, measure_file_read_iops
 from recscale.bench.hardware import (
     OtherLoad,
     best_on_record,
@@ -397,9 +397,9 @@ def format_report(name: str, r: dict[str, Any]) -> str:
 
 def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, Any] | None:
     """The ssd tier's I/O per step over the timed steps, and the bound it sets: the
-    disk's random-read rate at the tier's depth (probed once per disk) over the pages
-    the disk actually read and wrote per step (``/proc/self/io``: page-cache hits
-    excluded)."""
+    disk's random-read rate at the tier's depth (probed after the run over the tier's
+    largest file, ``bench/disk.py``) over the pages the disk actually read and wrote per
+    step (``/proc/self/io``: page-cache hits excluded)."""
     files = [st for st in cached_storages(ebc) if getattr(st, "path", None) is not None]
     if not files:
         return None
@@ -428,17 +428,22 @@ def tier_io(ebc, disk: DiskCounters, steps: int, batch: int, echo) -> dict[str, 
         pages = (disk.read_bytes + disk.write_bytes) / 4096 / steps
         out["disk_read_mb_per_step"] = disk.read_bytes / 1e6 / steps
         out["disk_write_mb_per_step"] = disk.write_bytes / 1e6 / steps
-        try:
-            iops = disk_iops(files[0].path.parent, depth, echo)
-        except OSError as e:
-            echo(f"note: could not probe the disk under {files[0].path.parent}: {e}")
-            iops = {}
-        if iops:
-            out["disk_iops_qd1"] = iops["qd1"]
-            out[f"disk_iops_qd{depth}"] = iops[f"qd{depth}"]
-            # under a page a step (the page cache answered nearly everything; a stray
-            # page over the run) the disk bounds nothing: a bound of 1e9 samples/s is noise
-            if pages >= 1:
+        out["disk_pages_per_step"] = pages
+        # under a page a step (the page cache answered nearly everything; a stray page
+        # over the run) the disk bounds nothing: a bound of 1e9 samples/s is noise
+        if pages >= 1:
+            path = max((st.path for st in files), key=lambda p: p.stat().st_size)
+            echo(f"probing the disk: 4 KiB random reads over {path} ...")
+            try:
+                iops = measure_file_read_iops(path, depth)
+            except OSError as e:
+                echo(f"note: could not probe the disk through {path}: {e}")
+                iops = {}
+            if iops:
+                out["disk_iops_qd1"] = iops["qd1"]
+                out[f"disk_iops_qd{depth}"] = iops[f"qd{depth}"]
+                out["disk_probe_file_gb"] = iops["file_bytes"] / 1e9
+                out["disk_probe_direct"] = bool(iops["direct"])
                 out["io_bound_samples_per_s"] = batch * iops[f"qd{depth}"] / pages
     return out
 
@@ -464,11 +469,13 @@ def format_tier_io(io: dict[str, Any]) -> str:
             f"; from the disk {io['disk_read_mb_per_step']:.2f} MB read, "
             f"{io['disk_write_mb_per_step']:.2f} MB written per step"
         )
-    if "disk_iops_qd1" in io and "io_bound_samples_per_s" not in io:
+    if io.get("disk_pages_per_step", 1.0) < 1:
         line += "; under a page a step from the disk: no I/O bound"
     if "io_bound_samples_per_s" in io:
         line += (
-            f"; disk 4 KiB random reads {io['disk_iops_qd1']:,.0f}/s at depth 1, "
+            f"; disk 4 KiB random reads over the tier's {io['disk_probe_file_gb']:.1f} GB "
+            f"file{' (O_DIRECT)' if io['disk_probe_direct'] else ''} "
+            f"{io['disk_iops_qd1']:,.0f}/s at depth 1, "
             f"{io[f'disk_iops_qd{d}']:,.0f}/s at {d}: I/O bound "
             f"{io['io_bound_samples_per_s']:,.0f} samples/s"
         )

@@ -16,6 +16,9 @@ import torch
 
 from recscale import native
 
+# Below this many ids a batch is deduped in one pass: a thread's start costs more.
+PARALLEL_MIN_IDS = 8192
+
 
 def probe(slot_of_row: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots, missing_at)``: ``slots[i] = slot_of_row[rows[i]]`` as int64 (-1 = not
@@ -52,7 +55,11 @@ def unique_probe(
     appearance natively (``uniq[inverse] == ids``), each one's slot (int64, -1 = not
     cached) and the ascending indices into ``uniq`` of those not cached - :func:`unique_ids`
     and :func:`probe` in one native pass. An id outside ``slot_of_row`` is an
-    ``IndexError``."""
+    ``IndexError``.
+
+    Where the ids fall into runs of disjoint values (a batch's features, each over a
+    table's own rows), the runs are deduped on ``torch.get_num_threads()`` threads
+    (``native/unique_ids.c``); the result is the one-pass result exactly."""
     lib = native.library()
     n = ids.numel()
     too_many = n >= 2**31 - 1  # the hash table holds int32 indices
@@ -63,17 +70,36 @@ def unique_probe(
     out = torch.empty(4, n, dtype=torch.int64)
     counts = torch.zeros(2, dtype=torch.int64)
     uniq, inverse, slots, missing_at = out
-    rc = lib.recscale_unique_probe(
-        ids.data_ptr(),
-        n,
-        slot_of_row.data_ptr(),
-        slot_of_row.numel(),
-        uniq.data_ptr(),
-        inverse.data_ptr(),
-        slots.data_ptr(),
-        missing_at.data_ptr(),
-        counts.data_ptr(),
-    )
+    ptrs = (uniq.data_ptr(), inverse.data_ptr(), slots.data_ptr(), missing_at.data_ptr())
+    threads = torch.get_num_threads() if n >= PARALLEL_MIN_IDS else 1
+    bounds = torch.empty(threads + 1, dtype=torch.int64)
+    parts = lib.recscale_disjoint_cuts(ids.data_ptr(), n, threads, bounds.data_ptr())
+    if parts == 1:
+        rc = lib.recscale_unique_probe(
+            ids.data_ptr(), n, slot_of_row.data_ptr(), slot_of_row.numel(), *ptrs, counts.data_ptr()
+        )
+    else:  # parts of the batch that share no id, each on a thread of its own
+        part_counts = torch.zeros(parts, 2, dtype=torch.int64)
+        b = bounds.tolist()
+
+        def args(p: int, _lo: int, _hi: int) -> tuple:
+            return (
+                ids.data_ptr(),
+                b[p],
+                b[p + 1],
+                slot_of_row.data_ptr(),
+                slot_of_row.numel(),
+                *ptrs,
+                part_counts[p].data_ptr(),
+            )
+
+        rcs = native.parallel_call(lib, "recscale_unique_probe_part", parts, args, parts)
+        bad = [r for r in rcs if r < -1]  # -2 - i: the first bad id has the largest
+        rc = -1 if -1 in rcs else (max(bad) if bad else 0)
+        if rc == 0:
+            lib.recscale_unique_probe_join(
+                bounds.data_ptr(), parts, part_counts.data_ptr(), *ptrs, counts.data_ptr()
+            )
     if rc == -1:
         raise MemoryError("unique_probe: no memory for the hash table")
     if rc < 0:

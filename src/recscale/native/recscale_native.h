@@ -87,6 +87,14 @@ int64_t recscale_cache_probe(const int32_t *slot_of_row, int64_t num_rows, const
 int64_t recscale_unique_probe(const int64_t *ids, int64_t n, const int32_t *slot_of_row,
                               int64_t num_rows, int64_t *uniq, int64_t *inverse, int64_t *slots,
                               int64_t *missing, int64_t *counts);
+int64_t recscale_disjoint_cuts(const int64_t *ids, int64_t n, int64_t parts, int64_t *bounds);
+int64_t recscale_unique_probe_part(const int64_t *ids, int64_t lo, int64_t hi,
+                                   const int32_t *slot_of_row, int64_t num_rows, int64_t *uniq,
+                                   int64_t *inverse, int64_t *slots, int64_t *missing,
+                                   int64_t *counts);
+void recscale_unique_probe_join(const int64_t *bounds, int64_t parts, const int64_t *counts,
+                                int64_t *uniq, int64_t *inverse, int64_t *slots,
+                                int64_t *missing, int64_t *total);
 void recscale_cache_install(int32_t *slot_of_row, int64_t *row_of_slot, uint8_t *dirty,
                             const int64_t *rows, const int64_t *slots, int64_t n);
 void recscale_cache_touch(double *score, const int64_t *slots, int64_t n, int lru,

@@ -50,7 +50,7 @@ int recscale_team_init(const char *path) {
 }
 
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
-       K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, N_KERNELS };
+       K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, K_UNIQUE_PROBE, N_KERNELS };
 static const char *const kernel_names[N_KERNELS] = {
     [K_LOOKUP] = "recscale_pooled_lookup",
     [K_SPARSE_UPDATE] = "recscale_sparse_update",
@@ -60,6 +60,7 @@ static const char *const kernel_names[N_KERNELS] = {
     [K_DOT_FORWARD] = "recscale_dot_forward",
     [K_DOT_BACKWARD] = "recscale_dot_backward",
     [K_ROW_MOVE] = "recscale_row_move",
+    [K_UNIQUE_PROBE] = "recscale_unique_probe_part",
 };
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
@@ -100,6 +101,9 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_ROW_MOVE:
         return recscale_row_move(P(0), I(1), I(2), P(3), P(4), P(5), I(6), (int)I(7), I(8), P(9),
                                  P(10), P(11));
+    case K_UNIQUE_PROBE:
+        return recscale_unique_probe_part(P(0), I(1), I(2), P(3), I(4), P(5), P(6), P(7), P(8),
+                                          P(9));
     default:
         return -1000;
     }
