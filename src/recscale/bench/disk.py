@@ -35,13 +35,16 @@ def _open_uncached(path: Path) -> tuple[int, bool]:
     """A read descriptor of ``path`` whose reads the page cache cannot answer: O_DIRECT,
     or (a filesystem that refuses it, e.g. tmpfs) a plain one with the file's cached pages
     dropped. Returns (fd, direct)."""
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError:
+            pass
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return fd, False
+    return fd, False
 
 
 def _read_at_depth(
@@ -85,7 +88,7 @@ def measure_file_read_iops(
             # distinct pages in file order, as the tier submits its rows: no page twice
             pages = np.sort(rng.choice(n_pages, size=min(n, n_pages // 2), replace=False))
             out[f"qd{d}"] = _read_at_depth(fd, direct, pages, d, max(d * 32, 64), limit)
-            if not direct:
+            if not direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return out
     finally:
