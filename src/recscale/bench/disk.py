@@ -32,10 +32,11 @@ PAGE = 4096
 
 
 def _open_uncached(path: Path) -> tuple[int, bool]:
-    """A read descriptor of ``path`` whose reads the page cache cannot answer: O_DIRECT,
-    or (a filesystem that refuses it, e.g. tmpfs) a plain one with the file's cached pages
-    dropped. Returns (fd, direct)."""
-    if hasattr(os, "O_DIRECT"):
+    """A read descriptor of ``path`` whose reads the page cache cannot answer: O_DIRECT
+    (read through the native library's aligned buffers), or (a filesystem that refuses it,
+    e.g. tmpfs, or no native library) a plain one with the file's cached pages dropped.
+    Returns (fd, direct)."""
+    if hasattr(os, "O_DIRECT") and native.library() is not None:
         try:
             return os.open(path, os.O_RDONLY | os.O_DIRECT), True
         except OSError:

@@ -72,8 +72,10 @@ def unique_probe(
     uniq, inverse, slots, missing_at = out
     ptrs = (uniq.data_ptr(), inverse.data_ptr(), slots.data_ptr(), missing_at.data_ptr())
     threads = torch.get_num_threads() if n >= PARALLEL_MIN_IDS else 1
-    bounds = torch.empty(threads + 1, dtype=torch.int64)
-    parts = lib.recscale_disjoint_cuts(ids.data_ptr(), n, threads, bounds.data_ptr())
+    parts = 1
+    if threads > 1:
+        bounds = torch.empty(threads + 1, dtype=torch.int64)
+        parts = lib.recscale_disjoint_cuts(ids.data_ptr(), n, threads, bounds.data_ptr())
     if parts == 1:
         rc = lib.recscale_unique_probe(
             ids.data_ptr(), n, slot_of_row.data_ptr(), slot_of_row.numel(), *ptrs, counts.data_ptr()

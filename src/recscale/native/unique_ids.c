@@ -89,13 +89,8 @@ int64_t recscale_unique_ids(const int64_t *ids, int64_t n, int64_t *uniq, int64_
 int64_t recscale_unique_probe(const int64_t *ids, int64_t n, const int32_t *slot_of_row,
                               int64_t num_rows, int64_t *uniq, int64_t *inverse, int64_t *slots,
                               int64_t *missing, int64_t *counts) {
-    counts[0] = counts[1] = 0;
-    if (n <= 0) return 0;
-    const int64_t count = dedupe(ids, n, slot_of_row, num_rows, uniq, inverse, slots, missing,
-                                 &counts[1]);
-    if (count < 0) return count;
-    counts[0] = count;
-    return 0;
+    return recscale_unique_probe_part(ids, 0, n, slot_of_row, num_rows, uniq, inverse, slots,
+                                      missing, counts);
 }
 
 /*
@@ -148,8 +143,10 @@ int64_t recscale_unique_probe_part(const int64_t *ids, int64_t lo, int64_t hi,
     if (count < -1) return count - lo; /* -2 - (i - lo) -> -2 - i */
     if (count < 0) return count;
     counts[0] = count;
-    for (int64_t i = lo; i < hi; ++i) inverse[i] += lo;
-    for (int64_t m = 0; m < counts[1]; ++m) missing[lo + m] += lo;
+    if (lo) { /* indices local to the part -> indices into the whole batch */
+        for (int64_t i = lo; i < hi; ++i) inverse[i] += lo;
+        for (int64_t m = 0; m < counts[1]; ++m) missing[lo + m] += lo;
+    }
     return 0;
 }
 
