@@ -74,8 +74,8 @@ POINTS = [
 ]
 # Each run's stage_ms (lookup, forward, backward, sparse, dense_opt) and median step ms a
 # point, in POINTS' order. Trees up to da3844c ran the interaction's Gram matrix over 27
-# unpadded rows through autograd (forecast as "recscale-unpadded"); f2be6a5 pads it on a
-# GPU ("recscale").
+# unpadded rows through autograd (forecast as "recscale-unpadded"); f2be6a5 and ce18e55
+# pad it on a GPU ("recscale"), each run on another H200 box.
 RUNS = {
     ("da3844c", "recscale-unpadded", ""): [
         ((0.559, 0.879, 1.542, 0.490, 0.150), 3.53),
@@ -88,6 +88,12 @@ RUNS = {
         ((0.648, 1.183, 2.112, 0.622, 0.183), 4.69),
         ((0.920, 3.410, 5.677, 1.328, 0.036), 11.36),
         ((0.799, 1.397, 4.069, 1.276, 0.435), 7.94),
+    ],
+    ("ce18e55", "recscale", " padded (ce18e55)"): [
+        ((0.742, 1.270, 2.061, 0.620, 0.237), 4.90),
+        ((0.702, 1.259, 2.207, 0.664, 0.216), 4.99),
+        ((0.924, 3.436, 5.691, 1.439, 0.049), 11.49),
+        ((0.787, 1.447, 4.077, 1.233, 0.409), 8.14),
     ],
 }
 STAGE_KEYS = ("lookup", "forward", "backward", "sparse", "dense_opt")

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,15 @@ from recscale.config import load_config
 from recscale.config.errors import ConfigError
 from recscale.perfmodel.calibration import Calibration, Law
 from recscale.perfmodel.devices import catalogue, device_spec
-from recscale.perfmodel.forecast import EAGER_OP_S, GPU, STAGES, StepKernels, forecast, hybrid_plan
+from recscale.perfmodel.forecast import (
+    EAGER_OP_S,
+    GPU,
+    STAGES,
+    StepKernels,
+    _exposed_host,
+    forecast,
+    hybrid_plan,
+)
 from recscale.perfmodel.model import predict, standard_stages
 from recscale.perfmodel.systems import RECSCALE, SYSTEMS
 from recscale.planner.from_config import table_infos
@@ -189,14 +198,22 @@ def test_the_systems_change_what_they_say_they_change():
     assert graph.stage_ms["host"] == 0.0
     # serial: every op's host time adds to the device's
     host = plain.kernels * RECSCALE.host_ops_per_kernel * EAGER_OP_S * 1e3
-    assert plain.stage_ms["host"] == pytest.approx(host)
-    assert plain.step_ms - graph.step_ms == pytest.approx(host)
-    # overlap: only what the host takes beyond the device's time
-    over_ = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, host="overlap"))
+    serial = forecast(cfg, dev, 8, "fp16", replace(RECSCALE, host="serial"))
+    assert serial.stage_ms["host"] == pytest.approx(host)
+    assert serial.step_ms - graph.step_ms == pytest.approx(host)
+    # overlap, one wait a step: only what the host takes beyond the device's time
+    once = replace(RECSCALE, host="overlap", wait_before="")
+    over_ = forecast(cfg, dev, 8, "fp16", once)
     assert over_.stage_ms["host"] == pytest.approx(max(0.0, host - graph.step_ms))
-    slow_host = replace(RECSCALE, host="overlap", host_ops_per_kernel=1000.0)
+    # recscale's read-back before the update: at least that, at most all of it
+    assert RECSCALE.host == "overlap" and RECSCALE.wait_before == "embedding_update"
+    assert over_.stage_ms["host"] <= plain.stage_ms["host"] <= host
+    slow_host = replace(RECSCALE, host_ops_per_kernel=1000.0)
     f = forecast(cfg, dev, 8, "fp16", slow_host)
     assert f.step_ms == pytest.approx(f.kernels * 1000.0 * EAGER_OP_S * 1e3)
+    # a system's own host time an op replaces the default
+    own = forecast(cfg, dev, 8, "fp16", replace(slow_host, host_op_s=EAGER_OP_S / 2))
+    assert own.step_ms == pytest.approx(f.step_ms / 2)
     assert set(SYSTEMS) >= {"recscale", "dle", "hugectr", "torchrec", "ipex"}
     with pytest.raises(ValueError, match="System.host"):
         replace(RECSCALE, host="sometimes")
@@ -223,14 +240,41 @@ def test_gradscaler_waits_split_the_host_time_at_the_optimizer():
     even when the update after it (the device's) would have hidden it."""
     cfg = load_config("B", ["--train.batch_size=65536"])
     dev = device_spec("a100-80gb")
-    base = replace(SYSTEMS["dle"], host_ops_per_kernel=12.0)
+    base = replace(SYSTEMS["dle"], host_ops_per_kernel=12.0, host_op_s=20e-6)
     overlap = forecast(cfg, dev, 1, "fp16", replace(base, scaler_waits=False))
     waits = forecast(cfg, dev, 1, "fp16", base)
     assert overlap.stage_ms["host"] == 0.0 < waits.stage_ms["host"]
-    op_ms = 12.0 * EAGER_OP_S * 1e3
+    op_ms = 12.0 * 20e-6 * 1e3
     assert waits.stage_ms["host"] < overlap.kernels * op_ms  # not all of it: one wait
     tf32 = forecast(cfg, dev, 1, "tf32", base)  # no scaler outside fp16: no wait
     assert tf32.stage_ms["host"] == 0.0
+
+
+def test_a_read_back_before_the_update_exposes_the_host_of_each_part():
+    """recscale waits on the device before its fused update (benchmarks/gpu_syncs.py):
+    the update's and optimizer's host time cannot hide behind the backward's kernels.
+    A step of 10 long GEMMs, then 5 update and 5 optimizer kernels; 0.1 ms of host an op."""
+    dev = device_spec("h100-sxm")
+    dense, emb = StepKernels(dev, GPU, "tf32"), StepKernels(dev, GPU, "tf32")
+    dense.stages["mlp_gemm"], dense.stage_kernels["mlp_gemm"] = 10e-3, 10
+    emb.stages["embedding_update"], emb.stage_kernels["embedding_update"] = 0.1e-3, 5
+    dense.stages["dense_optimizer"], dense.stage_kernels["dense_optimizer"] = 0.05e-3, 5
+    stages = {k: dense.stages[k] + emb.stages[k] for k in STAGES}
+    sysm = replace(RECSCALE, host_ops_per_kernel=1.0, host_op_s=0.1e-3)
+    # before the wait 1 ms of host under 10 of GEMMs: hidden; after it 1 ms of host
+    # against 0.15 of device: 0.85 shows
+    split = _exposed_host(dense, emb, stages, sysm, "tf32")
+    assert split == pytest.approx(1.0e-3 - 0.15e-3)
+    # one wait a step: 2 ms of host under 10.15 of device, all hidden
+    assert _exposed_host(dense, emb, stages, replace(sysm, wait_before=""), "tf32") == 0.0
+    # serial: all of it
+    serial = replace(sysm, host="serial")
+    assert _exposed_host(dense, emb, stages, serial, "tf32") == pytest.approx(2.0e-3)
+    # a wait before the optimizer alone: its 0.5 ms of host against 0.05 of device
+    late = replace(sysm, wait_before="dense_optimizer")
+    assert _exposed_host(dense, emb, stages, late, "tf32") == pytest.approx(0.45e-3)
+    with pytest.raises(ValueError, match="System.wait_before"):
+        replace(RECSCALE, wait_before="interaction")
 
 
 def test_dle_hybrid_parallel_puts_the_bottom_mlp_on_rank_0_and_tables_elsewhere():
@@ -264,11 +308,25 @@ def test_dle_hybrid_parallel_puts_the_bottom_mlp_on_rank_0_and_tables_elsewhere(
         forecast(cfg, device_spec("a100-40gb"), 2, "tf32", dle)
 
 
-def test_recscales_own_held_out_gpu_measurement_is_forecast_within_15_percent():
-    """Config B on an H100 (docs/gpu.md): 2.49 M samples/s measured; the recscale
-    system's host time was set from config A alone."""
-    f = _fc(config="B")
-    assert f.samples_per_s == pytest.approx(2.49e6, rel=0.15)
+# recscale's own config-B steps at batch 16384, TF32 (docs/gpu.md; held out: the host
+# time an op was set from config A alone): (device, ms a step, the Gram matrix's form)
+B_RUNS = [
+    ("h100-sxm", 6.59, "autograd"),  # 2026-11-24
+    ("h200", 4.75, "autograd"),  # 2026-11-26, da3844c
+    ("h200", 4.69, "padded"),  # 2026-11-26, f2be6a5
+    ("h200", 4.99, "padded"),  # 2026-11-26, ce18e55
+]
+
+
+def test_recscales_own_held_out_gpu_steps_are_forecast_within_the_spread_of_hosts():
+    """Config B's four measured steps, each within 25%: config A itself, the fit, ran
+    3.53-4.98 ms a step on four GPU boxes (the host's dispatch sets it), so a box's host
+    moves a host-bound step by about a sixth either way."""
+    cfg = load_config("B", ["--train.batch_size=16384"])
+    for device, ms, gram in B_RUNS:
+        system = RECSCALE if gram == "padded" else replace(RECSCALE, gram=gram)
+        f = forecast(cfg, device_spec(device), 1, "tf32", system)
+        assert f.step_ms == pytest.approx(ms, rel=0.25), (device, ms)
 
 
 def test_plan_device_cli_prints_and_carries_the_forecast():
@@ -297,9 +355,9 @@ def test_plan_device_cli_prints_and_carries_the_forecast():
     )
     assert 0 < out["predicted_memory_bytes_per_device"] <= 80e9
     assert out["world_size"] == 8 and len(out["memory_per_rank"]) == 8
-    # recscale's host: its counted ops a kernel, each at EAGER_OP_S, all of it exposed
+    # recscale's host: its counted ops a kernel, each at EAGER_OP_S, at most all exposed
     assert out["host_ops_per_step"] == round(out["kernels_per_step"] * RECSCALE.host_ops_per_kernel)
-    assert stages["host"] == pytest.approx(out["host_ops_per_step"] * EAGER_OP_S * 1e3, rel=0.01)
+    assert 0 < stages["host"] <= out["host_ops_per_step"] * EAGER_OP_S * 1e3 * 1.01
     r = cli("plan", "--device", "mi300x", "--config", "A")
     assert r.returncode == 0 and "samples/s" in r.stdout and "mlp_gemm" in r.stdout
     assert f"framework ops a step at {EAGER_OP_S * 1e6:.1f} us" in r.stdout
@@ -409,3 +467,37 @@ def test_the_stage_check_pairs_every_bench_stage_with_its_forecast_stages():
             rel=1e-2,
             abs=1e-3,  # rounded to 3 decimals
         )
+
+
+def _gpu_syncs():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_syncs
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return gpu_syncs
+
+
+def test_a_sync_is_placed_at_its_innermost_recscale_line_and_its_step_phase():
+    sync_site = _gpu_syncs().sync_site
+    frame = traceback.FrameSummary
+    stack = [
+        frame("/x/benchmarks/gpu_syncs.py", 9, "main"),
+        frame("/x/src/recscale/bench/throughput.py", 160, "step"),
+        frame("/x/src/recscale/train/step.py", 40, "backward_and_step"),
+        frame("/venv/torch/autograd/__init__.py", 300, "backward"),
+        frame("/x/src/recscale/embedding/triton_kernels.py", 287, "fused_update"),
+        frame("/venv/torch/_tensor.py", 10, "tolist"),
+    ]
+    assert sync_site(stack) == ("embedding/triton_kernels.py:287 fused_update", "backward_and_step")
+    assert sync_site(stack[:1]) == ("(outside recscale)", "?")
+
+
+def test_the_sync_counter_finds_the_fused_updates_read_back_on_a_gpu(device):
+    if device.type != "cuda":
+        pytest.skip("counts CUDA synchronisations: RECSCALE_TEST_DEVICE=cuda")
+    sites, report = _gpu_syncs().count_syncs(
+        ["--config", "debug", "--model.kernels=triton"], steps=2, warmup=2
+    )
+    assert report["steps"] == 2 and sites
+    assert any("fused_update" in where for where, _ in sites)

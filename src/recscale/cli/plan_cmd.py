@@ -277,7 +277,8 @@ def _forecast(cfg, args) -> int:
     if f.host_ops:
         how = {
             "serial": "the step waits on the device mid-step: added to the device's time",
-            "overlap": "one wait a step: what exceeds the device's time",
+            "overlap": "issued while the device runs: what exceeds the device's time "
+            "between the step's waits",
         }[f.host_mode]
         print(f"host: {f.host_ops} framework ops a step at {EAGER_OP_S * 1e6:.1f} us each ({how})")
     if hours is not None:

@@ -87,11 +87,15 @@ SORT_PASSES = 4  # radix sort of (id, position) pairs: passes over ids x 12 byte
 MEMORY_SHARE = 0.9  # of a device's memory the forecast lets a plan use (runtime, fragments)
 # Host time of one framework op of an eager PyTorch step on a GPU server's host (Python,
 # autograd, dispatch, launch), learned from recscale's own run: config A at batch
-# 16,384, TF32, on an H100 SXM (docs/gpu.md, 2026-11-24) took 4.98 ms a step against
-# 0.93 ms of device work forecast here for the code of that day (its interaction:
-# ``System.gram="autograd"``), for 197 ops a step (benchmarks/count_host_ops.py); the
-# rest, 4.05 ms, is 20.6 us an op. Config B on the same GPU is held out.
-EAGER_OP_S = 20.6e-6
+# 16,384, TF32, on an H100 SXM (docs/gpu.md, 2026-11-24) took 4.98 ms a step for 197
+# ops (benchmarks/count_host_ops.py), its device work (0.93 ms forecast for the code of
+# that day, ``System.gram="autograd"``) hidden behind the host's in both parts of the
+# step (``RECSCALE.wait_before``): 25.3 us an op. Config B on the same GPU is held out.
+EAGER_OP_S = 25.3e-6
+# a mid-step wait (System.wait_before) and the stages from it to the step's end, in the
+# step's order: the tables' update, then the dense optimizer
+WAIT_ORDER = ("embedding_update", "dense_optimizer")
+AFTER_WAIT = {"embedding_update": WAIT_ORDER, "dense_optimizer": WAIT_ORDER[1:]}
 
 
 @dataclass
@@ -218,19 +222,24 @@ def _exposed_host(
     dense: StepKernels, emb: StepKernels, stages: dict, system: System, precision: str
 ) -> float:
     """Host time the device does not hide: all of it when the step waits on the device
-    mid-step (``serial``); with one wait a step (``overlap``), what exceeds the device
-    time; with GradScaler's wait after the backward, that rule before and after it."""
-    op_s = system.host_ops_per_kernel * EAGER_OP_S
+    throughout (``serial``); else, in each part of the step between its waits, what the
+    host takes beyond the device - the whole step with one wait a step, two parts split
+    where the system reads back mid-step (``System.wait_before``; GradScaler's
+    found_inf under fp16 before the optimizer's step)."""
+    op_s = system.host_ops_per_kernel * (system.host_op_s or EAGER_OP_S)
     kernels = {k: dense.stage_kernels[k] + emb.stage_kernels[k] for k in STAGES}
     host = (dense.kernels + emb.kernels) * op_s
     device = sum(stages.values())
     if system.host == "serial":
         return host
-    if not (system.scaler_waits and precision == "fp16"):
+    waits = [system.wait_before] if system.wait_before else []
+    if system.scaler_waits and precision == "fp16":
+        waits.append(
+            "embedding_update" if system.embedding_update == "sparse_add" else "dense_optimizer"
+        )
+    if not waits:
         return max(0.0, host - device)
-    after = ("dense_optimizer",) + (
-        ("embedding_update",) if system.embedding_update == "sparse_add" else ()
-    )
+    after = AFTER_WAIT[min(waits, key=WAIT_ORDER.index)]
     host_after = sum(kernels[k] for k in after) * op_s
     device_after = sum(stages[k] for k in after)
     return max(0.0, host - host_after - (device - device_after)) + max(

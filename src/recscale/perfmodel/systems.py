@@ -8,8 +8,10 @@ Host time on a GPU (``host``): an eager framework dispatches ``host_ops_per_kern
 framework ops (views, detaches and Python-side bookkeeping included) for each kernel
 the step launches, each costing the host ``forecast.EAGER_OP_S``. ``serial``: the step
 waits on the device mid-step (``.item()``, sizes read back), so host and device time
-add; ``overlap``: one wait a step, the host runs ahead and the step is the longer of
-the two; ``graph``: a captured CUDA graph, no host time.
+add; ``overlap``: the host issues kernels while the device runs the earlier ones, so
+only the host time beyond the device's shows - over the whole step when it waits once a
+step, else in each part between its waits (``wait_before``: the stage at whose start
+the step reads a value back); ``graph``: a captured CUDA graph, no host time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ EPILOGUES = ("eager", "apex", "fused")
 UPDATES = ("fused", "sparse_add")
 HOSTS = ("serial", "overlap", "graph")
 GRAMS = ("autograd", "padded")
+WAITS = ("", "embedding_update", "dense_optimizer")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ class System:
     # the precision's activation bytes - 2 under bf16/fp16, else 4)
     host: str = "serial"
     host_ops_per_kernel: float = 0.0
+    # host seconds an op of this system costs (None: ``forecast.EAGER_OP_S``, learned
+    # from recscale's own step); a framework's ops differ in the Python around them
+    host_op_s: float | None = None
+    # "overlap" with a read-back mid-step: the stage at whose start the host waits for
+    # the device ("" - none: one wait a step); the stages from there on
+    # (``forecast.AFTER_WAIT``) are the step's second part
+    wait_before: str = ""
     # fp16 under torch's GradScaler: its step reads found_inf back (.item()), a wait
     # mid-step, so host and device time add whatever ``host`` says
     scaler_waits: bool = False
@@ -61,6 +71,7 @@ class System:
             ("embedding_update", self.embedding_update, UPDATES),
             ("host", self.host, HOSTS),
             ("gram", self.gram, GRAMS),
+            ("wait_before", self.wait_before, WAITS),
         ):
             if value not in allowed:
                 raise ValueError(f"System.{key}: {value!r} is not one of {', '.join(allowed)}")
@@ -71,14 +82,19 @@ class System:
 # update, fp32 tables and wire, no overlap.
 # Host: one training step of config A dispatches 195 aten ops (counted on the CPU by
 # benchmarks/count_host_ops.py, kernels=torch: 194, plus the Gram rows' zero padding a
-# GPU adds) for the 56 kernels this forecast lists; the fused update reads the ids'
-# count back (.item()), so host and device time add.
+# GPU adds) for the 56 kernels this forecast lists. It waits on the device three times
+# a step (benchmarks/gpu_syncs.py on an H200, 2026-11-26, configs A and B, DLE's and
+# MLPerf's models alike): the ids' bounds check at the lookup's start - the step's own
+# wait - and the fused update's two read-backs (the distinct ids' count, the largest
+# row count) after the backward. So the host's time hides behind the device's in the
+# forward and backward, and again in the update and the optimizer, each apart.
 RECSCALE = System(
     "recscale",
     gram="padded",
     wire_bytes=4,
-    host="serial",
+    host="overlap",
     host_ops_per_kernel=195 / 56,
+    wait_before="embedding_update",
     note="eager PyTorch: unfused epilogues, bmm interaction, fp32 tables and wire",
 )
 
@@ -125,14 +141,18 @@ HUGECTR = System(
 # Host: a step of TorchRec 1.8's DLRM (26 one-hot tables, 8 ranks, gloo) dispatches 391
 # ops on rank 0 (benchmarks/count_host_ops.py; 373 on 2 ranks, 379 on 4) for the 61
 # kernels listed here, 16 of them reading a value back (.item(): the all-to-alls'
-# splits), so host and device time add. Assumed: the ids' share of the all-to-all
-# hidden (~10%).
+# splits), so host and device time add. Its host time an op is learned from its own
+# host-bound point (8 GPUs at 256 samples each: 7.20 ms a step published against
+# 0.4 ms of device work forecast): 16.7 us - less than recscale's 25.3, its count
+# holding more views and detaches around each kernel. Assumed: the ids' share of the
+# all-to-all hidden (~10%).
 TORCHREC = System(
     "torchrec",
     comm_overlap=0.1,
     wire_bytes=4,
     host="serial",
     host_ops_per_kernel=391 / 61,
+    host_op_s=16.7e-6,
     note="TorchRec DLRM example: eager PyTorch, FBGEMM TBE, pipelined input dist",
 )
 # Intel's MLPerf DLRM-DCNv2 on Xeon (MLCommons training results v3.1, Intel's
