@@ -6,7 +6,8 @@ publishes nothing, an assumption said as one.
 
 Host time on a GPU (``host``): an eager framework dispatches ``host_ops_per_kernel``
 framework ops (views, detaches and Python-side bookkeeping included) for each kernel
-the step launches, each costing the host ``forecast.EAGER_OP_S``. ``serial``: the step
+the step launches, each costing the host ``host_op_s`` (default
+``forecast.EAGER_OP_S``, learned from recscale's own step). ``serial``: the step
 waits on the device mid-step (``.item()``, sizes read back), so host and device time
 add; ``overlap``: the host issues kernels while the device runs the earlier ones, so
 only the host time beyond the device's shows - over the whole step when it waits once a
