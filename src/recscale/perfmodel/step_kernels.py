@@ -199,7 +199,8 @@ def dense_side(
             aligned = kp * s.act % 16 == 0
             x, z = b * kp * d * s.act, b * kp * kp * s.act
             s.stream("interaction", 2 * x, s.eff.stack)  # stack the features (torch.cat)
-            s.batched("interaction", 2.0 * b * kp * kp * d, x + z, aligned)
+            # Z = T T^T: the GEMM loads T as both operands, two streams of its tiles
+            s.batched("interaction", 2.0 * b * kp * kp * d, 2 * x + z, aligned)
             s.stream("interaction", z + 2 * b * width * s.act)  # triangle gather + concat
             s.stream("interaction", z + b * width * s.act)  # its gradient scattered
             if sysm.gram == "padded":
