@@ -9,7 +9,8 @@ Arguments after ``--`` are bench overrides, as in ``benchmarks/gpu_profile.py`` 
 presets too). Runs the bench's warm-up, then ``--steps`` steps under
 ``torch.cuda.set_sync_debug_mode("warn")`` and prints, per preset, the synchronisations
 a step and each site: the innermost recscale frame (file:line, function) and the
-outermost step function it ran under (forward_loss, backward_and_step, ...).
+step function it ran under (forward_loss, backward_and_step; a CUDA backward runs on
+autograd's own thread, whose stack starts at the autograd function's ``backward``).
 
 Why: the forecast (``perfmodel/systems.py``) prices the host's dispatch by where the
 step waits. Before a wait the host issues kernels while the device runs the earlier

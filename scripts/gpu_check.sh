@@ -4,7 +4,8 @@
 # throughput` for configs A and B (batch 2048 and 16384, TF32, and bf16 at 16384) and
 # for the two published model shapes the forecast is checked against (DeepLearningExamples'
 # DLRM at batch 65536, MLPerf's DLRM-DCNv2 at 6912 a GPU; tables capped at 4 GB), a
-# kernel-by-kernel profile of the first in TF32, then the whole test suite on the GPU,
+# kernel-by-kernel profile of the first in TF32, where config A's step waits on the GPU,
+# then the whole test suite on the GPU,
 # and print one summary table with each run's stages.
 #
 #   bash scripts/gpu_check.sh                 # OUT=gpu_check/ gets the logs and JSON
@@ -62,6 +63,12 @@ echo "-- profile dle-65536-tf32"
 timeout 90 "$PY" benchmarks/gpu_profile.py --out "$OUT" --preset dle -- --train.precision=tf32 \
     >"$OUT/profile-dle.txt" 2>&1 || echo "   failed: see $OUT/profile-dle.txt"
 grep -A9 "^== dle" "$OUT/profile-dle.txt" || true
+# where A's step waits on the GPU (benchmarks/gpu_syncs.py): the forecast's host model
+# rests on these read-backs (perfmodel/systems.py, RECSCALE)
+echo "-- syncs A-16384-tf32"
+timeout 60 "$PY" benchmarks/gpu_syncs.py --steps 2 --preset A -- --train.precision=tf32 \
+    >"$OUT/syncs-A.txt" 2>&1 || echo "   failed: see $OUT/syncs-A.txt"
+grep -A6 "^== A" "$OUT/syncs-A.txt" || true
 
 echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
 # addopts' -q would cancel -v: with -v each result prints as it happens, so a run the
