@@ -226,7 +226,8 @@ def _exposed_host(
     host takes beyond the device - the whole step with one wait a step, two parts split
     where the system reads back mid-step (``System.wait_before``; GradScaler's
     found_inf under fp16 before the optimizer's step)."""
-    op_s = system.host_ops_per_kernel * (system.host_op_s or EAGER_OP_S)
+    op = EAGER_OP_S if system.host_op_s is None else system.host_op_s
+    op_s = system.host_ops_per_kernel * op
     kernels = {k: dense.stage_kernels[k] + emb.stage_kernels[k] for k in STAGES}
     host = (dense.kernels + emb.kernels) * op_s
     device = sum(stages.values())
