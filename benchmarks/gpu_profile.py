@@ -65,19 +65,24 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def profile(
-    overrides: list[str], steps: int, warmup: int, device: str = "cuda"
-) -> tuple[list[dict], dict]:
-    """Trace ``steps`` timed steps; return per-kernel rows (ms a step) and the bench's
-    report. ``device="cpu"`` traces the CPU's operators instead (nested operators then
-    count more than once: a dry run of this script, not a profile)."""
+def bench_config(overrides: list[str], device: str):
+    """The bench run's config from its ``--config NAME`` and overrides, on ``device``."""
     name = overrides[overrides.index("--config") + 1]
     rest = [
         a
         for i, a in enumerate(overrides)
         if a != "--config" and overrides[i - 1 : i] != ["--config"]
     ]
-    cfg = load_config(name, [*rest, f"--train.device={device}"])
+    return load_config(name, [*rest, f"--train.device={device}"])
+
+
+def profile(
+    overrides: list[str], steps: int, warmup: int, device: str = "cuda"
+) -> tuple[list[dict], dict]:
+    """Trace ``steps`` timed steps; return per-kernel rows (ms a step) and the bench's
+    report. ``device="cpu"`` traces the CPU's operators instead (nested operators then
+    count more than once: a dry run of this script, not a profile)."""
+    cfg = bench_config(overrides, device)
     cuda = device == "cuda"
     activity = torch.profiler.ProfilerActivity
     prof = torch.profiler.profile(activities=[activity.CUDA if cuda else activity.CPU])

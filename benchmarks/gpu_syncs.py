@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 from recscale.bench.throughput import run_throughput
-from recscale.config import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_profile import PRESETS, split_args  # noqa: E402
+from gpu_profile import PRESETS, bench_config, split_args  # noqa: E402
 
 STEP_FUNCTIONS = ("forward_loss", "backward_and_step", "step")
 
@@ -52,13 +51,7 @@ def sync_site(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
 
 def count_syncs(overrides: list[str], steps: int, warmup: int) -> tuple[Counter, dict]:
     """Syncs over ``steps`` timed steps, by (site, phase); and the bench's report."""
-    name = overrides[overrides.index("--config") + 1]
-    rest = [
-        a
-        for i, a in enumerate(overrides)
-        if a != "--config" and overrides[i - 1 : i] != ["--config"]
-    ]
-    cfg = load_config(name, [*rest, "--train.device=cuda"])
+    cfg = bench_config(overrides, "cuda")
     sites: Counter = Counter()
     shown = warnings.showwarning
 
