@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,9 +52,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+# Local ranks `bench pipeline` / `calibrate` start as processes on this machine: more
+# than this is a typo, not a benchmark (each rank is a full process with its model).
+MAX_LOCAL_RANKS = 64
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """One-line errors naming the flag for counts no benchmark can run with."""
+    from recscale.config.errors import ConfigError
+
+    if args.steps < 1:
+        raise ConfigError("--steps", f"timed steps must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ConfigError("--warmup", f"must be >= 0, got {args.warmup}")
+    if args.world_size is not None and not 1 <= args.world_size <= MAX_LOCAL_RANKS:
+        raise ConfigError(
+            "--world-size", f"local ranks in [1, {MAX_LOCAL_RANKS}], got {args.world_size}"
+        )
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= 4 * cores:
+        raise ConfigError(
+            "--threads",
+            f"in [1, {4 * cores}] (4x this machine's {cores} cores), got {args.threads}",
+        )
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.bench.throughput import format_report, run_throughput
 
+    check_args(args)
     if args.what == "calibrate":
         from recscale.bench.calibrate import calibrate
         from recscale.perfmodel import default_path

@@ -100,6 +100,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.chunk_mb < 1:
+            print(f"recscale: error: --chunk-mb must be >= 1, got {args.chunk_mb}", file=sys.stderr)
+            return 2
         opts = PreprocessOptions(
             inputs=args.input,
             out=args.out,
@@ -127,6 +130,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         if args.cycle_blocks < 0:
             print("recscale: error: --cycle-blocks must be >= 0", file=sys.stderr)
             return 1
+        if args.lines < 1:
+            print(f"recscale: error: --lines must be >= 1, got {args.lines}", file=sys.stderr)
+            return 1
         n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
@@ -147,6 +153,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 if args.bag_sizes == "mlperf"
                 else [int(x) for x in args.bag_sizes.split(",")]
             )
+        except ValueError:
+            print(
+                "recscale: error: --bag-sizes takes whole numbers (one, or one a feature, "
+                f"comma-separated) or mlperf, got {args.bag_sizes!r}",
+                file=sys.stderr,
+            )
+            return 1
+        try:
             to_multihot(args.input, args.out, sizes, args.seed, layout=args.layout)
         except (DatasetError, ValueError) as e:
             print(f"recscale: error: {e}", file=sys.stderr)

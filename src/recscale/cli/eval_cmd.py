@@ -12,6 +12,7 @@ import torch
 from recscale.checkpoint.format import CheckpointError
 from recscale.checkpoint.manager import resolve_chain
 from recscale.checkpoint.state import restore
+from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
 from recscale.models.dlrm import build_model
 from recscale.train.data_source import adopt_dataset_shapes, eval_batches
@@ -73,6 +74,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"recscale: error: {e}", file=sys.stderr)
             return 1
         print(f"recscale: evaluating checkpoint {chain[-1].name} (step {step})", file=sys.stderr)
+    if args.split and not cfg.data.uses_dataset():
+        raise ConfigError(
+            "--split",
+            f"{args.split!r}: this run trained on synthetic data, which has one held-out set "
+            "(no splits); name a dataset with --data.path to score one of its splits",
+        )
     split = args.split or cfg.data.eval_split
     metrics = evaluate(model, eval_batches(cfg, split), device)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"

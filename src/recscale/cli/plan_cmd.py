@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
@@ -85,14 +87,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
 
 
+# The largest world size planned: beyond it the planner's per-rank work takes minutes
+# (65,536 ranks: ~11 s on a 2-core VM), and no training job runs on more.
+MAX_WORLD_SIZE = 65536
+
+
+def check_args(args: argparse.Namespace, batch_size: int) -> None:
+    """One-line errors, naming the flag, for numbers no plan can use (a world larger
+    than the batch or than any job, a negative memory or bandwidth), before the planner
+    runs."""
+    w = args.world_size
+    if not 1 <= w <= MAX_WORLD_SIZE:
+        raise ConfigError("--world-size", f"a whole number in [1, {MAX_WORLD_SIZE:,}], got {w}")
+    if w > batch_size:
+        raise ConfigError(
+            "--world-size", f"{w:,} ranks cannot split a global batch of {batch_size:,} samples"
+        )
+    for flag, value, zero_ok in (
+        ("--memory-per-rank", args.memory_per_rank, False),
+        ("--all-to-all-gbps", args.all_to_all_gbps, False),
+        ("--gather-gbps", args.gather_gbps, False),
+        ("--ssd-per-rank", args.ssd_per_rank, True),
+        ("--ssd-gbps", args.ssd_gbps, False),
+        ("--host-per-rank", args.host_per_rank, True),
+        ("--train-samples", args.train_samples, False),
+    ):
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise ConfigError(flag, f"a number {'>= 0' if zero_ok else '> 0'}, got {value:g}")
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.device_file is not None and not Path(args.device_file).is_file():
+        raise ConfigError("--device-file", f"file not found: {args.device_file}")
     if args.list_devices:
         return _list_devices(args.device_file)
     cfg = load_config(args.config, overrides)
+    check_args(args, cfg.train.batch_size)
     if args.device and args.device != THIS:
         return _forecast(cfg, args)
-    if args.world_size < 1:
-        raise ConfigError("--world-size", f"a whole number >= 1, got {args.world_size}")
     tables = table_infos(cfg)
     a2a = (args.all_to_all_gbps or 12.5) * 1e9
     topo = Topology(
@@ -241,8 +275,6 @@ def _forecast(cfg, args) -> int:
     dev = device_spec(args.device, args.device_file)
     if args.system not in SYSTEMS:
         raise ConfigError("--system", f"unknown {args.system!r} (systems: {', '.join(SYSTEMS)})")
-    if args.train_samples is not None and not args.train_samples > 0:
-        raise ConfigError("--train-samples", f"a number > 0, got {args.train_samples:g}")
     try:
         f = forecast(cfg, dev, args.world_size, args.precision, SYSTEMS[args.system])
     except PlanError as e:

@@ -43,6 +43,14 @@ def _resolve_path(name_or_path: str) -> Path:
     return preset
 
 
+def _int64(key: str, value: int) -> int:
+    """``value`` if it fits a signed 64-bit integer (what TOML and every tensor index
+    hold), else a ConfigError naming ``key``."""
+    if not -(2**63) <= value < 2**63:
+        raise ConfigError(key, f"{value} does not fit a 64-bit integer")
+    return value
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check/convert one TOML or command-line value to the field's declared type."""
     origin = typing.get_origin(annotation)
@@ -68,14 +76,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, bool):
             raise ConfigError(key, f"expected an integer, got {value!r}")
         if isinstance(value, int):
-            return value
+            return _int64(key, value)
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
             return int(value)  # TOML's 9e9
         if isinstance(value, str):
             try:
-                return int(value.replace("_", ""))
+                whole = int(value.replace("_", ""))
             except ValueError:
-                pass
+                whole = None
+            if whole is not None:
+                return _int64(key, whole)
             try:  # "9e9" (bytes, rows): a whole number in scientific notation
                 number = float(value)
             except ValueError:
@@ -147,9 +157,15 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
     if name_or_path:
         path = _resolve_path(name_or_path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"{path} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                "--config", f"{path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8"
+            ) from e
+        except OSError as e:  # a directory, no permission, an I/O error
+            raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}") from e
         layer = []
         for section, table in data.items():
             if not isinstance(table, dict):

@@ -51,7 +51,63 @@ def read_metadata(root: str | Path) -> dict[str, Any]:
         raise DatasetError(f"{path}: unreadable ({e})") from None
     if not isinstance(meta, dict):
         raise DatasetError(f"{path}: not a dataset's metadata (a JSON object)")
+    check_metadata_fields(path, meta)
     return meta
+
+
+# The dataset layout this code reads (dataprep/common.py FORMAT_VERSION writes it).
+READ_FORMAT_VERSION = 1
+ID_LIMIT = 2**31  # ids are stored as int32: a table has at most this many rows
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_metadata_fields(path: Path, meta: dict[str, Any]) -> None:
+    """Raise naming the field of ``metadata.json`` (at ``path``) that no dataset written by
+    ``recscale data`` holds: another format version, counts that are not whole numbers
+    >= 0, table sizes outside [1, 2^31) (ids are int32), feature names that are not one
+    string a categorical column, splits without a row count."""
+
+    def bad(field: str, why: str) -> DatasetError:
+        return DatasetError(
+            f"{path}: {field} {why} (a damaged, hand-edited or foreign metadata.json)"
+        )
+
+    version = meta.get("format_version", READ_FORMAT_VERSION)
+    if not _whole(version) or version < 1:
+        raise bad("format_version", f"is {version!r}, not a version number")
+    if version > READ_FORMAT_VERSION:
+        raise DatasetError(
+            f"{path}: format_version {version} is newer than this recscale reads "
+            f"({READ_FORMAT_VERSION}): upgrade recscale, or rewrite the dataset with this one"
+        )
+    for field in ("num_dense", "num_sparse"):
+        if field in meta and (not _whole(meta[field]) or meta[field] < 0):
+            raise bad(field, f"is {meta[field]!r}, not a whole number >= 0")
+    sizes = meta.get("table_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, list):
+            raise bad("table_sizes", "is not a list")
+        for i, n in enumerate(sizes):
+            if not _whole(n) or not 1 <= n <= ID_LIMIT:
+                raise bad(f"table_sizes[{i}]", f"is {n!r}, not a row count in [1, 2^31]")
+    names = meta.get("feature_names")
+    if names is not None and (
+        not isinstance(names, list)
+        or not all(isinstance(x, str) for x in names)
+        or (_whole(meta.get("num_sparse")) and len(names) != meta["num_sparse"])
+    ):
+        raise bad("feature_names", "is not one name (a string) a categorical column")
+    splits = meta.get("splits")
+    if splits is not None:
+        if not isinstance(splits, dict):
+            raise bad("splits", "is not an object of splits")
+        for name, split in splits.items():
+            rows = split.get("rows") if isinstance(split, dict) else None
+            if not _whole(rows) or rows < 0:
+                raise bad(f"splits.{name}.rows", f"is {rows!r}, not a whole number >= 0")
 
 
 def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:

@@ -70,6 +70,17 @@ class PreprocessOptions:
             )
         if self.min_count < 1:
             raise ValueError("--min-count must be >= 1")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:  # NaN fails too
+            raise ValueError(
+                "--max-bad-fraction is a share of the lines, in [0, 1]; got "
+                f"{self.max_bad_fraction}"
+            )
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0: all cores), got {self.threads}")
+        if self.chunk_bytes < 1:  # a read of 0 bytes ends the file: nothing would be parsed
+            raise ValueError(
+                f"the parse chunk must be > 0 bytes (--chunk-mb >= 1), got {self.chunk_bytes}"
+            )
         if self.input_format not in ("criteo", "parquet"):
             raise ValueError(f"--format must be criteo or parquet, got {self.input_format!r}")
         if (self.test_files or self.val_files) and self.split != "by-file":

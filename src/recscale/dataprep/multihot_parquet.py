@@ -43,7 +43,10 @@ def is_multi_hot_parquet(path: Path) -> bool:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
     return any(
         pa.types.is_list(schema.field(f"C{k + 1}").type)
         or pa.types.is_large_list(schema.field(f"C{k + 1}").type)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
+import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError, LoaderPosition
 from recscale.data.synthetic import SyntheticCriteo
+from recscale.planner.from_config import available_memory, table_infos
 
 
 def make_synthetic(cfg: Config) -> SyntheticCriteo:
@@ -107,12 +109,32 @@ def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:
         return BatchLoader(
             ds, b, shuffle=False, drop_last=False, epochs=1, block_rows=cfg.data.block_rows
         )
+    check_eval_set_memory(cfg)
     data = make_synthetic(cfg)
     full, rest = divmod(cfg.data.eval_samples, b)
     return [
         *(data.batch(i, b, "eval") for i in range(full)),
         *([data.batch(full, rest, "eval")] if rest else []),
     ]
+
+
+def check_eval_set_memory(cfg: Config) -> None:
+    """The synthetic held-out set is drawn once and kept (every evaluation scores the same
+    samples): refuse, naming ``data.eval_samples``, a set the host memory cannot hold -
+    10^10 samples would draw for hours, then fail on an allocation."""
+    ids = sum(t.pooling for t in table_infos(cfg))
+    f = len(cfg.model.table_sizes)
+    # dense float32, ids int64, one int64 offset a bag, the label
+    per_sample = cfg.model.num_dense_features * 4 + ids * 8 + f * 8 + 4
+    need = cfg.data.eval_samples * per_sample
+    have = available_memory(torch.device("cpu"))
+    if need > 0.5 * have:
+        raise ConfigError(
+            "data.eval_samples",
+            f"{cfg.data.eval_samples:,} synthetic held-out samples are drawn once and kept: "
+            f"{need / 1e9:,.1f} GB, but {have / 1e9:,.1f} GB of host memory are available "
+            "(the run needs the rest): use fewer",
+        )
 
 
 def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:

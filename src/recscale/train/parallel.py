@@ -34,6 +34,7 @@ from recscale.planner.from_config import (
     configured_tiers,
     default_memory_per_rank,
     plan_for,
+    table_infos,
     with_kernels,
     with_tiers,
 )
@@ -72,6 +73,7 @@ def build(
     plan = with_tiers(plan, configured_tiers(cfg, echo, ctx.device, w))
     plan = with_kernels(plan, cfg, ctx.device)  # ... and each table's kernel
     check_memory(cfg, plan, ctx)
+    check_batch_memory(cfg, ctx)
     model = build_model(
         cfg.model,
         cfg.embedding,
@@ -144,6 +146,38 @@ def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
             "--embedding.placement=auto (the planner moves the largest tables to "
             f"{'host memory or ' if where == 'GPU' else ''}ssd), or give the dataset fewer rows "
             "(`recscale data preprocess --mode vocab`, or a smaller --hash-size)",
+        )
+
+
+def batch_bytes_per_sample(cfg: Config) -> int:
+    """A low estimate of the host bytes one training sample takes at the step's peak:
+    its inputs (dense values drawn in float64 then kept in float32; each id and its bag
+    index in int64; the label) and, forward and back, the pooled embeddings and every
+    layer's output (the interaction's included) in float32."""
+    m = cfg.model
+    ids = sum(t.pooling for t in table_infos(cfg))
+    f, dims = len(m.table_sizes), m.dims()
+    if m.interaction == "dcnv2":
+        inter = (sum(dims) + (m.bottom_mlp[-1] if m.bottom_mlp else 0)) * (m.dcn_layers + 1)
+    else:
+        inter = (f + 1) * f // 2
+    widths = sum(m.bottom_mlp) + sum(m.top_mlp) + sum(dims) + inter
+    return int(m.num_dense_features * 12 + ids * 16 + 8 + widths * 4 * 2)
+
+
+def check_batch_memory(cfg: Config, ctx: DistContext) -> None:
+    """Fail before the first batch is drawn, naming ``train.batch_size``, when one rank's
+    share of a batch cannot fit the memory there is (a typo'd 10^10 would otherwise
+    stop the data thread with a raw allocator error, or the kernel kill the process)."""
+    local = cfg.train.batch_size // ctx.world_size
+    need = local * batch_bytes_per_sample(cfg)
+    have = available_memory(torch.device("cpu"))
+    if need > have:
+        raise ConfigError(
+            "train.batch_size",
+            f"{cfg.train.batch_size:,} samples ({local:,} a rank) need at least "
+            f"{need / 1e9:,.1f} GB of host memory for a batch's inputs and activations, but "
+            f"{have / 1e9:,.1f} GB are available: use a smaller batch",
         )
 
 

@@ -53,7 +53,12 @@ from recscale.train.cache_prefetch import (
     prefetch_on_thread,
     warm_caches,
 )
-from recscale.train.data_source import adopt_dataset_shapes, eval_batches, train_batches
+from recscale.train.data_source import (
+    adopt_dataset_shapes,
+    check_eval_set_memory,
+    eval_batches,
+    train_batches,
+)
 from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, predict, reduce_step
@@ -207,6 +212,8 @@ def build_job(
     if not ctx.is_main:  # one voice and one writer: rank 0
         echo, run_dir = (lambda _msg: None), None
     cfg = _settle_config(cfg, run_dir, echo)
+    if not cfg.data.uses_dataset():  # refused now, not after the training it would end
+        check_eval_set_memory(cfg)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     model, module, plan = build(cfg, ctx, echo)

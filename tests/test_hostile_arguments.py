@@ -1,0 +1,190 @@
+"""Command-line values no run can use - a config that is not UTF-8, a number beyond 64
+bits, a batch beyond memory, a world of 10^8 ranks, zero timed steps, a parse chunk of 0
+bytes, a dataset's metadata from elsewhere: each one line naming the flag, key or file,
+before any work (and no traceback, no hang, no silent empty result)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import error_line, make_dataset
+
+from recscale.cli.main import main
+from recscale.config import ConfigError, load_config
+from recscale.data.columns import DatasetError, read_metadata
+from recscale.train.parallel import batch_bytes_per_sample
+
+
+def _fails(capsys, *argv: str) -> tuple[int, str]:
+    """Exit code and the one error line of ``recscale ARGV`` run in this process."""
+    rc = main(list(argv))
+    return rc, error_line(capsys.readouterr().err)
+
+
+def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"\xff\xfe[train]\nsteps = 3\n")
+    rc, line = _fails(capsys, "config", "--config", str(bad))
+    assert rc == 2 and "not UTF-8" in line and str(bad) in line
+    rc, line = _fails(capsys, "config", "--config", str(tmp_path) + "/")
+    assert rc == 2 and "cannot read" in line
+
+
+@pytest.mark.parametrize("raw", ["99999999999999999999999", "-9223372036854775809"])
+def test_an_integer_beyond_64_bits_names_its_key(raw):
+    with pytest.raises(ConfigError) as e:
+        load_config("debug", [f"--train.batch_size={raw}"])
+    assert e.value.key == "train.batch_size" and "64-bit" in str(e.value)
+    with pytest.raises(ConfigError, match="64-bit"):
+        load_config("debug", [f"--model.table_sizes=5,{raw}"])
+
+
+def test_a_batch_beyond_memory_is_refused_before_the_first_batch(capsys):
+    rc, line = _fails(capsys, "train", "--config", "debug", "--train.batch_size=10000000000")
+    assert rc == 2 and "train.batch_size" in line and "GB" in line
+
+
+def test_the_batch_estimate_grows_with_the_model_and_stays_low():
+    """A low estimate (it refuses only what cannot fit): the MLPerf model's sample is
+    larger than the debug model's, and a batch of config A takes well under a GB."""
+    debug, a, dcn = (load_config(n) for n in ("debug", "A", "criteo_multihot_dcnv2"))
+    assert batch_bytes_per_sample(debug) < batch_bytes_per_sample(a) < batch_bytes_per_sample(dcn)
+    assert a.train.batch_size * batch_bytes_per_sample(a) < 1e9
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--world-size", "100000000"], "--world-size"),  # hung in the planner
+        (["--world-size", "300"], "--world-size"),  # more ranks than samples (batch 256)
+        (["--world-size", "2", "--memory-per-rank", "-1"], "--memory-per-rank"),
+        (["--gather-gbps", "0"], "--gather-gbps"),
+        (["--ssd-per-rank", "nan"], "--ssd-per-rank"),
+        (["--train-samples", "-5"], "--train-samples"),
+        (["--device-file", "/nonexistent/devices.toml"], "--device-file"),
+        (["--device", "h100-sxm", "--world-size", "100000000"], "--world-size"),
+    ],
+)
+def test_plan_numbers_no_plan_can_use_are_one_line(capsys, argv, flag):
+    rc, line = _fails(capsys, "plan", "--config", "debug", *argv)
+    assert rc == 2 and f"'{flag}'" in line
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["throughput", "--steps", "0"], "--steps"),  # was a traceback
+        (["throughput", "--steps", "-1"], "--steps"),
+        (["throughput", "--warmup", "-1"], "--warmup"),
+        (["pipeline", "--world-size", "0"], "--world-size"),
+        (["calibrate", "--world-size", "1000"], "--world-size"),  # 1000 local processes
+        (["calibrate", "--threads", "0"], "--threads"),
+        (["calibrate", "--threads", "100000"], "--threads"),
+    ],
+)
+def test_bench_counts_no_benchmark_can_run_with_are_one_line(capsys, argv, flag):
+    rc, line = _fails(capsys, "bench", *argv, "--config", "debug")
+    assert rc == 2 and f"'{flag}'" in line
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--max-bad-fraction", "2"], "--max-bad-fraction"),
+        (["--max-bad-fraction", "nan"], "--max-bad-fraction"),
+        (["--chunk-mb", "0"], "--chunk-mb"),  # parsed nothing and blamed the inputs
+        (["--chunk-mb", "-1"], "--chunk-mb"),  # a negative shift: a traceback
+        (["--threads", "-1"], "--threads"),
+    ],
+)
+def test_preprocess_settings_out_of_range_are_one_line_and_write_nothing(
+    tmp_path, capsys, argv, flag
+):
+    src = tmp_path / "in.tsv"
+    src.write_text("0\t1" + "\t" * 38 + "\n")
+    out = tmp_path / "ds"
+    rc = main(["data", "preprocess", "--input", str(src), "--out", str(out), *argv])
+    line = error_line(capsys.readouterr().err)
+    assert rc in (1, 2) and flag in line and not out.exists()
+
+
+@pytest.mark.parametrize("lines", ["0", "-1"])
+def test_synth_tsv_of_no_lines_is_one_line(tmp_path, capsys, lines):
+    rc, line = _fails(capsys, "data", "synth-tsv", "--lines", lines, "--out", str(tmp_path / "x"))
+    assert rc == 1 and "--lines" in line
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("format_version", "x", "format_version"),
+        ("format_version", 99, "newer than this recscale reads"),
+        ("num_dense", -1, "num_dense"),
+        ("table_sizes", [0] * 26, "table_sizes[0]"),
+        ("table_sizes", [2**40] * 26, "table_sizes[0]"),  # ids are int32
+        ("feature_names", 5, "feature_names"),
+        ("feature_names", ["C1"], "feature_names"),
+        ("splits", {"train": {"rows": "many"}}, "splits.train.rows"),
+    ],
+)
+def test_a_foreign_or_damaged_metadata_field_is_named(tmp_path, field, value, named):
+    ds = make_dataset(tmp_path, 64, seed=0, hash_size=50)
+    read_metadata(ds)  # as written: accepted
+    meta = json.loads((ds / "metadata.json").read_text())
+    meta[field] = value
+    (ds / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(DatasetError) as e:
+        read_metadata(ds)
+    assert named in str(e.value) and "metadata.json" in str(e.value)
+
+
+def test_a_synthetic_eval_set_beyond_memory_is_refused_before_training(capsys):
+    rc, line = _fails(
+        capsys, "train", "--config", "debug", "--train.steps=100000", "--data.eval_samples=1e10"
+    )
+    assert rc == 2 and "data.eval_samples" in line
+
+
+def test_a_split_of_a_synthetic_run_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", "debug", "--train.steps=2", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    rc, line = _fails(capsys, "eval", "--model", str(run), "--split", "nosuch")
+    assert rc == 2 and "'--split'" in line and "synthetic" in line
+
+
+def test_bag_sizes_that_are_not_numbers_name_the_flag(tmp_path, capsys):
+    ds = make_dataset(tmp_path, 64, seed=0, hash_size=50)
+    rc, line = _fails(
+        capsys,
+        "data",
+        "multihot",
+        "--input",
+        str(ds),
+        "--out",
+        str(tmp_path / "m"),
+        "--bag-sizes",
+        "abc",
+    )
+    assert rc == 1 and "--bag-sizes" in line
+
+
+def test_a_text_file_given_as_parquet_is_named(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    src = tmp_path / "lines.tsv"
+    src.write_text("0\t1" + "\t" * 38 + "\n")
+    rc = main(
+        [
+            "data",
+            "preprocess",
+            "--format",
+            "parquet",
+            "--input",
+            str(src),
+            "--out",
+            str(tmp_path / "ds"),
+        ]
+    )
+    line = error_line(capsys.readouterr().err)
+    assert rc == 1 and str(src) in line and "Parquet" in line
