@@ -6,6 +6,7 @@ before any work (and no traceback, no hang, no silent empty result)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers import error_line, make_dataset
@@ -188,3 +189,19 @@ def test_a_text_file_given_as_parquet_is_named(tmp_path, capsys):
     )
     line = error_line(capsys.readouterr().err)
     assert rc == 1 and str(src) in line and "Parquet" in line
+
+
+def test_data_info_checks_the_metadata_as_training_does(tmp_path, capsys):
+    """`data info` printed any JSON it found and read a FIFO until killed."""
+    ds = make_dataset(tmp_path, 64, seed=0, hash_size=50)
+    assert main(["data", "info", str(ds)]) == 0
+    assert json.loads(capsys.readouterr().out)["num_sparse"] == 26
+    meta = json.loads((ds / "metadata.json").read_text())
+    (ds / "metadata.json").write_text(json.dumps({**meta, "feature_names": 5}))
+    rc, line = _fails(capsys, "data", "info", str(ds))
+    assert rc == 1 and "feature_names" in line
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "metadata.json")
+    rc, line = _fails(capsys, "data", "info", str(fifo))
+    assert rc == 1 and "not a regular file" in line

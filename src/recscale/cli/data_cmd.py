@@ -166,12 +166,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"recscale: error: {e}", file=sys.stderr)
             return 1
         return 0
-    meta_path = args.path / "metadata.json"
-    if not meta_path.exists():
-        print(
-            f"recscale: error: {args.path} is not a recscale dataset (no metadata.json)",
-            file=sys.stderr,
-        )
-        return 1
-    print(json.dumps(json.loads(meta_path.read_text()), indent=2))
+    from recscale.data.columns import read_metadata
+
+    # checked as training opens it: a FIFO is refused, not read; damaged fields named
+    print(json.dumps(read_metadata(args.path), indent=2))
     return 0

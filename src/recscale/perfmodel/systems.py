@@ -158,7 +158,10 @@ TORCHREC = System(
 )
 # Intel's MLPerf DLRM-DCNv2 on Xeon (MLCommons training results v3.1, Intel's
 # submission: IPEX, bf16 on AMX, oneDNN GEMMs with fused post-ops). On a CPU the host
-# is the device: every op pays its dispatch (Efficiency.kernel_s).
+# is the device: every op pays its dispatch (Efficiency.kernel_s). Not modelled: its
+# embedding (ipex.patch) - rows sharded by id modulo the ranks, every rank scanning the
+# global batch's ids, partial sums and per-id gradients exchanged through hash maps -
+# whose per-id cost is not published (docs/perfmodel.md, "What this says").
 IPEX = System(
     "ipex",
     epilogue="fused",
