@@ -205,3 +205,31 @@ def test_data_info_checks_the_metadata_as_training_does(tmp_path, capsys):
     os.mkfifo(fifo / "metadata.json")
     rc, line = _fails(capsys, "data", "info", str(fifo))
     assert rc == 1 and "not a regular file" in line
+
+
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("debug", []),
+        ("A", []),
+        ("debug", ["--model.interaction_self=true"]),
+        ("debug", ["--model.num_dense_features=0", "--model.bottom_mlp="]),
+        ("debug", ["--model.interaction=cat"]),
+        ("debug", ["--model.interaction=dcnv2"]),
+    ],
+)
+def test_the_dense_parameters_are_counted_as_the_model_allocates_them(name, over):
+    from recscale.models.dlrm import build_model
+    from recscale.train.parallel import dense_parameter_counts
+
+    cfg = load_config(name, over)
+    model = build_model(cfg.model, cfg.embedding)
+    built = sum(p.numel() for p in model.dense_parameters())
+    assert sum(dense_parameter_counts(cfg).values()) == built
+
+
+def test_an_mlp_beyond_memory_names_its_key_not_an_allocator_error(capsys):
+    rc, line = _fails(
+        capsys, "train", "--config", "debug", "--train.batch_size=2", "--model.top_mlp=300000000,1"
+    )
+    assert rc == 2 and "'model.top_mlp'" in line and "parameters" in line

@@ -27,6 +27,7 @@ from recscale.distributed import DistContext, one_rank_plan, shard
 from recscale.embedding.placement import storage_factory
 from recscale.embedding.sizing import row_bytes
 from recscale.models.dlrm import DLRM, build_model
+from recscale.modules.interaction import PAD_MULTIPLE
 from recscale.perfmodel import calibrated_laws
 from recscale.planner import PlanError, ShardingPlan
 from recscale.planner.from_config import (
@@ -73,6 +74,7 @@ def build(
     plan = with_tiers(plan, configured_tiers(cfg, echo, ctx.device, w))
     plan = with_kernels(plan, cfg, ctx.device)  # ... and each table's kernel
     check_memory(cfg, plan, ctx)
+    check_dense_memory(cfg)
     check_batch_memory(cfg, ctx)
     model = build_model(
         cfg.model,
@@ -163,6 +165,51 @@ def batch_bytes_per_sample(cfg: Config) -> int:
         inter = (f + 1) * f // 2
     widths = sum(m.bottom_mlp) + sum(m.top_mlp) + sum(dims) + inter
     return int(m.num_dense_features * 12 + ids * 16 + 8 + widths * 4 * 2)
+
+
+def dense_parameter_counts(cfg: Config) -> dict[str, int]:
+    """The MLPs' and the interaction's parameters (weights and biases), by the config
+    key that sizes them - what ``DLRM`` will allocate, counted before it does."""
+    m = cfg.model
+    dims = m.dims()
+
+    def mlp(n_in: int, widths: list[int]) -> int:
+        total = 0
+        for w in widths:
+            total += n_in * w + w
+            n_in = w
+        return total
+
+    dense = m.bottom_mlp[-1] if m.num_dense_features and m.bottom_mlp else 0
+    counts = {"model.bottom_mlp": mlp(m.num_dense_features, m.bottom_mlp) if dense else 0}
+    if m.interaction == "dot":
+        n = len(dims) + (1 if dense else 0)
+        width = n * (n - 1) // 2 + (n if m.interaction_self else 0) + dense
+        top_in = -(-width // PAD_MULTIPLE) * PAD_MULTIPLE  # zero columns pad it (DotInteraction)
+    else:
+        top_in = sum(dims) + dense
+        if m.interaction == "dcnv2":
+            counts["model.dcn_rank"] = m.dcn_layers * (2 * top_in * m.dcn_rank + top_in)
+    counts["model.top_mlp"] = mlp(top_in, m.top_mlp)
+    return counts
+
+
+def check_dense_memory(cfg: Config) -> None:
+    """Fail in a second, naming the key that sizes the largest part, when the dense
+    model's parameters with their gradients and an optimizer's state (16 bytes each at
+    most: Adam) cannot fit the host memory - a typo'd width of 10^8 otherwise ends in a
+    raw allocator error while the model is built."""
+    counts = dense_parameter_counts(cfg)
+    need = 16 * sum(counts.values())
+    have = available_memory(torch.device("cpu"))
+    if need > have:
+        key = max(counts, key=counts.__getitem__)
+        raise ConfigError(
+            key,
+            f"the MLPs and the interaction hold {sum(counts.values()):,} parameters "
+            f"({counts[key]:,} sized by {key}): {need / 1e9:,.1f} GB with their gradients "
+            f"and optimizer state, but {have / 1e9:,.1f} GB of host memory are available",
+        )
 
 
 def check_batch_memory(cfg: Config, ctx: DistContext) -> None:
