@@ -233,3 +233,15 @@ def test_an_mlp_beyond_memory_names_its_key_not_an_allocator_error(capsys):
         capsys, "train", "--config", "debug", "--train.batch_size=2", "--model.top_mlp=300000000,1"
     )
     assert rc == 2 and "'model.top_mlp'" in line and "parameters" in line
+
+
+def test_a_forecast_whose_dense_side_fills_the_device_says_so():
+    """20,000 tables make a dot interaction of 2e8 pairs: the dense side alone exceeds
+    an H100, which the plan's error had blamed on the tables (0.01 GB)."""
+    from recscale.perfmodel.devices import device_spec
+    from recscale.perfmodel.forecast import forecast
+    from recscale.planner.plan import PlanError
+
+    cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["5"] * 20000)])
+    with pytest.raises(PlanError, match="dense model's state .* alone exceed"):
+        forecast(cfg, device_spec("h100-sxm"), 1, "tf32")

@@ -177,6 +177,13 @@ def forecast(
             )
     elif plan is None:
         budget = int(dev.memory_gb * 1e9 * MEMORY_SHARE) - dense_state - act_bytes
+        if budget <= 0:
+            raise PlanError(
+                f"the dense model's state ({dense_state / 1e9:,.2f} GB) and a batch's "
+                f"activations ({act_bytes / 1e9:,.2f} GB) alone exceed the "
+                f"{dev.memory_gb * MEMORY_SHARE:g} GB a {dev.name} gives them: fewer or "
+                "narrower layers, or a smaller batch"
+            )
         laws = device_laws(dev, w, system, dense.act)
         plan = plan_for(cfg, w, max(budget, 0), laws=laws)
 
