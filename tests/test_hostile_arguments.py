@@ -175,18 +175,8 @@ def test_a_text_file_given_as_parquet_is_named(tmp_path, capsys):
     pytest.importorskip("pyarrow")
     src = tmp_path / "lines.tsv"
     src.write_text("0\t1" + "\t" * 38 + "\n")
-    rc = main(
-        [
-            "data",
-            "preprocess",
-            "--format",
-            "parquet",
-            "--input",
-            str(src),
-            "--out",
-            str(tmp_path / "ds"),
-        ]
-    )
+    parquet = "data preprocess --format parquet".split()
+    rc = main([*parquet, "--input", str(src), "--out", str(tmp_path / "ds")])
     line = error_line(capsys.readouterr().err)
     assert rc == 1 and str(src) in line and "Parquet" in line
 

@@ -74,7 +74,7 @@ def build(
     plan = with_tiers(plan, configured_tiers(cfg, echo, ctx.device, w))
     plan = with_kernels(plan, cfg, ctx.device)  # ... and each table's kernel
     check_memory(cfg, plan, ctx)
-    check_dense_memory(cfg)
+    check_dense_memory(cfg, ctx.device)
     check_batch_memory(cfg, ctx)
     model = build_model(
         cfg.model,
@@ -194,21 +194,22 @@ def dense_parameter_counts(cfg: Config) -> dict[str, int]:
     return counts
 
 
-def check_dense_memory(cfg: Config) -> None:
+def check_dense_memory(cfg: Config, device: torch.device) -> None:
     """Fail in a second, naming the key that sizes the largest part, when the dense
     model's parameters with their gradients and an optimizer's state (16 bytes each at
-    most: Adam) cannot fit the host memory - a typo'd width of 10^8 otherwise ends in a
-    raw allocator error while the model is built."""
+    most: Adam) cannot fit the memory of ``device`` (they live there) - a typo'd width
+    of 10^8 otherwise ends in a raw allocator error while the model is built."""
     counts = dense_parameter_counts(cfg)
     need = 16 * sum(counts.values())
-    have = available_memory(torch.device("cpu"))
+    have = available_memory(device)
     if need > have:
         key = max(counts, key=counts.__getitem__)
+        where = "GPU" if device.type == "cuda" else "host"
         raise ConfigError(
             key,
             f"the MLPs and the interaction hold {sum(counts.values()):,} parameters "
             f"({counts[key]:,} sized by {key}): {need / 1e9:,.1f} GB with their gradients "
-            f"and optimizer state, but {have / 1e9:,.1f} GB of host memory are available",
+            f"and optimizer state, but {have / 1e9:,.1f} GB of {where} memory are available",
         )
 
 
