@@ -161,3 +161,37 @@ def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path: Path):
     single = train(cfg, None, echo=lambda _m: None)
     assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
     assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)
+
+
+def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_path: Path):
+    """Tables of one row, row-wise over 2 ranks: rank 1's shards hold no rows. Its
+    lookup pooled uninitialised memory (a NaN at step 1) and its checkpoint part failed
+    to write; now its bags sum to zeros, it writes no part, and the run - resumed at 2
+    ranks and then at 1 - trains as one process does."""
+    tiny = ["--model.table_sizes=" + ",".join(["1"] * 26), "--train.save_model=false"]
+    run = tmp_path / "run"
+    first = TORCHRUN + _free_port_args() + ARGS + tiny
+    more = ["--distributed.sharding=row_wise", "--checkpoint.every_steps=5"]
+    out = subprocess.run(
+        first + more + ["--train.steps=10", "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = TORCHRUN + _free_port_args() + ARGS[:3] + ["--resume", str(run), "--train.steps=15"]
+    out = subprocess.run(again, capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stderr + out.stdout
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 15
+
+    cfg = load_config(
+        "debug",
+        ["--train.steps=15", "--train.progress=false", "--data.max_ids_per_feature=2", *tiny],
+    )
+    cfg.train.device = _ranks_device()
+    single = train(cfg, None, echo=lambda _m: None)
+    assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
+    assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)

@@ -166,6 +166,8 @@ def capture(
     for p, storage, first in ebc.local_parts():
         if p.kind == "data_parallel" and rank != 0:
             continue
+        if p.num_rows == 0:  # a row-wise shard of a table smaller than the world: no rows
+            continue
         spec = ebc.tables[p.feature]  # the model's table (p.feature indexes the model's)
         name, table_rows, dim = spec.name, spec.num_rows, spec.dim
         if storage.derived_rows:  # a compressed table: its factors, not its rows

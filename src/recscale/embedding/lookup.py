@@ -91,7 +91,10 @@ def native_pooled_lookup(
     values = values.to(torch.int64).contiguous()
     rows = torch.empty(values.shape[0], dtype=torch.int64)
     bag_of_id = torch.empty(values.shape[0], dtype=torch.int64)
-    pooled = torch.empty(row_offset.shape[0] * batch_size, table.shape[1])  # fp32 always
+    # fp32 always. A table of no rows (a row-wise shard that got none) has no data
+    # pointer, so the pass only checks ids: its bags are empty, their sums zeros.
+    alloc = torch.zeros if table.numel() == 0 else torch.empty
+    pooled = alloc(row_offset.shape[0] * batch_size, table.shape[1])
     bad = _native_pass(
         table,
         values,
