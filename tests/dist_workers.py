@@ -334,3 +334,29 @@ def train_and_report_group(steps: int) -> bool:
     metrics = train(cfg, None, echo=lambda _m: None)
     assert metrics["world_size"] == 2
     return torch.distributed.is_initialized()
+
+
+def train_into_own_run_dir(root: str) -> str:
+    """``train`` with a run directory of each rank's own making, as two ranks that
+    timestamp a default name a second apart do; checkpointing on (every rank writes its
+    part where rank 0 waits for it). Returns the directory the run's metrics are in."""
+    import os
+    from pathlib import Path
+
+    from recscale.train.run import train
+
+    torch.set_num_threads(1)
+    cfg = load_config(
+        "debug",
+        [
+            "--train.steps=4",
+            "--train.progress=false",
+            "--checkpoint.every_steps=2",
+            "--distributed.sharding=column_wise",
+            "--distributed.timeout_s=30",
+        ],
+    )
+    cfg.train.device = "cpu"
+    rank = int(os.environ["RANK"])
+    train(cfg, Path(root) / f"rank{rank}", echo=lambda _m: None)
+    return str(next(Path(root).glob("*/metrics.json")).parent)

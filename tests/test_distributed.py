@@ -12,7 +12,13 @@ import time
 
 import pytest
 import torch
-from dist_workers import die_mid_training, reference, sharded_run, train_and_report_group
+from dist_workers import (
+    die_mid_training,
+    reference,
+    sharded_run,
+    train_and_report_group,
+    train_into_own_run_dir,
+)
 
 from recscale.distributed.spawn import run_ranks
 
@@ -86,3 +92,14 @@ def test_dead_rank_fails_the_others_fast():
     assert "exited with codes [17]" in msg
     assert "rank 0:" in msg and "failed after" in msg, msg  # the survivor raised, not hung
     assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def test_every_rank_writes_into_rank_0s_run_directory(tmp_path):
+    """Each rank names a default run directory from its own clock (and rank 1, seeing
+    rank 0's new directory, took `-2`): its checkpoint parts went elsewhere while rank 0
+    waited for them until the timeout. Rank 0's directory is now every rank's."""
+    dirs = run_ranks(train_into_own_run_dir, 2, str(tmp_path), timeout=120)
+    assert dirs == [str(tmp_path / "rank0")] * 2
+    assert not (tmp_path / "rank1").exists()
+    ckpt = sorted((tmp_path / "rank0" / "checkpoints").glob("step_*"))[-1]
+    assert {p.name for p in (ckpt / "parts").iterdir() if p.is_dir()} == {"rank00000", "rank00001"}

@@ -204,6 +204,11 @@ def build_job(
     cfg: Config, run_dir: Path | None, echo, ctx: DistContext | None, resume: Path | None = None
 ) -> Job:
     ctx, threads = _process(cfg, ctx)
+    if run_dir is not None and ctx.distributed:
+        # rank 0's directory on every rank: a default name (runs/<timestamp>) is each
+        # rank's own clock, and rank 1 seeing rank 0's new directory took runs/<t>-2 -
+        # its checkpoint parts went there while rank 0 waited for them
+        run_dir = Path(ctx.broadcast(str(run_dir)))
     if run_dir is not None:
         check_run_dir(run_dir, resume)
         if ctx.is_main:  # one writer: a second run or --resume on this directory stops here
