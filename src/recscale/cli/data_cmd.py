@@ -100,9 +100,6 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-        if args.chunk_mb < 1:
-            print(f"recscale: error: --chunk-mb must be >= 1, got {args.chunk_mb}", file=sys.stderr)
-            return 2
         opts = PreprocessOptions(
             inputs=args.input,
             out=args.out,
@@ -115,7 +112,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             val_files=args.val,
             max_bad_fraction=args.max_bad_fraction,
             threads=args.threads,
-            chunk_bytes=args.chunk_mb << 20,
+            chunk_bytes=args.chunk_mb * (1 << 20),  # validate() checks it
             parquet_out=args.parquet_out,
         )
         try:

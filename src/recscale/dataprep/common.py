@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from recscale import locks
-from recscale.data.columns import read_metadata
+from recscale.data.columns import READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = READ_FORMAT_VERSION  # what data/columns.py reads is what is written
 SPLITS = ("train", "val", "test")
 HASH_CAP = 40_000_000  # MLPerf's rows per table
 BLOCK_ROWS = 1 << 18

@@ -26,6 +26,7 @@ from recscale.data.dataset import segment_gather
 from recscale.data.multihot import open_split
 from recscale.data.sources import parquet_dense
 from recscale.dataprep.common import (
+    FORMAT_VERSION,
     HASH_CAP,
     BadLineReport,
     check_bad_lines,
@@ -182,7 +183,7 @@ def preprocess_multihot_parquet(opts, echo: Callable[[str], None]) -> dict[str, 
     shutil.rmtree(tmp / "raw")
     seconds = time.perf_counter() - start
     meta = {
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "multi_hot": True,
         "num_dense": NUM_DENSE,
         "num_sparse": NUM_CAT,
