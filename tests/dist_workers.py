@@ -360,3 +360,30 @@ def train_into_own_run_dir(root: str) -> str:
     rank = int(os.environ["RANK"])
     train(cfg, Path(root) / f"rank{rank}", echo=lambda _m: None)
     return str(next(Path(root).glob("*/metrics.json")).parent)
+
+
+def train_with_rank_overrides(root: str, by_rank: dict) -> str:
+    """``train`` of the debug preset with ``by_rank[rank]`` overrides on each rank, as
+    nodes that each read their own copy of a config file do. Returns "ok", or the
+    error it stopped with as "TypeName: message"."""
+    import os
+    from pathlib import Path
+
+    from recscale.config.errors import ConfigError
+    from recscale.data.dataset import DatasetError
+    from recscale.train.config_agreement import RankFailed
+    from recscale.train.run import train
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    cfg = load_config(
+        "debug",
+        ["--train.steps=4", "--train.progress=false", "--distributed.timeout_s=30"]
+        + list(by_rank.get(rank, [])),
+    )
+    cfg.train.device = "cpu"
+    try:
+        train(cfg, Path(root) / "run", echo=lambda _m: None)
+    except (ConfigError, DatasetError, RankFailed) as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"

@@ -18,6 +18,7 @@ from dist_workers import (
     sharded_run,
     train_and_report_group,
     train_into_own_run_dir,
+    train_with_rank_overrides,
 )
 
 from recscale.distributed.spawn import run_ranks
@@ -103,3 +104,37 @@ def test_every_rank_writes_into_rank_0s_run_directory(tmp_path):
     assert not (tmp_path / "rank1").exists()
     ckpt = sorted((tmp_path / "rank0" / "checkpoints").glob("step_*"))[-1]
     assert {p.name for p in (ckpt / "parts").iterdir() if p.is_dir()} == {"rank00000", "rank00001"}
+
+
+@pytest.mark.parametrize(
+    "overrides, key, theirs, ours",
+    [
+        # measured before the check: trained to the end without a word
+        (["--embedding.optimizer=sgd"], "embedding.optimizer", "'sgd'", "'rowwise_adagrad'"),
+        # hung until distributed.timeout_s
+        (["--train.steps=6"], "train.steps", "6", "4"),
+    ],
+)
+def test_ranks_running_different_configs_all_stop_naming_the_key(
+    tmp_path, overrides, key, theirs, ours
+):
+    """torchrun gives each rank its own command line, and each node reads its own copy
+    of a config file: a key that differs from rank 0's stops every rank at once."""
+    start = time.monotonic()
+    got = run_ranks(train_with_rank_overrides, 2, str(tmp_path), {1: overrides}, timeout=120)
+    assert time.monotonic() - start < 25  # not distributed.timeout_s (30 s)
+    want = f"ConfigError: config key '{key}': rank 1 runs {theirs} where rank 0 runs {ours}"
+    assert all(g.startswith(want) for g in got), got
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_rank_local_keys_may_differ_and_a_rank_that_cannot_start_stops_the_others(tmp_path):
+    local = ["--train.threads=1", "--embedding.io_depth=8", "--data.prefetch_batches=3"]
+    got = run_ranks(train_with_rank_overrides, 2, str(tmp_path / "a"), {1: local}, timeout=120)
+    assert got == ["ok", "ok"]
+    start = time.monotonic()
+    missing = ["--data.path=" + str(tmp_path / "nowhere")]
+    got = run_ranks(train_with_rank_overrides, 2, str(tmp_path / "b"), {1: missing}, timeout=120)
+    assert time.monotonic() - start < 25  # rank 0 is told, not left waiting for rank 1
+    assert got[1].startswith("DatasetError: ") and "nowhere" in got[1], got
+    assert got[0].startswith("RankFailed: rank 1 could not set up its run: DatasetError: "), got

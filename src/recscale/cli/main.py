@@ -19,6 +19,7 @@ from recscale.data.dataset import DatasetError
 from recscale.embedding.cached_storage import TierFileError
 from recscale.embedding.storage import DevicePlacementError
 from recscale.locks import LockedError
+from recscale.train.config_agreement import RankFailed
 
 COMMANDS = {
     "train": train_cmd,
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         # bad input files, an unusable ssd_dir, a table's tensor off its planned device
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    except LockedError as e:  # another process writes the run directory / the dataset
+    except (LockedError, RankFailed) as e:  # another process writes the run directory /
+        # the dataset; another rank of this job failed to set up (it says why)
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a path that cannot be read or written

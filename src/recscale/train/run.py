@@ -53,6 +53,7 @@ from recscale.train.cache_prefetch import (
     prefetch_on_thread,
     warm_caches,
 )
+from recscale.train.config_agreement import settle_on_every_rank
 from recscale.train.data_source import (
     adopt_dataset_shapes,
     check_eval_set_memory,
@@ -216,7 +217,7 @@ def build_job(
     ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
     if not ctx.is_main:  # one voice and one writer: rank 0
         echo, run_dir = (lambda _msg: None), None
-    cfg = _settle_config(cfg, run_dir, echo)
+    cfg = settle_on_every_rank(lambda: _settle_config(cfg, run_dir, echo), ctx)
     if not cfg.data.uses_dataset():  # refused now, not after the training it would end
         check_eval_set_memory(cfg)
     if run_dir is not None:
