@@ -117,6 +117,44 @@ def cli(*args: str, timeout: float = 180, **kw):
     )
 
 
+def run_cli(*args: str, env: dict | None = None, cwd=None):
+    """``recscale ARGS`` run in this process, as ``cli`` reports it (exit code, stdout,
+    stderr; an uncaught exception as its traceback on stderr and exit code 1), without
+    the 3-4 s a fresh interpreter takes to import torch. ``env`` replaces the
+    environment and ``cwd`` the directory for the call. For what only a fresh process
+    shows - signals, a hang (no timeout here), import-time settings, locks held by
+    another process - use ``cli``."""
+    import contextlib
+    import io
+    import os
+    import subprocess
+    import traceback
+
+    from recscale.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except Exception:  # noqa: BLE001 - what the interpreter would print and exit 1
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["recscale", *args], rc, out.getvalue(), err.getvalue())
+
+
 def error_line(err: str) -> str:
     """The one ``recscale: error:`` line of a CLI's stderr (and no traceback)."""
     assert "Traceback" not in err, err

@@ -4,15 +4,13 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import make_dataset, run_cli
 
 from recscale.checkpoint.format import CheckpointError, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
@@ -125,11 +123,7 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path):
     next((newest / "parts").rglob("C4.*.weight.f32")).write_bytes(b"short")  # truncated file
     with pytest.raises(CheckpointError, match=r"C4\.r0-\d+\.c0-\d+\.weight\.f32: 5 bytes"):
         verify(newest, checksums=False)
-    r = subprocess.run(
-        [sys.executable, "-m", "recscale", "checkpoint", "inspect", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("checkpoint", "inspect", str(tmp_path), "--json")
     assert r.returncode == 1
     infos = json.loads(r.stdout)
     assert [i["valid"] for i in infos] == [True, False]
@@ -250,27 +244,18 @@ def test_keep_last_k(tmp_path):
 
 def test_cli_resume_from_run_dir(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recscale", "train"]
-    r = subprocess.run(
-        [
-            *cmd,
-            "--config",
-            "debug",
-            "--train.steps=40",
-            "--checkpoint.every_steps=20",
-            "--train.progress=false",
-            "--run-dir",
-            str(run),
-        ],
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "train",
+        "--config",
+        "debug",
+        "--train.steps=40",
+        "--checkpoint.every_steps=20",
+        "--train.progress=false",
+        "--run-dir",
+        str(run),
     )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(
-        [*cmd, "--resume", str(run), "--train.steps=60", "--train.progress=false"],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("train", "--resume", str(run), "--train.steps=60", "--train.progress=false")
     assert r.returncode == 0, r.stderr
     assert (
         "resumed from" in r.stdout and json.loads((run / "metrics.json").read_text())["steps"] == 60
@@ -293,10 +278,6 @@ def test_eval_from_newest_checkpoint_without_model_file(tmp_path):
     cfg = load_config("debug", [*BASE, "--train.steps=40", "--train.save_model=false"])
     m = train(cfg, tmp_path, **QUIET)
     assert not (tmp_path / "model.pt").exists()
-    r = subprocess.run(
-        [sys.executable, "-m", "recscale", "eval", "--model", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("eval", "--model", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
     assert "step_00000040" in r.stderr and json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])

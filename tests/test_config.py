@@ -1,8 +1,7 @@
 import dataclasses
-import subprocess
-import sys
 
 import pytest
+from helpers import run_cli
 
 from recscale.config import Config, ConfigError, config_to_toml, load_config, preset_names
 from recscale.config.loader import preset_dir
@@ -122,30 +121,14 @@ def test_every_preset_file_only_uses_known_keys():
 
 
 def test_cli_bad_config_exits_2_and_names_key():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recscale",
-            "train",
-            "--config",
-            "debug",
-            "--model.embedding_dim=-3",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("train", "--config", "debug", "--model.embedding_dim=-3")
     assert r.returncode == 2
     assert "model.embedding_dim" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_config_prints_resolved_toml():
-    r = subprocess.run(
-        [sys.executable, "-m", "recscale", "config", "--config", "debug", "--train.steps=11"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    r = run_cli("config", "--config", "debug", "--train.steps=11")
+    assert r.returncode == 0, r.stderr
     assert "steps = 11" in r.stdout and "[model]" in r.stdout
 
 

@@ -4,15 +4,13 @@ reference."""
 import gzip
 import json
 import math
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import make_dataset, run_cli
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
 from recscale.dataprep.criteo_tsv import synthetic_lines
@@ -257,32 +255,22 @@ def test_rank_slices_partition_the_global_batch(medium_dataset):
 
 def test_cli_preprocess_train_eval(tmp_path, medium_dataset):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recscale"]
-    r = subprocess.run(
-        [
-            *cmd,
-            "train",
-            "--config",
-            "debug",
-            "--data.path",
-            str(medium_dataset),
-            "--train.steps=20",
-            "--train.progress=false",
-            "--data.eval_split=train",
-            "--run-dir",
-            str(run),
-        ],
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "train",
+        "--config",
+        "debug",
+        "--data.path",
+        str(medium_dataset),
+        "--train.steps=20",
+        "--train.progress=false",
+        "--data.eval_split=train",
+        "--run-dir",
+        str(run),
     )
     assert r.returncode == 0, r.stderr
     m = json.loads((run / "metrics.json").read_text())
     assert m["count"] == 5000 and m["steps"] == 20
-    r = subprocess.run(
-        [*cmd, "eval", "--model", str(run), "--split", "train", "--json"],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("eval", "--model", str(run), "--split", "train", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
 
@@ -290,21 +278,7 @@ def test_cli_preprocess_train_eval(tmp_path, medium_dataset):
 def test_cli_preprocess_reports_bad_file(tmp_path):
     src = tmp_path / "bad.tsv"
     _malformed_file(src)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recscale",
-            "data",
-            "preprocess",
-            "--input",
-            str(src),
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("data", "preprocess", "--input", str(src), "--out", str(tmp_path / "o"))
     assert r.returncode == 1
     assert (
         f"{src}:51" in r.stderr and "wrong field count" in r.stderr and "Traceback" not in r.stderr
@@ -348,15 +322,10 @@ def test_synth_tsv_lines_are_distinct_unless_cycling_is_asked_for(tmp_path):
 
 def test_synth_tsv_cli_writes_distinct_lines_and_refuses_a_negative_cycle(tmp_path):
     out = tmp_path / "s.tsv"
-    cmd = [sys.executable, "-m", "recscale", "data", "synth-tsv", "--lines", "2000"]
-    r = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    cmd = ["data", "synth-tsv", "--lines", "2000"]
+    r = run_cli(*cmd, "--out", str(out))
     assert r.returncode == 0 and "ceiling" in r.stdout, r.stderr
     lines = out.read_text().splitlines()
     assert len(lines) == len(set(lines)) == 2000
-    r = subprocess.run(
-        [*cmd, "--out", str(out), "--cycle-blocks", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_cli(*cmd, "--out", str(out), "--cycle-blocks", "-1")
     assert r.returncode == 1 and "--cycle-blocks" in r.stderr and "Traceback" not in r.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, error_line
+from helpers import error_line, run_cli
 
 from recscale.config import load_config
 from recscale.config.errors import ConfigError
@@ -330,7 +330,7 @@ def test_recscales_own_held_out_gpu_steps_are_forecast_within_the_spread_of_host
 
 
 def test_plan_device_cli_prints_and_carries_the_forecast():
-    r = cli(
+    r = run_cli(
         "plan",
         "--device",
         "h100-sxm",
@@ -358,10 +358,10 @@ def test_plan_device_cli_prints_and_carries_the_forecast():
     # recscale's host: its counted ops a kernel, each at EAGER_OP_S, at most all exposed
     assert out["host_ops_per_step"] == round(out["kernels_per_step"] * RECSCALE.host_ops_per_kernel)
     assert 0 < stages["host"] <= out["host_ops_per_step"] * EAGER_OP_S * 1e3 * 1.01
-    r = cli("plan", "--device", "mi300x", "--config", "A")
+    r = run_cli("plan", "--device", "mi300x", "--config", "A")
     assert r.returncode == 0 and "samples/s" in r.stdout and "mlp_gemm" in r.stdout
     assert f"framework ops a step at {EAGER_OP_S * 1e6:.1f} us" in r.stdout
-    r = cli("plan", "--list-devices")
+    r = run_cli("plan", "--list-devices")
     assert all(n in r.stdout for n in NAMED)
 
 
@@ -376,7 +376,7 @@ def test_plan_device_cli_prints_and_carries_the_forecast():
     ],
 )
 def test_plan_device_mistakes_are_one_line(args, words):
-    r = cli("plan", *args)
+    r = run_cli("plan", *args)
     assert r.returncode != 0
     assert words in error_line(r.stderr)
 
@@ -393,7 +393,9 @@ def test_this_device_is_the_calibrated_model_under_the_forecasts_names(tmp_path)
     }
     path = tmp_path / "cal.json"
     Calibration("test", 1, laws, step_overhead=0.001).save(path)
-    r = cli("plan", "--device", "this", "--config", "debug", "--calibration", str(path), "--json")
+    r = run_cli(
+        "plan", "--device", "this", "--config", "debug", "--calibration", str(path), "--json"
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     want = predict(load_config("debug"), Calibration.load(path))

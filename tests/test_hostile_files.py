@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import cli, error_line
+from helpers import cli, error_line, run_cli
 
 from recscale.checkpoint.format import CheckpointError, manifest_crc, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
@@ -112,7 +112,7 @@ def test_a_manifest_cannot_make_a_restore_read_outside_the_checkpoint(
     messages: list[str] = []
     assert resolve_chain(run, messages.append)[-1].name == "step_00000010"
     assert len(messages) == 1 and "step_00000020" in messages[0]
-    r = cli("checkpoint", "inspect", str(ck))
+    r = run_cli("checkpoint", "inspect", str(ck))
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
 
 

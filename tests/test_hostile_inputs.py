@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, error_line, make_dataset
+from helpers import cli, error_line, make_dataset, run_cli
 
 from recscale import locks, native
 from recscale.config import ConfigError, load_config
@@ -39,7 +39,7 @@ def test_a_non_finite_setting_names_its_key(key):
 
 
 def test_an_absurd_thread_count_is_refused_not_a_segfault(tmp_path):
-    r = cli("train", "--config", "debug", "--train.threads=100000", "--run-dir", str(tmp_path))
+    r = run_cli("train", "--config", "debug", "--train.threads=100000", "--run-dir", str(tmp_path))
     assert r.returncode == 2 and "train.threads" in error_line(r.stderr)
 
 
@@ -73,7 +73,7 @@ def test_preprocess_into_a_directory_that_is_also_something_else_is_refused(tmp_
     (ds / "notes.txt").write_text("mine")
     before = _tree(ds)
     src = tmp_path / "in.tsv"
-    r = cli("data", "preprocess", "--input", str(src), "--out", str(ds), "--split", "none")
+    r = run_cli("data", "preprocess", "--input", str(src), "--out", str(ds), "--split", "none")
     assert r.returncode != 0 and "notes.txt" in error_line(r.stderr)
     assert _tree(ds) == before
 
@@ -81,7 +81,7 @@ def test_preprocess_into_a_directory_that_is_also_something_else_is_refused(tmp_
 def test_multihot_onto_its_own_input_is_refused(tmp_path):
     ds = make_dataset(tmp_path, lines=200, seed=1, hash_size=100)
     before = _tree(ds)
-    r = cli("data", "multihot", "--input", str(ds), "--out", str(ds), "--bag-sizes", "2")
+    r = run_cli("data", "multihot", "--input", str(ds), "--out", str(ds), "--bag-sizes", "2")
     assert r.returncode != 0 and "input" in error_line(r.stderr)
     assert _tree(ds) == before
 
@@ -90,10 +90,10 @@ def test_a_failed_resume_leaves_the_runs_config_as_it_was(tmp_path):
     run = tmp_path / "run"
     train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
     config = (run / "config.toml").read_bytes()
-    r = cli("train", "--resume", str(run), "--embedding.optimizer=adam", "--train.steps=30")
+    r = run_cli("train", "--resume", str(run), "--embedding.optimizer=adam", "--train.steps=30")
     assert r.returncode == 1
     assert (run / "config.toml").read_bytes() == config
-    r = cli("train", "--resume", str(run), "--train.steps=30")
+    r = run_cli("train", "--resume", str(run), "--train.steps=30")
     assert r.returncode == 0, r.stderr
 
 
@@ -147,11 +147,11 @@ def test_a_second_writer_of_a_run_directory_is_told_who_holds_it(tmp_path):
     train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
     locks.hold(run_lock(run), "test")  # as a first `--resume` still running would
     try:
-        r = cli("train", "--resume", str(run), "--train.steps=30")
+        r = cli("train", "--resume", str(run), "--train.steps=30")  # another process
         assert r.returncode == 1 and f"pid {os.getpid()}" in error_line(r.stderr)
     finally:
         locks.release(run_lock(run))
-    assert cli("train", "--resume", str(run), "--train.steps=30").returncode == 0
+    assert run_cli("train", "--resume", str(run), "--train.steps=30").returncode == 0
 
 
 def test_a_second_writer_of_a_dataset_is_told_who_holds_it(tmp_path):
@@ -185,10 +185,10 @@ def _damaged_cache(tmp_path: Path) -> dict:
 
 def test_a_damaged_default_calibration_is_ignored_and_a_named_one_is_one_line(tmp_path):
     env = _damaged_cache(tmp_path)
-    r = cli("plan", "--config", "debug", "--world-size", "2", env=env)
+    r = run_cli("plan", "--config", "debug", "--world-size", "2", env=env)
     assert r.returncode == 0, r.stderr
     bad = next((tmp_path / "cache" / "recscale").iterdir())
-    r = cli(
+    r = run_cli(
         "plan",
         "--config",
         "debug",
@@ -248,7 +248,7 @@ def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage
         cols["label"] = pa.array(["yes", "no"])
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table(cols), src)
-    r = cli(
+    r = run_cli(
         "data",
         "preprocess",
         "--format",
@@ -331,5 +331,7 @@ def test_a_dataset_column_that_is_a_symlink_is_refused(tmp_path):
 
 def test_a_run_directory_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("x")
-    r = cli("train", "--config", "debug", "--train.steps=3", "--run-dir", str(tmp_path / "afile"))
+    r = run_cli(
+        "train", "--config", "debug", "--train.steps=3", "--run-dir", str(tmp_path / "afile")
+    )
     assert r.returncode == 1 and "is a file" in error_line(r.stderr)

@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import make_dataset, run_cli
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError
 from recscale.data.multihot import MLPERF_BAG_SIZES, bag_of, expand, feature_salts
@@ -40,10 +38,7 @@ def _bags_table(rows: int, seed: int, max_bag: int = 5, hash_size: int = 1000):
 
 def _preprocess(tmp_path, files, *extra):
     out = tmp_path / "mh"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recscale",
+    r = run_cli(
         "data",
         "preprocess",
         "--format",
@@ -53,8 +48,7 @@ def _preprocess(tmp_path, files, *extra):
         "--out",
         str(out),
         *extra,
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    )
     return r, out
 
 
@@ -211,12 +205,10 @@ def test_expand_ids_stay_in_their_tables():
 
 
 def test_multihot_cli_refuses_bad_sizes_and_multi_hot_input(tmp_path, onehot):
-    cmd = [sys.executable, "-m", "recscale", "data", "multihot", "--input", str(onehot)]
-    r = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "x"), "--bag-sizes", "1,2"], capture_output=True, text=True
-    )
+    cmd = ["data", "multihot", "--input", str(onehot)]
+    r = run_cli(*cmd, "--out", str(tmp_path / "x"), "--bag-sizes", "1,2")
     assert r.returncode == 1 and "1 or 26 sizes" in r.stderr
-    r = subprocess.run([*cmd, "--out", str(tmp_path / "mh")], capture_output=True, text=True)
+    r = run_cli(*cmd, "--out", str(tmp_path / "mh"))
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "mh/metadata.json").read_text())
     assert meta["bag_sizes"] == list(MLPERF_BAG_SIZES)
@@ -227,43 +219,22 @@ def test_multihot_cli_refuses_bad_sizes_and_multi_hot_input(tmp_path, onehot):
 def test_train_and_eval_on_multi_hot(tmp_path, onehot):
     to_multihot(onehot, tmp_path / "mh", [2] * F, echo=lambda _m: None)
     run = tmp_path / "run"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recscale",
-            "train",
-            "--config",
-            "debug",
-            "--data.path",
-            str(tmp_path / "mh"),
-            "--train.steps=15",
-            "--train.progress=false",
-            "--data.eval_split=train",
-            "--run-dir",
-            str(run),
-        ],
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "train",
+        "--config",
+        "debug",
+        "--data.path",
+        str(tmp_path / "mh"),
+        "--train.steps=15",
+        "--train.progress=false",
+        "--data.eval_split=train",
+        "--run-dir",
+        str(run),
     )
     assert r.returncode == 0, r.stderr
     m = json.loads((run / "metrics.json").read_text())
     assert m["count"] == 3000 and m["steps"] == 15 and np.isfinite(m["logloss"])
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recscale",
-            "eval",
-            "--model",
-            str(run),
-            "--split",
-            "train",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("eval", "--model", str(run), "--split", "train", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from helpers import run_cli
 
 from recscale.config import load_config
 from recscale.perfmodel import Calibration, Law, predict
@@ -67,22 +66,8 @@ def test_calibration_round_trip_and_plan_prints_the_prediction(tmp_path):
     path = tmp_path / "cal.json"
     _unit_calibration(step_overhead=0.001).save(path)
     assert Calibration.load(path).laws["lookup"].coef[0] == 1e-9
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recscale",
-            "plan",
-            "--config",
-            "debug",
-            "--world-size",
-            "1",
-            "--calibration",
-            str(path),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "plan", "--config", "debug", "--world-size", "1", "--calibration", str(path), "--json"
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -164,23 +149,16 @@ def test_plan_uses_the_calibrations_costs(tmp_path):
     _with_collectives(_unit_calibration(), per_byte=1e-6).save(slow)
 
     def plan(path):
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "recscale",
-                "plan",
-                "--config",
-                "default",
-                "--world-size",
-                "4",
-                "--train.batch_size=4096",
-                "--calibration",
-                str(path),
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
+        r = run_cli(
+            "plan",
+            "--config",
+            "default",
+            "--world-size",
+            "4",
+            "--train.batch_size=4096",
+            "--calibration",
+            str(path),
+            "--json",
         )
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)

@@ -194,9 +194,9 @@ def test_hit_curves_follow_the_synthetic_law_and_a_datasets_profile(tmp_path):
 
 
 def test_cli_plan_shows_the_expected_hit_rate():
-    from helpers import cli
+    from helpers import run_cli
 
-    r = cli(
+    r = run_cli(
         "plan",
         "--config",
         "criteo_terabyte",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, error_line, make_dataset
+from helpers import error_line, make_dataset, run_cli
 
 from recscale.checkpoint.format import CheckpointError, manifest_crc
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
@@ -50,11 +50,11 @@ def test_planted_pickle_is_refused_not_run(tmp_path):
     manifest["files"]["dense.pt"] = {"bytes": len(payload), "crc32": zlib.crc32(payload)}
     manifest["manifest_crc32"] = manifest_crc(manifest)
     (ck / "manifest.json").write_text(json.dumps(manifest))
-    r = cli("train", "--resume", str(ck), "--run-dir", str(run), "--train.steps=30")
+    r = run_cli("train", "--resume", str(ck), "--run-dir", str(run), "--train.steps=30")
     assert r.returncode == 1 and "refused to load" in error_line(r.stderr)
-    r = cli("checkpoint", "inspect", str(ck))
+    r = run_cli("checkpoint", "inspect", str(ck))
     assert r.returncode == 1 and "INVALID" in r.stdout
-    r = cli("eval", "--model", str(run))
+    r = run_cli("eval", "--model", str(run))
     assert r.returncode == 1 and "refused to load" in error_line(r.stderr)
     assert not marker.exists()
 
@@ -95,7 +95,7 @@ def test_a_run_directory_holding_another_run_is_refused(tmp_path):
     with pytest.raises(RunDirInUse, match="--resume"):
         train(load_config("debug", [*BASE, "--train.batch_size=128"]), run, **QUIET)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
-    r = cli("train", "--config", "debug", *BASE, "--run-dir", str(run))
+    r = run_cli("train", "--config", "debug", *BASE, "--run-dir", str(run))
     assert r.returncode == 1 and "holds another run" in error_line(r.stderr)
     # resuming the run in its own directory is what the directory is for
     cfg = load_config(str(run / "config.toml"), ["--train.steps=30"])
@@ -139,7 +139,7 @@ def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
         meta["table_sizes"] = meta["table_sizes"][:20]
         (ds / "metadata.json").write_text(json.dumps(meta))
         match = "20 table sizes for 26"
-    r = cli(
+    r = run_cli(
         "train", "--config", "debug", *BASE, f"--data.path={ds}", "--run-dir", str(tmp_path / "run")
     )
     assert r.returncode == 1, r.stderr
@@ -204,7 +204,7 @@ def test_a_manifest_whose_parent_is_itself_does_not_loop(tmp_path):
     messages: list[str] = []
     chain = resolve_chain(run, echo=messages.append)  # falls back to the full one
     assert chain[-1].name == "step_00000010" and "loops back" in messages[0]
-    r = cli("checkpoint", "inspect", str(run))
+    r = run_cli("checkpoint", "inspect", str(run))
     assert r.returncode == 1 and "loops back" in r.stdout
 
 
@@ -216,7 +216,7 @@ def test_resume_with_another_optimizer_says_so(tmp_path, flag):
         run,
         **QUIET,
     )
-    r = cli("train", "--resume", str(run), flag, "--train.steps=30")
+    r = run_cli("train", "--resume", str(run), flag, "--train.steps=30")
     assert r.returncode == 1
     assert "resume with the" in error_line(r.stderr)
 
@@ -243,7 +243,7 @@ def test_preprocess_never_deletes_what_is_not_a_dataset(tmp_path, where, monkeyp
         out = work
     else:
         out = Path("..") if where == "parent" else Path(".")
-    r = cli(
+    r = run_cli(
         "data",
         "preprocess",
         "--input",
@@ -292,7 +292,7 @@ def test_replacing_a_dataset_keeps_the_old_one_if_the_swap_fails(tmp_path, monke
 
 def test_test_files_need_by_file_and_by_file_needs_a_train_input(tmp_path):
     a, b = _synth(tmp_path, "a.tsv"), _synth(tmp_path, "b.tsv")
-    r = cli(
+    r = run_cli(
         "data",
         "preprocess",
         "--input",
@@ -306,7 +306,7 @@ def test_test_files_need_by_file_and_by_file_needs_a_train_input(tmp_path):
         "100",
     )
     assert r.returncode == 1 and "add --split by-file" in error_line(r.stderr)
-    r = cli(
+    r = run_cli(
         "data",
         "preprocess",
         "--input",
@@ -365,7 +365,7 @@ def test_an_empty_manifest_is_invalid_and_resume_falls_back(tmp_path):
     messages: list[str] = []
     chain = resolve_chain(run, echo=messages.append)
     assert chain[-1].name == "step_00000010" and "not a complete manifest" in messages[0]
-    r = cli("checkpoint", "inspect", str(run))
+    r = run_cli("checkpoint", "inspect", str(run))
     assert (
         r.returncode == 1 and "Traceback" not in r.stderr and "not a complete manifest" in r.stdout
     )
@@ -373,7 +373,7 @@ def test_an_empty_manifest_is_invalid_and_resume_falls_back(tmp_path):
 
 def test_default_hash_sizes_fit_the_data(tmp_path):
     src = _synth(tmp_path, lines=500)
-    r = cli(
+    r = run_cli(
         "data", "preprocess", "--input", str(src), "--out", str(tmp_path / "ds"), "--split", "none"
     )
     assert r.returncode == 0, r.stderr
@@ -384,7 +384,7 @@ def test_default_hash_sizes_fit_the_data(tmp_path):
 def test_an_ssd_dir_that_cannot_be_created_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    r = cli(
+    r = run_cli(
         "train",
         "--config",
         "debug",
@@ -412,7 +412,7 @@ def test_a_failing_final_evaluation_keeps_the_trained_model(tmp_path):
     ids[5] = 10_000  # table C6 has 100 rows
     ids.tofile(sparse)
     run = tmp_path / "run"
-    r = cli(
+    r = run_cli(
         "train",
         "--config",
         "debug",

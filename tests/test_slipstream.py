@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import cli
+from helpers import run_cli
 
 from recscale.config import load_config
 from recscale.config.errors import ConfigError
@@ -81,7 +81,7 @@ def test_slipstream_config_is_checked_and_the_run_reports_its_skips(tmp_path):
         load_config("debug", ["--embedding.slipstream=true"])  # tables in device memory
     with pytest.raises(ConfigError, match="slipstream_threshold"):
         load_config("debug", ["--embedding.placement=ssd", "--embedding.slipstream_threshold=2"])
-    r = cli(
+    r = run_cli(
         "train",
         "--config",
         "debug",
