@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 import time
 
 import pytest
+from helpers import run_cli
 
 from recscale.bench.sweep import grid, parse_vary, point_overrides
 from recscale.config import ConfigError, load_config
@@ -39,9 +38,6 @@ def test_bad_knobs_are_refused_naming_the_key(spec, match):
 def test_sweep_writes_csv_and_plots_and_resumes(tmp_path):
     out = tmp_path / "sweep"
     cmd = [
-        sys.executable,
-        "-m",
-        "recscale",
         "bench",
         "sweep",
         "--vary",
@@ -54,7 +50,7 @@ def test_sweep_writes_csv_and_plots_and_resumes(tmp_path):
         str(out),
     ]
     t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = run_cli(*cmd)  # each point runs in a process of its own
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 60
     with open(out / "results.csv", newline="") as f:
@@ -65,7 +61,7 @@ def test_sweep_writes_csv_and_plots_and_resumes(tmp_path):
         assert float(row["lookup_ms"]) > 0 and float(row["backward_ms"]) > 0
         assert int(row["peak_rss_bytes"]) > 0
     assert list(out.glob("*.png"))
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # nothing left to run
+    again = run_cli(*cmd)  # nothing left to run
     assert again.returncode == 0 and "2 of 2 points already" in again.stderr + again.stdout
     with open(out / "results.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 2

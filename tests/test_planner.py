@@ -1,8 +1,6 @@
 """The sharding planner: a pure function, tested with synthetic topologies (no process group)."""
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -94,13 +92,13 @@ def test_terabyte_plans_in_seconds():
 
 
 def test_cli_plan_json_and_error():
-    cmd = [sys.executable, "-m", "recscale", "plan", "--config", "criteo_terabyte"]
-    r = subprocess.run([*cmd, "--world-size", "8", "--json"], capture_output=True, text=True)
+    from helpers import run_cli
+
+    cmd = ["plan", "--config", "criteo_terabyte"]
+    r = run_cli(*cmd, "--world-size", "8", "--json")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["placements"]) == 26
-    r = subprocess.run(
-        [*cmd, "--world-size", "2", "--memory-per-rank", "10"], capture_output=True, text=True
-    )
+    r = run_cli(*cmd, "--world-size", "2", "--memory-per-rank", "10")
     assert r.returncode == 1 and "GB missing" in r.stderr
 
 
