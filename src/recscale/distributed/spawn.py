@@ -30,12 +30,14 @@ def process_context():
     """Ranks fork from a server that imported torch and recscale once (the ``forkserver``
     start method): each rank then starts in ~0.1 s instead of the 2-3 s an import of
     torch takes on a fresh interpreter (``spawn``, where the platform has no forkserver).
-    The server imports nothing else and runs no torch op, so it holds no thread pool a
-    fork would break."""
+    The server imports only those (and torch._dynamo, below) and runs no torch op, so it
+    holds no thread pool a fork would break."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["recscale", "torch", "torch.distributed"])
+    # torch._dynamo too: the first torch optimizer a process builds imports it (1.7 s
+    # on a 2-vCPU host), once a rank without it
+    ctx.set_forkserver_preload(["recscale", "torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
