@@ -387,3 +387,30 @@ def train_with_rank_overrides(root: str, by_rank: dict) -> str:
     except (ConfigError, DatasetError, RankFailed) as e:
         return f"{type(e).__name__}: {e}"
     return "ok"
+
+
+def train_with_rank_memory(root: str, memory_by_rank: dict) -> dict:
+    """``train`` of the debug preset (planner's sharding) where each rank's node reports
+    its own memory (``memory_by_rank[rank]`` bytes a rank), as nodes of different sizes
+    do. Returns the run's metrics and the plan this rank trained under."""
+    import os
+    from pathlib import Path
+
+    import recscale.train.parallel as parallel
+    from recscale.train.run import train
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    parallel.default_memory_per_rank = lambda _device, _w: memory_by_rank[rank]
+    cfg = load_config(
+        "debug",
+        [
+            "--train.steps=20",
+            "--train.progress=false",
+            "--distributed.timeout_s=30",
+            "--data.max_ids_per_feature=2",
+        ],
+    )
+    cfg.train.device = "cpu"
+    metrics = train(cfg, Path(root) / "run", echo=lambda _m: None)
+    return {"auc": metrics["auc"], "logloss": metrics["logloss"]}

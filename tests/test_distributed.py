@@ -18,6 +18,7 @@ from dist_workers import (
     sharded_run,
     train_and_report_group,
     train_into_own_run_dir,
+    train_with_rank_memory,
     train_with_rank_overrides,
 )
 
@@ -138,3 +139,14 @@ def test_rank_local_keys_may_differ_and_a_rank_that_cannot_start_stops_the_other
     assert time.monotonic() - start < 25  # rank 0 is told, not left waiting for rank 1
     assert got[1].startswith("DatasetError: ") and "nowhere" in got[1], got
     assert got[0].startswith("RankFailed: rank 1 could not set up its run: DatasetError: "), got
+
+
+def test_ranks_on_nodes_of_different_memory_plan_alike(tmp_path):
+    """Each rank sizes the planner's budget from its own node: given 1 GB and 150 kB
+    a rank, the debug model's tables were replicated on one rank and split by rows on
+    the other (a failed or silently wrong exchange). Every rank plans with the smallest
+    budget: the run equals one where both ranks have 150 kB."""
+    small = 150_000
+    mixed = run_ranks(train_with_rank_memory, 2, str(tmp_path / "a"), {0: 10**9, 1: small})
+    even = run_ranks(train_with_rank_memory, 2, str(tmp_path / "b"), {0: small, 1: small})
+    assert mixed[0] == mixed[1] == even[0]

@@ -15,6 +15,7 @@ from recscale.planner import (
     Topology,
     plan_sharding,
 )
+from recscale.planner.from_config import table_infos
 
 GB = 10**9
 
@@ -269,3 +270,25 @@ def test_an_explicit_ssd_cache_the_memory_cannot_hold_is_a_config_error(monkeypa
     most = int(str(err.value).split("at most ")[1].split(" fits")[0].replace(",", ""))
     assert most < cache
     tiers(most, int(need * 0.95))
+
+
+def test_replicas_never_starve_a_later_table():
+    """Largest first, each table taking its cheapest placement: small tables replicated
+    on every rank had left a 3-row table no room just under the roomy plan's memory.
+    Now every budget with 2% to spare over the tables' bytes gets a plan that fits,
+    replicating fewer tables as the budget shrinks; with memory to spare, as before."""
+    tables = table_infos(load_config("debug"))
+    need = sum(t.bytes for t in tables)
+    cons = Constraints(batch_size=256)
+    roomy = plan_sharding(tables, Topology(2, 10**9), cons)
+    replicated = lambda plan: sum(p.kind == "data_parallel" for p in plan.placements)  # noqa: E731
+    assert replicated(roomy) > 10
+    top = max(roomy.memory_per_rank)
+    assert plan_sharding(tables, Topology(2, top), cons).to_dict() == roomy.to_dict()
+    for cap in range(top - 1, int(need / 2 * 1.02), -1500):
+        tight = plan_sharding(tables, Topology(2, cap), cons)
+        assert {p.table for p in tight.placements} == {t.name for t in tables}
+        assert max(tight.memory_per_rank) <= cap, cap
+        assert replicated(tight) < replicated(roomy)
+    with pytest.raises(PlanError, match=r"2 ranks x 100\.00 kB = 200\.00 kB: \d+\.\d\d kB missing"):
+        plan_sharding(tables, Topology(2, 100_000), cons)

@@ -13,7 +13,9 @@ Greedy, largest table first: each table takes the candidate placement - replicat
 (tables up to ``data_parallel_max_bytes``), whole on the least-loaded rank with
 room, split by columns over the k least-loaded ranks, or split by rows over all
 ranks - that gives the smallest maximum per-rank cost (within 2%; then the least total
-work, then the least memory), within every rank's memory.
+work, then the least memory), within every rank's memory - and among the candidates
+that leave room for the tables still to come (their bytes, at least, in the ranks'
+free memory taken together), so replicating a table never starves a later one.
 A table larger than one rank's memory can only be split by rows. Deterministic:
 ties go to the lower rank index.
 
@@ -33,15 +35,25 @@ popularity law: ``TableInfo.hit_curve``), or ``Constraints.ssd_hit_rate`` withou
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from recscale.planner.costs import CostLaws, placement_work
 from recscale.planner.types import Constraints, ShardingPlan, TableInfo, TablePlacement, Topology
 
-GB = 1e9
 TIE_TOLERANCE = 0.02
 
 
 class PlanError(ValueError):
     """No placement fits; the message says how much memory is missing."""
+
+
+def size(n: float) -> str:
+    """Bytes as a person reads them: ``2.32 GB``, ``163.26 kB`` (a debug model's tables
+    are kB: "0.00 GB" would say nothing)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} bytes"
 
 
 def _candidates(
@@ -173,29 +185,44 @@ def plan_sharding(
 ) -> ShardingPlan:
     """Pure function: the plan for ``tables`` on ``topology`` (see the module docstring).
     ``laws``: seconds per unit of work (``planner/costs.py``); by default from the
-    topology's bandwidths, from a calibration when the caller has one."""
-    w, cap = topology.world_size, topology.memory_per_rank
-    if w < 1:
+    topology's bandwidths, from a calibration when the caller has one. When the tables
+    fit only once each, the plan replicates none (the greedy's replicas had taken the
+    room the last small tables needed, split over the ranks)."""
+    if topology.world_size < 1:
         raise PlanError("world size must be >= 1")
     laws = laws or CostLaws.from_topology(topology)
+    try:
+        return _greedy(tables, topology, constraints, laws)
+    except PlanError as first:
+        if constraints.data_parallel_max_bytes <= 0:
+            raise
+        try:
+            return _greedy(tables, topology, replace(constraints, data_parallel_max_bytes=0), laws)
+        except PlanError:
+            raise first from None
+
+
+def _greedy(
+    tables: list[TableInfo], topology: Topology, constraints: Constraints, laws: CostLaws
+) -> ShardingPlan:
+    w, cap = topology.world_size, topology.memory_per_rank
     mem, cost = [0] * w, [0.0] * w
     placements = _place_on_slow_tiers(tables, topology, constraints, laws, mem, cost)
     total = sum(t.bytes for t in tables if t.name not in placements) + sum(mem)
     if total > w * cap:
-        ssd = (
-            f" and {w} x {topology.ssd_per_rank / GB:.2f} GB of SSD"
-            if topology.ssd_per_rank
-            else ""
-        )
+        ssd = f" and {w} x {size(topology.ssd_per_rank)} of SSD" if topology.ssd_per_rank else ""
         raise PlanError(
-            f"the tables need {total / GB:.2f} GB of memory (with optimizer "
+            f"the tables need {size(total)} of memory (with optimizer "
             f"state{', and caches' if placements else ''}) "
-            f"but {w} ranks x {cap / GB:.2f} GB = {w * cap / GB:.2f} GB{ssd}: "
-            f"{(total - w * cap) / GB:.2f} GB missing"
+            f"but {w} ranks x {size(cap)} = {size(w * cap)}{ssd}: "
+            f"{size(total - w * cap)} missing"
         )
-    for t in sorted(tables, key=lambda t: (-t.bytes, t.name)):
-        if t.name in placements:
-            continue
+    unplaced = [t for t in tables if t.name not in placements]
+    order = sorted(unplaced, key=lambda t: (-t.bytes, t.name))
+    still_to_place = sum(t.bytes for t in order)
+    for t in order:
+        still_to_place -= t.bytes  # the least the tables after this one take
+        free_total = w * cap - sum(mem)
         current_max = max(cost)
         scored = []
         for cand in _candidates(t, topology, constraints, laws, mem, cost):
@@ -214,13 +241,22 @@ def plan_sharding(
             # objective; among them take the least total work, then the least memory, so
             # a 3-row table is replicated rather than spread over idle ranks.
             limit = min(x[0] for x in scored) * (1 + TIE_TOLERANCE) + 1e-9
-            best = min((x for x in scored if x[0] <= limit), key=lambda x: (x[1], x[2]))[3]
+            near = [x for x in scored if x[0] <= limit]
+            # A veto, not a cost: a candidate that leaves less free memory than the later
+            # tables' bytes only moves the failure to them (a replica taking what a small
+            # table needs). A plan that fits never meets it, so such plans are unchanged.
+            roomy = [x for x in scored if free_total - x[2] >= still_to_place]
+            if roomy:
+                near = [x for x in near if any(x is y for y in roomy)] or [
+                    min(roomy, key=lambda x: x[:3])
+                ]
+            best = min(near, key=lambda x: (x[1], x[2]))[3]
         if best is None:
             free = sorted((cap - m for m in mem), reverse=True)
             raise PlanError(
-                f"table {t.name} ({t.bytes / GB:.2f} GB) fits nowhere: the emptiest rank has "
-                f"{free[0] / GB:.2f} GB free and all ranks together {sum(free) / GB:.2f} GB "
-                f"({max(0.0, (t.bytes - sum(free)) / GB):.2f} GB missing; memory is fragmented "
+                f"table {t.name} ({size(t.bytes)}) fits nowhere: the emptiest rank has "
+                f"{size(free[0])} free and all ranks together {size(sum(free))} "
+                f"({size(max(0.0, t.bytes - sum(free)))} missing; memory is fragmented "
                 "otherwise)"
             )
         for r, m in best.memory_per_rank.items():

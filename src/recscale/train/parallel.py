@@ -65,6 +65,8 @@ def build(
         if e.placement == "auto":  # several ranks: the planner places tiers per rank
             Path(e.ssd_dir).mkdir(parents=True, exist_ok=True)
             ssd = int(shutil.disk_usage(e.ssd_dir).free * 0.9) // w
+        if w > 1:
+            memory, ssd = _smallest_on_any_rank(ctx, memory, ssd)
         laws = _shared_laws(cfg, ctx) if d.sharding == "auto" and not d.plan else None
         try:
             plan = plan_for(cfg, w, memory, ssd_per_rank=ssd, laws=laws)
@@ -106,6 +108,17 @@ def build(
             + (f"; tiers {', '.join(tiers)}" if tiers else "")
         )
     return model, module, plan
+
+
+def _smallest_on_any_rank(ctx: DistContext, memory: int, ssd: int) -> tuple[int, int]:
+    """The memory and ssd budgets every rank plans with: the smallest any rank has. Each
+    rank plans for itself, and its budgets come from its own node (its memory, its
+    disk's free space, which moves by the second): ranks planning with different budgets
+    make different plans (two gloo ranks given 1 GB and 150 kB for the debug model:
+    tables replicated on one, split by rows on the other) and exchange the wrong slices."""
+    t = torch.tensor([memory, ssd], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.dense)
+    return int(t[0]), int(t[1])
 
 
 def _shared_laws(cfg: Config, ctx: DistContext):
