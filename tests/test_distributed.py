@@ -150,3 +150,17 @@ def test_ranks_on_nodes_of_different_memory_plan_alike(tmp_path):
     mixed = run_ranks(train_with_rank_memory, 2, str(tmp_path / "a"), {0: 10**9, 1: small})
     even = run_ranks(train_with_rank_memory, 2, str(tmp_path / "b"), {0: small, 1: small})
     assert mixed[0] == mixed[1] == even[0]
+
+
+def test_checkpoints_by_the_clock_are_taken_by_every_rank_at_one_step(tmp_path):
+    """``checkpoint.every_minutes`` reads each rank's own clock, started at its own
+    moment: at the step where rank 0's said "due" and rank 1's not yet, rank 0 began a
+    save and waited for rank 1's part. Any rank's clock now decides for all."""
+    every = ["--checkpoint.every_minutes=0.0005", "--train.steps=40"]  # every 30 ms
+    got = run_ranks(train_with_rank_overrides, 2, str(tmp_path), {0: every, 1: every}, timeout=120)
+    assert got == ["ok", "ok"]
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved  # several by the clock, the last ones kept
+    for ckpt in saved:
+        parts = {p.name for p in (ckpt / "parts").iterdir() if p.is_dir()}
+        assert parts == {"rank00000", "rank00001"}, ckpt

@@ -39,6 +39,8 @@ class _Planted:
         return (Path.touch, (Path(self.marker),))
 
 
+# torch's weights-only loader warns about the planted file's pickle protocol as it refuses it
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_planted_pickle_is_refused_not_run(tmp_path):
     run = tmp_path / "run"
     train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)

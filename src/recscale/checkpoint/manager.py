@@ -164,9 +164,15 @@ class CheckpointManager:
         self._since_full = len(chain) - 1
 
     def due(self, step: int) -> bool:
+        return self.due_by_steps(step) or self.due_by_time()
+
+    def due_by_steps(self, step: int) -> bool:
+        return bool(self.cfg.every_steps and step % self.cfg.every_steps == 0)
+
+    def due_by_time(self) -> bool:
+        """This rank's clock says so (on several ranks the step's all-reduce carries it
+        to the others: ``train.parallel.reduce_step``)."""
         c = self.cfg
-        if c.every_steps and step % c.every_steps == 0:
-            return True
         return bool(c.every_minutes and time.monotonic() - self._last_time >= 60 * c.every_minutes)
 
     def _kind(self) -> str:

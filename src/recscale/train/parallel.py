@@ -243,17 +243,26 @@ def check_batch_memory(cfg: Config, ctx: DistContext) -> None:
 
 
 def reduce_step(
-    loss_value: float, out_of_time: bool, signalled: bool, ctx: DistContext
-) -> tuple[float, bool, bool]:
-    """Global mean loss, whether any rank wants to stop, and whether any rank was asked
-    to by a signal (train/stop.py) - one all-reduce, the same answers on every rank."""
+    loss_value: float,
+    out_of_time: bool,
+    signalled: bool,
+    ctx: DistContext,
+    checkpoint_due: bool = False,
+) -> tuple[float, bool, bool, bool]:
+    """Global mean loss, whether any rank wants to stop, whether any rank was asked to
+    by a signal (train/stop.py), and whether any rank's clock says a checkpoint is due
+    (``checkpoint.every_minutes``: each rank's clock started at its own moment, and a
+    save only one rank begins waits for parts no other rank writes) - one all-reduce,
+    the same answers on every rank."""
     if not ctx.distributed:
-        return loss_value, out_of_time or signalled, signalled
+        return loss_value, out_of_time or signalled, signalled, checkpoint_due
     t = torch.tensor(
-        [loss_value, float(out_of_time), float(signalled)], dtype=torch.float64, device=ctx.device
+        [loss_value, float(out_of_time), float(signalled), float(checkpoint_due)],
+        dtype=torch.float64,
+        device=ctx.device,
     )  # NCCL: on the GPU
     dist.all_reduce(t, group=ctx.dense)
-    return float(t[0]) / ctx.world_size, bool(t[1] > 0 or t[2] > 0), bool(t[2] > 0)
+    return float(t[0]) / ctx.world_size, bool(t[1] > 0 or t[2] > 0), bool(t[2] > 0), bool(t[3] > 0)
 
 
 @torch.no_grad()

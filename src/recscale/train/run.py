@@ -346,8 +346,13 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 # activations checked for NaN/inf too: a fused ReLU can hide them from the loss
                 loss = forward_loss(job.module, batch, t.precision, ctx.device, check_finite=True)
                 # the global mean loss; every rank stops together (see parallel.py)
-                loss_value, stop, interrupted = reduce_step(
-                    float(loss.detach()), out_of_time, signals.requested, ctx
+                saving = job.ckpt is not None and job.ckpt.enabled
+                loss_value, stop, interrupted, clock_due = reduce_step(
+                    float(loss.detach()),
+                    out_of_time,
+                    signals.requested,
+                    ctx,
+                    saving and job.ckpt.due_by_time(),
                 )
                 if stop and math.isfinite(loss_value):
                     step -= 1  # this forward is dropped: the step boundary is the one before
@@ -361,7 +366,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 backward_and_step(loss, job.dense_opt)  # + the embeddings' fused update
                 window_loss += loss_value
                 window_steps += 1
-                if job.ckpt is not None and job.ckpt.enabled and job.ckpt.due(step):
+                if saving and (clock_due or job.ckpt.due_by_steps(step)):  # any rank's clock
                     job.ckpt.save(step, {"step": step})
                     saved_step = step
                 if t.eval_every and step % t.eval_every == 0:
