@@ -235,3 +235,15 @@ def test_a_forecast_whose_dense_side_fills_the_device_says_so():
     cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["5"] * 20000)])
     with pytest.raises(PlanError, match="dense model's state .* alone exceed"):
         forecast(cfg, device_spec("h100-sxm"), 1, "tf32")
+
+
+def test_a_dataset_smaller_than_one_batch_names_the_batch_size(tmp_path, capsys):
+    """The loader drops a partial batch, so nothing would train: said before any model is
+    built (it had surfaced from the data thread, unnamed)."""
+    ds = make_dataset(tmp_path, 100, seed=3, hash_size=50)
+    run = tmp_path / "run"
+    rc, line = _fails(
+        capsys, "train", "--config", "debug", f"--data.path={ds}", "--run-dir", str(run)
+    )
+    assert rc == 2 and "train.batch_size" in line and "100 rows" in line
+    assert not (run / "checkpoints").exists()

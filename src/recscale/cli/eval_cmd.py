@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     trained = load_config(str(run_dir / "config.toml"))
     cfg = load_config(str(run_dir / "config.toml"), overrides)
-    adopt_dataset_shapes(cfg)
+    adopt_dataset_shapes(cfg, training=False)
     if cfg.model != trained.model:
         print(
             "recscale: error: the evaluation data implies a different model than the one trained "

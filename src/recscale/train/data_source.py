@@ -30,11 +30,18 @@ def make_synthetic(cfg: Config) -> SyntheticCriteo:
     )
 
 
-def adopt_dataset_shapes(cfg: Config) -> str | None:
-    """With a dataset, take its table sizes (and check its dense width); returns a note."""
+def adopt_dataset_shapes(cfg: Config, training: bool = True) -> str | None:
+    """With a dataset, take its table sizes (and check its dense width and, for
+    ``training``, that its train split holds a batch); returns a note."""
     if not cfg.data.uses_dataset():
         return None
     ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
+    if training and ds.rows < cfg.train.batch_size:  # a partial batch is dropped: none left
+        raise ConfigError(
+            "train.batch_size",
+            f"{cfg.train.batch_size} is more than the {ds.rows:,} rows of split "
+            f"{cfg.data.train_split!r} of {cfg.data.path}: nothing would train",
+        )
     if ds.num_dense != cfg.model.num_dense_features:
         raise ConfigError(
             "model.num_dense_features",
