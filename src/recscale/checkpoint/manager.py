@@ -163,9 +163,6 @@ class CheckpointManager:
         self._last_name = chain[-1].name
         self._since_full = len(chain) - 1
 
-    def due(self, step: int) -> bool:
-        return self.due_by_steps(step) or self.due_by_time()
-
     def due_by_steps(self, step: int) -> bool:
         return bool(self.cfg.every_steps and step % self.cfg.every_steps == 0)
 

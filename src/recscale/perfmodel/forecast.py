@@ -185,7 +185,7 @@ def forecast(
                 "narrower layers, or a smaller batch"
             )
         laws = device_laws(dev, w, system, dense.act)
-        plan = plan_for(cfg, w, max(budget, 0), laws=laws)
+        plan = plan_for(cfg, w, budget, laws=laws)
 
     ranks = list(_embedding_ranks(cfg, dev, eff, system, plan, tables, precision))
     if hybrid:

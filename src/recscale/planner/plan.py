@@ -245,11 +245,10 @@ def _greedy(
             # A veto, not a cost: a candidate that leaves less free memory than the later
             # tables' bytes only moves the failure to them (a replica taking what a small
             # table needs). A plan that fits never meets it, so such plans are unchanged.
-            roomy = [x for x in scored if free_total - x[2] >= still_to_place]
+            most = free_total - still_to_place  # the memory a candidate may take
+            roomy = [x for x in scored if x[2] <= most]
             if roomy:
-                near = [x for x in near if any(x is y for y in roomy)] or [
-                    min(roomy, key=lambda x: x[:3])
-                ]
+                near = [x for x in near if x[2] <= most] or [min(roomy, key=lambda x: x[:3])]
             best = min(near, key=lambda x: (x[1], x[2]))[3]
         if best is None:
             free = sorted((cap - m for m in mem), reverse=True)
