@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from helpers import error_line, make_dataset
@@ -29,7 +30,54 @@ def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path, capsys):
     rc, line = _fails(capsys, "config", "--config", str(bad))
     assert rc == 2 and "not UTF-8" in line and str(bad) in line
     rc, line = _fails(capsys, "config", "--config", str(tmp_path) + "/")
-    assert rc == 2 and "cannot read" in line
+    assert rc == 2 and "is a directory" in line
+
+
+@pytest.fixture
+def alarm():
+    """Turns a hang into a failure: SIGALRM after the seconds given raises in the test."""
+
+    def expire(signum, frame):
+        raise TimeoutError("still reading after the alarm: a hang, not a refusal")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    yield signal.alarm
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "directory"])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["config", "--config", "{}"], "--config"),
+        (["config", "--config", "debug", "--distributed.plan={}"], "distributed.plan"),
+        (["plan", "--config", "debug", "--calibration", "{}"], "distributed.calibration"),
+        (
+            ["plan", "--config", "debug", "--device", "h100-sxm", "--device-file", "{}"],
+            "--device-file",
+        ),
+    ],
+)
+def test_a_named_file_that_is_a_fifo_a_device_or_a_directory_is_refused_unread(
+    tmp_path, capsys, alarm, argv, key, what
+):
+    """A config, plan, calibration or device file read whole would hang on a FIFO (its
+    open waits for a writer) and read /dev/zero until the memory is gone."""
+    if what == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+        kind = "a FIFO"
+    elif what == "directory":
+        path, kind = tmp_path, "a directory"
+    else:
+        path, kind = what, "a character device"
+    argv = [a.replace("{}", str(path)) for a in argv]
+    if argv[0] == "config" and key == "distributed.plan":  # `config` does not read the plan
+        argv = ["train", *argv[1:], f"--run-dir={tmp_path / 'run'}"]
+    alarm(30)
+    rc, line = _fails(capsys, *argv)
+    assert rc == 2 and f"'{key}'" in line and f"{path} is {kind}" in line, line
 
 
 @pytest.mark.parametrize("raw", ["99999999999999999999999", "-9223372036854775809"])

@@ -119,7 +119,7 @@ def check_args(args: argparse.Namespace, batch_size: int) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    if args.device_file is not None and not Path(args.device_file).is_file():
+    if args.device_file is not None and not Path(args.device_file).exists():
         raise ConfigError("--device-file", f"file not found: {args.device_file}")
     if args.list_devices:
         return _list_devices(args.device_file)
@@ -226,6 +226,8 @@ def _calibration(spec: str):
 
     try:
         return find_calibration(spec or "auto")
+    except ConfigError:  # the file is not one to read (a FIFO, a device...): it says so
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError("distributed.calibration", str(e)) from e
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
+from recscale.config.small_files import read_small_text
 
 
 def preset_dir() -> Path:
@@ -157,15 +158,9 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
     if name_or_path:
         path = _resolve_path(name_or_path)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = tomllib.loads(read_small_text(path, "--config"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"{path} is not valid TOML: {e}") from e
-        except UnicodeDecodeError as e:
-            raise ConfigError(
-                "--config", f"{path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8"
-            ) from e
-        except OSError as e:  # a directory, no permission, an I/O error
-            raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}") from e
         layer = []
         for section, table in data.items():
             if not isinstance(table, dict):

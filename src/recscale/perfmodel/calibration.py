@@ -18,6 +18,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from recscale.config.small_files import read_small_text
+
 FORMAT = 3
 
 
@@ -49,7 +51,7 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
-        d = json.loads(Path(path).read_text())
+        d = json.loads(read_small_text(path, "distributed.calibration"))
         if d.get("format") != FORMAT:
             raise ValueError(
                 f"{path}: calibration format {d.get('format')}; run `recscale bench calibrate` "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recscale.config.errors import ConfigError
+from recscale.config.small_files import read_small_text
 
 CATALOGUE = Path(__file__).with_name("devices.toml")
 THIS = "this"
@@ -105,10 +106,8 @@ def _entry(name: str, d: dict, where: str) -> DeviceSpec:
 
 def _read(path: Path) -> dict[str, DeviceSpec]:
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError("--device-file", f"{path}: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        data = tomllib.loads(read_small_text(path, "--device-file"))
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError("--device-file", f"{path}: not TOML ({e})") from None
     if THIS in data:
         raise ConfigError(f"{path}: [{THIS}]", f"{THIS!r} names the calibrated host")

@@ -89,6 +89,8 @@ def calibrated_laws(cfg: Config) -> CostLaws | None:
     """The planner's costs from ``distributed.calibration`` (None: the defaults)."""
     try:
         cal = find_calibration(cfg.distributed.calibration)
+    except ConfigError:  # the file is not one to read (a FIFO, a device...): it says so
+        raise
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError("distributed.calibration", str(e)) from e
     return planner_laws(cal) if cal is not None else None

@@ -13,6 +13,7 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
+from recscale.config.small_files import read_small_text
 from recscale.data.columns import DatasetError, read_metadata
 from recscale.data.synthetic import zipf_share
 from recscale.embedding import kernels
@@ -240,9 +241,10 @@ def plan_for(
     d = cfg.distributed
     tables = table_infos(cfg)
     if d.plan:
+        text = read_small_text(d.plan, "distributed.plan")
         try:
-            plan = ShardingPlan.from_dict(json.loads(Path(d.plan).read_text()))
-        except (OSError, ValueError, KeyError) as e:
+            plan = ShardingPlan.from_dict(json.loads(text))
+        except (ValueError, KeyError) as e:
             raise ConfigError("distributed.plan", f"cannot read a plan from {d.plan}: {e}") from e
         if plan.world_size != world_size:
             raise ConfigError(
