@@ -158,6 +158,33 @@ def test_preprocess_settings_out_of_range_are_one_line_and_write_nothing(
     assert rc in (1, 2) and flag in line and not out.exists()
 
 
+@pytest.mark.parametrize("role", ["--input", "--test"])
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "/dev/urandom", "directory"])
+def test_a_preprocess_input_that_is_a_pipe_a_device_or_a_directory_is_refused(
+    tmp_path, capsys, alarm, role, what
+):
+    """Preprocessing reads an input more than once (ids counted, then parsed) and sizes
+    its chunks by the file: a FIFO hung on its open, /dev/zero and /dev/urandom never end."""
+    src = tmp_path / "in.tsv"
+    src.write_text("0\t1" + "\t" * 38 + "\n")
+    if what == "fifo":
+        path, kind = tmp_path / "pipe", "a FIFO"
+        os.mkfifo(path)
+    elif what == "directory":
+        path, kind = tmp_path / "days", "a directory"
+        path.mkdir()
+    else:
+        path, kind = what, "a character device"
+    files = (
+        ["--input", str(path)] if role == "--input" else ["--input", str(src), "--test", str(path)]
+    )
+    split = "none" if role == "--input" else "by-file"
+    out = tmp_path / "ds"
+    alarm(30)
+    rc, line = _fails(capsys, "data", "preprocess", *files, "--out", str(out), "--split", split)
+    assert rc == 1 and f"input {path} is {kind}" in line and not out.exists(), line
+
+
 @pytest.mark.parametrize("lines", ["0", "-1"])
 def test_synth_tsv_of_no_lines_is_one_line(tmp_path, capsys, lines):
     rc, line = _fails(capsys, "data", "synth-tsv", "--lines", lines, "--out", str(tmp_path / "x"))

@@ -25,6 +25,13 @@ _KINDS = (
 )
 
 
+def not_a_file(mode: int) -> str | None:
+    """What a ``st_mode`` is when it is not a regular file ("a FIFO"...), else None."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
 def read_small_text(path: str | Path, key: str, limit: int = MAX_BYTES) -> str:
     """The UTF-8 text of ``path``: a regular file of at most ``limit`` bytes (symbolic
     links followed: a user may link a config). Anything else is a :class:`ConfigError`
@@ -36,9 +43,8 @@ def read_small_text(path: str | Path, key: str, limit: int = MAX_BYTES) -> str:
     except OSError as e:
         raise ConfigError(key, f"cannot read {path}: {e.strerror or e}") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        kind = not_a_file(os.fstat(fd).st_mode)
+        if kind is not None:
             raise ConfigError(key, f"{path} is {kind}; name a file")
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(limit + 1)  # + 1: a file that grew past its size is still caught

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from recscale import locks
+from recscale.config.small_files import not_a_file
 from recscale.data.columns import READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 
@@ -56,8 +57,19 @@ class PreprocessOptions:
         if not self.inputs:
             raise ValueError("no input files")
         for p in [*self.inputs, *self.test_files, *self.val_files]:
-            if not Path(p).exists():
-                raise ValueError(f"input file not found: {p}")
+            try:
+                kind = not_a_file(os.stat(p).st_mode)
+            except FileNotFoundError:
+                raise ValueError(f"input file not found: {p}") from None
+            except OSError as e:
+                raise ValueError(f"cannot read input {p}: {e.strerror or e}") from None
+            if kind == "a directory":
+                raise ValueError(f"input {p} is a directory; name the files in it")
+            if kind is not None:  # a pipe or a device: no size, and it cannot be read twice
+                raise ValueError(
+                    f"input {p} is {kind}; preprocessing reads each input more than once "
+                    "and needs its size: name a regular file (plain or .gz)"
+                )
         if self.id_mode not in ("hash", "vocab"):
             raise ValueError(f"--mode must be hash or vocab, got {self.id_mode!r}")
         if self.split not in ("kaggle", "by-file", "none"):
