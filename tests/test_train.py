@@ -163,6 +163,37 @@ def test_python_m_and_console_script_agree():
     assert outs[0].replace("__main__.py", "recscale") == outs[1]
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["config", "--config", "A"]])
+def test_help_and_config_answer_without_loading_torch(argv):
+    """The parser and `recscale config` need neither torch nor the training stack: in a
+    fresh interpreter they load no torch module (~3 s of imports on a small VM)."""
+    code = (
+        "import sys\n"
+        "from recscale.cli.main import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip().splitlines()[-1] == "[]", out[-500:]
+
+
+def test_the_cli_user_errors_name_real_exception_classes():
+    """main() matches the user's errors by module and class name (so it need not import
+    torch to name them): each entry is an exception class where the table says."""
+    import importlib
+
+    from recscale.cli.main import USER_ERRORS
+
+    for module, name in USER_ERRORS:
+        cls = getattr(importlib.import_module(module), name)
+        assert isinstance(cls, type) and issubclass(cls, Exception), (module, name)
+
+
 def test_cpu_threads_respected(tmp_path):
     cfg = load_config(
         "debug",

@@ -7,10 +7,6 @@ import argparse
 import json
 from pathlib import Path
 
-from recscale.checkpoint.format import CheckpointError, read_manifest, verify
-from recscale.checkpoint.manager import chain_of, checkpoint_dirs
-from recscale.checkpoint.state import load_dense
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help="inspect checkpoints")
@@ -25,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _describe(path: Path) -> dict:
+    from recscale.checkpoint.format import CheckpointError, read_manifest, verify
+    from recscale.checkpoint.manager import chain_of
+    from recscale.checkpoint.state import load_dense
+
     info: dict = {"path": str(path)}
     try:
         manifest = read_manifest(path)
@@ -50,6 +50,10 @@ def _describe(path: Path) -> dict:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    # Imported here, not at the top: `recscale --help` and the other commands need
+    # neither torch nor the training stack (seconds of imports).
+    from recscale.checkpoint.manager import checkpoint_dirs
+
     path: Path = args.path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     paths = [path] if (path / "manifest.json").exists() else checkpoint_dirs(root)

@@ -7,17 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from recscale.checkpoint.format import CheckpointError
-from recscale.checkpoint.manager import resolve_chain
-from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
-from recscale.models.dlrm import build_model
-from recscale.train.data_source import adopt_dataset_shapes, eval_batches
-from recscale.train.run import evaluate
-from recscale.train.step import resolve_device
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +30,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    # Imported here, not at the top: `recscale --help` and the other commands need
+    # neither torch nor the training stack (seconds of imports).
+    import torch
+
+    from recscale.checkpoint.format import CheckpointError
+    from recscale.checkpoint.manager import resolve_chain
+    from recscale.checkpoint.state import restore
+    from recscale.models.dlrm import build_model
+    from recscale.train.data_source import adopt_dataset_shapes, eval_batches
+    from recscale.train.run import evaluate
+    from recscale.train.step import resolve_device
+
     run_dir: Path = args.model
     has_checkpoints = (run_dir / "checkpoints").is_dir()
     if not (run_dir / "config.toml").exists() or not (

@@ -15,11 +15,7 @@ from recscale.cli import (
     train_cmd,
 )
 from recscale.config.errors import ConfigError
-from recscale.data.dataset import DatasetError
-from recscale.embedding.cached_storage import TierFileError
-from recscale.embedding.storage import DevicePlacementError
 from recscale.locks import LockedError
-from recscale.train.config_agreement import RankFailed
 
 COMMANDS = {
     "train": train_cmd,
@@ -30,6 +26,27 @@ COMMANDS = {
     "checkpoint": checkpoint_cmd,
     "config": config_cmd,
 }
+
+
+# Errors that are the user's to fix, each one line and exit 1: bad input files, an
+# unusable ssd_dir, a table's tensor off its planned device, another rank of the job
+# that failed to set up (it says why). Looked up among the modules loaded, not imported:
+# an error of a module never imported cannot have been raised, and `--help`, `config`
+# and `plan` need neither torch nor the training stack (seconds of imports).
+USER_ERRORS = (
+    ("recscale.data.columns", "DatasetError"),
+    ("recscale.embedding.row_file", "TierFileError"),
+    ("recscale.embedding.storage", "DevicePlacementError"),
+    ("recscale.train.config_agreement", "RankFailed"),
+)
+
+
+def _is_user_error(e: BaseException) -> bool:
+    for module, name in USER_ERRORS:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(e, getattr(loaded, name)):
+            return True
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
-    except (DatasetError, TierFileError, DevicePlacementError) as e:
-        # bad input files, an unusable ssd_dir, a table's tensor off its planned device
+    except LockedError as e:  # another process writes the run directory / the dataset
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    except (LockedError, RankFailed) as e:  # another process writes the run directory /
-        # the dataset; another rank of this job failed to set up (it says why)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a path that cannot be read or written

@@ -18,7 +18,6 @@ from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 from recscale.planner import Constraints, PlanError, Topology, plan_sharding
 from recscale.planner.costs import CostLaws
-from recscale.planner.from_config import table_infos
 
 THIS = "this"
 
@@ -127,6 +126,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     check_args(args, cfg.train.batch_size)
     if args.device and args.device != THIS:
         return _forecast(cfg, args)
+    from recscale.planner.from_config import table_infos  # imports torch: not for --help
+
     tables = table_infos(cfg)
     a2a = (args.all_to_all_gbps or 12.5) * 1e9
     topo = Topology(

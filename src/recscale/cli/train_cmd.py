@@ -9,11 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from recscale.checkpoint.format import CheckpointError
 from recscale.config.loader import load_config, preset_names
-from recscale.embedding.cached_storage import CacheTooSmallError
-from recscale.modules.embedding_bag_collection import IdOutOfRangeError
-from recscale.train.run import RunDirInUse, TrainingDiverged, train
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +48,13 @@ def _resumed_run_dir(path: Path) -> Path:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    # Imported here, not at the top: `recscale --help` and the other commands need
+    # neither torch nor the training stack (seconds of imports).
+    from recscale.checkpoint.format import CheckpointError
+    from recscale.embedding.cached_storage import CacheTooSmallError
+    from recscale.modules.embedding_bag_collection import IdOutOfRangeError
+    from recscale.train.run import RunDirInUse, TrainingDiverged, train
+
     resume_dir = None
     if args.resume is not None:
         try:
