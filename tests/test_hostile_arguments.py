@@ -322,3 +322,12 @@ def test_a_dataset_smaller_than_one_batch_names_the_batch_size(tmp_path, capsys)
     )
     assert rc == 2 and "train.batch_size" in line and "100 rows" in line
     assert not (run / "checkpoints").exists()
+
+
+def test_an_os_error_of_a_command_is_one_line(tmp_path, capsys):
+    """A path the OS refuses (a run directory under a regular file) ends the command
+    with one line naming the path, exit 1, no traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, line = _fails(capsys, "train", "--config", "debug", "--run-dir", str(blocker / "run"))
+    assert rc == 1 and str(blocker / "run") in line and "Not a directory" in line, line

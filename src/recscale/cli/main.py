@@ -77,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     except LockedError as e:  # another process writes the run directory / the dataset
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:
-        if not _is_user_error(e):
-            raise
-        print(f"recscale: error: {e}", file=sys.stderr)
-        return 1
     except OSError as e:  # a full disk, a path that cannot be read or written
         where = f"{e.filename}: " if e.filename and str(e.filename) not in str(e.strerror) else ""
         print(f"recscale: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # after OSError: these are not OS errors
+        if not _is_user_error(e):
+            raise
+        print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the training loop (which handles its own)
         print("recscale: interrupted", file=sys.stderr)
