@@ -170,3 +170,69 @@ def test_the_plan_decides_each_tables_kernel_and_the_storages_take_it(kernels):
             assert kmod.choose_once(g.storage, g.storage.kernel, "backward", w, g.storage.dim) == (
                 g.storage.kernel
             )
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+        ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK='-1'"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+    ],
+)
+def test_a_malformed_launch_environment_names_the_variable(monkeypatch, env, named):
+    from recscale.distributed.context import JobLaunchError, launch_env
+
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(JobLaunchError, match=named.replace("(", r"\(")):
+        launch_env()
+
+
+def test_launch_env_reads_torchruns_variables(monkeypatch):
+    from recscale.distributed.context import launch_env
+
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert launch_env() == (1, 0, 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launch_env() == (4, 3, 1)
+
+
+def test_a_rank_started_alone_stops_in_one_line_after_the_timeout(tmp_path):
+    """WORLD_SIZE=2 and only rank 0 started: after distributed.timeout_s, one line saying
+    the job could not form and what to check (it was torch's store traceback)."""
+    import os
+    import socket
+
+    from helpers import cli, error_line
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    run = tmp_path / "run"
+    r = cli(
+        "train",
+        "--config",
+        "debug",
+        f"--run-dir={run}",
+        "--distributed.timeout_s=2",
+        env=env,
+        timeout=120,
+    )
+    line = error_line(r.stderr)
+    assert r.returncode == 1 and "could not form the job" in line and "WORLD_SIZE=2" in line

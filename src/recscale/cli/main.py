@@ -30,14 +30,16 @@ COMMANDS = {
 
 # Errors that are the user's to fix, each one line and exit 1: bad input files, an
 # unusable ssd_dir, a table's tensor off its planned device, another rank of the job
-# that failed to set up (it says why). Looked up among the modules loaded, not imported:
-# an error of a module never imported cannot have been raised, and `--help`, `config`
-# and `plan` need neither torch nor the training stack (seconds of imports).
+# that failed to set up (it says why), ranks that could not form the job. Looked up
+# among the modules loaded, not imported: an error of a module never imported cannot
+# have been raised, and `--help` and `config` need neither torch nor the training
+# stack (seconds of imports).
 USER_ERRORS = (
     ("recscale.data.columns", "DatasetError"),
     ("recscale.embedding.row_file", "TierFileError"),
     ("recscale.embedding.storage", "DevicePlacementError"),
     ("recscale.train.config_agreement", "RankFailed"),
+    ("recscale.distributed.context", "JobLaunchError"),
 )
 
 

@@ -50,8 +50,40 @@ class DistContext:
         return box[0]
 
 
+class JobLaunchError(RuntimeError):
+    """The job's ranks cannot form: the launch environment is malformed, or the ranks did
+    not meet (one started alone, a wrong ``MASTER_ADDR``). One line for the user."""
+
+
+def _env_int(name: str, default: int, least: int) -> int:
+    """``os.environ[name]`` as a whole number >= ``least`` (``default`` when unset)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise JobLaunchError(
+            f"environment variable {name}={raw!r}: a whole number >= {least} "
+            "(torchrun sets it; unset it to train in one process)"
+        )
+    return value
+
+
+def launch_env() -> tuple[int, int, int]:
+    """(world size, rank, local rank) from the environment torchrun sets, checked: whole
+    numbers, and 0 <= RANK < WORLD_SIZE where there are several ranks."""
+    world = _env_int("WORLD_SIZE", 1, 1)
+    rank, local_rank = _env_int("RANK", 0, 0), _env_int("LOCAL_RANK", 0, 0)
+    if world > 1 and rank >= world:
+        raise JobLaunchError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    return world, rank, local_rank
+
+
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return "TORCHELASTIC_RUN_ID" in os.environ or launch_env()[0] > 1
 
 
 def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistContext:
@@ -61,11 +93,9 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistCont
     gloo on CPU, NCCL on CUDA. ``timeout_s`` bounds how long a collective waits for
     a rank that stopped answering, so a dead rank fails the job instead of hanging it.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank, local_rank = launch_env()
     if world == 1:
         return DistContext(device=device)
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -78,7 +108,17 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistCont
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        except dist.DistError as e:  # the store: ranks that never came, an unreachable master
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise JobLaunchError(
+                f"rank {rank} of WORLD_SIZE={world} could not form the job at {where} within "
+                f"{timeout_s:g} s ({first}): start every rank (torchrun "
+                "--nproc_per_node/--nnodes), check MASTER_ADDR and MASTER_PORT, or raise "
+                "distributed.timeout_s"
+            ) from e
     groups = [dist.new_group(backend=backend, timeout=timeout) for _ in range(3)]
     return DistContext(rank, world, local_rank, device, *groups)
 
