@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_dataset, run_cli
+from helpers import error_line, make_dataset, run_cli
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
 from recscale.dataprep.criteo_tsv import synthetic_lines
@@ -304,6 +304,48 @@ def test_synth_tsv_writes_the_click_models_own_metrics(tmp_path):
     brute = auc(torch.from_numpy(all_logits), torch.from_numpy(labels).double())
     assert opt["all"]["auc"] == pytest.approx(brute)
     assert 0.6 < opt["kaggle_test"]["auc"] < 1.0
+
+
+def test_synth_tsv_streams_a_block_at_a_time_and_leaves_nothing_when_it_fails(
+    tmp_path, monkeypatch
+):
+    """Each block is drawn after the previous one is written (memory: a block, not the
+    file - 1 GB a million lines before), into a .partial name renamed at the end; a
+    failure midway leaves neither the file nor the partial one."""
+    from recscale.dataprep import criteo_tsv
+
+    draw = criteo_tsv.synthetic_lines_and_logits
+    partial = tmp_path / "s.tsv.partial"
+    sizes = []
+
+    def drawing(n, seed):
+        sizes.append(partial.stat().st_size if partial.exists() else 0)
+        if seed == 103:
+            raise OSError(28, "No space left on device")  # as a full disk would, at block 3
+        return draw(n, seed)
+
+    monkeypatch.setattr(criteo_tsv, "synthetic_lines_and_logits", drawing)
+    with pytest.raises(OSError, match="No space"):
+        criteo_tsv.write_tsv(tmp_path / "s.tsv", 3500, seed=100, block=1000)
+    assert sizes[0] == 0 < sizes[1] < sizes[2] < sizes[3]  # each block written before the next
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_synth_tsv_beyond_the_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from recscale.dataprep import criteo_tsv
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**5, 10**5))
+    with pytest.raises(ValueError, match=r"needs ~0.5 MB .* 0.1 MB free"):
+        criteo_tsv.write_tsv(tmp_path / "s.tsv", 2000, block=1000)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    r = run_cli("data", "synth-tsv", "--lines", str(10**15), "--out", str(tmp_path / "x.tsv"))
+    assert r.returncode == 1 and "--lines 1,000,000,000,000,000 needs" in error_line(r.stderr)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_synth_tsv_lines_are_distinct_unless_cycling_is_asked_for(tmp_path):

@@ -130,7 +130,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         if args.lines < 1:
             print(f"recscale: error: --lines must be >= 1, got {args.lines}", file=sys.stderr)
             return 1
-        n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
+        try:
+            n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
+        except ValueError as e:  # more than the disk or the memory holds
+            print(f"recscale: error: {e}", file=sys.stderr)
+            return 1
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
         print(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -106,30 +107,77 @@ def write_tsv(
     repetition; a model's held-out AUC does: it can memorise the repeated labels and
     score above the click model's own ceiling). Also writes ``PATH.optimum.json``
     (:func:`write_optimum`): the best AUC and logloss any model can reach on the lines.
+
+    Streams a block at a time (memory: a block's lines, the cycled blocks, and 9 bytes
+    a line for the optimum), into ``PATH.partial`` renamed at the end: a run that
+    fails or is stopped leaves no file that looks whole. Refused before anything is
+    written where the disk (the first block's bytes a line) or the memory cannot hold it.
     """
+    path = Path(path)
     needed = -(-lines // block)
-    made = [
-        synthetic_lines_and_logits(min(block, lines - i * block), seed + i)
-        for i in range(min(distinct_blocks or needed, needed))
-    ]
-    blocks = [("\n".join(ls) + "\n").encode() for ls, _ in made]
-    order = [(i % len(made), min(block, lines - w)) for i, w in enumerate(range(0, lines, block))]
-    all_logits = np.concatenate([made[b][1][:n] for b, n in order])
-    all_labels = np.concatenate(
-        [np.array([ln[0] == "1" for ln in made[b][0][:n]]) for b, n in order]
-    )
-    write_optimum(Path(str(path) + ".optimum.json"), all_logits, all_labels)
+    kept: list[tuple[bytes, np.ndarray, np.ndarray]] = []  # cycled blocks, drawn once
+
+    def block_of(i: int) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """Block ``i``'s text, logits and labels (its first lines where it is the last)."""
+        n = min(block, lines - i * block)
+        if distinct_blocks and i >= distinct_blocks:
+            data, logits, labels = kept[i % distinct_blocks]
+            if n < len(logits):
+                data = b"".join(ln + b"\n" for ln in data.split(b"\n")[:n])
+            return data, logits[:n], labels[:n]
+        ls, logits = synthetic_lines_and_logits(n, seed + i)
+        out = (("\n".join(ls) + "\n").encode(), logits, np.array([ln[0] == "1" for ln in ls]))
+        if distinct_blocks:
+            kept.append(out)
+        return out
+
+    first = block_of(0)
+    _check_room(path, lines, first[0], len(first[1]))
+    all_logits = np.empty(lines, np.float64)
+    all_labels = np.empty(lines, np.bool_)
+    partial = path.with_name(path.name + ".partial")
     opener = gzip.open if str(path).endswith(".gz") else open
-    written = total = 0
-    with opener(path, "wb") as f:
-        i = 0
-        while written < lines:
-            data = blocks[i % len(blocks)]
-            n = min(block, lines - written)
-            if n < min(block, lines):
-                data = b"".join(line + b"\n" for line in data.split(b"\n")[:n])
-            f.write(data)
-            written += n
-            total += len(data)
-            i += 1
+    total = 0
+    try:
+        with opener(partial, "wb") as f:
+            for i in range(needed):
+                data, logits, labels = first if i == 0 else block_of(i)
+                f.write(data)
+                all_logits[i * block : i * block + len(logits)] = logits
+                all_labels[i * block : i * block + len(labels)] = labels
+                total += len(data)
+        write_optimum(Path(str(path) + ".optimum.json"), all_logits, all_labels)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return total
+
+
+def _check_room(path: Path, lines: int, sample: bytes, sample_lines: int) -> None:
+    """Refuse a TSV the disk or the memory cannot hold, before a byte is written: the
+    text at the sample block's bytes a line (gzip: the block compressed), the optimum's
+    9 bytes a line in memory."""
+    from recscale.procfs import proc_bytes
+
+    per_line = len(sample) / sample_lines
+    if str(path).endswith(".gz"):
+        per_line = len(gzip.compress(sample, compresslevel=1)) / sample_lines
+    need = int(per_line * lines)
+    free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
+    if need > free:
+        raise ValueError(
+            f"--lines {lines:,} needs ~{_size(need)} at {path} "
+            f"({per_line:.0f} bytes a line) but its disk has {_size(free)} free"
+        )
+    mem = proc_bytes("/proc/meminfo", "MemAvailable")
+    if mem is not None and 9 * lines > mem:
+        raise ValueError(
+            f"--lines {lines:,}: the click model's optimum keeps 9 bytes a line "
+            f"({_size(9 * lines)}) and {_size(mem)} of memory is available; "
+            "write fewer lines (several files are read as one input)"
+        )
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
