@@ -94,10 +94,11 @@ def to_multihot(
     if meta.get("multi_hot"):
         raise DatasetError(f"{src} is multi-hot already; give a one-hot dataset")
     f = int(meta["num_sparse"])
+    given = ",".join(map(str, bag_sizes))  # as typed, not expanded to a size a feature
     if len(bag_sizes) == 1:
         bag_sizes = bag_sizes * f
     if len(bag_sizes) != f or min(bag_sizes) < 1 or max(bag_sizes) > MAX_BAG:
-        raise ValueError(f"--bag-sizes takes 1 or {f} sizes in 1..{MAX_BAG}, got {bag_sizes}")
+        raise ValueError(f"--bag-sizes takes 1 or {f} sizes in 1..{MAX_BAG}, got {given}")
     check_output_dir(Path(out), [Path(src)])
     with writing(Path(out)):
         return _write(src, Path(out), meta, bag_sizes, seed, layout, echo)
