@@ -331,3 +331,15 @@ def test_an_os_error_of_a_command_is_one_line(tmp_path, capsys):
     blocker.write_text("")
     rc, line = _fails(capsys, "train", "--config", "debug", "--run-dir", str(blocker / "run"))
     assert rc == 1 and str(blocker / "run") in line and "Not a directory" in line, line
+
+
+def test_a_damaged_config_of_a_run_names_the_flag_that_named_the_run(tmp_path, capsys):
+    """`train --resume RUN` and `eval --model RUN` read RUN/config.toml: its error names
+    the flag the user gave, not --config."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text("[train]\nsteps = [\n")
+    rc, line = _fails(capsys, "train", "--resume", str(run))
+    assert rc == 2 and "'--resume'" in line and "not valid TOML" in line, line
+    rc, line = _fails(capsys, "eval", "--model", str(run))
+    assert rc == 2 and "'--model'" in line and "not valid TOML" in line, line

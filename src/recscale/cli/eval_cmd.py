@@ -52,7 +52,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    trained = load_config(str(run_dir / "config.toml"))
+    try:
+        trained = load_config(str(run_dir / "config.toml"))
+    except ConfigError as e:  # the run's own config.toml: the file --model named
+        raise ConfigError("--model" if e.key == "--config" else e.key, e.message) from None
     cfg = load_config(str(run_dir / "config.toml"), overrides)
     adopt_dataset_shapes(cfg, training=False)
     if cfg.model != trained.model:

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 
 
@@ -63,7 +64,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"recscale: error: {e}", file=sys.stderr)
             return 1
     config = args.config or (str(resume_dir / "config.toml") if resume_dir else None)
-    cfg = load_config(config, overrides)
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        if e.key == "--config" and args.config is None and resume_dir is not None:
+            raise ConfigError("--resume", e.message) from None  # the file --resume named
+        raise
     if args.run_dir:
         run_dir = Path(args.run_dir)
     elif resume_dir is not None:
