@@ -343,3 +343,34 @@ def test_a_damaged_config_of_a_run_names_the_flag_that_named_the_run(tmp_path, c
     assert rc == 2 and "'--resume'" in line and "not valid TOML" in line, line
     rc, line = _fails(capsys, "eval", "--model", str(run))
     assert rc == 2 and "'--model'" in line and "not valid TOML" in line, line
+
+
+def test_sigterm_during_a_preprocess_removes_its_temporary_dataset(tmp_path, capsys, monkeypatch):
+    """SIGTERM (a scheduler's, `timeout`'s) ends any command as Ctrl-C does: the
+    preprocess removes OUT.tmp (it was left behind, the process killed outright) and the
+    exit code is 143; the handler before the command is back after it."""
+    from recscale.dataprep import preprocess as pre
+
+    src = tmp_path / "in.tsv"
+    src.write_text("0\t1" + "\t" * 38 + "\n")
+    checked = pre.check_bad_lines
+
+    def terminated_here(*a, **kw):  # the OUT.tmp/raw columns are written by now
+        assert (tmp_path / "ds.tmp").is_dir()
+        os.kill(os.getpid(), signal.SIGTERM)
+        return checked(*a, **kw)
+
+    def unhandled(signum, frame):  # what the test sees if the command does not take it
+        raise AssertionError("SIGTERM reached the handler from before the command")
+
+    monkeypatch.setattr(pre, "check_bad_lines", terminated_here)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    out = tmp_path / "ds"
+    try:
+        rc = main(["data", "preprocess", "--input", str(src), "--out", str(out), "--split", "none"])
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert rc == 143 and "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["in.tsv"]

@@ -12,6 +12,7 @@ from recscale.cli import (
     data_cmd,
     eval_cmd,
     plan_cmd,
+    signals,
     train_cmd,
 )
 from recscale.config.errors import ConfigError
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command].run(args, extra)
+        with signals.sigterm_as_interrupt():
+            return COMMANDS[args.command].run(args, extra)
     except ConfigError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # outside the training loop (which handles its own)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the training loop (it has its own)
+        if signals.terminated():
+            print("recscale: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         print("recscale: interrupted", file=sys.stderr)
         return 130

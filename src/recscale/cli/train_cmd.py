@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
+from recscale.cli import signals
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 
@@ -80,7 +79,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         while run_dir.exists():  # two runs started within the same second
             n += 1
             run_dir = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    terminated = _on_sigterm_interrupt()
     try:
         metrics = train(cfg, run_dir, resume=args.resume)
     except (
@@ -92,26 +90,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
-    if terminated.is_set() or metrics.get("stop_signal") == "SIGTERM":
+    if signals.terminated() or metrics.get("stop_signal") == "SIGTERM":
         print("recscale: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         return 143
     return 130 if metrics["interrupted"] else 0
-
-
-def _on_sigterm_interrupt() -> threading.Event:
-    """SIGTERM (what schedulers and torchrun send) stops training like Ctrl-C: the final
-    checkpoint and metrics.json are written, and the exit code is 143 (128 + SIGTERM).
-    While the training loop runs its own handlers take over (train/stop.py: the loop
-    ends at a step boundary); this one covers the rest of the run. Returns the event a
-    SIGTERM sets here."""
-    seen = threading.Event()
-
-    def handler(signum, frame):
-        if seen.is_set():  # a second SIGTERM: stop now
-            raise SystemExit(143)
-        seen.set()
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-    return seen
