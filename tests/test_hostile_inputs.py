@@ -110,6 +110,51 @@ def test_an_atomic_write_that_fails_leaves_neither_half_a_file_nor_its_temp(tmp_
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
 
 
+def test_links_planted_in_a_run_directory_are_never_written_through(tmp_path):
+    """A symbolic link at a name a run writes (a shared /tmp, another user): the train log
+    is refused naming it, eval's metrics and the atomic writes replace the link; the file
+    it points to is never touched."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_log.jsonl").symlink_to(victim)
+    r = run_cli("train", "--config", "debug", "--train.steps=3", f"--run-dir={run}")
+    assert r.returncode == 1 and "train_log.jsonl: a symbolic link; refused" in r.stderr
+    assert victim.read_text() == "precious"
+
+    run = tmp_path / "run2"  # the refused run left its config.toml: a run of its own
+    assert (
+        run_cli("train", "--config", "debug", "--train.steps=3", f"--run-dir={run}").returncode == 0
+    )
+    (run / "eval_synthetic-eval.json").symlink_to(victim)
+    r = run_cli("eval", "--model", str(run))
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "precious"
+    assert not (run / "eval_synthetic-eval.json").is_symlink()
+    assert json.loads((run / "eval_synthetic-eval.json").read_text())["count"] > 0
+
+    link = tmp_path / "metrics.json"
+    link.symlink_to(victim)
+    write_atomic(link, "new")
+    assert victim.read_text() == "precious" and link.read_text() == "new"
+    assert not link.is_symlink()
+
+
+def test_synth_tsv_never_writes_through_links_at_its_names(tmp_path):
+    from recscale.dataprep.criteo_tsv import write_tsv
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "s.tsv"
+    for name in ("s.tsv.partial", "s.tsv.optimum.json", "s.tsv"):
+        (tmp_path / name).symlink_to(victim)
+    write_tsv(out, 500, block=200)
+    assert victim.read_text() == "precious"
+    assert len(out.read_text().splitlines()) == 500 and not out.is_symlink()
+    assert not (tmp_path / "s.tsv.partial").exists()
+
+
 def test_a_preprocess_that_fails_midway_removes_its_temporary_dataset(tmp_path, monkeypatch):
     from recscale.dataprep import preprocess as pp
 

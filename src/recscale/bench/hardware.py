@@ -23,6 +23,7 @@ import torch
 
 from recscale import native
 from recscale.config.schema import Config
+from recscale.config.small_files import write_text_atomic
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
 from recscale.modules import gemm
 
@@ -210,9 +211,8 @@ def best_on_record(key: str, measured: float, path: Path | None = None) -> float
         record[key] = best
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-            os.replace(tmp, path)  # a concurrent run never reads half a file
+            # a concurrent run never reads half a file
+            write_text_atomic(path, json.dumps(record, indent=1, sort_keys=True))
         except OSError:
             pass  # read-only home: the run's own reading stands
     return best

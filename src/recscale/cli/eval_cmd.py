@@ -9,6 +9,7 @@ from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
+from recscale.config.small_files import write_text_atomic
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     metrics = evaluate(model, eval_batches(cfg, split), device)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
     out = run_dir / f"eval_{metrics['split']}.json"
-    out.write_text(json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(out, json.dumps(metrics, indent=2) + "\n")  # not through a planted link
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:

@@ -1,15 +1,20 @@
-"""Reading the small files a user names (a config, a plan, a calibration, a device
-catalogue): a regular file of bounded size, or a one-line error naming the key.
+"""Small files at paths a user names or shares: reading a config, a plan, a calibration
+or a device catalogue (a regular file of bounded size, or a one-line error naming the
+key), and writing a run's records (never through a link planted at the name).
 
 ``Path.read_text`` on such a name would hang on a FIFO (the open waits for a writer) and
 read ``/dev/zero`` until the memory is gone; these files are kilobytes, so anything that
 is not a regular file, or is larger than ``MAX_BYTES``, is refused before it is read.
+``Path.write_text`` follows a symbolic link: one planted in a run directory (a shared
+``/tmp``) would have a run overwrite the file it points to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from recscale.config.errors import ConfigError
@@ -58,3 +63,45 @@ def read_small_text(path: str | Path, key: str, limit: int = MAX_BYTES) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(key, f"{path} is not UTF-8 text (byte {e.start})") from None
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """``path`` replaced whole or not at all: ``text`` goes into a new file beside it
+    (created with a random name, never opened through a link), which is renamed over
+    ``path`` - a rename replaces a symbolic link at ``path``, it does not write through
+    it. The temporary file goes on any error (a full disk included), and the error says
+    which file could not be written."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a run's records are for reading
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+        raise
+
+
+def open_log(path: str | Path, append: bool):
+    """``path`` opened for writing text lines (appending, or from empty), refused where
+    it is a symbolic link or not a regular file (a FIFO would block the open)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    flags |= os.O_APPEND if append else os.O_TRUNC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        why = "a symbolic link" if os.path.islink(path) else e.strerror
+        raise OSError(e.errno, f"cannot write {path}: {why}; refused") from None
+    kind = not_a_file(os.fstat(fd).st_mode)
+    if kind is not None:
+        os.close(fd)
+        raise OSError(0, f"cannot write {path}: it is {kind}; refused")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a" if append else "w", encoding="utf-8")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recscale.config.small_files import write_text_atomic
 from recscale.data.synthetic import zipf_ranks
 
 _CARDINALITIES = [
@@ -91,7 +92,7 @@ def write_optimum(path: Path, logits: np.ndarray, labels: np.ndarray) -> dict:
     for name, lo in (("all", 0), ("kaggle_test", test_lo)):
         m = binary_metrics(torch.from_numpy(logits[lo:]), torch.from_numpy(labels[lo:]).double())
         out[name] = {"lines": n - lo, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"]}
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(out, indent=2) + "\n")
     return out
 
 
@@ -136,10 +137,11 @@ def write_tsv(
     all_logits = np.empty(lines, np.float64)
     all_labels = np.empty(lines, np.bool_)
     partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)  # a killed run's, or a link planted there
     opener = gzip.open if str(path).endswith(".gz") else open
     total = 0
     try:
-        with opener(partial, "wb") as f:
+        with opener(partial, "xb") as f:  # created, never opened through a link
             for i in range(needed):
                 data, logits, labels = first if i == 0 else block_of(i)
                 f.write(data)

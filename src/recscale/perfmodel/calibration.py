@@ -18,7 +18,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from recscale.config.small_files import read_small_text
+from recscale.config.small_files import read_small_text, write_text_atomic
 
 FORMAT = 3
 
@@ -47,7 +47,7 @@ class Calibration:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        write_text_atomic(path, json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Calibration:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import signal
 import tempfile
 import time
@@ -36,6 +35,7 @@ from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
+from recscale.config.small_files import open_log, write_text_atomic
 from recscale.data.batch import Batch
 from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
@@ -117,15 +117,9 @@ def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dic
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """``path`` replaced whole or not at all; the temporary file goes on any error (a full
-    disk included), and the error says which file could not be written."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+    """``path`` replaced whole or not at all, never written through a link planted there
+    (:func:`recscale.config.small_files.write_text_atomic`)."""
+    write_text_atomic(path, text)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -296,7 +290,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     ebc = model.embeddings
     log_file = None
     if job.run_dir is not None:
-        log_file = (job.run_dir / "train_log.jsonl").open("a" if resumed else "w")
+        log_file = open_log(job.run_dir / "train_log.jsonl", append=resumed)
     progress = Progress(t.steps, t.batch_size, t.progress and ctx.is_main, initial=start_step)
     stream = Prefetcher(
         train_batches(cfg, start_step, ctx.rank, ctx.world_size),
