@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from recscale.cli import signals
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
+from recscale.config.small_files import read_small_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,10 +49,26 @@ def _resumed_run_dir(path: Path) -> Path:
     raise FileNotFoundError(f"--resume {path}: no config.toml in it or above it")
 
 
+def _finished_at(run_dir: Path, steps: int) -> int | None:
+    """The step a run that finished in ``run_dir`` (its metrics.json: not interrupted)
+    reached, where that is at or past ``steps``; else None (0 steps: derived from epochs
+    when the run starts, unknown here). Under torchrun not asked: a node without the run
+    directory would go on alone into the job's collectives."""
+    try:
+        m = json.loads(read_small_text(run_dir / "metrics.json", "--resume"))
+    except (ConfigError, ValueError):  # none, or not one this run wrote whole
+        return None
+    done = m.get("steps") if isinstance(m, dict) else None
+    if steps and m.get("interrupted") is False and isinstance(done, int) and done >= steps:
+        return done
+    return None
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
     from recscale.checkpoint.format import CheckpointError
+    from recscale.distributed.context import launch_env
     from recscale.embedding.cached_storage import CacheTooSmallError
     from recscale.modules.embedding_bag_collection import IdOutOfRangeError
     from recscale.train.run import RunDirInUse, TrainingDiverged, train
@@ -79,6 +97,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         while run_dir.exists():  # two runs started within the same second
             n += 1
             run_dir = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    if resume_dir is not None and run_dir == resume_dir and launch_env()[0] == 1:
+        done = _finished_at(run_dir, cfg.train.steps)
+        if done is not None:  # resuming would train nothing and rewrite its record
+            print(
+                f"recscale: {run_dir} finished at step {done:,} (train.steps "
+                f"{cfg.train.steps:,}): nothing to train; raise --train.steps to continue "
+                "(its metrics.json and checkpoints are left as they are)",
+                file=sys.stderr,
+            )
+            return 0
     try:
         metrics = train(cfg, run_dir, resume=args.resume)
     except (
