@@ -394,3 +394,26 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_record(tmp_path):
     r = run_cli("train", "--resume", str(run), "--train.steps=10", *base)
     assert r.returncode == 0, r.stderr
     assert json.loads((run / "metrics.json").read_text())["steps"] == 10
+
+
+def test_an_empty_split_to_score_is_named_not_a_traceback(tmp_path, capsys):
+    """Seven lines split the Kaggle way leave 'val' with no rows: scoring it was a
+    torch.cat traceback after training; now one line naming the key (or eval's split)."""
+    from recscale.dataprep.criteo_tsv import synthetic_lines
+    from recscale.dataprep.preprocess import PreprocessOptions, preprocess
+
+    src = tmp_path / "in.tsv"
+    src.write_text("\n".join(synthetic_lines(7, seed=1)) + "\n")
+    ds = tmp_path / "ds"
+    preprocess(PreprocessOptions(inputs=[src], out=ds, split="kaggle"), echo=lambda s: None)
+    assert read_metadata(ds)["splits"]["val"]["rows"] == 0
+    base = ["train", "--config", "debug", f"--data.path={ds}", "--train.batch_size=2"]
+    base += ["--train.steps=4", "--train.progress=false"]
+    rc, line = _fails(capsys, *base, "--data.eval_split=val", f"--run-dir={tmp_path / 'a'}")
+    assert rc == 2 and "'data.eval_split'" in line and "no rows" in line, line
+    rc, line = _fails(capsys, *base, "--train.eval_every=2", f"--run-dir={tmp_path / 'b'}")
+    assert rc == 2 and "'data.val_split'" in line and "no rows" in line, line
+    assert main([*base, f"--run-dir={tmp_path / 'c'}"]) == 0  # the test split has a row
+    capsys.readouterr()
+    rc, line = _fails(capsys, "eval", "--model", str(tmp_path / "c"), "--split", "val")
+    assert rc == 1 and "split 'val'" in line and "no rows" in line, line

@@ -54,17 +54,23 @@ def adopt_dataset_shapes(cfg: Config, training: bool = True) -> str | None:
         ev = BinaryDataset(cfg.data.path, cfg.data.eval_split)
     except (DatasetError, OSError) as e:
         raise ConfigError("data.eval_split", str(e)) from e
+    if ev.rows == 0:
+        raise ConfigError(
+            "data.eval_split",
+            f"split {cfg.data.eval_split!r} of {cfg.data.path} has no rows: nothing to score "
+            f"at the end (its splits: {_split_rows(ds.meta)})",
+        )
     if ev.table_sizes != ds.table_sizes or ev.num_dense != ds.num_dense:
         raise ConfigError(
             "data.eval_split",
             f"split {cfg.data.eval_split!r} of {cfg.data.path} has other shapes than "
             f"{cfg.data.train_split!r}",
         )
-    if cfg.train.eval_every and cfg.data.val_split not in ds.meta["splits"]:
+    if cfg.train.eval_every and not _split_rows(ds.meta).get(cfg.data.val_split):
         raise ConfigError(
             "data.val_split",
-            f"{cfg.data.path} has no split {cfg.data.val_split!r} to score during training "
-            f"(it has {', '.join(ds.meta['splits'])})",
+            f"{cfg.data.path} has no rows in a split {cfg.data.val_split!r} to score during "
+            f"training (its splits: {_split_rows(ds.meta)})",
         )
     note = None
     if cfg.model.table_sizes != ds.table_sizes:
@@ -113,6 +119,11 @@ def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:
     b = cfg.train.eval_batch_size
     if cfg.data.uses_dataset():
         ds = BinaryDataset(cfg.data.path, split or cfg.data.eval_split)
+        if ds.rows == 0:  # a tiny input's kaggle split: metrics of nothing are undefined
+            raise DatasetError(
+                f"split {ds.split!r} of {cfg.data.path} has no rows: nothing to score "
+                f"(its splits: {_split_rows(ds.meta)})"
+            )
         return BatchLoader(
             ds, b, shuffle=False, drop_last=False, epochs=1, block_rows=cfg.data.block_rows
         )
@@ -192,3 +203,8 @@ def sample_id_counts(cfg: Config, samples: int, features: list[int]) -> dict[int
     return {
         f: np.unique(np.concatenate(v), return_counts=True) if v else empty for f, v in seen.items()
     }
+
+
+def _split_rows(meta: dict) -> dict[str, int]:
+    """A dataset's splits and their rows, as its metadata says (checked when opened)."""
+    return {name: int(s["rows"]) for name, s in meta["splits"].items()}
