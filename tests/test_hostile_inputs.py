@@ -380,3 +380,18 @@ def test_a_run_directory_that_is_a_file_is_one_line(tmp_path):
         "train", "--config", "debug", "--train.steps=3", "--run-dir", str(tmp_path / "afile")
     )
     assert r.returncode == 1 and "is a file" in error_line(r.stderr)
+
+
+def test_an_atomic_write_makes_its_file_as_open_would_under_the_umask(tmp_path):
+    """The temporary file (0600 as created) gets the mode open() would give: 0644 under
+    umask 022, 0600 under 077."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
+            os.umask(umask)
+            write_atomic(tmp_path / f"m{umask:o}.json", "{}")
+            assert stat.S_IMODE((tmp_path / f"m{umask:o}.json").stat().st_mode) == mode
+    finally:
+        os.umask(old)

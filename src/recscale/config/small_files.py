@@ -79,7 +79,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a run's records are for reading
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (mkstemp: 0600)
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -105,3 +105,16 @@ def open_log(path: str | Path, append: bool):
         raise OSError(0, f"cannot write {path}: it is {kind}; refused")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it to read it,
+    a moment in which another thread's new file would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
