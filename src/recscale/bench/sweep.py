@@ -30,6 +30,7 @@ from typing import Any
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
+from recscale.config.small_files import open_log
 
 STAGE_COLUMNS = (
     "data",
@@ -178,7 +179,8 @@ def run_sweep(
         bar.set_postfix_str(", ".join(f"{k.split('.')[-1]}={v}" for k, v in point.items()))
         row = run_point(config, point, steps, warmup, extra or [])
         new = not csv_path.exists()
-        with open(csv_path, "a", newline="") as f:  # one finished point at a time: resumable
+        # one finished point at a time: resumable; never appended through a planted link
+        with open_log(csv_path, append=True) as f:
             w = csv.DictWriter(f, fieldnames=[*keys, *RESULT_COLUMNS])
             if new:
                 w.writeheader()

@@ -90,8 +90,9 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def open_log(path: str | Path, append: bool):
-    """``path`` opened for writing text lines (appending, or from empty), refused where
-    it is a symbolic link or not a regular file (a FIFO would block the open)."""
+    """``path`` opened for writing text lines (appending, or from empty; ``\\n`` written
+    as is, as csv wants), refused where it is a symbolic link or not a regular file (a
+    FIFO would block the open)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     flags |= os.O_APPEND if append else os.O_TRUNC
     try:
@@ -104,7 +105,7 @@ def open_log(path: str | Path, append: bool):
         os.close(fd)
         raise OSError(0, f"cannot write {path}: it is {kind}; refused")
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
+    return os.fdopen(fd, "a" if append else "w", encoding="utf-8", newline="")
 
 
 def _umask() -> int:
