@@ -417,3 +417,88 @@ def test_an_empty_split_to_score_is_named_not_a_traceback(tmp_path, capsys):
     capsys.readouterr()
     rc, line = _fails(capsys, "eval", "--model", str(tmp_path / "c"), "--split", "val")
     assert rc == 1 and "split 'val'" in line and "no rows" in line, line
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # beyond Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    "argv, key, says",
+    [
+        (["config", "--config", "{toml}"], "--config", "nests arrays or tables too deeply"),
+        (
+            ["plan", "--config", "debug", "--device", "h100-sxm", "--device-file", "{toml}"],
+            "--device-file",
+            "nests arrays or tables too deeply",
+        ),
+        (
+            ["plan", "--config", "debug", "--calibration", "{json}"],
+            "distributed.calibration",
+            "nested too deeply",
+        ),
+        (
+            ["train", "--config", "debug", "--distributed.plan={json}"],
+            "distributed.plan",
+            "nested too deeply",
+        ),
+        (
+            ["train", "--config", "debug", "--distributed.plan={list}"],
+            "distributed.plan",
+            "cannot read a plan",
+        ),
+        (
+            ["train", "--config", "debug", "--distributed.plan={empty_plan}"],
+            "distributed.plan",
+            "has no placement for tables",
+        ),
+    ],
+)
+def test_nested_or_misshapen_files_are_one_line_not_a_recursion_error(
+    tmp_path, capsys, argv, key, says
+):
+    """10^5 nested brackets made tomllib and json raise RecursionError (a traceback); a
+    plan file of another shape raised TypeError, one missing tables a ValueError from
+    deep in shard(). Each is one line naming the key."""
+    files = {
+        "toml": "[x]\na = " + DEEP_JSON + "\n",
+        "json": DEEP_JSON,
+        "list": "[1, 2]",
+        "empty_plan": json.dumps(
+            {"world_size": 1, "placements": [], "memory_per_rank": [0], "cost_per_rank": [0]}
+        ),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [a.format(**{n: tmp_path / n for n in files}) for a in argv]
+    if argv[0] == "train":
+        argv += ["--train.steps=2", f"--run-dir={tmp_path / 'run'}"]
+    rc, line = _fails(capsys, *argv)
+    assert rc == 2 and f"'{key}'" in line and says in line, line
+
+
+def test_deep_json_in_a_dataset_or_a_checkpoint_is_named_or_passed_over(tmp_path, capsys):
+    """A dataset's metadata.json nested 10^5 deep is one line; a checkpoint whose manifest
+    is, is invalid and resume falls back to the one before."""
+    ds = make_dataset(tmp_path, lines=300, seed=0, hash_size=50)
+    (ds / "metadata.json").write_text(DEEP_JSON)
+    with pytest.raises(DatasetError, match="nested too deeply"):
+        read_metadata(ds)
+    run = tmp_path / "run"
+    base = ["--config", "debug", "--train.progress=false", "--data.eval_samples=512"]
+    assert (
+        main(["train", *base, "--train.steps=4", "--checkpoint.every_steps=2", f"--run-dir={run}"])
+        == 0
+    )
+    newest = sorted((run / "checkpoints").iterdir())[-1]  # step 4 (incremental)
+    (newest / "manifest.json").write_text(DEEP_JSON)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps=6"]) == 0
+    out = capsys.readouterr()
+    assert "nested too deeply" in out.out + out.err and "Traceback" not in out.err, out
+    assert json.loads((run / "metrics.json").read_text())["resumed_from_step"] == 2
+
+
+def test_a_config_with_a_byte_order_mark_reads_as_without(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")
+    assert load_config(str(path)).train.steps == 3

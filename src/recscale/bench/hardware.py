@@ -23,7 +23,7 @@ import torch
 
 from recscale import native
 from recscale.config.schema import Config
-from recscale.config.small_files import write_text_atomic
+from recscale.config.small_files import loads_json, write_text_atomic
 from recscale.embedding.low_precision import bytes_per_value, row_overhead
 from recscale.modules import gemm
 
@@ -203,7 +203,7 @@ def best_on_record(key: str, measured: float, path: Path | None = None) -> float
     if path is None:
         return measured
     try:
-        record = json.loads(path.read_text())
+        record = loads_json(path.read_text())
     except (OSError, ValueError):
         record = {}
     best = max(measured, float(record.get(key, 0.0)))

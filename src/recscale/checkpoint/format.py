@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from recscale.config.small_files import loads_json
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3  # 3: the manifest carries its own CRC (manifest_crc32)
 _CKPT_NAME = re.compile(r"^step_\d{8}(\.inc)?$")
@@ -124,7 +126,7 @@ class CheckpointWriter:
                         f"{timeout_s:.0f}s (the previous checkpoint stays the newest)"
                     )
                 time.sleep(0.01)
-            parts.append(json.loads(path.read_text()))
+            parts.append(loads_json(path.read_text()))
         files: dict[str, dict[str, int]] = {}
         by_name: dict[str, dict[str, Any]] = {}
         for p in parts:
@@ -327,7 +329,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if mpath.stat().st_size > 64 << 20:
         raise CheckpointError(f"{mpath}: {mpath.stat().st_size:,} bytes, not a manifest")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = loads_json(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from e
     missing = [

@@ -43,6 +43,7 @@ from recscale.checkpoint.format import (
     verify,
 )
 from recscale.config.schema import CHECKPOINT_PRECISIONS as PRECISIONS
+from recscale.config.small_files import loads_json
 from recscale.embedding.storage import RowStorage
 from recscale.modules.embedding_bag_collection import TablePart, TableSpec
 
@@ -521,7 +522,7 @@ def restore(
                     f"{type(dense_opt).__name__} ({e}): resume with the optimizer.name it was "
                     "written with"
                 ) from e
-        trainer = json.loads(checked_file(path, "trainer.json").read_text())
+        trainer = loads_json(checked_file(path, "trainer.json").read_text())
     if "torch_rng" in trainer:
         rng = np.frombuffer(base64.b64decode(trainer["torch_rng"]), dtype=np.uint8).copy()
         torch.set_rng_state(torch.from_numpy(rng))

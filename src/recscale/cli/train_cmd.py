@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from recscale.cli import signals
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
-from recscale.config.small_files import read_small_text
+from recscale.config.small_files import loads_json, read_small_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +54,7 @@ def _finished_at(run_dir: Path, steps: int) -> int | None:
     when the run starts, unknown here). Under torchrun not asked: a node without the run
     directory would go on alone into the job's collectives."""
     try:
-        m = json.loads(read_small_text(run_dir / "metrics.json", "--resume"))
+        m = loads_json(read_small_text(run_dir / "metrics.json", "--resume"))
     except (ConfigError, ValueError):  # none, or not one this run wrote whole
         return None
     done = m.get("steps") if isinstance(m, dict) else None

@@ -157,10 +157,14 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
     cfg = Config()
     if name_or_path:
         path = _resolve_path(name_or_path)
+        # A byte-order mark (some Windows editors write one) is not TOML: read past it.
+        text = read_small_text(path, "--config").removeprefix("\ufeff")
         try:
-            data = tomllib.loads(read_small_text(path, "--config"))
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"{path} is not valid TOML: {e}") from e
+        except RecursionError:  # tomllib parses nested arrays recursively
+            raise ConfigError("--config", f"{path} nests arrays or tables too deeply") from None
         layer = []
         for section, table in data.items():
             if not isinstance(table, dict):

@@ -12,10 +12,12 @@ is not a regular file, or is larger than ``MAX_BYTES``, is refused before it is 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from recscale.config.errors import ConfigError
 
@@ -63,6 +65,16 @@ def read_small_text(path: str | Path, key: str, limit: int = MAX_BYTES) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(key, f"{path} is not UTF-8 text (byte {e.start})") from None
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads``, with a document nested deeper than Python's recursion limit (a
+    damaged or hostile file: 10^5 ``[``) a ``json.JSONDecodeError`` as any other
+    malformed JSON, not a RecursionError that no caller expects."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

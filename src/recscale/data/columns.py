@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from recscale.config.small_files import loads_json
+
 
 class DatasetError(ValueError):
     pass
@@ -46,7 +48,7 @@ def read_metadata(root: str | Path) -> dict[str, Any]:
     if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:  # a FIFO would hang the read
         raise DatasetError(f"{path}: not a regular file of a dataset's metadata; refused")
     try:
-        meta = json.loads(path.read_text())
+        meta = loads_json(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatasetError(f"{path}: unreadable ({e})") from None
     if not isinstance(meta, dict):

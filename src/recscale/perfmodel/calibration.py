@@ -18,7 +18,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from recscale.config.small_files import read_small_text, write_text_atomic
+from recscale.config.small_files import loads_json, read_small_text, write_text_atomic
 
 FORMAT = 3
 
@@ -51,7 +51,12 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
-        d = json.loads(read_small_text(path, "distributed.calibration"))
+        try:
+            d = loads_json(read_small_text(path, "distributed.calibration"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a calibration (not JSON: {e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: not a calibration (not a JSON object)")
         if d.get("format") != FORMAT:
             raise ValueError(
                 f"{path}: calibration format {d.get('format')}; run `recscale bench calibrate` "

@@ -109,6 +109,8 @@ def _read(path: Path) -> dict[str, DeviceSpec]:
         data = tomllib.loads(read_small_text(path, "--device-file"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("--device-file", f"{path}: not TOML ({e})") from None
+    except RecursionError:  # tomllib parses nested arrays recursively
+        raise ConfigError("--device-file", f"{path}: nests arrays or tables too deeply") from None
     if THIS in data:
         raise ConfigError(f"{path}: [{THIS}]", f"{THIS!r} names the calibrated host")
     return {n: _entry(n, d, str(path)) for n, d in data.items()}

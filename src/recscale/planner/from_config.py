@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -13,7 +12,7 @@ import torch
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.config.small_files import read_small_text
+from recscale.config.small_files import loads_json, read_small_text
 from recscale.data.columns import DatasetError, read_metadata
 from recscale.data.synthetic import zipf_share
 from recscale.embedding import kernels
@@ -28,6 +27,7 @@ from recscale.embedding.sizing import (
     state_bytes,
 )
 from recscale.planner.costs import CostLaws
+from recscale.planner.layout import build_layout
 from recscale.planner.plan import (
     Constraints,
     PlanError,
@@ -243,14 +243,20 @@ def plan_for(
     if d.plan:
         text = read_small_text(d.plan, "distributed.plan")
         try:
-            plan = ShardingPlan.from_dict(json.loads(text))
-        except (ValueError, KeyError) as e:
+            plan = ShardingPlan.from_dict(loads_json(text))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not a plan's shape
             raise ConfigError("distributed.plan", f"cannot read a plan from {d.plan}: {e}") from e
         if plan.world_size != world_size:
             raise ConfigError(
                 "distributed.plan",
                 f"{d.plan} is a plan for {plan.world_size} ranks but the job has {world_size}",
             )
+        try:  # every table placed, on ranks of the job, column splits that add up
+            build_layout(
+                [t.name for t in tables], [t.rows for t in tables], [t.dim for t in tables], plan
+            )
+        except ValueError as e:
+            raise ConfigError("distributed.plan", f"{d.plan} does not fit the model: {e}") from e
         return plan
     if d.sharding != "auto":
         return uniform_plan(tables, world_size, d.sharding)
