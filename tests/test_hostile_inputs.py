@@ -14,9 +14,10 @@ from helpers import cli, error_line, make_dataset, run_cli
 
 from recscale import locks, native
 from recscale.config import ConfigError, load_config
+from recscale.config.small_files import write_text_atomic as write_atomic
 from recscale.dataprep import common
 from recscale.dataprep.multihot import to_multihot
-from recscale.train.run import TrainingDiverged, run_lock, train, write_atomic
+from recscale.train.run import TrainingDiverged, run_lock, train
 
 QUIET = dict(echo=lambda *_: None)
 BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"]

@@ -116,14 +116,8 @@ def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dic
     return score(model, batches, DistContext(device=device))
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` replaced whole or not at all, never written through a link planted there
-    (:func:`recscale.config.small_files.write_text_atomic`)."""
-    write_text_atomic(path, text)
-
-
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass
@@ -504,7 +498,7 @@ def train(
         warm_caches(job.model.embeddings, job.echo, job.cfg.embedding)
         start_steps(job.cfg)
         if job.run_dir is not None:  # only now: a failed resume leaves the run's config alone
-            write_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
+            write_text_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
         _announce(job)
         loop = train_loop(job, start_step, resume is not None)
         save_final(job, loop)
