@@ -202,6 +202,8 @@ def test_synth_tsv_of_no_lines_is_one_line(tmp_path, capsys, lines):
         ("feature_names", 5, "feature_names"),
         ("feature_names", ["C1"], "feature_names"),
         ("splits", {"train": {"rows": "many"}}, "splits.train.rows"),
+        ("splits", {"../other/train": {"rows": 1}}, "splits.../other/train"),  # outside
+        ("splits", {"..": {"rows": 1}}, "not a plain name"),
     ],
 )
 def test_a_foreign_or_damaged_metadata_field_is_named(tmp_path, field, value, named):

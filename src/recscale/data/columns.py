@@ -107,6 +107,9 @@ def check_metadata_fields(path: Path, meta: dict[str, Any]) -> None:
         if not isinstance(splits, dict):
             raise bad("splits", "is not an object of splits")
         for name, split in splits.items():
+            # a split is a directory of the dataset: "../x" would read another's files
+            if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+                raise bad(f"splits.{name}", "is not a plain name (a directory of the dataset)")
             rows = split.get("rows") if isinstance(split, dict) else None
             if not _whole(rows) or rows < 0:
                 raise bad(f"splits.{name}.rows", f"is {rows!r}, not a whole number >= 0")
