@@ -18,7 +18,7 @@ from typing import Any
 
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
-from recscale.config.small_files import read_small_text
+from recscale.config.small_files import loads_toml, read_small_text
 
 
 def preset_dir() -> Path:
@@ -160,11 +160,9 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
         # A byte-order mark (some Windows editors write one) is not TOML: read past it.
         text = read_small_text(path, "--config").removeprefix("\ufeff")
         try:
-            data = tomllib.loads(text)
+            data = loads_toml(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"{path} is not valid TOML: {e}") from e
-        except RecursionError:  # tomllib parses nested arrays recursively
-            raise ConfigError("--config", f"{path} nests arrays or tables too deeply") from None
         layer = []
         for section, table in data.items():
             if not isinstance(table, dict):

@@ -16,6 +16,7 @@ import json
 import os
 import stat
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,16 @@ def loads_json(text: str) -> Any:
         return json.loads(text)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
+def loads_toml(text: str) -> dict[str, Any]:
+    """``tomllib.loads``, with arrays nested deeper than Python's recursion limit a
+    ``tomllib.TOMLDecodeError`` as any other malformed TOML (tomllib parses nested
+    arrays recursively: a RecursionError otherwise)."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise tomllib.TOMLDecodeError("nests arrays or tables too deeply") from None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recscale.config.errors import ConfigError
-from recscale.config.small_files import read_small_text
+from recscale.config.small_files import loads_toml, read_small_text
 
 CATALOGUE = Path(__file__).with_name("devices.toml")
 THIS = "this"
@@ -106,11 +106,9 @@ def _entry(name: str, d: dict, where: str) -> DeviceSpec:
 
 def _read(path: Path) -> dict[str, DeviceSpec]:
     try:
-        data = tomllib.loads(read_small_text(path, "--device-file"))
+        data = loads_toml(read_small_text(path, "--device-file"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("--device-file", f"{path}: not TOML ({e})") from None
-    except RecursionError:  # tomllib parses nested arrays recursively
-        raise ConfigError("--device-file", f"{path}: nests arrays or tables too deeply") from None
     if THIS in data:
         raise ConfigError(f"{path}: [{THIS}]", f"{THIS!r} names the calibrated host")
     return {n: _entry(n, d, str(path)) for n, d in data.items()}
