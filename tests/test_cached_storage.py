@@ -542,3 +542,33 @@ def test_prefetched_reads_land_before_anything_reads_their_rows(tmp_path):
         assert torch.equal(pooled, values[batch].sum(0, keepdim=True))
         st.apply_gradients(batch[:0], torch.zeros(0, 4))
     assert st.stats.read_wait_seconds >= 0.0 and st.stats.lookups == 8
+
+
+@pytest.mark.parametrize("tier", ["host", "ssd"])
+def test_default_caches_of_small_tables_hold_the_batches_in_flight(tmp_path, tier):
+    """The debug preset's 7,700 rows: a default host cache of 10% of them held fewer rows
+    than one batch of 256 touches, and warm rows pinned to 80% of a cache left less than
+    two batches unpinned - both stopped training at the first eviction. A default cache
+    holds the batches in flight, and pins leave them room; training matches memory."""
+    over = ["--train.steps=20", "--train.progress=false", "--train.save_model=false"]
+    mem = train(load_config("debug", over), None, echo=lambda _m: None)
+    notes = []
+    tiered = train(
+        load_config(
+            "debug", over + [f"--embedding.placement={tier}", f"--embedding.ssd_dir={tmp_path}"]
+        ),
+        None,
+        echo=notes.append,
+    )
+    assert tiered["auc"] == mem["auc"] and tiered["logloss"] == mem["logloss"]
+    assert any("cache warm start" in n for n in notes), notes
+
+
+def test_warm_pins_leave_two_batches_of_room(tmp_path):
+    st = _storage(tmp_path, rows=1000, cache=300)
+    st.set_row_order(None, [(0, 600), (600, 400)])
+    assert st.pin_limit(0.8, 10) == 240  # 80% of 300: two batches need 2 x (10 + 10)
+    assert st.pin_limit(0.8, 50) == 100  # 300 - 2 x (50 + 50)
+    assert st.pin_limit(0.8, 100) == 0  # two batches of 100 ids of each of 2 parts: 400
+    st.set_row_order(None, [(0, 990), (990, 10)])
+    assert st.pin_limit(0.8, 70) == 300 - 2 * (70 + 10)  # a part is at most whole

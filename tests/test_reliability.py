@@ -351,6 +351,10 @@ def test_epochs_give_the_steps_and_do_not_mix_with_steps(tmp_path):
     assert saved.train.steps == m["steps"] and saved.train.epochs == 0
     with pytest.raises(ConfigError, match="both train.steps and train.epochs"):
         load_config("debug", ["--train.steps=10", "--train.epochs=1"])
+    for bad in ("-1", "nan"):  # beside train.steps, a bad epochs was dropped unread
+        with pytest.raises(ConfigError, match="train.epochs"):
+            load_config("debug", ["--train.steps=10", f"--train.epochs={bad}"])
+    assert load_config("debug", ["--train.steps=10", "--train.epochs=0"]).train.steps == 10
     with pytest.raises(ConfigError, match="train.epochs.*needs a dataset"):
         train(load_config("debug", ["--train.epochs=1"]), None, **QUIET)
 

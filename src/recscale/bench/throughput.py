@@ -40,6 +40,7 @@ from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.row_io import io_uring_available
 from recscale.embedding.storage import DeviceStorage
 from recscale.native.team import team_status
+from recscale.planner.from_config import batch_ids_per_table
 from recscale.train.cache_prefetch import (
     cache_report,
     cached_storages,
@@ -134,7 +135,7 @@ def run_throughput(
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     tiered = bool(cached_storages(model.embeddings))
-    warm_caches(model.embeddings, echo, cfg.embedding)
+    warm_caches(model.embeddings, echo, cfg.embedding, batch_ids_per_table(cfg))
     retain = start_steps(cfg)
     if tiered and turns is not None:
         raise ValueError(

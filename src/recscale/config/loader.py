@@ -192,8 +192,8 @@ def _steps_or_epochs(cfg: Config, layer: list[tuple[str, Any]], where: str) -> N
         )
     if "train.epochs" in keys and float(epochs or 0) > 0:
         cfg.train.steps = 0  # derived from the data when the run starts
-    elif "train.steps" in keys:
-        cfg.train.epochs = 0.0
+    elif "train.steps" in keys and "train.epochs" not in keys:
+        cfg.train.epochs = 0.0  # a layer's epochs of 0 or less stays, for validate to judge
 
 
 def _toml_value(v: Any) -> str:

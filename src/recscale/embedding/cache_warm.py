@@ -57,10 +57,20 @@ class CacheWarmStart:
             return torch.zeros(0, dtype=torch.int64)
         return torch.from_numpy(warm_list(self._order, self._segments, self.cache_rows))
 
+    def pin_limit(self, share: float, ids_per_table: int) -> int:
+        """The warm rows to keep for the run: ``share`` of the cache, but never so many
+        that two batches (the one stepping and the one prefetched) lack room - each brings
+        at most ``ids_per_table`` distinct rows of each table part, or the part's rows.
+        With pins leaving less, a small cache stopped the run at its first eviction."""
+        c = self.cache_rows
+        parts = self._segments or [(0, self.num_rows)]
+        in_flight = 2 * sum(min(n, ids_per_table) for _start, n in parts)
+        return max(0, min(int(share * c), c - in_flight))
+
     def warm(self, rows: torch.Tensor, pin: int = 0, chunk: int = 1 << 20) -> int:
         """Fill free cache slots with ``rows`` (hottest first) before training; the
-        first ``pin`` stay resident for the run (at most all but two batches' worth of
-        the cache is advisable); the others' scores fall from 1 to 0 along the list, so
+        first ``pin`` stay resident for the run (:meth:`pin_limit`); the others' scores
+        fall from 1 to 0 along the list, so
         any row a batch uses outranks them and the coldest go first. Returns the rows
         made resident."""
         with self._settled():

@@ -287,13 +287,42 @@ def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None
     return plan_sharding(tables, topo, cons)
 
 
+# A default cache holds at least this many batches' worth of each table's rows (or the
+# whole table): the batch stepping, the one prefetched and room for warm rows kept for
+# the run (``pin_limit`` leaves two batches unpinned). 10% of small tables (the debug
+# preset's 7,700 rows) held fewer rows than one batch of 256 touches, and the run stopped.
+IN_FLIGHT_BATCHES = 4
+
+
+def batch_ids_per_table(cfg: Config) -> int:
+    """At most how many ids of one table a (global) batch brings to the rank that holds
+    it: its samples times the largest bag (synthetic bags, or a multi-hot dataset's
+    ``bag_sizes``)."""
+    bags = list(cfg.data.bag_sizes) or [cfg.data.max_ids_per_feature]
+    if cfg.data.uses_dataset():
+        try:
+            bags = [int(b) for b in read_metadata(cfg.data.path).get("bag_sizes") or [1]]
+        except (DatasetError, TypeError, ValueError):
+            bags = [1]
+    return cfg.train.batch_size * max(max(bags, default=1), 1)
+
+
+def in_flight_cache_bytes(cfg: Config) -> int:
+    """The cache bytes (rows and state) ``IN_FLIGHT_BATCHES`` batches of each table need
+    at most, a table at most whole: the least a default cache holds."""
+    e, m = cfg.embedding, cfg.model
+    ids = IN_FLIGHT_BATCHES * batch_ids_per_table(cfg)
+    return sum(min(n, ids) * row_bytes(e, d) for n, d in zip(m.table_sizes, m.dims()))
+
+
 def configured_tiers(
     cfg: Config, echo: Callable[[str], None], device: torch.device | None, world_size: int
 ) -> list[tuple[str, int]] | None:
     """Each table's (tier, cache bytes) that ``embedding.placement`` asks for, or None
     for none beyond the plan's own: ``ssd`` / ``host`` put every plain table there, the
     cache (``cache_bytes``; default: ssd from free memory, :func:`default_ssd_cache`;
-    host 10% of the tables) split by table bytes; ``auto`` at
+    host 10% of the tables; either at least :func:`in_flight_cache_bytes`) split by
+    table bytes; ``auto`` at
     world size 1 asks the planner (at several ranks ``plan_for`` places tiers itself).
     A compressed table is small by construction: it stays in device memory."""
     e, m = cfg.embedding, cfg.model
@@ -302,7 +331,8 @@ def configured_tiers(
         tiers = auto_placements(cfg, echo, device)
     elif e.placement in ("ssd", "host"):
         sizes = [n * row_bytes(e, d) for n, d in zip(m.table_sizes, m.dims())]
-        budget = e.cache_bytes or sum(sizes) // 10
+        least = in_flight_cache_bytes(cfg)
+        budget = e.cache_bytes or max(sum(sizes) // 10, least)
         if not e.cache_bytes and e.placement == "ssd":
             free = available_memory(torch.device("cpu")) // max(world_size, 1)
             rows = sum(m.table_sizes) // max(world_size, 1)
@@ -310,6 +340,7 @@ def configured_tiers(
                 sum(sizes) // max(world_size, 1), rows, free, echo, world_size
             )
             budget *= max(world_size, 1)  # split by table bytes below, then among the ranks
+            budget = min(sum(sizes), max(budget, least))
         elif e.placement == "ssd" and (device is None or device.type == "cpu"):
             check_ssd_cache_fits(cfg, sizes, world_size, echo)
         tiers = [(e.placement, int(budget * b / max(sum(sizes), 1))) for b in sizes]

@@ -134,16 +134,18 @@ def settle_files(ebc, echo) -> None:
     )
 
 
-def warm_caches(ebc, echo, cfg: EmbeddingConfig) -> None:
+def warm_caches(ebc, echo, cfg: EmbeddingConfig, ids_per_table: int) -> None:
     """Settles the ssd tier's files first (``settle_files``). With
     ``embedding.warm_start``: fill each ssd/host cache with its hottest rows (the head of
     its file order) before the first step - after any restore, so the rows read are the
     restored ones; the hottest ``embedding.warm_pin_share`` of each cache stay for the
-    run. Then the blocks initialization and the warm start freed go back to the system
+    run, less where two batches of ``ids_per_table`` ids a table would lack room
+    (``pin_limit``; ``planner.from_config.batch_ids_per_table``). Then the blocks
+    initialization and the warm start freed go back to the system
     (``release_free_memory``)."""
     settle_files(ebc, echo)
     if cfg.warm_start:
-        _warm(ebc, echo, cfg)
+        _warm(ebc, echo, cfg, ids_per_table)
     if cached_storages(ebc):  # the initialization's and warm start's freed blocks
         freed = release_free_memory()
         if freed >= 100 << 20:
@@ -153,11 +155,11 @@ def warm_caches(ebc, echo, cfg: EmbeddingConfig) -> None:
             )
 
 
-def _warm(ebc, echo, cfg: EmbeddingConfig) -> None:
+def _warm(ebc, echo, cfg: EmbeddingConfig, ids_per_table: int) -> None:
     t = time.perf_counter()
     rows = cached = pinned = 0
     for st in cached_storages(ebc):
-        rows += st.warm(st.warm_rows(), pin=int(cfg.warm_pin_share * st.cache_rows))
+        rows += st.warm(st.warm_rows(), pin=st.pin_limit(cfg.warm_pin_share, ids_per_table))
         cached += st.cache_rows
         pinned += int(st.pinned.sum())
     if rows:

@@ -45,6 +45,7 @@ from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
 from recscale.embedding.sizing import compression_summary
 from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
+from recscale.planner.from_config import batch_ids_per_table
 from recscale.train.cache_prefetch import (
     cache_report,
     cached_storages,
@@ -495,7 +496,7 @@ def train(
     try:
         job = build_job(cfg, run_dir, echo, ctx, resume)
         start_step = restore_job(job, resume) if resume is not None else 0
-        warm_caches(job.model.embeddings, job.echo, job.cfg.embedding)
+        warm_caches(job.model.embeddings, job.echo, job.cfg.embedding, batch_ids_per_table(job.cfg))
         start_steps(job.cfg)
         if job.run_dir is not None:  # only now: a failed resume leaves the run's config alone
             write_text_atomic(job.run_dir / "config.toml", config_to_toml(job.cfg))
