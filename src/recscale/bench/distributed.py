@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.distributed import init_distributed, plan_for
 from recscale.distributed.pipeline import EmbeddingPipeline
@@ -90,6 +91,11 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
 def run_pipeline_bench(
     cfg: Config, world_size: int, steps: int, warmup: int, threads: int
 ) -> dict[str, Any]:
+    if cfg.train.batch_size % world_size:  # else every rank's traceback, after the spawn
+        raise ConfigError(
+            "train.batch_size",
+            f"{cfg.train.batch_size} does not divide across {world_size} ranks (--world-size)",
+        )
     if not cfg.distributed.memory_per_rank_gb:
         mem = default_memory_per_rank(torch.device("cpu"), world_size)
         cfg.distributed.memory_per_rank_gb = mem / 1e9

@@ -8,8 +8,10 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
+from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 
 
@@ -59,8 +61,6 @@ MAX_LOCAL_RANKS = 64
 
 def check_args(args: argparse.Namespace) -> None:
     """One-line errors naming the flag for counts no benchmark can run with."""
-    from recscale.config.errors import ConfigError
-
     if args.steps < 1:
         raise ConfigError("--steps", f"timed steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
@@ -77,6 +77,19 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
+def _check_writable(path: Path, key: str) -> None:
+    """``path`` can be written: not a directory, its folder made and writable (a file
+    made and removed there)."""
+    if path.is_dir():
+        raise ConfigError(key, f"{path} is a directory; name the file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".recscale-"):
+            pass
+    except OSError as e:
+        raise ConfigError(key, f"cannot write in {path.parent}: {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.bench.throughput import format_report, run_throughput
 
@@ -86,6 +99,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         from recscale.perfmodel import default_path
 
         path = Path(args.out) if args.out else default_path()
+        _check_writable(path, "--out")  # before minutes of measuring, not after
         cal = calibrate(threads=args.threads, world_size=args.world_size or 1)
         cal.save(path)
         for name, law in cal.laws.items():
@@ -98,6 +112,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if not args.out:
             print("recscale: error: bench sweep needs --out DIR", file=sys.stderr)
             return 2
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ConfigError("--out", f"{args.out} is a file; name a directory for the sweep")
         varies = parse_vary(args.vary, args.config)
         steps = args.steps if args.steps != 50 else 20  # a sweep point needs fewer
         rows = run_sweep(args.config, varies, Path(args.out), steps, min(args.warmup, 5), overrides)

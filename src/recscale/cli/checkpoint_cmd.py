@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     paths = [path] if (path / "manifest.json").exists() else checkpoint_dirs(root)
     if not paths:
-        print(f"recscale: error: no checkpoints at {path}")
+        print(f"recscale: error: no checkpoints at {path}", file=sys.stderr)
         return 1
     infos = [_describe(p) for p in paths]
     if args.json:

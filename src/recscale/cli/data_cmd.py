@@ -137,9 +137,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             return 1
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
+        auc = "undefined" if opt["auc"] is None else f"{opt['auc']:.4f}"  # one class only
         print(
-            f"the click model itself scores AUC {opt['auc']:.4f}, logloss {opt['logloss']:.4f} "
-            "on the lines --split kaggle makes the test split (the ceiling; "
+            f"the click model itself scores AUC {auc}, logloss {opt['logloss']:.4f} on the "
+            f"{opt['lines']:,} lines --split kaggle makes the test split (the ceiling; "
             f"{args.out}.optimum.json)"
         )
         return 0

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
-from recscale.config.small_files import write_text_atomic
+from recscale.config.small_files import json_text, write_text_atomic
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,9 +90,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     metrics = evaluate(model, eval_batches(cfg, split), device)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
     out = run_dir / f"eval_{metrics['split']}.json"
-    write_text_atomic(out, json.dumps(metrics, indent=2) + "\n")  # not through a planted link
+    write_text_atomic(out, json_text(metrics, indent=2) + "\n")  # not through a planted link
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print(json_text(metrics, indent=2))
     else:
         print(
             f"{metrics['split']} ({metrics['count']:,} samples): AUC {metrics['auc']:.4f}  logloss "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 
 from recscale.cli import (
@@ -52,6 +54,23 @@ def _is_user_error(e: BaseException) -> bool:
     return False
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output's reader went away (a pipe's write end polls as an error
+    then); if so, output goes to /dev/null from now on, so the exit's flush is quiet."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        closed = any(ev & select.POLLERR for _fd, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured, closed)
+        return False
+    if closed:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return closed
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="recscale",
@@ -74,12 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         with signals.sigterm_as_interrupt():
-            return COMMANDS[args.command].run(args, extra)
+            rc = COMMANDS[args.command].run(args, extra)
+            sys.stdout.flush()  # a reader gone: the error comes here, to the clause below
+            return rc
     except ConfigError as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
     except LockedError as e:  # another process writes the run directory / the dataset
         print(f"recscale: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError as e:
+        if _stdout_closed():  # `recscale plan | head`: the reader has all it wanted
+            return 141  # 128 + SIGPIPE, as a shell tool stopped by the pipe
+        print(f"recscale: error: {e.strerror or e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a path that cannot be read or written
         where = f"{e.filename}: " if e.filename and str(e.filename) not in str(e.strerror) else ""

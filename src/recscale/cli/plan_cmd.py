@@ -123,6 +123,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.list_devices:
         return _list_devices(args.device_file)
     cfg = load_config(args.config, overrides)
+    if cfg.data.uses_dataset():  # the tables training would build: the dataset's sizes
+        from recscale.train.data_source import adopt_dataset_shapes
+
+        note = adopt_dataset_shapes(cfg, training=False)
+        if note:
+            print(f"recscale: {note}", file=sys.stderr)
     check_args(args, cfg.train.batch_size)
     if args.device and args.device != THIS:
         return _forecast(cfg, args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 import tempfile
@@ -76,6 +77,23 @@ def loads_json(text: str) -> Any:
         return json.loads(text)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
+def json_text(obj: Any, **dumps_args: Any) -> str:
+    """``obj`` as standard JSON: a float that is not finite (the AUC of a split holding one
+    class) becomes null - Python writes ``NaN``, which is not JSON and which other
+    readers (jq, JavaScript, most JSON libraries) reject."""
+
+    def finite(o: Any) -> Any:
+        if isinstance(o, float):
+            return o if math.isfinite(o) else None
+        if isinstance(o, dict):
+            return {k: finite(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return o
+
+    return json.dumps(finite(obj), allow_nan=False, **dumps_args)
 
 
 def loads_toml(text: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from recscale import locks
 from recscale.config.small_files import not_a_file
-from recscale.data.columns import READ_FORMAT_VERSION, read_metadata
+from recscale.data.columns import ID_LIMIT, READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 
 FORMAT_VERSION = READ_FORMAT_VERSION  # what data/columns.py reads is what is written
@@ -75,10 +75,15 @@ class PreprocessOptions:
         if self.split not in ("kaggle", "by-file", "none"):
             raise ValueError(f"--split must be kaggle, by-file or none, got {self.split!r}")
         if self.hash_sizes and (
-            len(self.hash_sizes) not in (1, NUM_CAT) or min(self.hash_sizes) <= 0
+            len(self.hash_sizes) not in (1, NUM_CAT)
+            or min(self.hash_sizes) <= 0
+            or max(self.hash_sizes) > ID_LIMIT
         ):
+            # ids are stored as int32: a larger size wrapped them negative, and no
+            # training could open the dataset it wrote
             raise ValueError(
-                f"--hash-size takes 1 or {NUM_CAT} positive sizes, got {self.hash_sizes}"
+                f"--hash-size takes 1 or {NUM_CAT} sizes in 1..{ID_LIMIT:,} (ids are 32-bit), "
+                f"got {self.hash_sizes}"
             )
         if self.min_count < 1:
             raise ValueError("--min-count must be >= 1")

@@ -8,13 +8,12 @@ the ids, so a model trained on the result learns something.
 from __future__ import annotations
 
 import gzip
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-from recscale.config.small_files import write_text_atomic
+from recscale.config.small_files import json_text, write_text_atomic
 from recscale.data.synthetic import zipf_ranks
 
 _CARDINALITIES = [
@@ -92,7 +91,7 @@ def write_optimum(path: Path, logits: np.ndarray, labels: np.ndarray) -> dict:
     for name, lo in (("all", 0), ("kaggle_test", test_lo)):
         m = binary_metrics(torch.from_numpy(logits[lo:]), torch.from_numpy(labels[lo:]).double())
         out[name] = {"lines": n - lo, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"]}
-    write_text_atomic(path, json.dumps(out, indent=2) + "\n")
+    write_text_atomic(path, json_text(out, indent=2) + "\n")
     return out
 
 
@@ -115,6 +114,10 @@ def write_tsv(
     written where the disk (the first block's bytes a line) or the memory cannot hold it.
     """
     path = Path(path)
+    if path.is_dir():  # found at the final rename, after all the writing, it was EISDIR
+        raise ValueError(f"--out {path} is a directory; name a file (.tsv, or .tsv.gz)")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
     needed = -(-lines // block)
     kept: list[tuple[bytes, np.ndarray, np.ndarray]] = []  # cycled blocks, drawn once
 

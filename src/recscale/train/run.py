@@ -16,7 +16,6 @@ Run directory contents::
 from __future__ import annotations
 
 import copy
-import json
 import math
 import signal
 import tempfile
@@ -35,7 +34,7 @@ from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
-from recscale.config.small_files import open_log, write_text_atomic
+from recscale.config.small_files import json_text, open_log, write_text_atomic
 from recscale.data.batch import Batch
 from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
@@ -118,7 +117,7 @@ def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dic
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json_text(obj, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass
@@ -386,7 +385,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                             "samples_per_s": sps,
                             "elapsed_s": now - start,
                         }
-                        log_file.write(json.dumps(rec) + "\n")
+                        log_file.write(json_text(rec) + "\n")
                         log_file.flush()
                     window_loss, window_steps, window_start = 0.0, 0, now
     except KeyboardInterrupt:  # a second signal: stopped mid-step
@@ -425,7 +424,7 @@ def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, 
     job.echo(f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}")
     if log_file is not None:
         log_file.write(
-            json.dumps(
+            json_text(
                 {
                     "step": step,
                     "val_auc": m["auc"],

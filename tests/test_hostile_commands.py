@@ -1,0 +1,136 @@
+"""Commands given what they cannot use - a dataset to plan that is not there, a sweep or
+calibration written where nothing can be written, a batch that does not divide across
+the benchmark's ranks, a hash size beyond 32-bit ids, a reader that closes the pipe:
+each is one line naming the flag or key, before the work (or, for the pipe, a quiet
+exit), and no output file holds what standard JSON readers reject."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import error_line, make_dataset
+
+from recscale.cli.main import main
+
+
+def _fails(capsys, *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    return rc, error_line(capsys.readouterr().err)
+
+
+def test_plan_plans_the_tables_of_the_dataset_it_is_given(tmp_path, capsys):
+    """``plan --data.path`` had planned the config's own table sizes (the debug preset's
+    100, 200, ... rows), not the dataset's that training builds; a dataset that is not
+    there was ignored without a word."""
+    ds = make_dataset(tmp_path, 400, seed=1, hash_size=37)
+    sizes = json.loads((ds / "metadata.json").read_text())["table_sizes"]
+    assert main(["plan", "--config", "debug", f"--data.path={ds}", "--data.eval_split=train"]) == 0
+    out = capsys.readouterr()
+    assert "table sizes from" in out.err
+    rows = [ln.split() for ln in out.out.splitlines() if ln.split()[:1] in (["C1"], ["C26"])]
+    assert [int(r[1].replace(",", "")) for r in rows] == [sizes[0], sizes[25]]
+    assert sizes[0] != 100  # the debug preset's own C1
+    rc, line = _fails(capsys, "plan", "--config", "debug", f"--data.path={tmp_path / 'none'}")
+    assert rc == 1 and "not a recscale dataset" in line
+
+
+def test_benchmark_outputs_that_cannot_be_written_are_refused_before_measuring(tmp_path, capsys):
+    """``bench calibrate --out`` under a path that cannot be written measured for minutes
+    and then failed; ``bench sweep --out FILE`` said only "File exists"."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc, line = _fails(capsys, "bench", "calibrate", "--out", str(blocker / "cal.json"))
+    assert rc == 2 and "--out" in line and "cannot write" in line
+    rc, line = _fails(capsys, "bench", "calibrate", "--out", str(tmp_path))
+    assert rc == 2 and "is a directory" in line
+    rc, line = _fails(
+        capsys, "bench", "sweep", "--config", "debug", "--vary", "train.batch_size=64",
+        "--out", str(blocker),
+    )  # fmt: skip
+    assert rc == 2 and "--out" in line and "is a file" in line
+    assert blocker.read_text() == "x"
+
+
+def test_a_pipeline_benchmark_whose_batch_does_not_divide_is_one_line(capsys):
+    """Three ranks of a batch of 256 had each rank fail with a traceback after the spawn."""
+    rc, line = _fails(
+        capsys, "bench", "pipeline", "--config", "debug", "--steps", "1", "--world-size", "3"
+    )
+    assert rc == 2 and "train.batch_size" in line and "3 ranks" in line
+
+
+def test_a_hash_size_beyond_32_bit_ids_is_refused(tmp_path, capsys):
+    """--hash-size 99999999999 wrote a dataset whose ids wrapped and that no run could open."""
+    src = tmp_path / "in.tsv"
+    assert main(["data", "synth-tsv", "--lines", "50", "--out", str(src)]) == 0
+    capsys.readouterr()
+    for size in ("99999999999", f"{2**31 + 1}"):
+        rc, line = _fails(
+            capsys, "data", "preprocess", "--input", str(src), "--out", str(tmp_path / "ds"),
+            "--hash-size", size,
+        )  # fmt: skip
+        assert rc == 1 and "--hash-size" in line and "32-bit" in line
+    assert not (tmp_path / "ds").exists()
+
+
+def test_synth_tsv_names_a_directory_out_and_a_negative_seed_before_writing(tmp_path, capsys):
+    """A directory as --out failed at the final rename ("ds.partial: Is a directory") after
+    writing everything, leaving its .optimum.json; --seed -1 was numpy's "expected
+    non-negative integer", naming no flag."""
+    (tmp_path / "d").mkdir()
+    rc, line = _fails(capsys, "data", "synth-tsv", "--lines", "10", "--out", str(tmp_path / "d"))
+    assert rc == 1 and "is a directory" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    out = tmp_path / "x.tsv"
+    rc, line = _fails(
+        capsys, "data", "synth-tsv", "--lines", "10", "--out", str(out), "--seed", "-1"
+    )
+    assert rc == 1 and "--seed" in line and not out.exists()
+
+
+def test_metrics_that_are_undefined_are_written_as_null_json(tmp_path, capsys):
+    """Ten lines leave one in the Kaggle test split: its AUC is undefined, and Python
+    wrote it as NaN, which is not JSON (jq and JavaScript reject the file)."""
+    out = tmp_path / "x.tsv"
+    assert main(["data", "synth-tsv", "--lines", "10", "--out", str(out)]) == 0
+    assert "AUC undefined" in capsys.readouterr().out
+    text = (tmp_path / "x.tsv.optimum.json").read_text()
+    assert "NaN" not in text and json.loads(text)["kaggle_test"]["auc"] is None
+    from recscale.config.small_files import json_text
+
+    assert json.loads(json_text({"a": [math.nan, 1.5], "b": math.inf, "c": "x"})) == {
+        "a": [None, 1.5], "b": None, "c": "x",
+    }  # fmt: skip
+
+
+def test_checkpoint_inspect_reports_no_checkpoints_on_stderr(tmp_path, capsys):
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "no checkpoints" in error_line(out.err)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a pipe's closed reader polls as POLLERR")
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path):
+    """``recscale plan ... | head -1``: the rest of the output could not be written and the
+    command said "recscale: error: Broken pipe" (exit 1)."""
+    code = (
+        "import sys, time; from recscale.cli.main import main; "
+        "sys.stdout.write('x\\n' * 10); sys.stdout.flush(); time.sleep(0.5); "
+        "sys.exit(main(['plan', '--config', 'A', '--world-size', '64']))"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "0"},
+    )
+    p.stdout.readline()
+    p.stdout.close()  # the reader goes, as head does after its line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err, err
