@@ -95,6 +95,8 @@ def test_a_toml_float_that_is_whole_is_an_integer(tmp_path):
         (["--model.top_mlp=64,2"], "model.top_mlp"),
         (["--embedding.optimizer=adamw"], "embedding.optimizer"),
         (["--train.steps"], "train.steps"),  # missing value
+        (["--data.seed=-5"], "data.seed"),  # was numpy's traceback from the data thread
+        (["--train.steps=10", "--train.epochs=-1"], "train.epochs"),  # was dropped unread
     ],
 )
 def test_bad_values_name_the_key(overrides, key):

@@ -14,34 +14,12 @@ from recscale.config.errors import ConfigError
 
 # Criteo-shaped but small enough to train in about a minute on 2 CPU cores: the
 # per-feature cardinalities keep Criteo's spread (3 .. ~10^5 rows).
+# fmt: off
 DEFAULT_TABLE_SIZES = [
-    1460,
-    583,
-    100_000,
-    80_000,
-    305,
-    24,
-    12_517,
-    633,
-    3,
-    50_000,
-    5_683,
-    100_000,
-    3_194,
-    27,
-    14_992,
-    90_000,
-    10,
-    5_652,
-    2_173,
-    4,
-    100_000,
-    18,
-    15,
-    60_000,
-    105,
-    40_000,
+    1460, 583, 100_000, 80_000, 305, 24, 12_517, 633, 3, 50_000, 5_683, 100_000, 3_194,
+    27, 14_992, 90_000, 10, 5_652, 2_173, 4, 100_000, 18, 15, 60_000, 105, 40_000,
 ]
+# fmt: on
 
 POOLINGS = ("sum", "mean")
 INTERACTIONS = ("dot", "cat", "dcnv2")
@@ -403,6 +381,7 @@ class DataConfig:
         if self.source == "binary" and not self.path:
             raise ConfigError("data.path", "is required when data.source is binary")
         _positive("data.block_rows", self.block_rows)
+        _positive("data.seed", self.seed, allow_zero=True)  # numpy's generators: >= 0
         _positive("data.eval_samples", self.eval_samples)
         _positive("data.zipf_alpha", self.zipf_alpha, allow_zero=True)
         _positive("data.min_ids_per_feature", self.min_ids_per_feature, allow_zero=True)
