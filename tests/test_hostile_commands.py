@@ -134,3 +134,14 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141, err
     assert "Broken pipe" not in err and "Traceback" not in err, err
+
+
+def test_eval_of_a_run_that_kept_no_model_says_why(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--config", "debug", "--run-dir", str(run), "--train.steps=2"]
+    assert main([*argv, "--train.progress=false", "--train.save_model=false"]) == 0
+    capsys.readouterr()
+    rc, line = _fails(capsys, "eval", "--model", str(run))
+    assert rc == 1 and "train.save_model=false" in line
+    rc, line = _fails(capsys, "eval", "--model", str(tmp_path / "none"))
+    assert rc == 1 and "not a run directory" in line

@@ -47,10 +47,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if not (run_dir / "config.toml").exists() or not (
         (run_dir / "model.pt").exists() or has_checkpoints
     ):
-        print(
-            f"recscale: error: {run_dir} has no config.toml and model.pt or checkpoints/",
-            file=sys.stderr,
+        why = (
+            "has a config.toml but no model.pt and no checkpoints/ (a run with "
+            "train.save_model=false and no checkpointing keeps no model to score)"
+            if (run_dir / "config.toml").is_file()
+            else "is not a run directory: no config.toml with a model.pt or checkpoints/"
         )
+        print(f"recscale: error: {run_dir} {why}", file=sys.stderr)
         return 1
     try:
         trained = load_config(str(run_dir / "config.toml"))
