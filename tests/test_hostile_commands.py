@@ -145,3 +145,20 @@ def test_eval_of_a_run_that_kept_no_model_says_why(tmp_path, capsys):
     assert rc == 1 and "train.save_model=false" in line
     rc, line = _fails(capsys, "eval", "--model", str(tmp_path / "none"))
     assert rc == 1 and "not a run directory" in line
+
+
+def test_an_ssd_dir_under_a_file_names_the_file(tmp_path, capsys):
+    """``--embedding.ssd_dir=/dev/null`` said "File exists" of the tier's file."""
+    (tmp_path / "a-file").write_text("x")
+    for where in (tmp_path / "a-file", tmp_path / "a-file" / "deeper"):
+        rc, line = _fails(
+            capsys, "train", "--config", "debug", "--train.steps=1", "--train.progress=false",
+            "--embedding.placement=ssd", f"--embedding.ssd_dir={where}",
+        )  # fmt: skip
+        assert rc == 1 and f"{tmp_path / 'a-file'} is not a directory" in line, line
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_a_choice_with_an_invisible_character_is_shown_as_typed(capsys):
+    rc, line = _fails(capsys, "config", "--config", "debug", "--train.device=cpu\t")
+    assert rc == 2 and "'cpu\\t'" in line

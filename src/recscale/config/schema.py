@@ -51,7 +51,7 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(key, f"must be one of {', '.join(choices)}; got '{value}'")
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass

@@ -129,6 +129,14 @@ def _remove(path: Path, fd: int, fds: list[int]) -> None:
     remove_empty_temp_dirs(path.parent)
 
 
+def _first_non_directory(folder: Path) -> Path:
+    """The first existing part of ``folder`` (outermost first) that is not a directory."""
+    for part in reversed([folder, *folder.parents]):
+        if part.exists() and not part.is_dir():
+            return part
+    return folder
+
+
 def claim_file(path: Path, nbytes: int) -> int:
     """Lock ``path`` for this process (another run sharing the ssd_dir would truncate and
     corrupt it), then create it with all ``nbytes`` reserved up front (a full disk fails
@@ -140,11 +148,12 @@ def claim_file(path: Path, nbytes: int) -> int:
         # only a regular file (a FIFO or device would hang or be overwritten)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError as e:
-        why = (
-            "it is a symbolic link, which recscale never writes through"
-            if e.errno == errno.ELOOP
-            else e.strerror
-        )
+        if e.errno == errno.ELOOP:
+            why = "it is a symbolic link, which recscale never writes through"
+        elif e.errno in (errno.EEXIST, errno.ENOTDIR) and not path.parent.is_dir():
+            why = f"{_first_non_directory(path.parent)} is not a directory"  # e.g. /dev/null
+        else:
+            why = e.strerror
         raise TierFileError(
             f"cannot create the ssd tier's file {path}: {why} "
             "(set --embedding.ssd_dir to a directory of this run's own)"
