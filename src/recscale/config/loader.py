@@ -61,7 +61,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             text = value.replace(" ", "")
             if text.startswith("[") and text.endswith("]"):  # as the TOML file writes it
                 text = text[1:-1]
-            value = [v for v in text.split(",") if v]
+            value = text.split(",") if text else []
+            if value and not value[-1]:  # one trailing comma, as TOML allows
+                value.pop()
+            if "" in value:  # "32,,8" is a typo, not [32, 8]
+                raise ConfigError(key, f"an empty entry in {text!r}")
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {value!r}")
         return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]

@@ -251,6 +251,7 @@ class EmbeddingConfig:
             )
         if not 0.0 <= self.md_alpha <= 2.0:
             raise ConfigError("embedding.md_alpha", f"must be in [0, 2], got {self.md_alpha}")
+        named: set[str] = set()
         for item in self.table_compression:
             name, _, method = str(item).partition("=")
             if not name or method not in COMPRESSIONS:
@@ -258,6 +259,9 @@ class EmbeddingConfig:
                     "embedding.table_compression",
                     f"{item!r}: expected NAME=METHOD with METHOD one of {COMPRESSIONS}",
                 )
+            if name in named:  # the last would have won without a word
+                raise ConfigError("embedding.table_compression", f"{name} is named twice")
+            named.add(name)
         if self.row_precision != "fp32" and self.placement != "device":
             raise ConfigError(
                 "embedding.row_precision",
