@@ -162,3 +162,25 @@ def test_an_ssd_dir_under_a_file_names_the_file(tmp_path, capsys):
 def test_a_choice_with_an_invisible_character_is_shown_as_typed(capsys):
     rc, line = _fails(capsys, "config", "--config", "debug", "--train.device=cpu\t")
     assert rc == 2 and "'cpu\\t'" in line
+
+
+@pytest.mark.parametrize("planted", ["hard link", "fifo"])
+def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_not_written(tmp_path, capsys, planted):
+    """A run's ``.recscale.lock`` hard-linked to a file elsewhere had that file truncated
+    and a pid written into it; a FIFO there was opened as the lock."""
+    run = tmp_path / "run"
+    run.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    lock = run / ".recscale.lock"
+    if planted == "hard link":
+        os.link(precious, lock)
+    else:
+        os.mkfifo(lock)
+    rc, line = _fails(
+        capsys, "train", "--config", "debug", "--run-dir", str(run), "--train.steps=1",
+        "--train.progress=false",
+    )  # fmt: skip
+    assert rc == 1 and "not a lock file recscale made" in line, line
+    assert precious.read_text() == "keep me\n"
+    assert sorted(p.name for p in run.iterdir()) == [".recscale.lock"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 _held: dict[str, int] = {}  # path -> fd, for the life of the process (or release())
@@ -27,11 +28,21 @@ def hold(path: Path, what: str) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise LockedError(f"{path} is a symbolic link; refusing to use it as a lock") from None
         raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        # a FIFO, a device, or a hard link to a file elsewhere: the lock's pid would be
+        # written into (and the file truncated under) whatever it is
+        os.close(fd)
+        raise LockedError(
+            f"{path} is not a lock file recscale made ("
+            + ("a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a regular file")
+            + "); remove it if nothing else needs it"
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
