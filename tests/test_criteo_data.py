@@ -210,6 +210,55 @@ def test_parquet_out_and_in(tmp_path, sample):
         ).read_bytes()
 
 
+def test_parquet_categories_read_alike_in_every_string_encoding(tmp_path, sample):
+    """Dictionary-encoded categories (pandas' category dtype, Spark) were a traceback;
+    large strings read as strings do."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as papq
+
+    labels, dense, cats = reference_parse(sample)
+    lines = sample.read_text().splitlines()
+    raw = {"label": pa.array(labels, pa.int8())}
+    for k in range(13):
+        col = [line.split("\t")[1 + k] for line in lines]
+        raw[f"I{k + 1}"] = pa.array([int(x) if x else None for x in col], pa.int64())
+    for k in range(26):
+        col = pa.array([None if r[k] is None else f"{r[k]:08x}" for r in cats])
+        raw[f"C{k + 1}"] = col
+    plain = dict(raw)
+    for k in range(26):
+        c = raw[f"C{k + 1}"]
+        raw[f"C{k + 1}"] = c.dictionary_encode() if k % 2 else c.cast(pa.large_string())
+    papq.write_table(pa.table(plain), tmp_path / "plain.parquet")
+    papq.write_table(pa.table(raw), tmp_path / "encoded.parquet")
+    _pp(tmp_path, [tmp_path / "plain.parquet"], "plain", input_format="parquet")
+    _pp(tmp_path, [tmp_path / "encoded.parquet"], "encoded", input_format="parquet")
+    for name in ("dense.f32", "sparse.i32", "labels.u8"):
+        assert (tmp_path / "plain/train" / name).read_bytes() == (
+            tmp_path / "encoded/train" / name
+        ).read_bytes()
+
+
+def test_a_non_ascii_category_is_bad_and_leaves_the_other_rows_as_they_are():
+    """Values were padded to 8 characters and read as 8 bytes each: ``"ééé"`` (3
+    characters, 6 bytes) shifted every later row's digits - silently wrong ids."""
+    pa = pytest.importorskip("pyarrow")
+    from recscale.data.sources import _hex_column
+
+    texts = ["0000abcd", "ééé", "00000001", "2", "abc", None, "0123456789", "ABCDEF12", "zz"]
+    for col in (pa.array(texts), pa.array(texts, pa.large_string()), pa.array(texts).slice(1)):
+        values, missing, bad = _hex_column(col)
+        for t, v, m, b in zip(col.to_pylist(), values, missing, bad):
+            ok = (
+                t is not None
+                and t.isascii()
+                and 0 < len(t) <= 8
+                and set(t) <= set("0123456789abcdefABCDEF")
+            )
+            assert bool(m) == (t is None) and bool(b) == (t is not None and not ok), t
+            assert int(v) == (int(t, 16) if ok else 0), t
+
+
 @pytest.fixture(scope="module")
 def medium_dataset(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("medium"), 5000, seed=1, hash_size=1000)

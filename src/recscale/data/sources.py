@@ -132,17 +132,29 @@ for _i, _c in enumerate(b"ABCDEF"):
 
 
 def _hex_column(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Arrow string column -> (values uint32, missing bool, bad bool), vectorised."""
+    """Arrow string column -> (values uint32, missing bool, bad bool), vectorised.
+
+    Each value is padded to 8 characters and the 8-byte strings read as one
+    ``[n, 8]`` byte array, so every padded string must be exactly 8 bytes: a value
+    longer than 8 bytes, or holding a character beyond ASCII (``"ééé"``: 3 characters,
+    6 bytes), is bad and stands in as ``"00000000"``. (Padding by characters had made
+    such a string longer than 8 bytes and shifted every later row's digits.)"""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     n = len(col)
-    lengths = pc.fill_null(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False)
-    missing = lengths == 0
-    bad = lengths > 8
+    chars = pc.fill_null(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False)
+    nbytes = pc.fill_null(pc.binary_length(col), 0).to_numpy(zero_copy_only=False)
+    missing = nbytes == 0
+    bad = (nbytes > 8) | (nbytes != chars)
     padded = pc.utf8_lpad(pc.fill_null(col, ""), 8, "0")
-    padded = pc.if_else(pa.array(bad), pa.scalar("00000000"), padded)
-    raw = np.frombuffer(padded.buffers()[2], np.uint8)[: 8 * n].reshape(n, 8)
+    padded = pc.if_else(pa.array(bad), pa.scalar("00000000", col.type), padded)
+    width = 8 if pa.types.is_string(padded.type) else 16  # offsets: int32 or int64
+    offsets = np.frombuffer(padded.buffers()[1], f"<i{width // 2}")
+    first = int(offsets[padded.offset])
+    if int(offsets[padded.offset + n]) - first != 8 * n:
+        raise AssertionError("padded hex column is not 8 bytes a value")
+    raw = np.frombuffer(padded.buffers()[2], np.uint8)[first : first + 8 * n].reshape(n, 8)
     nib = _HEX[raw]
     bad |= (nib < 0).any(axis=1) & ~missing
     nib = np.where(nib < 0, 0, nib).astype(np.uint32)
@@ -150,6 +162,20 @@ def _hex_column(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for k in range(8):
         values = (values << 4) | nib[:, k]
     return np.where(missing, 0, values).astype(np.uint32), missing, bad
+
+
+def _category_column(col, path: Path, name: str):
+    """A category column as strings for :func:`_hex_column`: dictionary-encoded ones
+    (pandas' category dtype, Spark) decoded; anything but text or integers is named."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise ValueError(
+            f"{path}: column {name} must hold hex strings or integers, is {col.type}"
+        )
+    return col
 
 
 def parquet_dense(rb, path: Path) -> np.ndarray:
@@ -211,7 +237,7 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
                 bad = (v < 0) | (v >= 2**32)
                 vals = np.where(bad, 0, v).astype(np.uint32)
             else:
-                vals, miss, bad = _hex_column(col)
+                vals, miss, bad = _hex_column(_category_column(col, path, f"C{k + 1}"))
             status[(status == 0) & bad] = 4
             cats[:, k] = vals
             miss_bits |= miss.astype(np.uint32) << np.uint32(k)
