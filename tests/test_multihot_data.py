@@ -120,6 +120,29 @@ def test_parquet_bad_rows_are_counted_with_file_and_row(tmp_path):
     assert r.returncode == 1 and "--mode hash only" in r.stderr
 
 
+def test_a_file_whose_rows_are_all_bad_is_counted_not_a_crash(tmp_path):
+    """A block with no good row stopped preprocessing with "memoryview: cannot cast view
+    with zeros in shape" instead of counting its rows; a label column of text was a bare
+    "could not convert string to float"."""
+    good, bags, _ = _bags_table(300, seed=6)
+    pq.write_table(good, tmp_path / "good.parquet")
+    bad, _, _ = _bags_table(10, seed=7)
+    bad = bad.set_column(0, "label", pa.array([None] * 10, pa.int64()))
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    files = [tmp_path / "good.parquet", tmp_path / "bad.parquet"]
+    r, out = _preprocess(tmp_path, files, "--split", "none", "--max-bad-fraction", "0.05")
+    assert r.returncode == 0, r.stderr
+    assert BinaryDataset(out, "train").rows == 300
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["bad_lines"]["counts"] == {"bad label": 10}
+    r, _ = _preprocess(tmp_path, [tmp_path / "bad.parquet"], "--split", "none")
+    assert r.returncode == 1 and "10 bad lines of 10" in r.stderr and "Traceback" not in r.stderr
+    text = good.set_column(0, "label", pa.array(["x"] * 300))
+    pq.write_table(text, tmp_path / "text.parquet")
+    r, _ = _preprocess(tmp_path, [tmp_path / "text.parquet"], "--split", "none")
+    assert r.returncode == 1 and "column 'label' is string" in r.stderr, r.stderr
+
+
 @pytest.fixture(scope="module")
 def onehot(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("onehot"), 3000, seed=5, hash_size=500)

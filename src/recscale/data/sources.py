@@ -172,9 +172,7 @@ def _category_column(col, path: Path, name: str):
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
     if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-        raise ValueError(
-            f"{path}: column {name} must hold hex strings or integers, is {col.type}"
-        )
+        raise ValueError(f"{path}: column {name} must hold hex strings or integers, is {col.type}")
     return col
 
 

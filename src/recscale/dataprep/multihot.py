@@ -43,6 +43,8 @@ class MultiHotWriter:
     ) -> None:
         """``lengths [n, F]``, ``values`` row-major (``lengths.sum()`` ids)."""
         n = lengths.shape[0]
+        if n == 0:  # a block whose rows were all bad: nothing to write (a memoryview of
+            return  # zero bytes cannot be cast, and had stopped the run)
         if int(lengths.max(initial=0)) > MAX_BAG:
             raise ValueError(f"a bag holds {int(lengths.max())} ids; at most {MAX_BAG}")
         ends = self.ids + np.cumsum(lengths.sum(axis=1, dtype=np.int64))

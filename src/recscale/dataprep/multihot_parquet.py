@@ -101,7 +101,12 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
     for rb in pq.ParquetFile(path).iter_batches(batch_size=BLOCK_ROWS):
         n = rb.num_rows
         status = np.zeros(n, np.int8)
-        label = rb.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
+        try:
+            label = rb.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{path}: column 'label' is {rb.column('label').type}, not 0/1 ({e})"
+            ) from None
         status[~np.isin(label, (0.0, 1.0))] = BAD_LABEL
         dense = parquet_dense(rb, path)
         lengths = np.zeros((n, NUM_CAT), np.int64)
@@ -121,9 +126,12 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
         starts = np.cumsum(lengths, axis=0) - lengths + base
         good = status == 0
         idx = segment_gather(starts[good].reshape(-1), lengths[good].reshape(-1))
-        raw.append(
-            dense[good], lengths[good], flat[idx].view(np.int32), label[good].astype(np.uint8)
-        )
+        try:
+            raw.append(
+                dense[good], lengths[good], flat[idx].view(np.int32), label[good].astype(np.uint8)
+            )
+        except ValueError as e:  # a bag beyond the format's 65,535 ids
+            raise ValueError(f"{path} (rows {first}..{first + n - 1}): {e}") from None
         rows += int(good.sum())
         first += n
     return rows
