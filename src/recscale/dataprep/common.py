@@ -26,6 +26,25 @@ HASH_CAP = 40_000_000  # MLPerf's rows per table
 BLOCK_ROWS = 1 << 18
 
 
+# Files a TSV input is not: each was read as text, every line bad ("290 bad lines of 290").
+_NOT_TEXT = (
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first (xz -d)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first (zstd -d)"),
+    (b"BZh", "bzip2-compressed", "decompress it first (bunzip2)"),
+    (b"PK\x03\x04", "a zip archive", "unzip it first"),
+    (b"PAR1", "Parquet", "read it with --format parquet"),
+)
+
+
+def _check_text_input(path: Path) -> None:
+    """A TSV input (plain or gzip) that is another format is named with the fix."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    for magic, what, fix in _NOT_TEXT:
+        if head.startswith(magic):
+            raise ValueError(f"input {path} is {what}; recscale reads plain or gzip text: {fix}")
+
+
 class BadDataError(ValueError):
     """Too many malformed lines; the message has the counts and examples."""
 
@@ -100,6 +119,9 @@ class PreprocessOptions:
             )
         if self.input_format not in ("criteo", "parquet"):
             raise ValueError(f"--format must be criteo or parquet, got {self.input_format!r}")
+        if self.input_format == "criteo":
+            for p in self.all_inputs():
+                _check_text_input(p)
         if (self.test_files or self.val_files) and self.split != "by-file":
             raise ValueError(
                 f"--test/--val name the files of each split, which only --split by-file uses "
