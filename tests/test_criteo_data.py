@@ -441,3 +441,19 @@ def test_a_tsv_input_in_another_format_is_named_with_the_fix(tmp_path, name, pac
     r = run_cli("data", "preprocess", "--input", str(src), "--out", str(tmp_path / "ds"))
     assert r.returncode == 1 and f"is {what}" in r.stderr and "bad lines" not in r.stderr
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_train_split_without_rows_is_refused_not_written(tmp_path):
+    """An empty first file split by file, or a one-line file split the Kaggle way, wrote a
+    dataset whose train split held 0 rows - no run could train on it."""
+    good = tmp_path / "good.tsv"
+    good.write_text("\n".join(synthetic_lines(50, seed=1)) + "\n")
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "one.tsv").write_text(synthetic_lines(1, seed=2)[0] + "\n")
+    for argv in (
+        ["--input", str(tmp_path / "empty.tsv"), str(good), "--split", "by-file"],
+        ["--input", str(tmp_path / "one.tsv")],
+    ):
+        r = run_cli("data", "preprocess", *argv, "--out", str(tmp_path / "ds"))
+        assert r.returncode == 1 and "train split would hold no rows" in error_line(r.stderr)
+        assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()

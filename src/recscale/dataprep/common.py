@@ -305,7 +305,27 @@ def check_bad_lines(
 def split_ranges(
     opts: PreprocessOptions, file_rows: list[tuple[Path, int, int]], total: int
 ) -> dict[str, list[tuple[int, int]]]:
-    """Row ranges of each split in the raw columns."""
+    """Row ranges of each split in the raw columns; a train split without rows (its files
+    hold no valid line, or too few lines for the Kaggle split's sixth sevenths) is a
+    ``BadDataError`` - such a dataset was written, and no run could train on it."""
+    ranges = _split_ranges(opts, file_rows, total)
+    if not sum(hi - lo for lo, hi in ranges.get("train", [])):
+        raise BadDataError(
+            f"the train split would hold no rows ({total:,} valid rows in all, --split "
+            f"{opts.split}): "
+            + (
+                "its input files hold no valid line"
+                if opts.split == "by-file"
+                else "too few rows to split (the Kaggle split trains on 6/7 of them)"
+            )
+            + "; nothing was written"
+        )
+    return ranges
+
+
+def _split_ranges(
+    opts: PreprocessOptions, file_rows: list[tuple[Path, int, int]], total: int
+) -> dict[str, list[tuple[int, int]]]:
     if opts.split == "none":
         return {"train": [(0, total)]}
     if opts.split == "kaggle":
