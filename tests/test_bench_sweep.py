@@ -182,3 +182,30 @@ def test_native_gather_probe_reads_the_rows_it_is_given():
     # sample-major: bag b of feature f is row b * 2 + f
     want = table[ids[:n]].view(2, 500, 16).transpose(0, 1).reshape(-1, 16)
     assert torch.equal(pooled, want)
+
+
+def test_plots_are_never_written_through_links_planted_at_their_names(tmp_path):
+    """``savefig(path)`` wrote through a symbolic link at ``stages.png`` (a shared sweep
+    directory, another user): the file it pointed to was overwritten."""
+    pytest.importorskip("matplotlib")
+    from recscale.bench.sweep import STAGE_COLUMNS, plot
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "sweep"
+    out.mkdir()
+    names = ["stages.png", "throughput_vs_train_batch_size.png", "heatmap.png"]
+    for name in names:
+        (out / name).symlink_to(victim)
+    rows = [
+        {"train.batch_size": b, "train.threads": t, "samples_per_s": 1000.0 * int(b) * int(t)}
+        | {f"{s}_ms": 1.0 for s in STAGE_COLUMNS}
+        for b in ("64", "128")
+        for t in ("1", "2")
+    ]
+    varies = [("train.batch_size", ["64", "128"]), ("train.threads", ["1", "2"])]
+    written = plot(rows, varies, out)
+    assert set(names) <= set(written)
+    assert victim.read_text() == "keep me"
+    for name in names:
+        assert not (out / name).is_symlink() and (out / name).read_bytes()[:4] == b"\x89PNG"

@@ -20,6 +20,7 @@ throughput`` in a fresh process (so its peak memory is its own, and a point that
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import subprocess
@@ -30,7 +31,7 @@ from typing import Any
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
-from recscale.config.small_files import open_log
+from recscale.config.small_files import open_log, write_bytes_atomic
 
 STAGE_COLUMNS = (
     "data",
@@ -196,6 +197,14 @@ def run_sweep(
     return rows
 
 
+def _save(fig, path: Path) -> None:
+    """A figure's PNG, renamed into place: never written through a link planted at its
+    name (savefig(path) had overwritten the file a ``stages.png`` link pointed to)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    write_bytes_atomic(path, buf.getvalue())
+
+
 def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: Path) -> list[str]:
     """Throughput vs each knob, stage breakdown bars, and a heatmap of the first two knobs."""
     try:
@@ -237,7 +246,7 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
             ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"throughput_vs_{knob.replace('.', '_')}.png"
-        fig.savefig(out / name, dpi=100)
+        _save(fig, out / name)
         plt.close(fig)
         written.append(name)
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(ok)), 4))
@@ -253,7 +262,7 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
     ax.set_title("a step's stages (batches come from the loader thread)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(out / "stages.png", dpi=100)
+    _save(fig, out / "stages.png")
     plt.close(fig)
     written.append("stages.png")
     if len(varies) >= 2:
@@ -275,7 +284,7 @@ def plot(rows: list[dict[str, Any]], varies: list[tuple[str, list[str]]], out: P
                 ax.text(j, i, f"{val:,.0f}", ha="center", va="center", color="w", fontsize=7)
         fig.colorbar(im, label="samples/s")
         fig.tight_layout()
-        fig.savefig(out / "heatmap.png", dpi=100)
+        _save(fig, out / "heatmap.png")
         plt.close(fig)
         written.append("heatmap.png")
     return written

@@ -112,14 +112,19 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     ``path`` - a rename replaces a symbolic link at ``path``, it does not write through
     it. The temporary file goes on any error (a full disk included), and the error says
     which file could not be written."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """:func:`write_text_atomic` for bytes (a plot's PNG)."""
     path = Path(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (mkstemp: 0600)
         os.replace(tmp, path)
     except BaseException as e:
