@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import zlib
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,39 @@ def test_checkpoints_of_the_previous_format_still_load(run_with_two_checkpoints,
         (ck / "manifest.json").write_text(json.dumps(m))
     m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, **QUIET)
     assert m["resumed_from_step"] == 20
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("[]", "step None"),
+        ('{"step": "abc"}', "step 'abc'"),
+        ('{"step": -5}', "step -5"),
+        ('{"step": 19}', "step 19"),  # another step than the manifest's 20
+        ('{"step": 20, "torch_rng": "!!!"}', "not base64"),
+        ('{"step": 20, "torch_rng": "AAAA"}', "not a generator state"),
+        ("not json", "not JSON"),
+    ],
+)
+def test_a_forged_trainer_state_falls_back_to_the_previous_checkpoint(
+    run_with_two_checkpoints, tmp_path, text, why
+):
+    """``trainer.json`` with its CRCs recomputed: a list or a text step was a traceback, a
+    step of -5 (or one the manifest does not say) resumed there, a generator state that
+    is none a traceback from torch."""
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    ck = run / "checkpoints" / "step_00000020"
+    (ck / "trainer.json").write_text(text)
+
+    def edit(m):
+        m["files"]["trainer.json"] = {
+            "bytes": len(text.encode()),
+            "crc32": zlib.crc32(text.encode()),
+        }
+
+    _forge(ck, edit)
+    lines: list[str] = []
+    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
+    assert m["resumed_from_step"] == 10
+    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
+    assert len(skipped) == 1 and why in skipped[0], lines

@@ -522,8 +522,35 @@ def restore(
                     f"{type(dense_opt).__name__} ({e}): resume with the optimizer.name it was "
                     "written with"
                 ) from e
-        trainer = loads_json(checked_file(path, "trainer.json").read_text())
+        trainer = _trainer_state(path, manifest)
     if "torch_rng" in trainer:
-        rng = np.frombuffer(base64.b64decode(trainer["torch_rng"]), dtype=np.uint8).copy()
-        torch.set_rng_state(torch.from_numpy(rng))
+        torch.set_rng_state(torch.from_numpy(trainer["torch_rng"]))
+    return trainer
+
+
+def _trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.json`` checked before anything is taken from it: an object whose step is
+    the manifest's (an int; a forged or mismatched one had resumed at step -5, or at the
+    wrong step) and whose generator state, if any, is one (a traceback otherwise).
+    ``torch_rng`` comes back decoded (uint8)."""
+    try:
+        trainer = loads_json(checked_file(path, "trainer.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: trainer.json is not JSON ({e})") from None
+    step = trainer.get("step") if isinstance(trainer, dict) else None
+    if type(step) is not int or step != manifest["step"]:
+        raise CheckpointError(
+            f"{path}: trainer.json's step {step!r} is not the manifest's {manifest['step']}"
+        )
+    if "torch_rng" in trainer:
+        try:
+            rng = np.frombuffer(base64.b64decode(trainer["torch_rng"], validate=True), np.uint8)
+        except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
+            raise CheckpointError(f"{path}: trainer.json's torch_rng is not base64 ({e})") from None
+        if rng.size != torch.get_rng_state().numel():
+            raise CheckpointError(
+                f"{path}: trainer.json's torch_rng holds {rng.size} bytes, not a generator "
+                f"state's {torch.get_rng_state().numel()}"
+            )
+        trainer = {**trainer, "torch_rng": rng.copy()}
     return trainer
