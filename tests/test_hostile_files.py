@@ -5,6 +5,7 @@ to the previous good checkpoint (docs/reliability.md lists each guarantee)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import cli, error_line, run_cli
 
 from recscale.checkpoint.format import CheckpointError, manifest_crc, verify
@@ -223,6 +225,60 @@ def test_a_forged_trainer_state_falls_back_to_the_previous_checkpoint(
         }
 
     _forge(ck, edit)
+    lines: list[str] = []
+    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
+    assert m["resumed_from_step"] == 10
+    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
+    assert len(skipped) == 1 and why in skipped[0], lines
+
+
+def _dense_empty(d):
+    return {}
+
+
+def _dense_list(d):
+    return [1, 2]
+
+
+def _dense_no_layer(d):
+    d["model"].pop("bottom.layers.0.weight")
+    return d
+
+
+def _dense_shape(d):
+    d["model"]["bottom.layers.0.weight"] = torch.zeros(3, 3)
+    return d
+
+
+def _dense_nan(d):
+    d["model"]["top.layers.0.weight"] = torch.full_like(d["model"]["top.layers.0.weight"], 1e400)
+    return d
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (_dense_empty, "no dense weights"),
+        (_dense_list, "no dense weights"),
+        (_dense_no_layer, "lacks ['bottom.layers.0.weight']"),  # had kept the initial layer
+        (_dense_shape, "is (3, 3)"),
+        (_dense_nan, "NaN or infinite"),  # trained on, a dead layer behind fused ReLUs
+    ],
+)
+def test_forged_dense_weights_fall_back_to_the_previous_checkpoint(
+    run_with_two_checkpoints, tmp_path, edit, why
+):
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    ck = run / "checkpoints" / "step_00000020"
+    buf = io.BytesIO()
+    torch.save(edit(torch.load(ck / "dense.pt", weights_only=True)), buf)
+    data = buf.getvalue()
+    (ck / "dense.pt").write_bytes(data)
+
+    def files(m):
+        m["files"]["dense.pt"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+    _forge(ck, files)
     lines: list[str] = []
     m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
     assert m["resumed_from_step"] == 10

@@ -327,6 +327,31 @@ def load_dense(path: Path) -> dict[str, Any]:
         ) from e
 
 
+def _load_dense_weights(path: Path, model: Checkpointable, dense: Any) -> None:
+    """``dense.pt``'s MLP weights into ``model``, checked first: a dict holding every dense
+    tensor of the model (everything but ``embeddings.*``, as ``_dense_bytes`` writes it)
+    at its shape, finite, and nothing else. An empty one had left the model's initial
+    weights without a word; other shapes were tracebacks; NaN weights trained on behind
+    fused ReLUs (which map NaN to 0) with a dead layer."""
+    weights = dense.get("model") if isinstance(dense, dict) else None
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{path}: dense.pt holds no dense weights ({type(dense).__name__})")
+    own = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    unknown = sorted(set(weights) - set(own))
+    if unknown:
+        raise CheckpointError(f"{path}: dense state has unknown keys {unknown[:3]}")
+    missing = sorted(set(own) - set(weights))
+    if missing:
+        raise CheckpointError(f"{path}: dense state lacks {missing[:3]}")
+    for k, v in weights.items():
+        if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
+            what = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise CheckpointError(f"{path}: {k} is {what}, the model's {tuple(own[k].shape)}")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"{path}: {k} holds NaN or infinite values")
+    model.load_state_dict(weights, strict=False)
+
+
 def _stored_parts(tm: dict[str, Any]) -> list[dict[str, Any]]:
     """A table's stored parts; a version-1 checkpoint's table is one whole part."""
     if "parts" in tm:
@@ -503,10 +528,10 @@ def restore(
                 "no factors for it: resume with the embedding.compression it was written with"
             )
         dense = load_dense(path)
-        unexpected = model.load_state_dict(dense["model"], strict=False).unexpected_keys
-        if unexpected:
-            raise CheckpointError(f"{path}: dense state has unknown keys {unexpected[:3]}")
+        _load_dense_weights(path, model, dense)
         step = dense.get("embedding_step", max(dense.get("storage_steps", [0])))
+        if type(step) is not int or step < 0:
+            raise CheckpointError(f"{path}: dense.pt's embedding step is {step!r}")
         for storage in ebc.storages():
             storage.step.fill_(step)
         if dense_opt is not None:
@@ -516,7 +541,7 @@ def restore(
                 if [sorted(g) for g in saved_groups] != [sorted(g) for g in own_groups]:
                     raise ValueError("its hyper-parameters are another optimizer's")
                 dense_opt.load_state_dict(dense["optimizer"])
-            except (ValueError, KeyError) as e:
+            except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(
                     f"{path}: the dense optimizer state does not fit optimizer "
                     f"{type(dense_opt).__name__} ({e}): resume with the optimizer.name it was "
