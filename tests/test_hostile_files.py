@@ -12,6 +12,7 @@ import subprocess
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import cli, error_line, run_cli
@@ -284,3 +285,28 @@ def test_forged_dense_weights_fall_back_to_the_previous_checkpoint(
     assert m["resumed_from_step"] == 10
     skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
     assert len(skipped) == 1 and why in skipped[0], lines
+
+
+def test_a_checkpoint_with_nan_rows_falls_back_to_the_previous_one(
+    run_with_two_checkpoints, tmp_path
+):
+    """NaN rows (CRCs recomputed) had resumed, and the run stopped at its first step
+    advising lower learning rates."""
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    ck = run / "checkpoints" / "step_00000020"
+    m = json.loads((ck / "manifest.json").read_text())
+    name = _first_weight_file(m)
+    rows = np.fromfile(ck / name, np.float32)
+    rows[3] = np.nan
+    rows.tofile(ck / name)
+    data = (ck / name).read_bytes()
+
+    def files(m):
+        m["files"][name]["crc32"] = zlib.crc32(data)
+
+    _forge(ck, files)
+    lines: list[str] = []
+    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
+    assert m["resumed_from_step"] == 10
+    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
+    assert len(skipped) == 1 and "NaN or infinite" in skipped[0], lines

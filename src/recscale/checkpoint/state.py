@@ -380,6 +380,13 @@ def _read_weight(path: Path, base: str, precision: str, n: int, width: int, sel)
     return _dequantize_int8(q, read_array(path, f"{base}.qparams.f32", np.float32, (n, 2))[sel])
 
 
+def _check_finite(values: torch.Tensor, path: Path, what: str) -> None:
+    """Rows restored are finite: NaN rows had resumed, and the run stopped at its first
+    step advising lower learning rates for a checkpoint that was damaged."""
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        raise CheckpointError(f"{path}: {what} holds NaN or infinite values")
+
+
 def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, mine) -> None:
     """Copy the overlap of stored part ``sp`` into each of this rank's ``mine`` parts."""
     n, width = sp["stored_rows"], sp["col_hi"] - sp["col_lo"]
@@ -414,6 +421,7 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                     :, c0 - sp["col_lo"] : c1 - sp["col_lo"]
                 ]
             )
+            _check_finite(weight, path, base)
             if not whole_cols:  # patch some columns of the rows it holds
                 full = storage.read_rows(idx).cpu()
                 full[:, c0 - p.col_lo : c1 - p.col_lo] = weight
@@ -427,6 +435,7 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                         read_array(path, f"{base}.state_{sname}.f32", np.float32, (n, *tail))[sel]
                     )
                 )
+                _check_finite(arr, path, f"{base} ({sname})")
                 if arr.dim() == 2:  # element-wise state: the same columns as the weight
                     arr = arr[:, c0 - sp["col_lo"] : c1 - sp["col_lo"]]
                     if not whole_cols:
