@@ -310,3 +310,42 @@ def test_a_checkpoint_with_nan_rows_falls_back_to_the_previous_one(
     assert m["resumed_from_step"] == 10
     skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
     assert len(skipped) == 1 and "NaN or infinite" in skipped[0], lines
+
+
+QR = ["--embedding.compression=qr", "--embedding.compress_min_rows=100"]
+
+
+def test_forged_factors_fall_back_to_the_previous_checkpoint(tmp_path):
+    """A compressed table's ``factors.pt`` (CRCs recomputed): a list, or a tensor where a
+    table's state belongs, was a traceback; NaN factors resumed and stopped the run."""
+    source = tmp_path / "source"
+    train(load_config("debug", [*BASE, *CKPT, *QR]), source, **QUIET)
+    name = "parts/rank00000/factors.pt"
+
+    def nan_factors(d):
+        table = next(iter(d))
+        key = next(k for k, v in d[table].items() if torch.is_tensor(v) and v.is_floating_point())
+        d[table][key] = torch.full_like(d[table][key], float("nan"))
+        return d
+
+    forgeries = [
+        (lambda d: [1], "not a table -> factor state mapping"),
+        (lambda d: {k: torch.zeros(3) for k in d}, "not a table -> factor state mapping"),
+        (nan_factors, "NaN or infinite"),
+    ]
+    for i, (edit, why) in enumerate(forgeries):
+        run = tmp_path / f"run{i}"
+        subprocess.run(["cp", "-a", str(source), str(run)], check=True)
+        ck = run / "checkpoints" / "step_00000020"
+        buf = io.BytesIO()
+        torch.save(edit(torch.load(ck / name, weights_only=True)), buf)
+        data = buf.getvalue()
+        (ck / name).write_bytes(data)
+        entry = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        _forge(ck, lambda m, entry=entry: m["files"].update({name: entry}))
+        lines: list[str] = []
+        cfg = load_config("debug", [*BASE, *QR, "--train.steps=30"])
+        m = train(cfg, run, resume=run, echo=lines.append)
+        assert m["resumed_from_step"] == 10
+        skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
+        assert len(skipped) == 1 and why in skipped[0], lines

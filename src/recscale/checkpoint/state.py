@@ -462,7 +462,12 @@ def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -
             saved = torch.load(io.BytesIO(f.read_bytes()), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
             raise CheckpointError(f"{f}: not a plain tensor file, refused to load it") from e
+        if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+            raise CheckpointError(f"{f}: not a table -> factor state mapping")
         for name, state in saved.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    _check_finite(value, f, f"the factors of {name} ({key})")
             found.add(name)
             if name in plain:
                 raise CheckpointError(
@@ -472,7 +477,7 @@ def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -
             if name in derived:
                 try:
                     derived[name].load_factor_state(state)
-                except RuntimeError as e:
+                except (RuntimeError, TypeError, KeyError) as e:
                     raise CheckpointError(
                         f"{f}: the factors of {name} do not fit the model's "
                         "(embedding.compression, "
