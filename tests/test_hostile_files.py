@@ -226,6 +226,8 @@ def test_a_forged_trainer_state_falls_back_to_the_previous_checkpoint(
         }
 
     _forge(ck, edit)
+    r = run_cli("checkpoint", "inspect", str(ck))
+    assert r.returncode == 1 and "INVALID" in r.stdout and why in r.stdout, r.stdout + r.stderr
     lines: list[str] = []
     m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
     assert m["resumed_from_step"] == 10

@@ -561,13 +561,13 @@ def restore(
                     f"{type(dense_opt).__name__} ({e}): resume with the optimizer.name it was "
                     "written with"
                 ) from e
-        trainer = _trainer_state(path, manifest)
+        trainer = trainer_state(path, manifest)
     if "torch_rng" in trainer:
         torch.set_rng_state(torch.from_numpy(trainer["torch_rng"]))
     return trainer
 
 
-def _trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """``trainer.json`` checked before anything is taken from it: an object whose step is
     the manifest's (an int; a forged or mismatched one had resumed at step -5, or at the
     wrong step) and whose generator state, if any, is one (a traceback otherwise).

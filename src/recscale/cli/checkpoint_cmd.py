@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _describe(path: Path) -> dict:
     from recscale.checkpoint.format import CheckpointError, read_manifest, verify
     from recscale.checkpoint.manager import chain_of
-    from recscale.checkpoint.state import load_dense
+    from recscale.checkpoint.state import load_dense, trainer_state
 
     info: dict = {"path": str(path)}
     try:
@@ -42,7 +42,7 @@ def _describe(path: Path) -> dict:
     try:
         chain = chain_of(path)
         for p in chain:
-            verify(p)
+            trainer_state(p, verify(p))  # its step the manifest's, its generator state one
             load_dense(p)  # loadable as plain tensors (a planted pickle is not valid)
         info.update(valid=True, chain=[p.name for p in chain])
     except CheckpointError as e:
