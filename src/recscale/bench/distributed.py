@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.distributed import init_distributed, plan_for
 from recscale.distributed.pipeline import EmbeddingPipeline
@@ -29,7 +28,7 @@ from recscale.distributed.spawn import run_ranks
 from recscale.planner.from_config import default_memory_per_rank
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.parallel import build
+from recscale.train.parallel import build, check_batch_divides
 from recscale.train.step import backward_and_step, forward_loss
 
 STAGES = ("input_dist", "forward", "backward", "dense_opt")
@@ -91,11 +90,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
 def run_pipeline_bench(
     cfg: Config, world_size: int, steps: int, warmup: int, threads: int
 ) -> dict[str, Any]:
-    if cfg.train.batch_size % world_size:  # else every rank's traceback, after the spawn
-        raise ConfigError(
-            "train.batch_size",
-            f"{cfg.train.batch_size} does not divide across {world_size} ranks (--world-size)",
-        )
+    check_batch_divides(cfg, world_size)  # here: in the ranks, a traceback from each
     if not cfg.distributed.memory_per_rank_gb:
         mem = default_memory_per_rank(torch.device("cpu"), world_size)
         cfg.distributed.memory_per_rank_gb = mem / 1e9

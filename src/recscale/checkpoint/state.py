@@ -347,8 +347,7 @@ def _load_dense_weights(path: Path, model: Checkpointable, dense: Any) -> None:
         if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
             what = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise CheckpointError(f"{path}: {k} is {what}, the model's {tuple(own[k].shape)}")
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise CheckpointError(f"{path}: {k} holds NaN or infinite values")
+        _check_finite(v, path, k)
     model.load_state_dict(weights, strict=False)
 
 

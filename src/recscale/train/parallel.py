@@ -43,6 +43,14 @@ from recscale.planner.layout import build_layout, table_bytes_per_rank
 from recscale.train.data_source import popularity_ranks
 
 
+def check_batch_divides(cfg: Config, world_size: int) -> None:
+    """Every rank trains an equal slice of each global batch."""
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(
+            "train.batch_size", f"{cfg.train.batch_size} does not divide across {world_size} ranks"
+        )
+
+
 def build(
     cfg: Config, ctx: DistContext, echo: Callable[[str], None]
 ) -> tuple[DLRM, nn.Module, ShardingPlan]:
@@ -51,10 +59,7 @@ def build(
     idle distribution stages - unless a plan or a sharding kind is asked for). Returns
     (model, the module to call - DDP-wrapped on several ranks -, plan)."""
     w = ctx.world_size
-    if cfg.train.batch_size % w:
-        raise ConfigError(
-            "train.batch_size", f"{cfg.train.batch_size} does not divide across {w} ranks"
-        )
+    check_batch_divides(cfg, w)
     e, d = cfg.embedding, cfg.distributed
     if w == 1 and not d.plan and d.sharding == "auto":
         plan = one_rank_plan([f"C{i + 1}" for i in range(len(cfg.model.table_sizes))])
