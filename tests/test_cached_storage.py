@@ -572,3 +572,5 @@ def test_warm_pins_leave_two_batches_of_room(tmp_path):
     assert st.pin_limit(0.8, 100) == 0  # two batches of 100 ids of each of 2 parts: 400
     st.set_row_order(None, [(0, 990), (990, 10)])
     assert st.pin_limit(0.8, 70) == 300 - 2 * (70 + 10)  # a part is at most whole
+    whole = _storage(tmp_path / "whole", rows=300, cache=300)  # never evicts
+    assert whole.pin_limit(0.8, 1000) == 240

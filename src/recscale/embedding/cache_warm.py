@@ -61,8 +61,11 @@ class CacheWarmStart:
         """The warm rows to keep for the run: ``share`` of the cache, but never so many
         that two batches (the one stepping and the one prefetched) lack room - each brings
         at most ``ids_per_table`` distinct rows of each table part, or the part's rows.
-        With pins leaving less, a small cache stopped the run at its first eviction."""
+        With pins leaving less, a small cache stopped the run at its first eviction. A
+        cache holding every row never evicts: any share may stay."""
         c = self.cache_rows
+        if c >= self.num_rows:
+            return int(share * c)
         parts = self._segments or [(0, self.num_rows)]
         in_flight = 2 * sum(min(n, ids_per_table) for _start, n in parts)
         return max(0, min(int(share * c), c - in_flight))
