@@ -96,7 +96,7 @@ def test_a_toml_float_that_is_whole_is_an_integer(tmp_path):
         (["--embedding.optimizer=adamw"], "embedding.optimizer"),
         (["--train.steps"], "train.steps"),  # missing value
         (["--data.seed=-5"], "data.seed"),  # was numpy's traceback from the data thread
-        (["--model.bottom_mlp=32,,8"], "model.bottom_mlp"),  # was [32, 8]
+        (["--model.bottom_mlp=64,,16"], "model.bottom_mlp"),  # was [64, 16], a valid MLP
         (["--embedding.table_compression=C1=qr,C1=tt"], "embedding.table_compression"),
         (["--train.steps=10", "--train.epochs=-1"], "train.epochs"),  # was dropped unread
     ],
