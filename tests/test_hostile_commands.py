@@ -184,3 +184,16 @@ def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_not_written(tmp_path, caps
     assert rc == 1 and "not a lock file recscale made" in line, line
     assert precious.read_text() == "keep me\n"
     assert sorted(p.name for p in run.iterdir()) == [".recscale.lock"]
+
+
+def test_the_filesystem_root_is_no_run_directory():
+    """``--run-dir /`` trained and wrote ``/metrics.json``, ``/config.toml`` and
+    ``/checkpoints`` (as root, in a container)."""
+    from pathlib import Path
+
+    from recscale.train.run import RunDirInUse, check_run_dir
+
+    with pytest.raises(RunDirInUse, match="filesystem root"):
+        check_run_dir(Path("/"), None)
+    with pytest.raises(RunDirInUse, match="filesystem root"):
+        check_run_dir(Path("/tmp/.."), None)

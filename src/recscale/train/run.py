@@ -90,6 +90,10 @@ def check_run_dir(run_dir: Path, resume: Path | None) -> None:
     the run in that very directory is fine."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirInUse(f"--run-dir {run_dir} is a file; name a directory for the run")
+    if run_dir.resolve() == Path(run_dir.resolve().anchor):  # `--run-dir /` wrote /metrics.json
+        raise RunDirInUse(
+            f"--run-dir {run_dir} is the filesystem root; name a directory for the run"
+        )
     marks = [n for n in ("config.toml", "metrics.json", "checkpoints") if (run_dir / n).exists()]
     if not marks:
         return
