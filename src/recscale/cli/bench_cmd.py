@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
+from recscale.config.small_files import json_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -127,10 +127,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             cfg, args.world_size or 2, args.steps, args.warmup, args.threads or 1
         )
         r["config"] = args.config
-        print(json.dumps(r, indent=2) if args.json else format_pipeline_report(args.config, r))
+        print(json_text(r, indent=2) if args.json else format_pipeline_report(args.config, r))
         return 0
     echo = (lambda s: print(s, file=sys.stderr)) if args.json else print
     result = run_throughput(cfg, steps=args.steps, warmup=args.warmup, echo=echo)
     result["config"] = args.config
-    print(json.dumps(result, indent=2) if args.json else format_report(args.config, result))
+    print(json_text(result, indent=2) if args.json else format_report(args.config, result))
     return 0

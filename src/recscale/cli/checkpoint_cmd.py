@@ -4,9 +4,10 @@ valid."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from recscale.config.small_files import json_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return 1
     infos = [_describe(p) for p in paths]
     if args.json:
-        print(json.dumps(infos if len(infos) > 1 else infos[0], indent=2))
+        print(json_text(infos if len(infos) > 1 else infos[0], indent=2))
         return 0 if all(i["valid"] for i in infos) else 1
     for i in infos:
         status = "valid" if i["valid"] else f"INVALID: {i['error']}"

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from recscale.config.small_files import json_text
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="preprocess click logs into a binary dataset")
@@ -124,15 +126,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.data_command == "synth-tsv":
         from recscale.dataprep.criteo_tsv import write_tsv
 
-        if args.cycle_blocks < 0:
-            print("recscale: error: --cycle-blocks must be >= 0", file=sys.stderr)
-            return 1
-        if args.lines < 1:
-            print(f"recscale: error: --lines must be >= 1, got {args.lines}", file=sys.stderr)
-            return 1
         try:
             n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
-        except ValueError as e:  # more than the disk or the memory holds
+        except ValueError as e:  # bad arguments, more than the disk or the memory holds
             print(f"recscale: error: {e}", file=sys.stderr)
             return 1
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
@@ -171,5 +167,5 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from recscale.data.columns import read_metadata
 
     # checked as training opens it: a FIFO is refused, not read; damaged fields named
-    print(json.dumps(read_metadata(args.path), indent=2))
+    print(json_text(read_metadata(args.path), indent=2))
     return 0

@@ -9,13 +9,13 @@ train are printed. ``--device this`` is the calibrated host (the performance mod
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
+from recscale.config.small_files import json_text
 from recscale.planner import Constraints, PlanError, Topology, plan_sharding
 from recscale.planner.costs import CostLaws
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                 if args.train_samples:
                     out["predicted_train_hours"] = args.train_samples / pred.samples_per_s / 3600
         out["costs"] = laws.source
-        print(json.dumps(out, indent=1))
+        print(json_text(out, indent=1))
         return 0
     print(
         f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
@@ -294,7 +294,7 @@ def _forecast(cfg, args) -> int:
         out = {**f.plan.to_dict(), **f.to_dict()}
         if hours is not None:
             out["predicted_train_hours"] = hours
-        print(json.dumps(out, indent=1))
+        print(json_text(out, indent=1))
         return 0
     kinds = f.plan.kind_counts()
     print(

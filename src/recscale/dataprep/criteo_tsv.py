@@ -116,8 +116,12 @@ def write_tsv(
     path = Path(path)
     if path.is_dir():  # found at the final rename, after all the writing, it was EISDIR
         raise ValueError(f"--out {path} is a directory; name a file (.tsv, or .tsv.gz)")
+    if lines < 1:
+        raise ValueError(f"--lines must be >= 1, got {lines}")
     if seed < 0:
         raise ValueError(f"--seed must be >= 0, got {seed}")
+    if distinct_blocks < 0:
+        raise ValueError("--cycle-blocks must be >= 0")
     needed = -(-lines // block)
     kept: list[tuple[bytes, np.ndarray, np.ndarray]] = []  # cycled blocks, drawn once
 
