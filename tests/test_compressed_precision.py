@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from helpers import assert_resume_identical
 
 from recscale.config import load_config
-from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage, tt_shape
+from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage
+from recscale.embedding.compression_shapes import tt_shape
 from recscale.embedding.low_precision import LowPrecisionStorage
 from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
 from recscale.embedding.sizing import compressed_table_bytes, table_memory

@@ -8,14 +8,8 @@ import torch.nn.functional as F
 from helpers import RESUME_BASE, assert_resume_identical
 
 from recscale.config import ConfigError, load_config
-from recscale.embedding.compressed import (
-    MixedDimStorage,
-    QRStorage,
-    TTStorage,
-    compressed_rows,
-    mixed_dims,
-    tt_shape,
-)
+from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage
+from recscale.embedding.compression_shapes import compressed_rows, mixed_dims, tt_shape
 from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
 from recscale.planner.from_config import plan_for, table_infos
 from recscale.train.run import train

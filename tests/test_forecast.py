@@ -365,6 +365,37 @@ def test_plan_device_cli_prints_and_carries_the_forecast():
     assert all(n in r.stdout for n in NAMED)
 
 
+# torch made unimportable, then the CLI: the plan and the forecast are arithmetic on the
+# config, and a fresh process answers in a fraction of a second without torch's import
+_NO_TORCH = (
+    "import sys; sys.modules['torch'] = None; from recscale.cli.main import main; "
+    "sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--device", "h100-sxm", "--config", "criteo_multihot_dcnv2", "--world-size", "8"],
+        ["--device", "a100-80gb", "--config", "B", "--system", "dle", "--train-samples", "4e9"],
+        ["--config", "A", "--world-size", "4", "--embedding.placement=ssd"],
+        ["--config", "B", "--embedding.compression=tt", "--embedding.row_precision=int8"],
+        ["--config", "debug", "--embedding.compression=qr", "--embedding.hot_fraction=0.01"],
+    ],
+)
+def test_plan_runs_without_torch_and_says_what_it_says_with_it(args):
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, "plan", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    with_torch = run_cli("plan", *args, "--json")
+    assert with_torch.returncode == 0, with_torch.stderr
+    assert json.loads(r.stdout) == json.loads(with_torch.stdout)
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

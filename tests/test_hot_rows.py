@@ -8,7 +8,8 @@ import torch
 from helpers import assert_resume_identical
 
 from recscale.config import ConfigError, load_config
-from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage, hot_count
+from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage
+from recscale.embedding.compression_shapes import hot_count
 from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
 from recscale.embedding.sizing import compressed_table_bytes
 from recscale.embedding.storage import DeviceStorage

@@ -211,7 +211,7 @@ def test_cli_plan_shows_the_expected_hit_rate():
 
 
 def test_the_default_ssd_cache_takes_its_share_of_free_memory_less_its_bookkeeping():
-    from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
+    from recscale.embedding.sizing import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
     from recscale.planner.from_config import SSD_CACHE_SHARE, default_ssd_cache
 
     said: list[str] = []
@@ -234,8 +234,8 @@ def test_an_explicit_ssd_cache_the_memory_cannot_hold_is_a_config_error(monkeypa
     SSD_CACHE_WARN_SHARE of it, a warning; within it, nothing said."""
     from recscale.config.errors import ConfigError
     from recscale.config.loader import load_config
-    from recscale.embedding.cached_storage import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
-    from recscale.planner import from_config
+    from recscale.embedding.sizing import ROW_INDEX_BYTES, SLOT_OVERHEAD_BYTES
+    from recscale.planner import job_plan
 
     rows, dim = [4_000_000, 1_000_000], 8  # the debug preset's dim
     row = dim * 4 + 4  # row-wise Adagrad: one fp32 of state a row
@@ -244,7 +244,7 @@ def test_an_explicit_ssd_cache_the_memory_cannot_hold_is_a_config_error(monkeypa
     index = ROW_INDEX_BYTES * sum(rows)
 
     def tiers(cache: int, free: int):
-        monkeypatch.setattr(from_config, "available_memory", lambda _device: free)
+        monkeypatch.setattr(job_plan, "available_memory", lambda _device: free)
         cfg = load_config(
             "debug",
             [
@@ -255,7 +255,7 @@ def test_an_explicit_ssd_cache_the_memory_cannot_hold_is_a_config_error(monkeypa
             ],
         )
         said: list[str] = []
-        return from_config.configured_tiers(cfg, said.append, torch.device("cpu"), 1), said
+        return job_plan.configured_tiers(cfg, said.append, torch.device("cpu"), 1), said
 
     cache = tables // 5
     need = cache + SLOT_OVERHEAD_BYTES * cache / row + index + draw

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def proc_bytes(path: str, key: str) -> int | None:
     """The value of ``key`` (``MemAvailable``, ``RssAnon``...) in a ``/proc`` file whose
@@ -15,3 +17,11 @@ def proc_bytes(path: str, key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def mem_available() -> int:
+    """The host's MemAvailable (bytes), else its free pages."""
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

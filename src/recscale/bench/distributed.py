@@ -25,7 +25,7 @@ from recscale.config.schema import Config
 from recscale.distributed import init_distributed, plan_for
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.distributed.spawn import run_ranks
-from recscale.planner.from_config import default_memory_per_rank
+from recscale.planner.job_plan import default_memory_per_rank
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, check_batch_divides

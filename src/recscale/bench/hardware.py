@@ -24,7 +24,7 @@ import torch
 from recscale import native
 from recscale.config.schema import Config
 from recscale.config.small_files import loads_json, write_text_atomic
-from recscale.embedding.low_precision import bytes_per_value, row_overhead
+from recscale.embedding.sizing import bytes_per_value, row_overhead
 from recscale.modules import gemm
 
 

@@ -70,18 +70,6 @@ def zipf_ranks(u: np.ndarray, n: int, alpha: float) -> np.ndarray:
     return _zipf_ranks_by_feature(u, [n], np.array([len(u)]), alpha)
 
 
-def zipf_share(k: float, n: int, alpha: float) -> float:
-    """The share of :func:`zipf_ranks`' draws that fall on the ``k`` most popular of
-    ``n`` ranks (its exact CDF at rank k): the hit rate of a cache of those rows."""
-    k = min(max(k, 0.0), float(n))
-    if alpha == 0.0:
-        return k / n
-    if abs(alpha - 1.0) < 1e-9:
-        return math.log(k + 1) / math.log(n + 1)
-    e = 1.0 - alpha
-    return ((k + 1) ** e - 1.0) / ((n + 1) ** e - 1.0)
-
-
 def _zipf_ranks_by_feature(
     u: np.ndarray, sizes: list[int], counts: np.ndarray, alpha: float
 ) -> np.ndarray:

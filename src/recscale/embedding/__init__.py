@@ -1,23 +1,3 @@
-"""Embedding storage, the fused lookup kernel and the fused sparse optimizers."""
-
-from recscale.embedding.lookup import pooled_lookup
-from recscale.embedding.optimizers import (
-    SparseAdam,
-    SparseOptimizer,
-    SparseRowwiseAdagrad,
-    SparseSGD,
-    build_sparse_optimizer,
-)
-from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows
-
-__all__ = [
-    "DeviceStorage",
-    "RowStorage",
-    "SparseAdam",
-    "SparseOptimizer",
-    "SparseRowwiseAdagrad",
-    "SparseSGD",
-    "build_sparse_optimizer",
-    "merge_duplicate_rows",
-    "pooled_lookup",
-]
+"""Embedding storage, the fused lookup kernel and the fused sparse optimizers. Import the
+module you need: this package imports nothing itself, so the tables' arithmetic
+(``sizing``, ``compression_shapes``) loads without torch (``recscale plan`` does)."""

@@ -69,12 +69,6 @@ from recscale.embedding.row_io import row_move
 from recscale.embedding.slipstream import Slipstream
 from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
 
-# Memory beyond the rows themselves, for sizing a cache from free memory: per cache slot
-# score (8) + row_of_slot (8) + its free-stack entry (8) + dirty and pinned flags (2);
-# per table row slot_of_row (4) + its file position (4).
-SLOT_OVERHEAD_BYTES = 26
-ROW_INDEX_BYTES = 8
-
 
 class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorage):
     def __init__(

@@ -47,16 +47,6 @@ _DTYPES = {
 _GRID = {"fp16": (10, -14), "bf16": (7, -126)}
 
 
-def bytes_per_value(precision: str) -> float:
-    """Stored bytes of one row element (int8 adds 8 bytes a row: see ``row_overhead``)."""
-    return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "split_bf16": 4}[precision]
-
-
-def row_overhead(precision: str) -> int:
-    """Bytes a row carries beside its values (int8: its scale and bias)."""
-    return 8 if precision == "int8" else 0
-
-
 _M32 = 0xFFFFFFFF
 
 
@@ -267,20 +257,12 @@ def device_rows(
     return LowPrecisionStorage(num_rows, dim, optimizer, precision, device, kernel)
 
 
-def table_bytes(num_rows: int, dim: int, precision: str) -> int:
-    """Stored bytes of a table's rows (no optimizer state)."""
-    return int(num_rows * (dim * bytes_per_value(precision) + row_overhead(precision)))
-
-
 __all__ = [
     "LowPrecisionStorage",
-    "bytes_per_value",
     "join_fp32",
     "split_fp32",
     "quantize_rows",
     "round_to_grid",
-    "row_overhead",
-    "table_bytes",
     "noise_bits",
     "uniform_noise",
 ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from recscale.config.schema import EmbeddingConfig
+from recscale.embedding.sizing import optimizer_state_shapes
 
 
 class SparseOptimizer(ABC):
@@ -30,9 +31,9 @@ class SparseOptimizer(ABC):
     def __init__(self, lr: float) -> None:
         self.lr = lr
 
-    @abstractmethod
     def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
         """Per-row state: name -> trailing shape (``()`` is one float per row)."""
+        return optimizer_state_shapes(self.name, dim)
 
     def init_value(self, name: str) -> float:
         return 0.0
@@ -55,9 +56,6 @@ class SparseOptimizer(ABC):
 class SparseSGD(SparseOptimizer):
     name = "sgd"
 
-    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
-        return {}
-
     def update_(self, weight, state, rows, grad, step) -> None:
         weight.index_add_(0, rows, grad, alpha=-self.lr)
 
@@ -74,9 +72,6 @@ class SparseRowwiseAdagrad(SparseOptimizer):
         super().__init__(lr)
         self.eps = eps
         self.initial_accumulator = initial_accumulator
-
-    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"sum": ()}
 
     def init_value(self, name: str) -> float:
         return self.initial_accumulator
@@ -101,9 +96,6 @@ class SparseAdam(SparseOptimizer):
     ) -> None:
         super().__init__(lr)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
-
-    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"exp_avg": (dim,), "exp_avg_sq": (dim,)}
 
     def update_(self, weight, state, rows, grad, step) -> None:
         b1, b2 = self.beta1, self.beta2

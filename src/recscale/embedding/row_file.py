@@ -71,7 +71,7 @@ from recscale.embedding.row_io import (  # noqa: F401  (io_uring_available re-ex
     row_io_direct,
     row_move,
 )
-from recscale.procfs import proc_bytes
+from recscale.procfs import mem_available
 
 TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
 ACCESS = ("auto", "pread", "direct", "map")
@@ -80,14 +80,6 @@ RowMaker = Callable[[np.ndarray], np.ndarray]  # segment-relative rows -> [n, wi
 # access=auto maps a file of at most this share of the memory available when it is made:
 # the page cache then holds all of it and nothing evicts a mapped page
 MAP_SHARE = 0.5
-
-
-def mem_available() -> int:
-    """The host's MemAvailable (bytes), else its free pages."""
-    available = proc_bytes("/proc/meminfo", "MemAvailable")
-    if available is not None:
-        return available
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def fits_in_memory(nbytes: int) -> bool:

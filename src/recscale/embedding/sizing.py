@@ -13,24 +13,57 @@ from __future__ import annotations
 import math
 
 from recscale.config.schema import Config, EmbeddingConfig
-from recscale.embedding.compressed import (
+from recscale.embedding.compression_shapes import (
     factor_precision,
     factor_shapes,
     hot_count,
-    hot_id_dtype,
+    hot_id_bytes,
     table_compressions,
 )
-from recscale.embedding.low_precision import bytes_per_value, row_overhead, table_bytes
-from recscale.embedding.optimizers import build_sparse_optimizer
 
 # A tier's table part is drawn whole (to be written in file order) up to this many fp32
 # values, 4 GB; a larger one a chunk at a time. Memory beside the cache at initialization.
 INIT_DRAW_MAX_VALUES = 1 << 30
 
 
+# Memory beyond the rows themselves, for sizing a cache from free memory: per cache slot
+# score (8) + row_of_slot (8) + its free-stack entry (8) + dirty and pinned flags (2);
+# per table row slot_of_row (4) + its file position (4) (``cached_storage.py``).
+SLOT_OVERHEAD_BYTES = 26
+ROW_INDEX_BYTES = 8
+
+
+def bytes_per_value(precision: str) -> float:
+    """Stored bytes of one row element (int8 adds 8 bytes a row: see ``row_overhead``)."""
+    return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "split_bf16": 4}[precision]
+
+
+def row_overhead(precision: str) -> int:
+    """Bytes a row carries beside its values (int8: its scale and bias)."""
+    return 8 if precision == "int8" else 0
+
+
+def table_bytes(num_rows: int, dim: int, precision: str) -> int:
+    """Stored bytes of a table's rows (no optimizer state)."""
+    return int(num_rows * (dim * bytes_per_value(precision) + row_overhead(precision)))
+
+
+def optimizer_state_shapes(optimizer: str, dim: int) -> dict[str, tuple[int, ...]]:
+    """A sparse optimizer's per-row state (``embedding.optimizer``): name -> trailing
+    shape, ``()`` one fp32 value a row. The optimizers allocate it; sizes count it."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {
+        "sgd": {},
+        "rowwise_adagrad": {"sum": ()},
+        "adam": {"exp_avg": (dim,), "exp_avg_sq": (dim,)},
+    }
+    if optimizer not in shapes:
+        raise ValueError(f"unknown sparse optimizer {optimizer!r} (choices: {', '.join(shapes)})")
+    return shapes[optimizer]
+
+
 def state_bytes(cfg: EmbeddingConfig, dim: int) -> int:
     """Bytes of one row's optimizer state (fp32)."""
-    shapes = build_sparse_optimizer(cfg).state_shapes(dim).values()
+    shapes = optimizer_state_shapes(cfg.optimizer, dim).values()
     return 4 * sum(max(1, math.prod(s)) for s in shapes)
 
 
@@ -75,7 +108,7 @@ def compressed_table_bytes(method: str, rows: int, dim: int, small_dim: int, e) 
         table_bytes(r, w, factor_precision(name, e.row_precision))
         for name, (r, w) in shapes.items()
     )
-    weights += k * hot_id_dtype(rows, k).itemsize
+    weights += k * hot_id_bytes(rows, k)
     values = sum(r * w for r, w in shapes.values())
     if e.optimizer == "adam":
         return weights + 2 * 4 * values, weights

@@ -12,7 +12,7 @@ from torch import nn
 
 from recscale.config.schema import EmbeddingConfig, ModelConfig
 from recscale.data.batch import Batch
-from recscale.embedding.compressed import table_compressions
+from recscale.embedding.compression_shapes import table_compressions
 from recscale.embedding.optimizers import build_sparse_optimizer
 from recscale.embedding.placement import device_storage_factory
 from recscale.modules.dcn import DCNv2Interaction

@@ -13,11 +13,7 @@ from torch import nn
 from recscale.config.schema import KERNELS
 from recscale.embedding import kernels
 from recscale.modules import dot_interaction_cpu
-
-# The top MLP's first GEMM runs ~15% faster when its input width is a multiple of 8
-# (367 -> 368 for config A on AVX2); the pad columns are always zero, so their weights
-# never receive a gradient and the model is mathematically the unpadded one.
-PAD_MULTIPLE = 8
+from recscale.modules.interaction_padding import PAD_MULTIPLE, gram_multiple
 
 
 def gram_row_multiple(x: torch.Tensor) -> int:
@@ -35,12 +31,6 @@ def gram_row_multiple(x: torch.Tensor) -> int:
     except RuntimeError:  # a device type autocast does not know (meta)
         autocast = False
     return gram_multiple(True, autocast or x.dtype in (torch.bfloat16, torch.float16))
-
-
-def gram_multiple(accelerator: bool, half: bool) -> int:
-    """16 bytes of rows on an accelerator (4 fp32 / TF32, 8 bf16 / fp16); none on a CPU
-    (the performance model pads as the module does through this)."""
-    return (8 if half else 4) if accelerator else 1
 
 
 class SymmetricGram(torch.autograd.Function):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.embedding.sizing import row_bytes
-from recscale.modules.interaction import PAD_MULTIPLE
+from recscale.modules.interaction_padding import PAD_MULTIPLE
 from recscale.perfmodel.calibration import Calibration, Law, find_calibration, mlp_features
 from recscale.planner.costs import (
     ALL_REDUCE_CALLS,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from recscale.config.schema import Config
-from recscale.modules.interaction import PAD_MULTIPLE, gram_multiple
+from recscale.modules.interaction_padding import PAD_MULTIPLE, gram_multiple
 from recscale.perfmodel.devices import DeviceSpec
 from recscale.perfmodel.systems import System
 

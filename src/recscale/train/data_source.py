@@ -12,7 +12,8 @@ from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError, LoaderPosition
 from recscale.data.synthetic import SyntheticCriteo
-from recscale.planner.from_config import available_memory, table_infos
+from recscale.planner.from_config import table_infos
+from recscale.planner.job_plan import available_memory
 
 
 def make_synthetic(cfg: Config) -> SyntheticCriteo:

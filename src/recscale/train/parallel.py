@@ -27,17 +27,15 @@ from recscale.distributed import DistContext, one_rank_plan, shard
 from recscale.embedding.placement import storage_factory
 from recscale.embedding.sizing import row_bytes
 from recscale.models.dlrm import DLRM, build_model
-from recscale.modules.interaction import PAD_MULTIPLE
+from recscale.modules.interaction_padding import PAD_MULTIPLE
 from recscale.perfmodel import calibrated_laws
 from recscale.planner import PlanError, ShardingPlan
-from recscale.planner.from_config import (
+from recscale.planner.from_config import plan_for, table_infos, with_tiers
+from recscale.planner.job_plan import (
     available_memory,
     configured_tiers,
     default_memory_per_rank,
-    plan_for,
-    table_infos,
     with_kernels,
-    with_tiers,
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
 from recscale.train.data_source import popularity_ranks
