@@ -197,3 +197,84 @@ def test_the_filesystem_root_is_no_run_directory():
         check_run_dir(Path("/"), None)
     with pytest.raises(RunDirInUse, match="filesystem root"):
         check_run_dir(Path("/tmp/.."), None)
+
+
+def _damage(p: dict, change: str) -> None:
+    """One field of a 2-rank plan of the debug preset made what no plan holds."""
+    first, second = p["placements"][0], p["placements"][1]
+    if change == "rank_text":
+        first["ranks"] = ["0"]
+    elif change == "world_size_text":
+        p["world_size"] = "2"
+    elif change == "unknown_tier":
+        first["placement"] = "moon"
+    elif change == "negative_cache":
+        first.update(placement="ssd", cache_bytes=-5)
+    elif change == "unknown_kernel":
+        first["kernel"] = "evil"
+    elif change == "table_twice":
+        p["placements"].append(dict(first))
+    elif change == "repeated_rank":
+        second.update(kind="row_wise", ranks=[0, 0])
+    elif change == "replica_on_one_rank":
+        second.update(kind="data_parallel", ranks=[1])
+    elif change == "nan_hit_rate":
+        first["hit_rate"] = math.nan
+    elif change == "placement_not_object":
+        p["placements"][0] = "C1"
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ("rank_text", "ranks is ['0'], not a list of distinct whole rank numbers"),
+        ("world_size_text", "world_size is '2', not a whole number"),
+        ("unknown_tier", "placement is 'moon', not one of ('device', 'host', 'ssd')"),
+        ("negative_cache", "cache_bytes is -5, not a whole number of bytes >= 0"),
+        ("unknown_kernel", "kernel is 'evil'"),
+        ("table_twice", "table C1 is placed twice"),
+        ("repeated_rank", "not a list of distinct whole rank numbers"),
+        ("replica_on_one_rank", "data_parallel is on every rank, not [1]"),
+        ("nan_hit_rate", "hit_rate is nan, not a share in [0, 1]"),
+        ("placement_not_object", "placements[0] is not an object"),
+    ],
+)
+def test_a_plan_file_field_no_plan_holds_is_named(tmp_path, change, says):
+    """A ``distributed.plan`` file is read field by field: a rank written as text was a
+    TypeError traceback on every rank; a world size written as text said "a plan for 2
+    ranks but the job has 2"; an unknown tier ("moon") built an ssd tier, a negative
+    cache a one-row one; a table placed twice, a rank repeated in a row-wise table or a
+    replicated table on one rank trained without a word."""
+    from recscale.config import ConfigError, load_config
+    from recscale.planner.from_config import plan_for, table_infos, uniform_plan
+
+    cfg = load_config("debug", [])
+    plan = uniform_plan(table_infos(cfg), 2, "data_parallel").to_dict()
+    _damage(plan, change)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    cfg = load_config("debug", [f"--distributed.plan={path}"])
+    with pytest.raises(ConfigError) as err:
+        plan_for(cfg, 2, 1 << 30)
+    assert err.value.key == "distributed.plan" and says in str(err.value), str(err.value)
+
+
+def test_a_plan_file_without_the_planners_figures_is_read(tmp_path):
+    """The per-rank memory and cost figures are the planner's predictions: a hand-written
+    plan may leave them out."""
+    from recscale.config import load_config
+    from recscale.planner.from_config import plan_for, table_infos
+
+    cfg = load_config("debug", [])
+    names = [t.name for t in table_infos(cfg)]
+    plan = {
+        "world_size": 2,
+        "placements": [
+            {"table": n, "kind": "table_wise", "ranks": [i % 2]} for i, n in enumerate(names)
+        ],
+    }
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    got = plan_for(load_config("debug", [f"--distributed.plan={path}"]), 2, 1 << 30)
+    assert [p.ranks for p in got.placements] == [[i % 2] for i in range(len(names))]
+    assert got.memory_per_rank == [0, 0] and got.placements[0].placement == "device"

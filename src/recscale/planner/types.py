@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from recscale.config.schema import SHARDING_KINDS
+from recscale.config.schema import KERNELS, PLACEMENTS, SHARDING_KINDS
 
 KINDS = SHARDING_KINDS
 
@@ -133,22 +134,96 @@ class ShardingPlan:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ShardingPlan:
-        placements = [
-            TablePlacement(
-                p["table"],
-                p["kind"],
-                list(p["ranks"]),
-                {int(k): int(v) for k, v in p["memory_per_rank"].items()},
-                {int(k): float(v) for k, v in p["cost_per_rank"].items()},
-                list(p.get("dims", [])),
-                p.get("placement", "device"),
-                int(p.get("cache_bytes", 0)),
-                int(p.get("ssd_bytes", 0)),
-                str(p.get("kernel", "")),
-                float(p.get("hit_rate", 0.0)),
-            )
-            for p in d["placements"]
-        ]
-        return ShardingPlan(
-            d["world_size"], placements, list(d["memory_per_rank"]), list(d["cost_per_rank"])
-        )
+        """A plan from its JSON form (``to_dict``, ``recscale plan --json``). Raises
+        ValueError naming the field that no plan holds: a world size or rank that is not
+        a whole number, a kind, tier or kernel not among the choices, a negative cache, a
+        table placed twice, repeated ranks. The per-rank memory and cost figures are
+        what the planner predicted: optional (a hand-written plan leaves them out)."""
+        if not isinstance(d, dict):
+            raise ValueError("not a plan (a JSON object with world_size and placements)")
+        ws = d.get("world_size")
+        if not _whole(ws) or ws < 1:
+            raise ValueError(f"world_size is {ws!r}, not a whole number >= 1")
+        raw = d.get("placements")
+        if not isinstance(raw, list):
+            raise ValueError("placements is not a list (one object a table)")
+        placements: list[TablePlacement] = []
+        for i, p in enumerate(raw):
+            placements.append(_placement_from_dict(f"placements[{i}]", p))
+        seen: set[str] = set()
+        for p in placements:
+            if p.table in seen:
+                raise ValueError(f"table {p.table} is placed twice")
+            seen.add(p.table)
+        memory = _numbers("memory_per_rank", d.get("memory_per_rank", [0] * ws), int)
+        cost = _numbers("cost_per_rank", d.get("cost_per_rank", [0.0] * ws), float)
+        return ShardingPlan(ws, placements, memory, cost)
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _numbers(field: str, values: Any, kind: type) -> list:
+    if not isinstance(values, list) or not all(_number(v) for v in values):
+        raise ValueError(f"{field} is not a list of numbers")
+    return [kind(v) for v in values]
+
+
+def _per_rank(where: str, values: Any, kind: type) -> dict:
+    """``{"0": 123, ...}`` (JSON keys are strings) -> ``{0: 123, ...}``."""
+    if not isinstance(values, dict) or not all(
+        isinstance(k, str) and k.isdigit() and _number(v) for k, v in values.items()
+    ):
+        raise ValueError(f"{where} is not an object of rank -> number")
+    return {int(k): kind(v) for k, v in values.items()}
+
+
+def _placement_from_dict(where: str, p: Any) -> TablePlacement:
+    if not isinstance(p, dict):
+        raise ValueError(f"{where} is not an object")
+    table = p.get("table")
+    if not isinstance(table, str) or not table:
+        raise ValueError(f"{where}.table is {table!r}, not a table name")
+    where = f"{where} (table {table})"
+
+    def field_of(name: str, default: Any, ok, what: str) -> Any:
+        v = p.get(name, default)
+        if not ok(v):
+            raise ValueError(f"{where}: {name} is {v!r}, not {what}")
+        return v
+
+    kind = field_of("kind", None, lambda v: v in KINDS, f"a kind ({', '.join(KINDS)})")
+    ranks = field_of(
+        "ranks",
+        None,
+        lambda v: isinstance(v, list) and all(_whole(r) for r in v) and len(set(v)) == len(v),
+        "a list of distinct whole rank numbers",
+    )
+    dims = field_of(
+        "dims", [], lambda v: isinstance(v, list) and all(_whole(x) for x in v), "a list of widths"
+    )
+    tier = field_of("placement", "device", lambda v: v in PLACEMENTS, f"one of {PLACEMENTS}")
+    cache, ssd = (
+        field_of(n, 0, lambda v: _whole(v) and v >= 0, "a whole number of bytes >= 0")
+        for n in ("cache_bytes", "ssd_bytes")
+    )
+    kernel = field_of("kernel", "", lambda v: v == "" or v in KERNELS, f"'' or one of {KERNELS}")
+    hit = field_of("hit_rate", 0.0, lambda v: _number(v) and 0 <= v <= 1, "a share in [0, 1]")
+    return TablePlacement(
+        table,
+        kind,
+        list(ranks),
+        _per_rank(f"{where}: memory_per_rank", p.get("memory_per_rank", {}), int),
+        _per_rank(f"{where}: cost_per_rank", p.get("cost_per_rank", {}), float),
+        list(dims),
+        tier,
+        cache,
+        ssd,
+        kernel,
+        float(hit),
+    )
