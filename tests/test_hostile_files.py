@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import zlib
@@ -351,3 +352,56 @@ def test_forged_factors_fall_back_to_the_previous_checkpoint(tmp_path):
         assert m["resumed_from_step"] == 10
         skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
         assert len(skipped) == 1 and why in skipped[0], lines
+
+
+def _model_state(run: Path) -> dict:
+    from recscale.models.dlrm import build_model
+
+    cfg = load_config(str(run / "config.toml"), [])
+    return build_model(cfg.model, cfg.embedding, device=torch.device("cpu")).state_dict()
+
+
+WEIGHT = "embeddings.groups.0.storage.weight"
+LAYER = "bottom.layers.0.weight"
+
+
+@pytest.mark.parametrize(
+    "forge, says",
+    [
+        (lambda sd, p: torch.save({}, p), "not this run's model (14 of its tensors missing"),
+        (lambda sd, p: torch.save([1, 2], p), "not a model's state"),
+        (lambda sd, p: torch.save({**sd, "evil": torch.zeros(1)}, p), "1 others, e.g. evil"),
+        (
+            lambda sd, p: torch.save({**sd, LAYER: torch.zeros(3)}, p),
+            f"{LAYER} is torch.float32 [3]",
+        ),
+        (lambda sd, p: torch.save({**sd, LAYER: sd[LAYER].double()}, p), "torch.float64"),
+        (lambda sd, p: torch.save({**sd, WEIGHT: sd[WEIGHT][:5].clone()}, p), "[5, 8]"),
+        (
+            lambda sd, p: torch.save({**sd, LAYER: torch.full_like(sd[LAYER], math.nan)}, p),
+            f"{LAYER} holds NaN",
+        ),
+        (lambda sd, p: p.write_bytes(b"hello"), "not a plain tensor file"),
+        (lambda sd, p: os.mkfifo(p), "not a regular file"),
+        (lambda sd, p: os.symlink("/dev/zero", p), "symbolic link"),
+    ],
+)
+def test_a_forged_model_file_is_one_line_not_a_traceback_or_another_model(
+    run_with_two_checkpoints, tmp_path, capsys, forge, says
+):
+    """``eval`` reads a run's ``model.pt`` (what older versions wrote) before its
+    checkpoints: a FIFO there hung it, a link to /dev/zero or a file of another shape
+    was a traceback, and NaN weights, a table's rows cut short or float64 / int weights
+    were evaluated without a word. Each is now one line naming the file and the tensor."""
+    from recscale.cli.main import main
+
+    run = _copy(run_with_two_checkpoints, tmp_path)
+    sd = _model_state(run)
+    torch.save(sd, run / "model.pt")
+    assert main(["eval", "--model", str(run)]) == 0  # a sound model file is read
+    capsys.readouterr()
+    (run / "model.pt").unlink()
+    forge(sd, run / "model.pt")
+    assert main(["eval", "--model", str(run)]) == 1
+    line = error_line(capsys.readouterr().err)
+    assert "model.pt" in line and says in line, line

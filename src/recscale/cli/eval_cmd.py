@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,10 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
-    import torch
 
     from recscale.checkpoint.format import CheckpointError
     from recscale.checkpoint.manager import resolve_chain
+    from recscale.checkpoint.model_file import MODEL_FILE, load_model_file
     from recscale.checkpoint.state import restore
     from recscale.models.dlrm import build_model
     from recscale.train.data_source import adopt_dataset_shapes, eval_batches
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir: Path = args.model
     has_checkpoints = (run_dir / "checkpoints").is_dir()
     if not (run_dir / "config.toml").exists() or not (
-        (run_dir / "model.pt").exists() or has_checkpoints
+        os.path.lexists(run_dir / MODEL_FILE) or has_checkpoints
     ):
         why = (
             "has a config.toml but no model.pt and no checkpoints/ (a run with "
@@ -71,10 +72,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     device = resolve_device(cfg.train.device)
     model = build_model(cfg.model, cfg.embedding, device=device)
-    if (run_dir / "model.pt").exists():
-        model.load_state_dict(
-            torch.load(run_dir / "model.pt", map_location=device, weights_only=True)
-        )
+    if os.path.lexists(run_dir / MODEL_FILE):  # a run of a version before checkpoints
+        try:
+            load_model_file(model, run_dir)
+        except CheckpointError as e:
+            print(f"recscale: error: {e}", file=sys.stderr)
+            return 1
     else:  # the final checkpoint (or, after a crash, the newest valid one)
         try:
             chain = resolve_chain(run_dir, echo=lambda m: print(m, file=sys.stderr))
