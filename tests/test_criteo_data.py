@@ -174,6 +174,46 @@ def test_truncated_gzip_is_an_error(tmp_path, sample):
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
 
 
+@pytest.mark.parametrize("where", ["block", "crc", "second_member"])
+def test_a_damaged_gzip_is_named_corrupt_not_truncated(tmp_path, sample, where):
+    """A gzip file zlib cannot decode - a flipped byte in a block, a CRC that fails, a
+    damaged second member - is an error naming the file as corrupt: it had been called
+    truncated ("ends after 0 lines ... incomplete"), which sends the user after the
+    wrong fault."""
+    data = bytearray(gzip.compress(sample.read_bytes()))
+    if where == "block":
+        data[len(data) // 3] ^= 0xFF
+    elif where == "crc":
+        data[-8] ^= 0xFF  # the member's CRC32 of the text
+    else:
+        second = bytearray(gzip.compress(sample.read_bytes()))
+        second[-8] ^= 0xFF
+        data += second
+    gz = tmp_path / "bad.gz"
+    gz.write_bytes(bytes(data))
+    with pytest.raises(BadDataError) as err:
+        _pp(tmp_path, [gz], max_bad_fraction=1.0)
+    msg = str(err.value)
+    assert f"{gz}:" in msg and "damaged (" in msg and "corrupt" in msg, msg
+    assert "truncated" not in msg and not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_byte_order_mark_opening_the_text_is_not_data(tmp_path, sample, gz):
+    """A UTF-8 byte-order mark (an editor's on Windows) made the first line bad, and a
+    file of 400 lines failed the default --max-bad-fraction (0.1%) for it. The dataset
+    is now the one the file without it gives, to the byte."""
+    text = b"\xef\xbb\xbf" + sample.read_bytes()
+    src = tmp_path / ("bom.tsv.gz" if gz else "bom.tsv")
+    src.write_bytes(gzip.compress(text) if gz else text)
+    meta = _pp(tmp_path, [src], "with_bom")
+    assert meta["splits"]["train"]["rows"] == 400 and meta["bad_lines"]["bad"] == 0
+    _pp(tmp_path, [sample], "without")
+    for name in ("dense.f32", "sparse.i32", "labels.u8"):
+        a = (tmp_path / "with_bom" / "train" / name).read_bytes()
+        assert a == (tmp_path / "without" / "train" / name).read_bytes(), name
+
+
 def test_split_by_file(tmp_path, sample):
     a, b = tmp_path / "day_0", tmp_path / "day_1"
     text = sample.read_text().splitlines(keepends=True)

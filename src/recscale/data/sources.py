@@ -3,7 +3,8 @@
 * TSV, plain or gzip (detected by magic bytes, multi-member gzip supported). A
   reader thread reads/decompresses ``chunk_bytes`` at a time while the parser
   threads work; chunks end at a line boundary. A gzip stream that ends before its
-  end-of-stream marker is reported as truncated (the rows before it are kept).
+  end-of-stream marker is reported as truncated, one that zlib cannot decode (a bad
+  block, a failed CRC) as damaged, each with the lines read before it.
 * Parquet (pyarrow): columns ``label, I1..I13, C1..C26``; categorical columns may
   be integers or hex strings.
 
@@ -24,24 +25,28 @@ from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE, ParsedChunk
 from recscale.data.prefetch import Prefetcher
 
 GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
 class Piece:
     chunks: list[ParsedChunk]  # in line order
     text_bytes: int
-    truncated: bool = False  # the file's gzip stream ended early after this piece
+    # why the file's gzip stream stopped early after this piece: "" (it did not),
+    # "truncated" (no end-of-stream marker) or "damaged (zlib's reason)"
+    gzip_cut: str = ""
     first_line: int = 1  # line number (1-based) of the piece's first line in its file
 
 
-def _raw_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
-    """Decompressed (or plain) byte blocks; the bool says the gzip stream was truncated."""
+def _raw_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, str]]:
+    """Decompressed (or plain) byte blocks, each with why the gzip stream stopped early
+    after it ("" where it did not; see ``Piece.gzip_cut``)."""
     with open(path, "rb") as f:
         is_gzip = f.read(2) == GZIP_MAGIC
         f.seek(0)
         if not is_gzip:
             while block := f.read(chunk_bytes):
-                yield block, False
+                yield block, ""
             return
         d = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)
         pending = b""
@@ -49,15 +54,15 @@ def _raw_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
             comp = f.read(1 << 20) if not pending else pending
             pending = b""
             if not comp:
-                yield b"", not d.eof  # EOF of the file: truncated if the stream did not end
+                yield b"", "" if d.eof else "truncated"  # the file ended: did the stream?
                 return
             try:
                 out = d.decompress(comp)
-            except zlib.error:
-                yield b"", True
+            except zlib.error as e:  # a bad block or CRC: corrupt, not short
+                yield b"", f"damaged ({e})"
                 return
             if out:
-                yield out, False
+                yield out, ""
             if d.eof:  # next gzip member, if any
                 pending = d.unused_data
                 d = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)
@@ -68,17 +73,34 @@ def _raw_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
                     pending = rest
 
 
-def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
+def _without_bom(blocks: Iterator[tuple[bytes, str]]) -> Iterator[tuple[bytes, str]]:
+    """``blocks`` less a UTF-8 byte-order mark opening the text (what editors on Windows
+    write): not data - it made the first line a bad one, and a file of under 1,000
+    lines fail ``--max-bad-fraction`` for it."""
+    head = b""
+    for block, cut_short in blocks:
+        head += block
+        if len(head) >= len(UTF8_BOM) or cut_short:
+            yield head.removeprefix(UTF8_BOM), cut_short
+            break
+    else:
+        if head:
+            yield head.removeprefix(UTF8_BOM), ""
+        return
+    yield from blocks
+
+
+def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, str]]:
     """Blocks of whole lines of about ``chunk_bytes`` (the last may lack a newline).
 
-    The bool marks the last block of a truncated gzip file; the partial line at the
-    cut is dropped (it never existed whole in the file).
+    The str says why a gzip file's last block is its last (``Piece.gzip_cut``); the
+    partial line at the cut is dropped (it never existed whole in the file).
     """
     carry, parts, size = b"", [], 0
-    for block, truncated in _raw_blocks(path, chunk_bytes):
-        if truncated:
+    for block, cut_short in _without_bom(_raw_blocks(path, chunk_bytes)):
+        if cut_short:
             data = carry + b"".join(parts) + block
-            yield data[: data.rfind(b"\n") + 1], True
+            yield data[: data.rfind(b"\n") + 1], cut_short
             return
         if not block:
             continue
@@ -90,10 +112,10 @@ def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, bool]]:
             cut = data.rfind(b"\n") + 1
             carry = data[cut:]
             if cut:
-                yield data[:cut], False
+                yield data[:cut], ""
     data = carry + b"".join(parts)
     if data:
-        yield data, False
+        yield data, ""
 
 
 def _split_at_newline(data: bytes, parts: int) -> list[bytes]:
@@ -112,7 +134,7 @@ def tsv_pieces(
     path: Path, chunk_bytes: int, pool: ThreadPoolExecutor, threads: int
 ) -> Iterator[Piece]:
     line = 1
-    for data, truncated in Prefetcher(_line_blocks(path, chunk_bytes), depth=2):
+    for data, gzip_cut in Prefetcher(_line_blocks(path, chunk_bytes), depth=2):
         parts = _split_at_newline(data, threads) if data else []
 
         def parse(part: bytes) -> ParsedChunk:
@@ -120,7 +142,7 @@ def tsv_pieces(
             return ParsedChunk(int(np.count_nonzero(buf == 10)) + 1).parse(buf)
 
         chunks = list(pool.map(parse, parts))
-        yield Piece(chunks, len(data), truncated, line)
+        yield Piece(chunks, len(data), gzip_cut, line)
         line += sum(c.lines for c in chunks)
 
 

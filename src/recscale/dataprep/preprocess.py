@@ -162,11 +162,13 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
                     report.add_statuses(c.status[: c.lines], path, line, opts.examples_per_kind)
                     line += c.lines
                 raw.append(piece)
-                if piece.truncated:  # an incomplete download: never silently a short dataset
+                if piece.gzip_cut:  # a short or corrupt download: never a short dataset
                     shutil.rmtree(tmp, ignore_errors=True)
+                    short = piece.gzip_cut == "truncated"
                     raise BadDataError(
-                        f"{path}:{line}: the gzip archive is truncated (it ends after "
-                        f"{line - 1:,} lines): the file is incomplete; download it again"
+                        f"{path}:{line}: the gzip archive is {piece.gzip_cut} after "
+                        f"{line - 1:,} lines: the file is "
+                        f"{'incomplete' if short else 'corrupt'}; download it again"
                     )
             file_rows.append((path, lo, raw.rows))
             echo(
