@@ -275,10 +275,15 @@ def test_a_checkpoint_that_hits_a_full_disk_leaves_no_temporary_directory(tmp_pa
         return real(self, name, chunks)
 
     monkeypatch.setattr(fmt.CheckpointWriter, "write_chunks", full_disk)
-    with pytest.raises(fmt.CheckpointError, match="No space left"):
+    with pytest.raises(fmt.CheckpointError, match="No space left") as err:
         train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, **QUIET)
     left = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert left == ["step_00000010", "step_00000020"]  # no .step_*.tmp-*, the good ones kept
+    # the message names the checkpoint, the room left there and the one kept (it had said
+    # only "writing a checkpoint failed: [Errno 28] No space left on device")
+    msg = str(err.value)
+    assert str(run / "checkpoints" / "step_00000030") in msg and "MB free there" in msg, msg
+    assert "the newest good one, step_00000020, is kept" in msg, msg
 
 
 @pytest.mark.parametrize("damage", ["missing_column", "string_labels"])

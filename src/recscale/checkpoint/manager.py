@@ -18,6 +18,7 @@ rank 0 prunes. Every rank must call ``save`` at the same steps.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -134,6 +135,7 @@ class CheckpointManager:
         self.stats = CheckpointStats()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._error_path: Path | None = None  # the checkpoint whose write failed
         self._last_time = time.monotonic()
         self._since_full = 0
         self._last_name: str | None = None
@@ -233,7 +235,7 @@ class CheckpointManager:
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 if writer is not None:  # a full disk must not stay full of half a checkpoint
                     writer.abort()
-                self._error = e
+                self._error, self._error_path = e, self.root / name
                 return
             secs = time.perf_counter() - t
             self.stats.write_seconds += secs
@@ -271,10 +273,16 @@ class CheckpointManager:
         if self._error is not None:
             err, self._error = self._error, None
             if isinstance(err, KeyboardInterrupt | SystemExit):  # a second signal mid-write
-                why = "interrupted by a second stop signal (the checkpoint before it is kept)"
+                why = "interrupted by a second stop signal"
             else:
                 why = str(err).strip() or type(err).__name__
-            raise CheckpointError(f"writing a checkpoint failed: {why}") from err
+            if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+                why += f" ({shutil.disk_usage(self.root).free / 1e6:,.1f} MB free there)"
+            kept = [d.name for d in checkpoint_dirs(self.root)]
+            raise CheckpointError(
+                f"writing checkpoint {self._error_path} failed: {why}; "
+                + (f"the newest good one, {kept[-1]}, is kept" if kept else "none is kept yet")
+            ) from err
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` checkpoints and every checkpoint their chains need."""
