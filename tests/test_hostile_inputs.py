@@ -262,6 +262,29 @@ def test_every_rank_plans_beside_a_damaged_default_calibration(tmp_path, monkeyp
         _shared_laws(cfg, DistContext())
 
 
+def test_a_dataset_that_fills_the_disk_names_where_and_leaves_nothing(tmp_path, monkeypatch):
+    """A preprocess whose first pass fills the disk said only "No space left on device"
+    (a write's error names no file): it names the disk and the dataset now, and leaves
+    neither the dataset nor ``OUT.tmp``."""
+    from recscale.dataprep import preprocess as pp
+    from recscale.dataprep.criteo_tsv import synthetic_lines
+
+    src = tmp_path / "in.tsv"
+    src.write_text("\n".join(synthetic_lines(300, seed=3)) + "\n")
+
+    def full(self, piece):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pp._RawColumns, "append", full)
+    out = tmp_path / "ds"
+    with pytest.raises(OSError) as err:
+        pp.preprocess(pp.PreprocessOptions(inputs=[src], out=out), echo=lambda s: None)
+    msg = str(err.value)
+    assert f"the disk under {tmp_path} (" in msg and f"filled while {out} was written" in msg
+    assert "nothing was written" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.tsv"]
+
+
 def test_a_checkpoint_that_hits_a_full_disk_leaves_no_temporary_directory(tmp_path, monkeypatch):
     from recscale.checkpoint import format as fmt
 

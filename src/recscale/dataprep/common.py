@@ -197,8 +197,21 @@ def writing(out: Path) -> Iterator[None]:
     locks.hold(lock, f"the dataset {out}")
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+        if (
+            isinstance(e, OSError)
+            and e.errno == errno.ENOSPC
+            and e.strerror == os.strerror(errno.ENOSPC)  # a write's own, not a check's
+        ):  # it named nothing: say where, and what is left there now
+            # its total, not what is free now: files still open hold their blocks
+            total = shutil.disk_usage(out.parent).total
+            raise OSError(
+                errno.ENOSPC,
+                f"the disk under {out.parent} ({total / 1e9:,.2f} GB in all) filled while "
+                f"{out} was written; nothing was written, its partial output is removed "
+                "(free space, or write elsewhere)",
+            ) from e
         raise
     finally:
         locks.release(lock)
