@@ -278,3 +278,37 @@ def test_a_plan_file_without_the_planners_figures_is_read(tmp_path):
     got = plan_for(load_config("debug", [f"--distributed.plan={path}"]), 2, 1 << 30)
     assert [p.ranks for p in got.placements] == [[i % 2] for i in range(len(names))]
     assert got.memory_per_rank == [0, 0] and got.placements[0].placement == "device"
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["bench", "calibrate", "--nope.x=1"], "'--nope.x'"),
+        (["bench", "calibrate", "--config", "A"], "'--config'"),
+        (["bench", "throughput", "--config", "debug", "--data.path={ds}"], "'data.path'"),
+        (["bench", "pipeline", "--config", "debug", "--data.path={ds}"], "'data.path'"),
+        (
+            [
+                "bench",
+                "sweep",
+                "--vary",
+                "train.batch_size=64",
+                "--out",
+                "{out}",
+                "--data.path={ds}",
+            ],
+            "'data.path'",
+        ),
+        (["bench", "sweep", "--vary", "data.path={ds}", "--out", "{out}"], "'--vary'"),
+    ],
+)
+def test_what_a_benchmark_would_ignore_is_refused_before_it_runs(tmp_path, capsys, argv, key):
+    """``bench calibrate`` times its own shapes: a ``--config`` or an override (an
+    unknown key included) was ignored through minutes of measuring. The other
+    benchmarks time synthetic batches: a dataset named to them was ignored without a
+    word. Each is one line naming the key, before any work."""
+    ds = make_dataset(tmp_path, 300, seed=2, hash_size=20)
+    argv = [a.format(ds=ds, out=tmp_path / "sweep") for a in argv]
+    rc, line = _fails(capsys, *argv)
+    assert rc == 2 and key in line, line
+    assert not (tmp_path / "sweep").exists()

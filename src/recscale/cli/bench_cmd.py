@@ -90,10 +90,30 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(key, f"cannot write in {path.parent}: {e.strerror or e}") from None
 
 
+def _synthetic_only(cfg, what: str) -> None:
+    """The benchmarks time training steps on synthetic batches of the config's shapes: a
+    dataset named to them would be ignored without a word."""
+    if cfg.data.uses_dataset():
+        raise ConfigError(
+            "data.path",
+            f"bench {what} times the training step on synthetic batches of the config's "
+            f"shapes and reads no dataset ({cfg.data.path}): train with --data.path to time "
+            "training from it (metrics.json holds its samples/s), or give the dataset's "
+            "table sizes as --model.table_sizes",
+        )
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.bench.throughput import format_report, run_throughput
 
     check_args(args)
+    if args.what == "calibrate" and (args.config or overrides):
+        given = "--config" if args.config else overrides[0].split("=", 1)[0]
+        raise ConfigError(
+            given,
+            "bench calibrate times a fixed set of shapes of its own (docs/perfmodel.md) and "
+            "reads no config; its flags are --out, --threads and --world-size",
+        )
     if args.what == "calibrate":
         from recscale.bench.calibrate import calibrate
         from recscale.perfmodel import default_path
@@ -115,11 +135,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise ConfigError("--out", f"{args.out} is a file; name a directory for the sweep")
         varies = parse_vary(args.vary, args.config)
+        _synthetic_only(load_config(args.config or "default", overrides), "sweep")
+        if any(key == "data.path" for key, _ in varies):
+            raise ConfigError("--vary", "data.path: a sweep runs on synthetic batches only")
         steps = args.steps if args.steps != 50 else 20  # a sweep point needs fewer
         rows = run_sweep(args.config, varies, Path(args.out), steps, min(args.warmup, 5), overrides)
         return 1 if all(r.get("error") for r in rows) else 0
     args.config = args.config or "A"
     cfg = load_config(args.config, overrides)
+    _synthetic_only(cfg, args.what)
     if args.what == "pipeline":
         from recscale.bench.distributed import format_pipeline_report, run_pipeline_bench
 
