@@ -312,3 +312,10 @@ def test_what_a_benchmark_would_ignore_is_refused_before_it_runs(tmp_path, capsy
     rc, line = _fails(capsys, *argv)
     assert rc == 2 and key in line, line
     assert not (tmp_path / "sweep").exists()
+
+
+def test_checkpoint_inspect_refuses_arguments_it_would_ignore(tmp_path, capsys):
+    """``checkpoint inspect RUN --model.embedding_dim=4`` printed the checkpoint as if the
+    override meant something; it is refused as ``data``'s subcommands refuse theirs."""
+    assert main(["checkpoint", "inspect", str(tmp_path), "--model.embedding_dim=4"]) == 2
+    assert "unexpected arguments --model.embedding_dim=4" in capsys.readouterr().err

@@ -52,6 +52,9 @@ def _describe(path: Path) -> dict:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:  # inspect reads what the checkpoint says; a config override changes nothing
+        print(f"recscale checkpoint: unexpected arguments {' '.join(extra)}", file=sys.stderr)
+        return 2
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
     from recscale.checkpoint.manager import checkpoint_dirs
