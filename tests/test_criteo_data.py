@@ -430,7 +430,7 @@ def test_synth_tsv_beyond_the_disk_is_refused_before_writing(tmp_path, monkeypat
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**5, 10**5))
-    with pytest.raises(ValueError, match=r"needs ~0.5 MB .* 0.1 MB free"):
+    with pytest.raises(ValueError, match=r"needs ~514.94 kB .* 100.00 kB free"):
         criteo_tsv.write_tsv(tmp_path / "s.tsv", 2000, block=1000)
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()

@@ -222,7 +222,7 @@ def test_the_default_ssd_cache_takes_its_share_of_free_memory_less_its_bookkeepi
     assert got == pytest.approx(room * row / (row + SLOT_OVERHEAD_BYTES), rel=1e-6)
     # rows + slot bookkeeping + the row indices stay within the share
     assert got + got / row * SLOT_OVERHEAD_BYTES + rows * ROW_INDEX_BYTES <= SSD_CACHE_SHARE * free
-    assert f"{SSD_CACHE_SHARE:.0%} of the 24.0 GB" in said[0]
+    assert f"{SSD_CACHE_SHARE:.0%} of the 24.00 GB" in said[0]
     # never more than the tables, never under 1% of them
     assert default_ssd_cache(10**6, 10**4, int(free), said.append) == 10**6
     assert default_ssd_cache(10**12, 10**9, 10**9, said.append) == 10**10

@@ -87,7 +87,7 @@ except TierFileError as e:
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 3, r.stderr
-    assert "cannot reserve 0.03 GB" in r.stdout and not (tmp_path / "t.f32").exists()
+    assert "cannot reserve 32.00 MB" in r.stdout and not (tmp_path / "t.f32").exists()
 
 
 def test_a_run_directory_holding_another_run_is_refused(tmp_path):

@@ -42,6 +42,7 @@ from recscale.checkpoint.format import (
 from recscale.checkpoint.state import Checkpointable, capture, write_part
 from recscale.config.schema import CheckpointConfig
 from recscale.distributed.context import DistContext
+from recscale.units import size_text
 
 _NAME = re.compile(r"^step_(\d{8})(\.inc)?$")
 
@@ -277,7 +278,7 @@ class CheckpointManager:
             else:
                 why = str(err).strip() or type(err).__name__
             if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-                why += f" ({shutil.disk_usage(self.root).free / 1e6:,.1f} MB free there)"
+                why += f" ({size_text(shutil.disk_usage(self.root).free)} free there)"
             kept = [d.name for d in checkpoint_dirs(self.root)]
             raise CheckpointError(
                 f"writing checkpoint {self._error_path} failed: {why}; "

@@ -19,6 +19,7 @@ from recscale import locks
 from recscale.config.small_files import not_a_file
 from recscale.data.columns import ID_LIMIT, READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
+from recscale.units import size_text
 
 FORMAT_VERSION = READ_FORMAT_VERSION  # what data/columns.py reads is what is written
 SPLITS = ("train", "val", "test")
@@ -208,7 +209,7 @@ def writing(out: Path) -> Iterator[None]:
             total = shutil.disk_usage(out.parent).total
             raise OSError(
                 errno.ENOSPC,
-                f"the disk under {out.parent} ({total / 1e9:,.2f} GB in all) filled while "
+                f"the disk under {out.parent} ({size_text(total)} in all) filled while "
                 f"{out} was written; nothing was written, its partial output is removed "
                 "(free space, or write elsewhere)",
             ) from e
@@ -222,11 +223,11 @@ def check_free_space(out: Path, nbytes: int, what: str, echo: Callable[[str], No
     ``out`` cannot hold."""
     base = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(base).free
-    echo(f"{what}: writing {nbytes / 1e9:,.2f} GB under {out.parent} ({free / 1e9:,.2f} GB free)")
+    echo(f"{what}: writing {size_text(nbytes)} under {out.parent} ({size_text(free)} free)")
     if nbytes > free:
         raise OSError(
             errno.ENOSPC,
-            f"{what} needs {nbytes / 1e9:,.2f} GB but {base} has {free / 1e9:,.2f} GB free; "
+            f"{what} needs {size_text(nbytes)} but {base} has {size_text(free)} free; "
             "nothing was written (free space, or write elsewhere)",
         )
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from recscale.config.small_files import json_text, write_text_atomic
 from recscale.data.synthetic import zipf_ranks
+from recscale.units import size_text
 
 _CARDINALITIES = [
     1460,
@@ -176,17 +177,13 @@ def _check_room(path: Path, lines: int, sample: bytes, sample_lines: int) -> Non
     free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
     if need > free:
         raise ValueError(
-            f"--lines {lines:,} needs ~{_size(need)} at {path} "
-            f"({per_line:.0f} bytes a line) but its disk has {_size(free)} free"
+            f"--lines {lines:,} needs ~{size_text(need)} at {path} "
+            f"({per_line:.0f} bytes a line) but its disk has {size_text(free)} free"
         )
     mem = proc_bytes("/proc/meminfo", "MemAvailable")
     if mem is not None and 9 * lines > mem:
         raise ValueError(
             f"--lines {lines:,}: the click model's optimum keeps 9 bytes a line "
-            f"({_size(9 * lines)}) and {_size(mem)} of memory is available; "
+            f"({size_text(9 * lines)}) and {size_text(mem)} of memory is available; "
             "write fewer lines (several files are read as one input)"
         )
-
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"

@@ -72,6 +72,7 @@ from recscale.embedding.row_io import (  # noqa: F401  (io_uring_available re-ex
     row_move,
 )
 from recscale.procfs import mem_available
+from recscale.units import size_text
 
 TEMP_DIR_PREFIX = "recscale-ssd-"  # the ssd_dir recscale makes when none is given
 ACCESS = ("auto", "pread", "direct", "map")
@@ -175,8 +176,8 @@ def claim_file(path: Path, nbytes: int) -> int:
         os.close(fd)
         path.unlink(missing_ok=True)
         raise TierFileError(
-            f"cannot reserve {nbytes / 1e9:.2f} GB for the ssd tier's file {path} "
-            f"({e.strerror}; {free / 1e9:.2f} GB free there): free space, or point "
+            f"cannot reserve {size_text(nbytes)} for the ssd tier's file {path} "
+            f"({e.strerror}; {size_text(free)} free there): free space, or point "
             "--embedding.ssd_dir at a larger disk"
         ) from e
     return fd

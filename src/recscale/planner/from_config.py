@@ -34,6 +34,7 @@ from recscale.planner.plan import (
     plan_sharding,
 )
 from recscale.planner.types import KINDS
+from recscale.units import size_text
 
 # Where the hit curve is read: the share of rows a cache may hold.
 _CURVE_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
@@ -148,9 +149,9 @@ def default_ssd_cache(
     room = SSD_CACHE_SHARE * free - ROW_INDEX_BYTES * table_rows
     budget = int(min(table_bytes, max(cache_bytes_in(room, row), table_bytes / 100)))
     echo(
-        f"recscale: ssd tier: cache {budget / 1e9:.2f} GB ({budget / max(table_bytes, 1):.0%} "
-        f"of the tables' {table_bytes / 1e9:.2f} GB) from {SSD_CACHE_SHARE:.0%} of the "
-        f"{free / 1e9:.1f} GB of memory available"
+        f"recscale: ssd tier: cache {size_text(budget)} ({budget / max(table_bytes, 1):.0%} "
+        f"of the tables' {size_text(table_bytes)}) from {SSD_CACHE_SHARE:.0%} of the "
+        f"{size_text(free)} of memory available"
         + (" to each rank" if ranks > 1 else "")
         + " with the cache's bookkeeping; the rest is left to the page cache "
         "(embedding.cache_bytes sets it)"

@@ -32,6 +32,7 @@ from recscale.planner.from_config import (
 )
 from recscale.planner.plan import Constraints, PlanError, ShardingPlan, Topology, plan_sharding
 from recscale.procfs import mem_available
+from recscale.units import size_text
 
 
 def available_memory(device: torch.device) -> int:
@@ -70,10 +71,10 @@ def check_ssd_cache_fits(
     )
     need = cache + SLOT_OVERHEAD_BYTES * slots + ROW_INDEX_BYTES * rows + draw
     what = (
-        f"a cache of {cache / 1e9:.2f} GB{' a rank' if w > 1 else ''} needs {need / 1e9:.2f} "
+        f"a cache of {size_text(cache)}{' a rank' if w > 1 else ''} needs {size_text(need)} "
         f"GB of memory with its bookkeeping ({SLOT_OVERHEAD_BYTES} bytes a slot), the tables' "
         f"row indices ({ROW_INDEX_BYTES} bytes a row) and the largest table's initial draw "
-        f"({draw / 1e9:.2f} GB); {free / 1e9:.2f} GB of memory is available"
+        f"({size_text(draw)}); {size_text(free)} of memory is available"
         + (" to each rank" if w > 1 else "")
     )
     if need > free:

@@ -39,21 +39,13 @@ from dataclasses import replace
 
 from recscale.planner.costs import CostLaws, placement_work
 from recscale.planner.types import Constraints, ShardingPlan, TableInfo, TablePlacement, Topology
+from recscale.units import size_text
 
 TIE_TOLERANCE = 0.02
 
 
 class PlanError(ValueError):
     """No placement fits; the message says how much memory is missing."""
-
-
-def size(n: float) -> str:
-    """Bytes as a person reads them: ``2.32 GB``, ``163.26 kB`` (a debug model's tables
-    are kB: "0.00 GB" would say nothing)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} bytes"
 
 
 def _candidates(
@@ -210,12 +202,14 @@ def _greedy(
     placements = _place_on_slow_tiers(tables, topology, constraints, laws, mem, cost)
     total = sum(t.bytes for t in tables if t.name not in placements) + sum(mem)
     if total > w * cap:
-        ssd = f" and {w} x {size(topology.ssd_per_rank)} of SSD" if topology.ssd_per_rank else ""
+        ssd = (
+            f" and {w} x {size_text(topology.ssd_per_rank)} of SSD" if topology.ssd_per_rank else ""
+        )
         raise PlanError(
-            f"the tables need {size(total)} of memory (with optimizer "
+            f"the tables need {size_text(total)} of memory (with optimizer "
             f"state{', and caches' if placements else ''}) "
-            f"but {w} ranks x {size(cap)} = {size(w * cap)}{ssd}: "
-            f"{size(total - w * cap)} missing"
+            f"but {w} ranks x {size_text(cap)} = {size_text(w * cap)}{ssd}: "
+            f"{size_text(total - w * cap)} missing"
         )
     unplaced = [t for t in tables if t.name not in placements]
     order = sorted(unplaced, key=lambda t: (-t.bytes, t.name))
@@ -253,9 +247,9 @@ def _greedy(
         if best is None:
             free = sorted((cap - m for m in mem), reverse=True)
             raise PlanError(
-                f"table {t.name} ({size(t.bytes)}) fits nowhere: the emptiest rank has "
-                f"{size(free[0])} free and all ranks together {size(sum(free))} "
-                f"({size(max(0.0, t.bytes - sum(free)))} missing; memory is fragmented "
+                f"table {t.name} ({size_text(t.bytes)}) fits nowhere: the emptiest rank has "
+                f"{size_text(free[0])} free and all ranks together {size_text(sum(free))} "
+                f"({size_text(max(0.0, t.bytes - sum(free)))} missing; memory is fragmented "
                 "otherwise)"
             )
         for r, m in best.memory_per_rank.items():

@@ -20,6 +20,7 @@ from recscale.data.batch import Batch
 from recscale.data.prefetch import Prefetcher
 from recscale.modules.embedding_bag_collection import EmbeddingBagCollection
 from recscale.train.host_memory import release_free_memory
+from recscale.units import size_text
 
 
 class CachePrefetcher:
@@ -123,10 +124,10 @@ def settle_files(ebc, echo) -> None:
         loaded += f.settle(loaded)
     size = sum(f.num_rows * f.row_bytes for f in files)
     echo(
-        f"recscale: ssd tier: {size / 1e9:.2f} GB of initial rows on the disk in "
+        f"recscale: ssd tier: {size_text(size)} of initial rows on the disk in "
         f"{time.perf_counter() - t:.1f} s (before step 0, not as a stall mid-run)"
         + (
-            f"; {loaded / 1e9:.2f} GB of it loaded into memory for the run (the memory "
+            f"; {size_text(loaded)} of it loaded into memory for the run (the memory "
             "holds it: training reads and writes rows there, the file is not written mid-run)"
             if loaded
             else ""
@@ -150,7 +151,7 @@ def warm_caches(ebc, echo, cfg: EmbeddingConfig, ids_per_table: int) -> None:
         freed = release_free_memory()
         if freed >= 100 << 20:
             echo(
-                f"recscale: {freed / 1e9:.2f} GB of memory freed by initialization given back "
+                f"recscale: {size_text(freed)} of memory freed by initialization given back "
                 "before step 0"
             )
 

@@ -14,6 +14,7 @@ from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError, Load
 from recscale.data.synthetic import SyntheticCriteo
 from recscale.planner.from_config import table_infos
 from recscale.planner.job_plan import available_memory
+from recscale.units import size_text
 
 
 def make_synthetic(cfg: Config) -> SyntheticCriteo:
@@ -151,7 +152,7 @@ def check_eval_set_memory(cfg: Config) -> None:
         raise ConfigError(
             "data.eval_samples",
             f"{cfg.data.eval_samples:,} synthetic held-out samples are drawn once and kept: "
-            f"{need / 1e9:,.1f} GB, but {have / 1e9:,.1f} GB of host memory are available "
+            f"{size_text(need)}, but {size_text(have)} of host memory are available "
             "(the run needs the rest): use fewer",
         )
 

@@ -39,6 +39,7 @@ from recscale.planner.job_plan import (
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
 from recscale.train.data_source import popularity_ranks
+from recscale.units import size_text
 
 
 def check_batch_divides(cfg: Config, world_size: int) -> None:
@@ -159,8 +160,8 @@ def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
         where = "GPU" if ctx.device.type == "cuda" else "host"
         raise ConfigError(
             "embedding.placement",
-            f"the embedding tables in {where} memory need {need / 1e9:,.1f} GB (rows x (dim + "
-            f"optimizer state) x 4 bytes) but {have / 1e9:,.1f} GB are available: use "
+            f"the embedding tables in {where} memory need {size_text(need)} (rows x (dim + "
+            f"optimizer state) x 4 bytes) but {size_text(have)} are available: use "
             "--embedding.placement=auto (the planner moves the largest tables to "
             f"{'host memory or ' if where == 'GPU' else ''}ssd), or give the dataset fewer rows "
             "(`recscale data preprocess --mode vocab`, or a smaller --hash-size)",
@@ -224,8 +225,8 @@ def check_dense_memory(cfg: Config, device: torch.device) -> None:
         raise ConfigError(
             key,
             f"the MLPs and the interaction hold {sum(counts.values()):,} parameters "
-            f"({counts[key]:,} sized by {key}): {need / 1e9:,.1f} GB with their gradients "
-            f"and optimizer state, but {have / 1e9:,.1f} GB of {where} memory are available",
+            f"({counts[key]:,} sized by {key}): {size_text(need)} with their gradients "
+            f"and optimizer state, but {size_text(have)} of {where} memory are available",
         )
 
 
@@ -240,8 +241,8 @@ def check_batch_memory(cfg: Config, ctx: DistContext) -> None:
         raise ConfigError(
             "train.batch_size",
             f"{cfg.train.batch_size:,} samples ({local:,} a rank) need at least "
-            f"{need / 1e9:,.1f} GB of host memory for a batch's inputs and activations, but "
-            f"{have / 1e9:,.1f} GB are available: use a smaller batch",
+            f"{size_text(need)} of host memory for a batch's inputs and activations, but "
+            f"{size_text(have)} are available: use a smaller batch",
         )
 
 
