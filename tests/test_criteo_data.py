@@ -483,6 +483,33 @@ def test_a_tsv_input_in_another_format_is_named_with_the_fix(tmp_path, name, pac
     assert not (tmp_path / "ds").exists()
 
 
+def test_text_without_line_feeds_is_named_not_held_whole(tmp_path):
+    """A file whose lines end in CR alone read as one line - every row lost, "1 bad line
+    of 1" - and a file without line breaks was held whole in memory as it grew (300 MB
+    of input: 0.9 GB resident). The first is named with the fix; the second stops at the
+    first megabyte without a line break."""
+    lines = synthetic_lines(50, seed=1)
+    cr = tmp_path / "cr.tsv"
+    cr.write_bytes(("\r".join(lines) + "\r").encode())
+    r = run_cli("data", "preprocess", "--input", str(cr), "--out", str(tmp_path / "ds"))
+    assert r.returncode == 1 and "end in CR alone" in error_line(r.stderr), r.stderr
+    long = tmp_path / "long.tsv"
+    long.write_bytes(("\n".join(lines) + "\n").encode() + b"a" * (3 << 20))
+    r = run_cli(
+        "data",
+        "preprocess",
+        "--input",
+        str(long),
+        "--out",
+        str(tmp_path / "ds"),
+        "--chunk-mb",
+        "1",
+    )
+    line = error_line(r.stderr)
+    assert r.returncode == 1 and "no line break in" in line and "not a Criteo TSV" in line, line
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+
+
 def test_a_train_split_without_rows_is_refused_not_written(tmp_path):
     """An empty first file split by file, or a one-line file split the Kaggle way, wrote a
     dataset whose train split held 0 rows - no run could train on it."""

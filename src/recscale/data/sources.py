@@ -21,11 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
+from recscale.data.columns import DatasetError
 from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE, ParsedChunk
 from recscale.data.prefetch import Prefetcher
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
+# A line longer than this is no Criteo line (39 fields, ~150-500 bytes): the reader
+# stops there rather than hold a file without line breaks whole in memory.
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass
@@ -96,7 +100,7 @@ def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, str]]:
     The str says why a gzip file's last block is its last (``Piece.gzip_cut``); the
     partial line at the cut is dropped (it never existed whole in the file).
     """
-    carry, parts, size = b"", [], 0
+    carry, parts, size, done = b"", [], 0, 0  # done: bytes of whole lines yielded
     for block, cut_short in _without_bom(_raw_blocks(path, chunk_bytes)):
         if cut_short:
             data = carry + b"".join(parts) + block
@@ -111,7 +115,14 @@ def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, str]]:
             parts, size = [], 0
             cut = data.rfind(b"\n") + 1
             carry = data[cut:]
+            if len(carry) > MAX_LINE_BYTES:  # held whole, it would grow with the file
+                raise DatasetError(
+                    f"{path}: no line break in {len(carry):,} bytes from byte {done + cut:,} "
+                    f"on (a Criteo line is under 1 kB; lines ending in CR alone or a file "
+                    f"that is not text read so): not a Criteo TSV file"
+                )
             if cut:
+                done += cut
                 yield data[:cut], ""
     data = carry + b"".join(parts)
     if data:

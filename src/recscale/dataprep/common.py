@@ -40,10 +40,15 @@ _NOT_TEXT = (
 def _check_text_input(path: Path) -> None:
     """A TSV input (plain or gzip) that is another format is named with the fix."""
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(1 << 16)
     for magic, what, fix in _NOT_TEXT:
         if head.startswith(magic):
             raise ValueError(f"input {path} is {what}; recscale reads plain or gzip text: {fix}")
+    if b"\r" in head and b"\n" not in head:  # read as one line, every row would be lost
+        raise ValueError(
+            f"input {path}: its lines end in CR alone (classic Mac text); recscale reads "
+            f"lines ending in LF or CRLF: convert it, e.g. tr '\\r' '\\n' < {path} > OUT"
+        )
 
 
 class BadDataError(ValueError):
