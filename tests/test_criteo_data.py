@@ -493,6 +493,12 @@ def test_text_without_line_feeds_is_named_not_held_whole(tmp_path):
     cr.write_bytes(("\r".join(lines) + "\r").encode())
     r = run_cli("data", "preprocess", "--input", str(cr), "--out", str(tmp_path / "ds"))
     assert r.returncode == 1 and "end in CR alone" in error_line(r.stderr), r.stderr
+    # a small gzip file's compressed bytes may hold CR and no LF: that says nothing
+    packed = [gzip.compress((ln + "\n").encode()) for ln in synthetic_lines(40, seed=4)]
+    small = next(b for b in packed if b"\r" in b and b"\n" not in b)
+    (tmp_path / "small.gz").write_bytes(small)
+    meta = _pp(tmp_path, [tmp_path / "small.gz"], "small")
+    assert meta["splits"]["train"]["rows"] == 1
     long = tmp_path / "long.tsv"
     long.write_bytes(("\n".join(lines) + "\n").encode() + b"a" * (3 << 20))
     r = run_cli(

@@ -44,7 +44,8 @@ def _check_text_input(path: Path) -> None:
     for magic, what, fix in _NOT_TEXT:
         if head.startswith(magic):
             raise ValueError(f"input {path} is {what}; recscale reads plain or gzip text: {fix}")
-    if b"\r" in head and b"\n" not in head:  # read as one line, every row would be lost
+    gzip = head.startswith(b"\x1f\x8b")  # compressed bytes say nothing of its lines
+    if not gzip and b"\r" in head and b"\n" not in head:  # one line: every row lost
         raise ValueError(
             f"input {path}: its lines end in CR alone (classic Mac text); recscale reads "
             f"lines ending in LF or CRLF: convert it, e.g. tr '\\r' '\\n' < {path} > OUT"
