@@ -76,17 +76,10 @@ def factor_shapes(
     raise ValueError(f"unknown compression {method!r}")
 
 
-def compressed_rows(
-    method: str,
-    num_rows: int,
-    dim: int,
-    qr_buckets: int = 1,
-    qr_op: str = "mult",
-    tt_rank: int = 1,
-    small_dim: int = 1,
-) -> int:
-    """fp32 values a compressed table stores (its factors), without building it."""
-    shapes = factor_shapes(method, num_rows, dim, qr_buckets, qr_op, tt_rank, small_dim)
+def compressed_rows(method: str, num_rows: int, dim: int, **factor_args) -> int:
+    """fp32 values a compressed table stores (its factors, ``factor_args`` as
+    :func:`factor_shapes` takes them), without building it."""
+    shapes = factor_shapes(method, num_rows, dim, **factor_args)
     return sum(rows * width for rows, width in shapes.values())
 
 
@@ -108,13 +101,11 @@ def table_compressions(table_sizes: list[int], dims: list[int], cfg) -> list[tup
         if md
         else {}
     )
+    args = dict(qr_buckets=cfg.qr_buckets, qr_op=cfg.qr_op, tt_rank=cfg.tt_rank)
     out = []
     for i, (n, d, m) in enumerate(zip(table_sizes, dims, chosen)):
         sd = min(small.get(i, 0), d)
-        if (
-            m != "none"
-            and compressed_rows(m, n, d, cfg.qr_buckets, cfg.qr_op, cfg.tt_rank, sd) >= n * d
-        ):
+        if m != "none" and compressed_rows(m, n, d, **args, small_dim=sd) >= n * d:
             m, sd = "none", 0
         if m == "mixed_dim" and sd >= d:
             m, sd = "none", 0
