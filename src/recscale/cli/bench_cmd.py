@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise ConfigError("--out", f"{args.out} is a file; name a directory for the sweep")
         varies = parse_vary(args.vary, args.config)
-        _synthetic_only(load_config(args.config or "default", overrides), "sweep")
+        _synthetic_only(load_config(args.config, overrides), "sweep")  # as run_sweep
         if any(key == "data.path" for key, _ in varies):
             raise ConfigError("--vary", "data.path: a sweep runs on synthetic batches only")
         steps = args.steps if args.steps != 50 else 20  # a sweep point needs fewer

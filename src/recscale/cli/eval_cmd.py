@@ -33,7 +33,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
-
     from recscale.checkpoint.format import CheckpointError
     from recscale.checkpoint.manager import resolve_chain
     from recscale.checkpoint.model_file import MODEL_FILE, load_model_file
