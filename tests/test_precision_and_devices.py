@@ -18,6 +18,16 @@ def test_auto_device_is_the_test_device(device):
     assert resolve_device("auto") == device
 
 
+def test_a_test_device_that_is_no_device_names_the_variable(monkeypatch):
+    """``RECSCALE_TEST_DEVICE=cdua`` was torch's "Expected one of cpu, cuda, ipu, ..."
+    traceback in every run; it names the variable and its choices."""
+    monkeypatch.setenv("RECSCALE_TEST_DEVICE", "cdua")
+    with pytest.raises(ConfigError) as err:
+        resolve_device("auto")
+    assert err.value.key == "RECSCALE_TEST_DEVICE" and "'cdua'" in str(err.value)
+    assert resolve_device("cpu") == torch.device("cpu")  # only auto reads it
+
+
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_precision_trains_like_fp32(precision):
     base = train(load_config("debug", FAST), None, **QUIET)

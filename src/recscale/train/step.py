@@ -33,10 +33,15 @@ def resolve_device(name: str) -> torch.device:
     runs every training test on the GPU and a plain ``pytest`` stays on the CPU."""
     if name == "auto":
         pinned = os.environ.get("RECSCALE_TEST_DEVICE")
-        if pinned:
-            name = pinned
-        else:
+        if not pinned:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if pinned not in ("cpu", "cuda"):  # a typo would be torch's traceback in every run
+            raise ConfigError(
+                "RECSCALE_TEST_DEVICE",
+                f"the environment pins train.device=auto to {pinned!r}: set it to cpu or "
+                "cuda, or unset it",
+            )
+        name = pinned
     if name == "cuda" and not torch.cuda.is_available():
         why = "torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
         raise ConfigError(
