@@ -319,3 +319,21 @@ def test_checkpoint_inspect_refuses_arguments_it_would_ignore(tmp_path, capsys):
     override meant something; it is refused as ``data``'s subcommands refuse theirs."""
     assert main(["checkpoint", "inspect", str(tmp_path), "--model.embedding_dim=4"]) == 2
     assert "unexpected arguments --model.embedding_dim=4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", "debug", "--data.path=x\x1b[31mred\x07"],
+        ["data", "info", "\x1b[2Jgone"],
+        ["data", "info", ".", "\x1b]0;title\x07"],
+        ["plan", "--config", "bad\x1b[1m\x9b"],
+    ],
+)
+def test_control_characters_in_what_an_error_quotes_are_shown_escaped(tmp_path, capsys, argv):
+    """An error quoting a path or value printed its ESC sequences raw: a dataset path
+    named ``x<ESC>[31m...`` turned the terminal red, ``<ESC>]0;...<BEL>`` set its title,
+    ``<ESC>[2J`` cleared it. They are written ``\\x1b``, ``\\x07``, ``\\x9b``."""
+    assert main([*argv, f"--run-dir={tmp_path / 'run'}"] if argv[0] == "train" else argv) != 0
+    err = capsys.readouterr().err
+    assert "\\x1b" in err and not any(c in err for c in "\x1b\x07\x9b"), repr(err)

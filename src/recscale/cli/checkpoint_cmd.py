@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from recscale.cli.output import print_error, printable
 from recscale.config.small_files import json_text
 
 
@@ -53,7 +54,10 @@ def _describe(path: Path) -> dict:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:  # inspect reads what the checkpoint says; a config override changes nothing
-        print(f"recscale checkpoint: unexpected arguments {' '.join(extra)}", file=sys.stderr)
+        print(
+            f"recscale checkpoint: unexpected arguments {printable(' '.join(extra))}",
+            file=sys.stderr,
+        )
         return 2
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     paths = [path] if (path / "manifest.json").exists() else checkpoint_dirs(root)
     if not paths:
-        print(f"recscale: error: no checkpoints at {path}", file=sys.stderr)
+        print_error(f"no checkpoints at {path}")
         return 1
     infos = [_describe(p) for p in paths]
     if args.json:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from recscale.cli.output import print_error, printable
 from recscale.config.small_files import json_text
 
 
@@ -88,7 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
-        print(f"recscale data: unexpected arguments {' '.join(extra)}", file=sys.stderr)
+        print(f"recscale data: unexpected arguments {printable(' '.join(extra))}", file=sys.stderr)
         return 2
     if args.data_command == "preprocess":
         from recscale.dataprep.preprocess import BadDataError, PreprocessOptions, preprocess
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             preprocess(opts)
         except (BadDataError, ValueError) as e:
-            print(f"recscale: error: {e}", file=sys.stderr)
+            print_error(e)
             return 1
         return 0
     if args.data_command == "synth-tsv":
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             n = write_tsv(args.out, args.lines, seed=args.seed, distinct_blocks=args.cycle_blocks)
         except ValueError as e:  # bad arguments, more than the disk or the memory holds
-            print(f"recscale: error: {e}", file=sys.stderr)
+            print_error(e)
             return 1
         print(f"wrote {args.lines:,} lines ({n / 1e6:.1f} MB of text) to {args.out}")
         opt = json.loads(Path(str(args.out) + ".optimum.json").read_text())["kaggle_test"]
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             to_multihot(args.input, args.out, sizes, args.seed, layout=args.layout)
         except (DatasetError, ValueError) as e:
-            print(f"recscale: error: {e}", file=sys.stderr)
+            print_error(e)
             return 1
         return 0
     from recscale.data.columns import read_metadata

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from recscale.cli.output import print_error
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
 from recscale.config.small_files import json_text, write_text_atomic
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             if (run_dir / "config.toml").is_file()
             else "is not a run directory: no config.toml with a model.pt or checkpoints/"
         )
-        print(f"recscale: error: {run_dir} {why}", file=sys.stderr)
+        print_error(f"{run_dir} {why}")
         return 1
     try:
         trained = load_config(str(run_dir / "config.toml"))
@@ -75,14 +76,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         try:
             load_model_file(model, run_dir)
         except CheckpointError as e:
-            print(f"recscale: error: {e}", file=sys.stderr)
+            print_error(e)
             return 1
     else:  # the final checkpoint (or, after a crash, the newest valid one)
         try:
             chain = resolve_chain(run_dir, echo=lambda m: print(m, file=sys.stderr))
             step = restore(model, None, chain)["step"]
         except CheckpointError as e:
-            print(f"recscale: error: {e}", file=sys.stderr)
+            print_error(e)
             return 1
         print(f"recscale: evaluating checkpoint {chain[-1].name} (step {step})", file=sys.stderr)
     if args.split and not cfg.data.uses_dataset():

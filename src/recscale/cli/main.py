@@ -17,6 +17,7 @@ from recscale.cli import (
     signals,
     train_cmd,
 )
+from recscale.cli.output import print_error
 from recscale.config.errors import ConfigError
 from recscale.locks import LockedError
 
@@ -97,24 +98,24 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a reader gone: the error comes here, to the clause below
             return rc
     except ConfigError as e:
-        print(f"recscale: error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     except LockedError as e:  # another process writes the run directory / the dataset
-        print(f"recscale: error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
     except BrokenPipeError as e:
         if _stdout_closed():  # `recscale plan | head`: the reader has all it wanted
             return 141  # 128 + SIGPIPE, as a shell tool stopped by the pipe
-        print(f"recscale: error: {e.strerror or e}", file=sys.stderr)
+        print_error(e.strerror or e)
         return 1
     except OSError as e:  # a full disk, a path that cannot be read or written
         where = f"{e.filename}: " if e.filename and str(e.filename) not in str(e.strerror) else ""
-        print(f"recscale: error: {where}{e.strerror or e}", file=sys.stderr)
+        print_error(f"{where}{e.strerror or e}")
         return 1
     except Exception as e:  # after OSError: these are not OS errors
         if not _is_user_error(e):
             raise
-        print(f"recscale: error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the training loop (it has its own)
         if signals.terminated():

@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+from recscale.cli.output import print_error
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 from recscale.config.small_files import json_text
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size), laws)
     except PlanError as e:
-        print(f"recscale: error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
     pred = None
     if cal is not None:
@@ -287,7 +288,7 @@ def _forecast(cfg, args) -> int:
     try:
         f = forecast(cfg, dev, args.world_size, args.precision, SYSTEMS[args.system])
     except PlanError as e:
-        print(f"recscale: error: {dev.name} x {args.world_size}: {e}", file=sys.stderr)
+        print_error(f"{dev.name} x {args.world_size}: {e}")
         return 1
     hours = args.train_samples / f.samples_per_s / 3600 if args.train_samples else None
     if args.json:

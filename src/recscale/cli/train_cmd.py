@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from recscale.cli import signals
+from recscale.cli.output import print_error
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
 from recscale.config.small_files import loads_json, read_small_text
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         try:
             resume_dir = _resumed_run_dir(args.resume)
         except FileNotFoundError as e:
-            print(f"recscale: error: {e}", file=sys.stderr)
+            print_error(e)
             return 1
     config = args.config or (str(resume_dir / "config.toml") if resume_dir else None)
     try:
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         RunDirInUse,
         CacheTooSmallError,
     ) as e:
-        print(f"recscale: error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
     if signals.terminated() or metrics.get("stop_signal") == "SIGTERM":
         print("recscale: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
