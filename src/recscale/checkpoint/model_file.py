@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from recscale.checkpoint.format import CheckpointError, checked_file
+from recscale.checkpoint.state import check_finite
 
 MODEL_FILE = "model.pt"
 
@@ -52,6 +53,5 @@ def load_model_file(model: nn.Module, run_dir: Path) -> None:
                 f"{path}: {name} is {got.dtype} {list(got.shape)}, the run's model holds "
                 f"{mine.dtype} {list(mine.shape)}"
             )
-        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
-            raise CheckpointError(f"{path}: {name} holds NaN or infinite values")
+        check_finite(got, path, name)
     model.load_state_dict(saved)

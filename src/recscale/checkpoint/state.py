@@ -347,7 +347,7 @@ def _load_dense_weights(path: Path, model: Checkpointable, dense: Any) -> None:
         if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
             what = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise CheckpointError(f"{path}: {k} is {what}, the model's {tuple(own[k].shape)}")
-        _check_finite(v, path, k)
+        check_finite(v, path, k)
     model.load_state_dict(weights, strict=False)
 
 
@@ -379,7 +379,7 @@ def _read_weight(path: Path, base: str, precision: str, n: int, width: int, sel)
     return _dequantize_int8(q, read_array(path, f"{base}.qparams.f32", np.float32, (n, 2))[sel])
 
 
-def _check_finite(values: torch.Tensor, path: Path, what: str) -> None:
+def check_finite(values: torch.Tensor, path: Path, what: str) -> None:
     """Rows restored are finite: NaN rows had resumed, and the run stopped at its first
     step advising lower learning rates for a checkpoint that was damaged."""
     if values.is_floating_point() and not bool(torch.isfinite(values).all()):
@@ -420,7 +420,7 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                     :, c0 - sp["col_lo"] : c1 - sp["col_lo"]
                 ]
             )
-            _check_finite(weight, path, base)
+            check_finite(weight, path, base)
             if not whole_cols:  # patch some columns of the rows it holds
                 full = storage.read_rows(idx).cpu()
                 full[:, c0 - p.col_lo : c1 - p.col_lo] = weight
@@ -434,7 +434,7 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                         read_array(path, f"{base}.state_{sname}.f32", np.float32, (n, *tail))[sel]
                     )
                 )
-                _check_finite(arr, path, f"{base} ({sname})")
+                check_finite(arr, path, f"{base} ({sname})")
                 if arr.dim() == 2:  # element-wise state: the same columns as the weight
                     arr = arr[:, c0 - sp["col_lo"] : c1 - sp["col_lo"]]
                     if not whole_cols:
@@ -466,7 +466,7 @@ def _load_factors(path: Path, derived: dict[str, RowStorage], plain: set[str]) -
         for name, state in saved.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    _check_finite(value, f, f"the factors of {name} ({key})")
+                    check_finite(value, f, f"the factors of {name} ({key})")
             found.add(name)
             if name in plain:
                 raise CheckpointError(

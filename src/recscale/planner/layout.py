@@ -88,8 +88,6 @@ def _check_placement(p: TablePlacement, dim: int, world: int) -> None:
         raise ValueError(f"table {p.table}: unknown sharding kind {p.kind!r}")
     if any(not 0 <= r < world for r in p.ranks) or not p.ranks:
         raise ValueError(f"table {p.table}: ranks {p.ranks} outside world size {world}")
-    if len(set(p.ranks)) != len(p.ranks):
-        raise ValueError(f"table {p.table}: ranks {p.ranks} repeat a rank")
     if p.kind == "table_wise" and len(p.ranks) != 1:
         raise ValueError(f"table {p.table}: table_wise needs exactly one rank")
     if p.kind == "data_parallel" and sorted(p.ranks) != list(range(world)):
