@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import random_jagged
+from helpers import error_line, random_jagged
 
 from recscale.config import ConfigError, load_config
 from recscale.data.batch import Batch
@@ -183,7 +183,7 @@ def test_the_plan_decides_each_tables_kernel_and_the_storages_take_it(kernels):
     ],
 )
 def test_a_malformed_launch_environment_names_the_variable(monkeypatch, env, named):
-    from recscale.distributed.context import JobLaunchError, launch_env
+    from recscale.launch_env import JobLaunchError, launch_env
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -194,7 +194,7 @@ def test_a_malformed_launch_environment_names_the_variable(monkeypatch, env, nam
 
 
 def test_launch_env_reads_torchruns_variables(monkeypatch):
-    from recscale.distributed.context import launch_env
+    from recscale.launch_env import launch_env
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -203,6 +203,23 @@ def test_launch_env_reads_torchruns_variables(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert launch_env() == (4, 3, 1)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_a_malformed_local_world_size_is_named_before_the_model(tmp_path, monkeypatch, capsys, value):
+    """``LOCAL_WORLD_SIZE`` (the ranks sharing this host's cores and memory) was read with
+    a bare ``int()``: "abc" was a ValueError traceback and "0" a ZeroDivisionError."""
+    from recscale.cli.main import main
+    from recscale.launch_env import JobLaunchError, local_world_size
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(JobLaunchError, match=f"LOCAL_WORLD_SIZE='{value}'"):
+        local_world_size()
+    rc = main(["train", "--config", "debug", "--run-dir", str(tmp_path / "run")])
+    line = error_line(capsys.readouterr().err)
+    assert rc == 1 and f"LOCAL_WORLD_SIZE='{value}': a whole number >= 1" in line
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_world_size() == 2
 
 
 def test_a_rank_started_alone_stops_in_one_line_after_the_timeout(tmp_path):

@@ -43,7 +43,7 @@ USER_ERRORS = (
     ("recscale.embedding.row_file", "TierFileError"),
     ("recscale.embedding.storage", "DevicePlacementError"),
     ("recscale.train.config_agreement", "RankFailed"),
-    ("recscale.distributed.context", "JobLaunchError"),
+    ("recscale.launch_env", "JobLaunchError"),
 )
 
 

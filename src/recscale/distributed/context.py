@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recscale.launch_env import JobLaunchError, launch_env
+
 
 @dataclass
 class DistContext:
@@ -48,38 +50,6 @@ class DistContext:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.dense)
         return box[0]
-
-
-class JobLaunchError(RuntimeError):
-    """The job's ranks cannot form: the launch environment is malformed, or the ranks did
-    not meet (one started alone, a wrong ``MASTER_ADDR``). One line for the user."""
-
-
-def _env_int(name: str, default: int, least: int) -> int:
-    """``os.environ[name]`` as a whole number >= ``least`` (``default`` when unset)."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < least:
-        raise JobLaunchError(
-            f"environment variable {name}={raw!r}: a whole number >= {least} "
-            "(torchrun sets it; unset it to train in one process)"
-        )
-    return value
-
-
-def launch_env() -> tuple[int, int, int]:
-    """(world size, rank, local rank) from the environment torchrun sets, checked: whole
-    numbers, and 0 <= RANK < WORLD_SIZE where there are several ranks."""
-    world = _env_int("WORLD_SIZE", 1, 1)
-    rank, local_rank = _env_int("RANK", 0, 0), _env_int("LOCAL_RANK", 0, 0)
-    if world > 1 and rank >= world:
-        raise JobLaunchError(f"RANK={rank} is not below WORLD_SIZE={world}")
-    return world, rank, local_rank
 
 
 def launched_by_torchrun() -> bool:

@@ -71,6 +71,7 @@ from recscale.embedding.row_io import (  # noqa: F401  (io_uring_available re-ex
     row_io_direct,
     row_move,
 )
+from recscale.launch_env import local_world_size
 from recscale.procfs import mem_available
 from recscale.units import size_text
 
@@ -86,8 +87,7 @@ MAP_SHARE = 0.5
 def fits_in_memory(nbytes: int) -> bool:
     """Whether ``nbytes`` of file take at most ``MAP_SHARE`` of the memory available now,
     shared among the ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``)."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return nbytes <= MAP_SHARE * mem_available() / local
+    return nbytes <= MAP_SHARE * mem_available() / local_world_size()
 
 
 class TierFileError(RuntimeError):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
+from recscale.launch_env import local_world_size
 from recscale.train.host_memory import set_host_memory
 from recscale.train.precision import autocast, set_matmul_precision
 
@@ -68,8 +69,7 @@ def setup_process(cfg: Config) -> tuple[torch.device, int]:
     # a tier's initialization draws and frees blocks of GBs that no step reuses: under
     # "system" malloc unmaps them on free; retained, they stayed as holes in the heap
     set_host_memory("system")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads = t.threads or available_cores() // local or 1
+    threads = t.threads or available_cores() // local_world_size() or 1
     torch.set_num_threads(threads)
     return resolve_device(t.device), threads
 
