@@ -206,7 +206,9 @@ def test_launch_env_reads_torchruns_variables(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2"])
-def test_a_malformed_local_world_size_is_named_before_the_model(tmp_path, monkeypatch, capsys, value):
+def test_a_malformed_local_world_size_is_named_before_the_model(
+    tmp_path, monkeypatch, capsys, value
+):
     """``LOCAL_WORLD_SIZE`` (the ranks sharing this host's cores and memory) was read with
     a bare ``int()``: "abc" was a ValueError traceback and "0" a ZeroDivisionError."""
     from recscale.cli.main import main

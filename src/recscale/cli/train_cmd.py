@@ -68,8 +68,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
     from recscale.checkpoint.format import CheckpointError
-    from recscale.launch_env import launch_env
     from recscale.embedding.cached_storage import CacheTooSmallError
+    from recscale.launch_env import launch_env
     from recscale.modules.embedding_bag_collection import IdOutOfRangeError
     from recscale.train.run import RunDirInUse, TrainingDiverged, train
 
