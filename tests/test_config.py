@@ -99,6 +99,8 @@ def test_a_toml_float_that_is_whole_is_an_integer(tmp_path):
         (["--model.bottom_mlp=64,,16"], "model.bottom_mlp"),  # was [64, 16], a valid MLP
         (["--embedding.table_compression=C1=qr,C1=tt"], "embedding.table_compression"),
         (["--train.steps=10", "--train.epochs=-1"], "train.epochs"),  # was dropped unread
+        # a float32 tensor cannot hold it: torch's overflow traceback at the model's build
+        (["--embedding.initial_accumulator=1e308"], "embedding.initial_accumulator"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key):

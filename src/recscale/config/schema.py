@@ -44,6 +44,9 @@ HOST_MEMORY = ("retain", "system")  # train/host_memory.py
 SCHEDULE_DECAYS = ("polynomial", "linear")  # train.precision: the MLPs and interaction
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -304,6 +307,13 @@ class EmbeddingConfig:
         _positive("embedding.lr", self.lr)
         _positive("embedding.eps", self.eps)
         _positive("embedding.initial_accumulator", self.initial_accumulator, allow_zero=True)
+        if self.initial_accumulator > FLOAT32_MAX:
+            # the accumulator is a float32 tensor: torch's fill refused it with a traceback
+            raise ConfigError(
+                "embedding.initial_accumulator",
+                f"must be at most {FLOAT32_MAX:.4g} (the float32 state holds it), "
+                f"got {self.initial_accumulator}",
+            )
         for key, b in (("embedding.beta1", self.beta1), ("embedding.beta2", self.beta2)):
             if not 0.0 <= b < 1.0:
                 raise ConfigError(key, f"must be in [0, 1), got {b}")
