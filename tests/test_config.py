@@ -101,6 +101,7 @@ def test_a_toml_float_that_is_whole_is_an_integer(tmp_path):
         (["--train.steps=10", "--train.epochs=-1"], "train.epochs"),  # was dropped unread
         # a float32 tensor cannot hold it: torch's overflow traceback at the model's build
         (["--embedding.initial_accumulator=1e308"], "embedding.initial_accumulator"),
+        (["--embedding.optimizer=adam", "--embedding.lr=1e308"], "embedding.lr"),  # its step
     ],
 )
 def test_bad_values_name_the_key(overrides, key):

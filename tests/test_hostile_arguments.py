@@ -302,6 +302,17 @@ def test_an_mlp_beyond_memory_names_its_key_not_an_allocator_error(capsys):
     assert rc == 2 and "'model.top_mlp'" in line and "parameters" in line
 
 
+def test_a_table_width_beyond_memory_names_its_key_not_an_allocator_error(capsys):
+    """Choosing each table's kernel had allocated a probe row as wide as the table before
+    the memory check: a dim of 1e12 under DCNv2 (no bottom MLP to match) was torch's
+    "can't allocate memory" traceback."""
+    rc, line = _fails(
+        capsys, "train", "--config", "debug", "--model.interaction=dcnv2",
+        "--model.embedding_dim=1000000000000",
+    )  # fmt: skip
+    assert rc == 2 and "'embedding.placement'" in line and "GB" in line
+
+
 def test_a_forecast_whose_dense_side_fills_the_device_says_so():
     """20,000 tables make a dot interaction of 2e8 pairs: the dense side alone exceeds
     an H100, which the plan's error had blamed on the tables (0.01 GB)."""

@@ -307,13 +307,17 @@ class EmbeddingConfig:
         _positive("embedding.lr", self.lr)
         _positive("embedding.eps", self.eps)
         _positive("embedding.initial_accumulator", self.initial_accumulator, allow_zero=True)
-        if self.initial_accumulator > FLOAT32_MAX:
-            # the accumulator is a float32 tensor: torch's fill refused it with a traceback
-            raise ConfigError(
-                "embedding.initial_accumulator",
-                f"must be at most {FLOAT32_MAX:.4g} (the float32 state holds it), "
-                f"got {self.initial_accumulator}",
-            )
+        for key, value in (
+            ("embedding.lr", self.lr),
+            ("embedding.eps", self.eps),
+            ("embedding.initial_accumulator", self.initial_accumulator),
+        ):
+            # the rows, their state and the fused updates' scalars are float32: beyond its
+            # range torch refused the fill or the step size with a traceback
+            if value > FLOAT32_MAX:
+                raise ConfigError(
+                    key, f"must be at most {FLOAT32_MAX:.4g} (a float32 holds it), got {value}"
+                )
         for key, b in (("embedding.beta1", self.beta1), ("embedding.beta2", self.beta2)):
             if not 0.0 <= b < 1.0:
                 raise ConfigError(key, f"must be in [0, 1), got {b}")

@@ -172,7 +172,9 @@ def with_kernels(plan: ShardingPlan, cfg: Config, device: torch.device) -> Shard
     for p, d, (c, _) in zip(plan.placements, m.dims(), comp):
         if c != "none":
             continue
-        probe = torch.empty(1, d, dtype=dtype, device=device)
+        # what a kernel asks of the rows is their device, dtype and layout; the width goes
+        # as ``d`` (a [1, d] probe allocated d floats before the memory check saw them)
+        probe = torch.empty(1, 1, dtype=dtype, device=device)
         chosen[p.table] = kernels.choose(m.kernels, "backward", probe, d)
     placements = [replace(p, kernel=chosen.get(p.table, "")) for p in plan.placements]
     return replace(plan, placements=placements)
