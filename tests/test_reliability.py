@@ -104,11 +104,13 @@ def test_a_run_directory_holding_another_run_is_refused(tmp_path):
     assert train(cfg, run, resume=run, **QUIET)["steps"] == 30
 
 
-def test_a_bad_eval_split_fails_before_training(tmp_path):
+@pytest.mark.parametrize("key", ["eval_split", "train_split"])
+def test_a_bad_split_fails_before_training_naming_its_key(tmp_path, key):
+    """A train split the dataset lacks was a bare dataset error, the key unnamed."""
     ds = make_dataset(tmp_path, 300, seed=1, hash_size=50)
-    cfg = load_config("debug", [*BASE, f"--data.path={ds}", "--data.eval_split=nope"])
+    cfg = load_config("debug", [*BASE, f"--data.path={ds}", f"--data.{key}=nope"])
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match="data.eval_split.*no split 'nope'"):
+    with pytest.raises(ConfigError, match=f"data.{key}.*no split 'nope'"):
         train(cfg, tmp_path / "run", **QUIET)
     assert time.monotonic() - t0 < 10
     assert not (tmp_path / "run" / "train_log.jsonl").exists()

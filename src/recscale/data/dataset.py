@@ -34,6 +34,11 @@ from recscale.data.columns import (
 from recscale.data.multihot import BagRule, open_split
 
 
+class SplitMissing(DatasetError):
+    """The dataset is there but has no split of that name (the config's split key is
+    what to fix, not the path)."""
+
+
 class BinaryDataset:
     """One split of a dataset written by ``recscale data preprocess``."""
 
@@ -42,7 +47,7 @@ class BinaryDataset:
         meta_path = self.root / "metadata.json"
         self.meta: dict[str, Any] = read_metadata(self.root)
         if split not in self.meta["splits"]:
-            raise DatasetError(
+            raise SplitMissing(
                 f"{self.root} has no split '{split}' (it has {', '.join(self.meta['splits'])})"
             )
         self.split = split

@@ -10,7 +10,13 @@ import torch
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
-from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError, LoaderPosition
+from recscale.data.dataset import (
+    BatchLoader,
+    BinaryDataset,
+    DatasetError,
+    LoaderPosition,
+    SplitMissing,
+)
 from recscale.data.synthetic import SyntheticCriteo
 from recscale.planner.from_config import table_infos
 from recscale.planner.job_plan import available_memory
@@ -37,7 +43,10 @@ def adopt_dataset_shapes(cfg: Config, training: bool = True) -> str | None:
     ``training``, that its train split holds a batch); returns a note."""
     if not cfg.data.uses_dataset():
         return None
-    ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
+    try:
+        ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
+    except SplitMissing as e:
+        raise ConfigError("data.train_split", str(e)) from e
     if training and ds.rows < cfg.train.batch_size:  # a partial batch is dropped: none left
         raise ConfigError(
             "train.batch_size",
