@@ -62,10 +62,11 @@ def count_recscale(config: str, overrides: list[str], steps: int) -> str:
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
     batches = [data.batch(i, cfg.train.batch_size) for i in range(steps + 1)]
+    precision = cfg.train.precision
     for b in batches[:steps]:
-        backward_and_step(forward_loss(model, b, cfg.train.precision, dev), opt)
+        backward_and_step(forward_loss(model, b, precision, dev), opt, precision, dev)
     with OpCounter() as c:
-        backward_and_step(forward_loss(model, batches[-1], cfg.train.precision, dev), opt)
+        backward_and_step(forward_loss(model, batches[-1], precision, dev), opt, precision, dev)
     return report(c.ops, system="recscale", config=config, overrides=overrides)
 
 

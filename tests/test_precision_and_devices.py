@@ -38,6 +38,71 @@ def test_precision_trains_like_fp32(precision):
             assert other["auc"] == base["auc"]
 
 
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("op", ["mm", "addmm", "bmm", "baddbmm", "mv", "addmv"])
+def test_emulated_bf16_gemms_give_torchs_bf16_results(op):
+    """On a CPU without bf16 instructions a bf16 GEMM runs as an fp32 GEMM of the same
+    values, rounded once: torch's own bf16 kernel (fp32 accumulation) differs from it
+    only in the order of the sums, so at most by a bf16 rounding step of the result."""
+    from recscale.train.precision import EmulatedBF16Gemms
+
+    a2, b2 = _bf16(64, 96, seed=1), _bf16(96, 48, seed=2)
+    a3, b3 = _bf16(4, 32, 40, seed=3), _bf16(4, 40, 24, seed=4)
+    args = {
+        "mm": (a2, b2),
+        "addmm": (_bf16(64, 48, seed=5), a2, b2),
+        "bmm": (a3, b3),
+        "baddbmm": (_bf16(4, 32, 24, seed=6), a3, b3),
+        "mv": (a2, _bf16(96, seed=7)),
+        "addmv": (_bf16(64, seed=8), a2, _bf16(96, seed=7)),
+    }[op]
+    fn = getattr(torch, op)
+    ref = fn(*args)
+    with EmulatedBF16Gemms():
+        got = fn(*args)
+    exact = fn(*(x.double() for x in args))  # the same values, no rounding but the end's
+    assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+    scale = exact.abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 2**-8 * scale
+    assert (got.float() - ref.float()).abs().max().item() <= 2**-7 * scale
+
+
+def test_an_emulated_bf16_step_runs_its_gemms_in_fp32_forward_and_backward(monkeypatch):
+    """Where ``bf16_hardware`` is ``emulated`` (AVX2), a bf16 step's GEMMs - the forward's
+    and the backward's - go through the emulation; where the CPU has bf16 instructions
+    they are torch's own. The model it trains is bf16's (AUC as fp32's)."""
+    from recscale.train import precision
+
+    seen: list[str] = []
+    dispatch = precision.EmulatedBF16Gemms.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        if func in precision._BF16_GEMMS and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args
+        ):
+            seen.append(str(func))
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(precision.EmulatedBF16Gemms, "__torch_dispatch__", spy)
+    overrides = [*FAST, "--train.precision=bf16", "--train.device=cpu", "--model.kernels=torch"]
+    monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "emulated")
+    emulated = train(load_config("debug", overrides), None, **QUIET)
+    # 200 steps of 5 layers: a forward GEMM each, a weight gradient each and an input
+    # gradient for all but the first; the eval's forward GEMMs
+    assert seen.count("aten.addmm.default") >= 5 * 200 and seen.count("aten.mm.default") >= 9 * 200
+    seen.clear()
+    monkeypatch.setattr(precision, "bf16_hardware", lambda _d: "amx")
+    assert precision.emulates_bf16("bf16", torch.device("cpu")) is False
+    with precision.autocast("bf16", torch.device("cpu")):
+        torch.nn.Linear(8, 4)(torch.randn(3, 8))
+    assert seen == []
+    fp32 = train(load_config("debug", FAST), None, **QUIET)
+    assert emulated["auc"] == pytest.approx(fp32["auc"], abs=0.01)
+
+
 def test_bad_precision_names_the_key():
     with pytest.raises(ConfigError, match="train.precision"):
         load_config("debug", ["--train.precision=fp8"]).validate()

@@ -48,7 +48,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
     precision, device = cfg.train.precision, ctx.device
 
     def step(batch) -> None:  # training's step (train/step.py)
-        backward_and_step(forward_loss(module, batch, precision, device), opt)
+        backward_and_step(forward_loss(module, batch, precision, device), opt, precision, device)
 
     stages: dict[str, list[float]] = {s: [] for s in STAGES}
     seq = []
@@ -59,7 +59,7 @@ def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str
         t1 = time.perf_counter()
         loss = forward_loss(module, batch, precision, device)
         t2 = time.perf_counter()
-        t3, t4 = backward_and_step(loss, opt)
+        t3, t4 = backward_and_step(loss, opt, precision, device)
         if i >= warmup:
             for s, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 stages[s].append(dt)

@@ -26,6 +26,7 @@ from recscale.config.schema import Config
 from recscale.config.small_files import loads_json, write_text_atomic
 from recscale.embedding.sizing import bytes_per_value, row_overhead
 from recscale.modules import gemm
+from recscale.train.precision import gemms
 
 
 def _sync(device: torch.device) -> None:
@@ -71,7 +72,8 @@ def measure_gemm_gflops(
             if gemm._native_wgrad_applies(g, a):
                 runs.append(lambda a=a, g=g: gemm.weight_grad(g, a))
         for fn in runs:
-            secs = _best_seconds(fn, repeats, device=device)
+            with gemms(precision, device):  # bf16 as the step runs it (emulated on AVX2)
+                secs = _best_seconds(fn, repeats, device=device)
             best = max(best, 2 * batch_size * k * n / secs / 1e9)
     return best
 

@@ -164,7 +164,7 @@ def run_throughput(
             model, batch, precision, device, mark=lambda: stages.append(clock.mark())
         )
         t2 = clock.mark()
-        t3, t4 = backward_and_step(loss, opt, clock.mark)
+        t3, t4 = backward_and_step(loss, opt, precision, device, clock.mark)
         if record:
             t1, tb, ti = stages
             marks.append((t0, t1, t2, t3, t4, timer.spans[n_sparse:], (t1, tb, ti, t2)))

@@ -355,7 +355,8 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                         f"loss (or an activation) became {loss_value} at step {step}; stopping "
                         "(no update applied): lower the learning rates, or train in fp32"
                     )
-                backward_and_step(loss, job.dense_opt)  # + the embeddings' fused update
+                # + the embeddings' fused update
+                backward_and_step(loss, job.dense_opt, t.precision, ctx.device)
                 window_loss += loss_value
                 window_steps += 1
                 if saving and (clock_due or job.ckpt.due_by_steps(step)):  # any rank's clock

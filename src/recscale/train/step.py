@@ -25,7 +25,7 @@ from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.launch_env import local_world_size
 from recscale.train.host_memory import set_host_memory
-from recscale.train.precision import autocast, set_matmul_precision
+from recscale.train.precision import autocast, gemms, set_matmul_precision
 
 
 def resolve_device(name: str) -> torch.device:
@@ -97,13 +97,19 @@ def forward_loss(
 
 
 def backward_and_step(
-    loss: torch.Tensor, opt: torch.optim.Optimizer, mark: Callable[[], Any] | None = None
+    loss: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    precision: str,
+    device: torch.device,
+    mark: Callable[[], Any] | None = None,
 ) -> tuple[Any, Any]:
-    """Backward (the fused sparse update runs inside it) then the dense step; returns a
-    ``mark()`` after each (``perf_counter`` without one)."""
+    """Backward (the fused sparse update runs inside it; its GEMMs as ``precision``'s
+    forward ran them) then the dense step; returns a ``mark()`` after each
+    (``perf_counter`` without one)."""
     mark = mark or time.perf_counter
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    with gemms(precision, device):
+        loss.backward()
     t = mark()
     opt.step()
     return t, mark()
