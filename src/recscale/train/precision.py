@@ -57,7 +57,8 @@ class EmulatedBF16Gemms(TorchDispatchMode):
     """While active on this thread, a GEMM of bf16 CPU tensors runs in fp32 on the same
     values (a bf16 value is exactly an fp32 one) and its result is rounded to bf16 once:
     a bf16 GEMM with fp32 accumulation, at the fp32 GEMM's speed. Every other op runs as
-    it would (one Python call more each: ~0.5 ms of a config A step)."""
+    it would, through one Python call more: a config A step dispatches ~250 ops, and a
+    mode that only passes them on cost it 2-5 ms of ~62 (2-core AMD EPYC, 2026-11-27)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
