@@ -530,3 +530,21 @@ def test_a_train_split_without_rows_is_refused_not_written(tmp_path):
         r = run_cli("data", "preprocess", *argv, "--out", str(tmp_path / "ds"))
         assert r.returncode == 1 and "train split would hold no rows" in error_line(r.stderr)
         assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+
+
+def test_an_input_named_twice_or_a_file_in_two_held_out_splits_is_refused(tmp_path):
+    """The same file twice in --input (``a.tsv``, ``./a.tsv``) was read once without a
+    word; a file given as both --val and --test went to the test split alone, and the
+    dataset had no val split."""
+    from recscale.dataprep.common import PreprocessOptions
+
+    a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    for seed, p in enumerate((a, b)):
+        p.write_text("\n".join(synthetic_lines(20, seed=seed)) + "\n")
+    out = tmp_path / "ds"
+    with pytest.raises(ValueError, match=r"names the file .*a\.tsv twice"):
+        PreprocessOptions(inputs=[a, tmp_path / "." / "a.tsv"], out=out).validate()
+    by_file = dict(out=out, split="by-file", test_files=[b])
+    with pytest.raises(ValueError, match=r"b\.tsv is both a validation \(--val\) and a test"):
+        PreprocessOptions(inputs=[a, b], val_files=[b], **by_file).validate()
+    PreprocessOptions(inputs=[a, b], **by_file).validate()  # each file once: fine

@@ -82,6 +82,13 @@ class PreprocessOptions:
     def validate(self) -> None:
         if not self.inputs:
             raise ValueError("no input files")
+        first: dict[Path, str] = {}
+        for p in self.inputs:  # named twice, its rows were read once, without a word
+            key = Path(p).resolve()
+            if key in first:
+                also = f" (first as {first[key]})" if first[key] != str(p) else ""
+                raise ValueError(f"--input names the file {p} twice{also}; name each input once")
+            first[key] = str(p)
         for p in [*self.inputs, *self.test_files, *self.val_files]:
             try:
                 kind = not_a_file(os.stat(p).st_mode)
@@ -135,8 +142,14 @@ class PreprocessOptions:
                 f"(this is --split {self.split}): add --split by-file"
             )
         if self.split == "by-file":
-            held_out = {Path(p).resolve() for p in (self.test_files or [self.inputs[-1]])}
-            held_out |= {Path(p).resolve() for p in self.val_files}
+            test = {Path(p).resolve() for p in (self.test_files or [self.inputs[-1]])}
+            for p in self.val_files:  # it went to the test split and no val split was written
+                if Path(p).resolve() in test:
+                    raise ValueError(
+                        f"{p} is both a validation (--val) and a test file: a file's rows go "
+                        "to one split"
+                    )
+            held_out = test | {Path(p).resolve() for p in self.val_files}
             if all(Path(p).resolve() in held_out for p in self.inputs):
                 raise ValueError(
                     "--split by-file leaves no input for training (the test split defaults to "
