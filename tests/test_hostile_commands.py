@@ -199,6 +199,23 @@ def test_the_filesystem_root_is_no_run_directory():
         check_run_dir(Path("/tmp/.."), None)
 
 
+def test_a_run_that_fails_before_writing_leaves_no_empty_directory(tmp_path, capsys):
+    """A run refused after its directory was made (for its lock: a dataset that is not
+    there) left an empty ``runs/<timestamp>`` behind, one per failed try; a directory
+    that was there before, or holds the run's files, stays."""
+    run = tmp_path / "run"
+    argv = ["train", "--config", "debug", f"--data.path={tmp_path / 'nope'}", "--run-dir"]
+    rc, line = _fails(capsys, *argv, str(run))
+    assert rc == 1 and "not a recscale dataset" in line
+    assert not run.exists()
+    run.mkdir()
+    rc, _ = _fails(capsys, *argv, str(run))
+    assert rc == 1 and run.is_dir()  # the user's own (empty) directory
+    done = tmp_path / "done"
+    assert main(["train", "--config", "debug", "--train.steps=3", "--run-dir", str(done)]) == 0
+    assert (done / "metrics.json").is_file()
+
+
 def _damage(p: dict, change: str) -> None:
     """One field of a 2-rank plan of the debug preset made what no plan holds."""
     first, second = p["placements"][0], p["placements"][1]

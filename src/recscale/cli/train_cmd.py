@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                 file=sys.stderr,
             )
             return 0
+    made_here = not run_dir.exists()
     try:
         metrics = train(cfg, run_dir, resume=args.resume)
     except (
@@ -118,6 +120,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     ) as e:
         print_error(e)
         return 1
+    finally:
+        if made_here:  # a run that failed before writing leaves no empty directory behind
+            with contextlib.suppress(OSError):  # not empty (or gone): left as it is
+                run_dir.rmdir()
     if signals.terminated() or metrics.get("stop_signal") == "SIGTERM":
         print("recscale: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         return 143
