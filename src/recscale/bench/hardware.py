@@ -61,20 +61,20 @@ def measure_gemm_gflops(
     device = device or torch.device("cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     best = 0.0
-    for k, n in ((512, 512), (1024, 1024), (512, 256)):
-        a = torch.randn(batch_size, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        runs = [lambda a=a, b=b: torch.mm(a, b)]
-        if device.type == "cpu" and dtype == torch.float32 and gemm.ONEDNN_LINEAR is not None:
-            w = b.t().contiguous()
-            runs.append(lambda a=a, w=w: gemm.ONEDNN_LINEAR(a, w, None, "none", [], ""))
-            g = torch.randn(batch_size, n)
-            if gemm._native_wgrad_applies(g, a):
-                runs.append(lambda a=a, g=g: gemm.weight_grad(g, a))
-        for fn in runs:
-            with gemms(precision, device):  # bf16 as the step runs it (emulated on AVX2)
+    with gemms(precision, device):  # bf16 as the step runs it (emulated on AVX2)
+        for k, n in ((512, 512), (1024, 1024), (512, 256)):
+            a = torch.randn(batch_size, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            runs = [lambda a=a, b=b: torch.mm(a, b)]
+            if device.type == "cpu" and dtype == torch.float32 and gemm.ONEDNN_LINEAR is not None:
+                w = b.t().contiguous()
+                runs.append(lambda a=a, w=w: gemm.ONEDNN_LINEAR(a, w, None, "none", [], ""))
+                g = torch.randn(batch_size, n)
+                if gemm._native_wgrad_applies(g, a):
+                    runs.append(lambda a=a, g=g: gemm.weight_grad(g, a))
+            for fn in runs:
                 secs = _best_seconds(fn, repeats, device=device)
-            best = max(best, 2 * batch_size * k * n / secs / 1e9)
+                best = max(best, 2 * batch_size * k * n / secs / 1e9)
     return best
 
 

@@ -304,14 +304,12 @@ class EmbeddingConfig:
             raise ConfigError(
                 "embedding.order_sample_rows", f"must be >= 1, got {self.order_sample_rows}"
             )
-        _positive("embedding.lr", self.lr)
-        _positive("embedding.eps", self.eps)
-        _positive("embedding.initial_accumulator", self.initial_accumulator, allow_zero=True)
-        for key, value in (
-            ("embedding.lr", self.lr),
-            ("embedding.eps", self.eps),
-            ("embedding.initial_accumulator", self.initial_accumulator),
+        for key, value, allow_zero in (
+            ("embedding.lr", self.lr, False),
+            ("embedding.eps", self.eps, False),
+            ("embedding.initial_accumulator", self.initial_accumulator, True),
         ):
+            _positive(key, value, allow_zero=allow_zero)
             # the rows, their state and the fused updates' scalars are float32: beyond its
             # range torch refused the fill or the step size with a traceback
             if value > FLOAT32_MAX:
