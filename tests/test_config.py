@@ -35,6 +35,18 @@ def test_toml_round_trip(tmp_path):
     assert cfg.train.steps == 7 and cfg.model.bottom_mlp == [16, 4]
 
 
+def test_strings_with_control_characters_round_trip(tmp_path):
+    """TOML forbids raw control characters in a string: a path holding ESC or DEL was
+    written raw, and the run's config.toml could not be read back by `eval` or
+    `--resume`."""
+    odd = 'd\x1b[31m\x7f\x00\t\n\r"q"\\\x85\u00e9'
+    cfg = load_config("debug", [f"--embedding.ssd_dir=/tmp/{odd}", f"--data.path={odd}"])
+    path = tmp_path / "c.toml"
+    path.write_text(config_to_toml(cfg))
+    assert load_config(str(path)) == cfg
+    assert cfg.embedding.ssd_dir == f"/tmp/{odd}"
+
+
 def test_override_types():
     cfg = load_config(
         None,

@@ -113,6 +113,13 @@ def test_the_batch_estimate_grows_with_the_model_and_stays_low():
         (["--train-samples", "-5"], "--train-samples"),
         (["--device-file", "/nonexistent/devices.toml"], "--device-file"),
         (["--device", "h100-sxm", "--world-size", "100000000"], "--world-size"),
+        (["--memory-per-rank", "1e308"], "--memory-per-rank"),  # OverflowError traceback
+        (["--host-per-rank", "1e308"], "--host-per-rank"),  # same
+        (["--world-size", "2", "--all-to-all-gbps", "5e-324"], "--all-to-all-gbps"),  # nan ms
+        (["--gather-gbps", "1e-300"], "--gather-gbps"),  # a 1e297 ms step
+        (["--device", "h100-sxm", "--train-samples", "1e308"], "--train-samples"),  # 1e298 h
+        (["--train-samples", "0.5"], "--train-samples"),  # "time to train 0 samples"
+        (["--device", ""], "--device"),  # was the plan of no device, as if not given
     ],
 )
 def test_plan_numbers_no_plan_can_use_are_one_line(capsys, argv, flag):
@@ -126,6 +133,8 @@ def test_plan_numbers_no_plan_can_use_are_one_line(capsys, argv, flag):
         (["throughput", "--steps", "0"], "--steps"),  # was a traceback
         (["throughput", "--steps", "-1"], "--steps"),
         (["throughput", "--warmup", "-1"], "--warmup"),
+        (["throughput", "--steps", str(2**63)], "--steps"),  # ran silent until killed
+        (["throughput", "--warmup", str(10**12)], "--warmup"),
         (["pipeline", "--world-size", "0"], "--world-size"),
         (["calibrate", "--world-size", "1000"], "--world-size"),  # 1000 local processes
         (["calibrate", "--threads", "0"], "--threads"),
@@ -230,6 +239,9 @@ def test_a_split_of_a_synthetic_run_is_one_line(tmp_path, capsys):
     capsys.readouterr()
     rc, line = _fails(capsys, "eval", "--model", str(run), "--split", "nosuch")
     assert rc == 2 and "'--split'" in line and "synthetic" in line
+    for empty in ("", " "):  # scored the default split, as if the flag were not given
+        rc, line = _fails(capsys, "eval", "--model", str(run), "--split", empty)
+        assert rc == 2 and "'--split'" in line and "empty" in line
 
 
 def test_bag_sizes_that_are_not_numbers_name_the_flag(tmp_path, capsys):

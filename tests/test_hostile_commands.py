@@ -354,3 +354,22 @@ def test_control_characters_in_what_an_error_quotes_are_shown_escaped(tmp_path, 
     assert main([*argv, f"--run-dir={tmp_path / 'run'}"] if argv[0] == "train" else argv) != 0
     err = capsys.readouterr().err
     assert "\\x1b" in err and not any(c in err for c in "\x1b\x07\x9b"), repr(err)
+
+
+def test_control_characters_in_what_a_command_prints_are_shown_escaped(tmp_path, capsys):
+    """Only errors were escaped: a run directory named ``a<ESC>]0;...<BEL>b`` set the
+    terminal's title from ``wrote .../metrics.json``, from eval's result line and from
+    synth-tsv's. Everything the commands print goes through the escaping stream; JSON
+    output stays JSON, and the progress bar keeps its carriage returns."""
+    run = tmp_path / "a\x1b]0;title\x07b\x9bc"
+    base = ["--config", "debug", "--train.steps=2", "--train.progress=true"]
+    assert main(["train", *base, f"--run-dir={run}"]) == 0
+    assert main(["eval", "--model", str(run)]) == 0
+    assert main(["data", "synth-tsv", "--lines", "5", "--out", str(run / "x.tsv")]) == 0
+    out, err = capsys.readouterr()
+    assert f"{tmp_path}/a\\x1b]0;title\\x07b\\x9bc/metrics.json" in out, out
+    assert not any(c in out + err for c in "\x1b\x07\x9b"), repr(out + err)
+    assert "\r" in err  # tqdm redraws its line
+    assert main(["eval", "--model", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] > 0
+    assert sys.stdout is not None and not type(sys.stdout).__name__ == "EscapingStream"

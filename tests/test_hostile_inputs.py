@@ -263,6 +263,20 @@ def test_every_rank_plans_beside_a_damaged_default_calibration(tmp_path, monkeyp
         _shared_laws(cfg, DistContext())
 
 
+def test_a_named_calibration_one_rank_does_not_use_is_still_checked(tmp_path, capsys):
+    """One rank plans without costs, so a named calibration was never opened: a typo
+    (or a damaged file) trained without a word and failed on the first multi-rank run."""
+    from recscale.cli.main import main
+
+    for bad in (tmp_path / "nosuch.json", tmp_path / "empty.json"):
+        if bad.name == "empty.json":
+            bad.write_text("{}")
+        argv = ["train", "--config", "debug", "--train.steps=1", f"--run-dir={tmp_path / 'r'}"]
+        assert main([*argv, f"--distributed.calibration={bad}"]) == 2
+        assert "'distributed.calibration'" in capsys.readouterr().err
+        assert not (tmp_path / "r").exists()
+
+
 def test_a_dataset_that_fills_the_disk_names_where_and_leaves_nothing(tmp_path, monkeypatch):
     """A preprocess whose first pass fills the disk said only "No space left on device"
     (a write's error names no file): it names the disk and the dataset now, and leaves

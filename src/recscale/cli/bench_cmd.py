@@ -57,14 +57,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 # Local ranks `bench pipeline` / `calibrate` start as processes on this machine: more
 # than this is a typo, not a benchmark (each rank is a full process with its model).
 MAX_LOCAL_RANKS = 64
+# Steps a benchmark times or warms up with: a billion steps of the smallest model is
+# months of one core, so more is a typo (it ran, silent, until killed).
+MAX_BENCH_STEPS = 10**9
 
 
 def check_args(args: argparse.Namespace) -> None:
     """One-line errors naming the flag for counts no benchmark can run with."""
-    if args.steps < 1:
-        raise ConfigError("--steps", f"timed steps must be >= 1, got {args.steps}")
-    if args.warmup < 0:
-        raise ConfigError("--warmup", f"must be >= 0, got {args.warmup}")
+    if not 1 <= args.steps <= MAX_BENCH_STEPS:
+        raise ConfigError("--steps", f"timed steps in [1, {MAX_BENCH_STEPS:,}], got {args.steps:,}")
+    if not 0 <= args.warmup <= MAX_BENCH_STEPS:
+        raise ConfigError("--warmup", f"in [0, {MAX_BENCH_STEPS:,}], got {args.warmup:,}")
     if args.world_size is not None and not 1 <= args.world_size <= MAX_LOCAL_RANKS:
         raise ConfigError(
             "--world-size", f"local ranks in [1, {MAX_LOCAL_RANKS}], got {args.world_size}"

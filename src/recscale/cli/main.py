@@ -17,7 +17,7 @@ from recscale.cli import (
     signals,
     train_cmd,
 )
-from recscale.cli.output import print_error
+from recscale.cli.output import escaped_output, print_error
 from recscale.config.errors import ConfigError
 from recscale.locks import LockedError
 
@@ -86,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    with escaped_output():  # no path or value printed can rewrite the terminal
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

@@ -1,14 +1,23 @@
-"""How the commands print what went wrong: one ``recscale: error: ...`` line (a bad-line
-report may add lines of its own) with every control character of what the user or a
-file put in it - a path, a value - shown escaped. A path holding ESC sequences would
-otherwise rewrite the terminal it is printed to (colours, the title, the screen)."""
+"""How the commands print: what went wrong as one ``recscale: error: ...`` line (a
+bad-line report may add lines of its own), and everything a command prints - errors,
+progress, the paths it wrote - with every control character of what the user or a file
+put in it (a path, a value) shown escaped. A path holding ESC sequences would otherwise
+rewrite the terminal it is printed to (colours, the title, the screen)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 # C0 controls but the line feed (reports span lines), DEL and the C1 controls
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x0A}
+
+
+# What a command's own output may carry: line feeds, and the carriage return that
+# redraws the progress bar in place (tqdm); JSON output escapes its controls itself.
+_CONTROL_BUT_CR = {c: r for c, r in _CONTROL.items() if c != 0x0D}
 
 
 def printable(text: str) -> str:
@@ -19,3 +28,35 @@ def printable(text: str) -> str:
 def print_error(message: object) -> None:
     """``recscale: error: MESSAGE`` on standard error, control characters escaped."""
     print(f"recscale: error: {printable(str(message))}", file=sys.stderr)
+
+
+class EscapingStream:
+    """A text stream that writes through to ``raw`` with control characters (but line
+    feeds and carriage returns) escaped; everything else (``isatty``, ``fileno``,
+    ``encoding``, ``flush``) is the raw stream's."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        self.raw.write(text.translate(_CONTROL_BUT_CR))
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+@contextlib.contextmanager
+def escaped_output() -> Iterator[None]:
+    """Standard output and error as ``EscapingStream``s for the block (a command's run),
+    then as they were."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = EscapingStream(sys.stdout), EscapingStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved

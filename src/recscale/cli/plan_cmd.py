@@ -90,6 +90,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 # The largest world size planned: beyond it the planner's per-rank work takes minutes
 # (65,536 ranks: ~11 s on a 2-core VM), and no training job runs on more.
 MAX_WORLD_SIZE = 65536
+# Bounds of the other numbers a plan takes: beyond them the arithmetic overflows (1e308 GB
+# is no integer number of bytes) or a rate of 5e-324 GB/s divides into infinity; a
+# petabyte a rank, a petabyte a second and 1e18 samples are past any machine or job.
+MAX_GB = 1e6
+MAX_GBPS = 1e6
+MIN_RATE = 1e-6
+MAX_TRAIN_SAMPLES = 1e18
 
 
 def check_args(args: argparse.Namespace, batch_size: int) -> None:
@@ -103,19 +110,23 @@ def check_args(args: argparse.Namespace, batch_size: int) -> None:
         raise ConfigError(
             "--world-size", f"{w:,} ranks cannot split a global batch of {batch_size:,} samples"
         )
-    for flag, value, zero_ok in (
-        ("--memory-per-rank", args.memory_per_rank, False),
-        ("--all-to-all-gbps", args.all_to_all_gbps, False),
-        ("--gather-gbps", args.gather_gbps, False),
-        ("--ssd-per-rank", args.ssd_per_rank, True),
-        ("--ssd-gbps", args.ssd_gbps, False),
-        ("--host-per-rank", args.host_per_rank, True),
-        ("--train-samples", args.train_samples, False),
+    for flag, value, zero_ok, top in (
+        ("--memory-per-rank", args.memory_per_rank, False, MAX_GB),
+        ("--all-to-all-gbps", args.all_to_all_gbps, False, MAX_GBPS),
+        ("--gather-gbps", args.gather_gbps, False, MAX_GBPS),
+        ("--ssd-per-rank", args.ssd_per_rank, True, MAX_GB),
+        ("--ssd-gbps", args.ssd_gbps, False, MAX_GBPS),
+        ("--host-per-rank", args.host_per_rank, True, MAX_GB),
+        ("--train-samples", args.train_samples, False, MAX_TRAIN_SAMPLES),
     ):
         if value is None:
             continue
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-            raise ConfigError(flag, f"a number {'>= 0' if zero_ok else '> 0'}, got {value:g}")
+        floor = 1.0 if flag == "--train-samples" else MIN_RATE if flag.endswith("gbps") else 0.0
+        if not math.isfinite(value) or not floor <= value <= top or (value == 0 and not zero_ok):
+            want = f"in [{floor if floor or zero_ok else 0:g}, {top:g}]"
+            raise ConfigError(
+                flag, f"a number {want if floor or zero_ok else f'> 0, <= {top:g}'}, got {value:g}"
+            )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -131,7 +142,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if note:
             print(f"recscale: {note}", file=sys.stderr)
     check_args(args, cfg.train.batch_size)
-    if args.device and args.device != THIS:
+    if args.device is not None and args.device != THIS:
         return _forecast(cfg, args)
     from recscale.planner.from_config import table_infos  # imports torch: not for --help
 

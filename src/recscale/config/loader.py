@@ -200,13 +200,23 @@ def _steps_or_epochs(cfg: Config, layer: list[tuple[str, Any]], where: str) -> N
         cfg.train.epochs = 0.0  # a layer's epochs of 0 or less stays, for validate to judge
 
 
+# Written escaped in a TOML basic string: the backslash, the quote, and the controls TOML
+# forbids raw (U+0000-U+001F, U+007F) - a path holding one wrote a config.toml that
+# `eval` and `--resume` could not read back.
+_TOML_STRING_ESCAPES = {
+    **{c: f"\\u{c:04x}" for c in (*range(0x20), 0x7F)},
+    ord("\\"): "\\\\",
+    ord('"'): '\\"',
+}
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a basic string: TOML forbids its control characters raw
+        return '"' + v.translate(_TOML_STRING_ESCAPES) + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v)} to TOML")

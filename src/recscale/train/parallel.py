@@ -60,6 +60,8 @@ def build(
     w = ctx.world_size
     check_batch_divides(cfg, w)
     e, d = cfg.embedding, cfg.distributed
+    if d.calibration not in ("auto", "none") and (w == 1 or d.plan or d.sharding != "auto"):
+        calibrated_laws(cfg)  # a file this plan does not use is still read: a typo fails now
     if w == 1 and not d.plan and d.sharding == "auto":
         plan = one_rank_plan([f"C{i + 1}" for i in range(len(cfg.model.table_sizes))])
     else:
