@@ -47,6 +47,14 @@ def test_strings_with_control_characters_round_trip(tmp_path):
     assert cfg.embedding.ssd_dir == f"/tmp/{odd}"
 
 
+def test_a_string_of_bytes_that_are_not_utf8_names_the_key():
+    """A path of Latin-1 bytes arrives from argv as lone surrogates, which config.toml
+    (UTF-8) cannot hold: the run trained, then failed writing it with a traceback."""
+    with pytest.raises(ConfigError, match="not UTF-8") as e:
+        load_config("debug", ["--embedding.ssd_dir=/tmp/caf\udce9"])
+    assert e.value.key == "embedding.ssd_dir"
+
+
 def test_override_types():
     cfg = load_config(
         None,

@@ -360,15 +360,17 @@ def test_control_characters_in_what_a_command_prints_are_shown_escaped(tmp_path,
     """Only errors were escaped: a run directory named ``a<ESC>]0;...<BEL>b`` set the
     terminal's title from ``wrote .../metrics.json``, from eval's result line and from
     synth-tsv's. Everything the commands print goes through the escaping stream; JSON
-    output stays JSON, and the progress bar keeps its carriage returns."""
-    run = tmp_path / "a\x1b]0;title\x07b\x9bc"
+    output stays JSON, and the progress bar keeps its carriage returns. A path's bytes
+    that are not UTF-8 (lone surrogates) are written as ``\\xNN`` too: a strict UTF-8
+    stream raised on them mid-command."""
+    run = tmp_path / "a\x1b]0;title\x07b\x9bc\udc9bd"  # \udc9b: the byte 0x9b of a path
     base = ["--config", "debug", "--train.steps=2", "--train.progress=true"]
     assert main(["train", *base, f"--run-dir={run}"]) == 0
     assert main(["eval", "--model", str(run)]) == 0
     assert main(["data", "synth-tsv", "--lines", "5", "--out", str(run / "x.tsv")]) == 0
     out, err = capsys.readouterr()
-    assert f"{tmp_path}/a\\x1b]0;title\\x07b\\x9bc/metrics.json" in out, out
-    assert not any(c in out + err for c in "\x1b\x07\x9b"), repr(out + err)
+    assert f"{tmp_path}/a\\x1b]0;title\\x07b\\x9bc\\x9bd/metrics.json" in out, out
+    assert not any(c in out + err for c in "\x1b\x07\x9b\udc9b"), repr(out + err)
     assert "\r" in err  # tqdm redraws its line
     assert main(["eval", "--model", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["count"] > 0

@@ -11,8 +11,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-# C0 controls but the line feed (reports span lines), DEL and the C1 controls
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x0A}
+# C0 controls but the line feed (reports span lines), DEL and the C1 controls; and the
+# lone surrogates that stand for a path's bytes that are not UTF-8 (``\udc9b`` is the
+# byte 0x9b, a terminal's CSI): written as the byte they stand for, ``\x9b`` - a strict
+# UTF-8 stream (any locale but C) cannot encode them and raised mid-command.
+_CONTROL = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x0A},
+    **{c: f"\\x{c - 0xDC00:02x}" for c in range(0xDC80, 0xDD00)},
+}
 
 
 # What a command's own output may carry: line feeds, and the carriage return that

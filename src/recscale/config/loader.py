@@ -109,6 +109,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(key, f"expected a number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):
+            try:  # a path of bytes that are not UTF-8 arrives as lone surrogates (argv)
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(
+                    key,
+                    f"{value!r} holds bytes that are not UTF-8, which the run's config.toml "
+                    "cannot record: rename it, or reach it through a link of a UTF-8 name",
+                ) from None
             return value
         raise ConfigError(key, f"expected a string, got {value!r}")
     raise TypeError(f"unsupported config annotation {annotation}")
