@@ -325,19 +325,28 @@ def test_a_checkpoint_that_hits_a_full_disk_leaves_no_temporary_directory(tmp_pa
     assert "the newest good one, step_00000020, is kept" in msg, msg
 
 
-@pytest.mark.parametrize("damage", ["missing_column", "string_labels"])
+def _criteo_parquet_columns(pa, labels=(0, 1)):
+    cols = {"label": pa.array(list(labels))}
+    cols |= {f"I{k}": pa.array([1] * len(labels)) for k in range(1, 14)}
+    cols |= {f"C{k}": pa.array(["0a"] * len(labels)) for k in range(1, 27)}
+    return cols
+
+
+@pytest.mark.parametrize("damage", ["missing_column", "string_labels", "column_twice"])
 def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage):
+    """A column twice (``C7`` and ``C7``) was pyarrow's KeyError traceback."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    cols = {"label": pa.array([0, 1], pa.int8())}
-    cols |= {f"I{k}": pa.array([1, 2]) for k in range(1, 14)}
-    cols |= {f"C{k}": pa.array(["0a", "1b"]) for k in range(1, 27)}
+    cols = _criteo_parquet_columns(pa)
     if damage == "missing_column":
         del cols["C7"]
-    else:
+    elif damage == "string_labels":
         cols["label"] = pa.array(["yes", "no"])
     src = tmp_path / "in.parquet"
-    pq.write_table(pa.table(cols), src)
+    table = pa.table(cols)
+    if damage == "column_twice":
+        table = table.append_column("C7", pa.array(["0b", "1c"]))
+    pq.write_table(table, src)
     r = run_cli(
         "data",
         "preprocess",
@@ -351,9 +360,27 @@ def test_damaged_parquet_is_one_line_naming_the_file_and_column(tmp_path, damage
         "none",
     )
     line = error_line(r.stderr)
-    assert r.returncode == 1 and str(src) in line
-    assert ("'C7'" if damage == "missing_column" else "'label'") in line
+    assert r.returncode == 1 and str(src) in line, r.stderr
+    assert ("'label'" if damage == "string_labels" else "'C7'") in line
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+
+
+def test_parquet_labels_that_are_not_0_or_1_are_counted_bad(tmp_path):
+    """A label of 0.5 (a probability, a soft label) was truncated to 0 and trained on."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table(_criteo_parquet_columns(pa, [0.0, 1.0, 0.5, 0.99, -0.0, 1.0])), src)
+    out = tmp_path / "ds"
+    r = run_cli(
+        "data", "preprocess", "--format", "parquet", "--input", str(src), "--out", str(out),
+        "--split", "none", "--max-bad-fraction", "0.5",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["bad_lines"]["counts"] == {"bad label": 2}
+    assert meta["bad_lines"]["examples"]["bad label"] == [f"{src}:3", f"{src}:4"]
+    assert meta["splits"]["train"]["rows"] == 4
 
 
 @pytest.mark.parametrize("damage", ["lengths", "offsets"])

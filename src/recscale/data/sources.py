@@ -223,20 +223,43 @@ def parquet_dense(rb, path: Path) -> np.ndarray:
     return dense
 
 
-def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]:
+CRITEO_COLUMNS = (
+    "label",
+    *(f"I{k + 1}" for k in range(NUM_DENSE)),
+    *(f"C{k + 1}" for k in range(NUM_CAT)),
+)
+
+
+def parquet_schema(path: Path):
+    """``path``'s Arrow schema; a file Parquet cannot read, or one naming a Criteo
+    column twice (which of the two is the feature?), is a ValueError naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    twice = [c for c in CRITEO_COLUMNS if schema.names.count(c) > 1]
+    if twice:
+        raise ValueError(
+            f"{path}: column {twice[0]!r} appears {schema.names.count(twice[0])} times; "
+            "each Criteo column must appear once"
+        )
+    return schema
+
+
+def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = parquet_schema(path).names
+    try:
         pf = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as e:
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
-    need = [
-        "label",
-        *(f"I{k + 1}" for k in range(NUM_DENSE)),
-        *(f"C{k + 1}" for k in range(NUM_CAT)),
-    ]
-    missing = [c for c in need if c not in pf.schema_arrow.names]
+    need = list(CRITEO_COLUMNS)
+    missing = [c for c in need if c not in names]
     if missing:
         raise ValueError(
             f"{path}: no column {missing[0]!r}"
@@ -254,8 +277,9 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
             raise ValueError(
                 f"{path}: column 'label' is {rb.column('label').type}, not 0/1"
             ) from None
-        label = np.where(np.isnan(label), -1, label).astype(np.int64)
-        status[(label != 0) & (label != 1)] = 2
+        # 0 or 1 exactly: 0.5 (a probability, a soft label) was truncated to 0 and kept
+        status[~np.isin(label, (0.0, 1.0))] = 2
+        label = np.where(status == 2, 0, label).astype(np.int64)
         dense = parquet_dense(rb, path)
         cats = np.zeros((n, NUM_CAT), np.uint32)
         miss_bits = np.zeros(n, np.uint32)

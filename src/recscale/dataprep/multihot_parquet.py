@@ -24,7 +24,7 @@ import numpy as np
 from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
 from recscale.data.dataset import segment_gather
 from recscale.data.multihot import open_split
-from recscale.data.sources import parquet_dense
+from recscale.data.sources import parquet_dense, parquet_schema
 from recscale.dataprep.common import (
     FORMAT_VERSION,
     HASH_CAP,
@@ -42,12 +42,8 @@ BAD_LABEL, BAD_ID = 2, 4  # criteo_parse.BAD_KINDS codes
 
 def is_multi_hot_parquet(path: Path) -> bool:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    try:
-        schema = pq.read_schema(path)
-    except (OSError, pa.ArrowException) as e:
-        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    schema = parquet_schema(path)
     return any(
         pa.types.is_list(schema.field(f"C{k + 1}").type)
         or pa.types.is_large_list(schema.field(f"C{k + 1}").type)
