@@ -233,6 +233,29 @@ def test_a_synthetic_eval_set_beyond_memory_is_refused_before_training(capsys):
     assert rc == 2 and "data.eval_samples" in line
 
 
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["train", "--config", "", "--train.steps=1"], "--config"),  # trained 'default'
+        (["train", "--config", "debug", "--run-dir", ""], "--run-dir"),  # wrote runs/<time>
+        (["plan", "--config", " "], "--config"),
+        (["bench", "calibrate", "--out", ""], "--out"),  # calibrated a minute, then default
+        (["plan", "--config", "debug", "--calibration", ""], "--calibration"),
+        (
+            ["plan", "--config", "debug", "--device", "h100-sxm", "--device-file", ""],
+            "--device-file",
+        ),
+    ],
+)
+def test_a_flag_given_an_empty_value_is_refused_not_read_as_left_out(
+    tmp_path, capsys, monkeypatch, argv, flag
+):
+    monkeypatch.chdir(tmp_path)
+    rc, line = _fails(capsys, *argv)
+    assert rc == 2 and f"'{flag}'" in line and "empty value" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_split_of_a_synthetic_run_is_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--config", "debug", "--train.steps=2", "--run-dir", str(run)]) == 0
@@ -241,7 +264,7 @@ def test_a_split_of_a_synthetic_run_is_one_line(tmp_path, capsys):
     assert rc == 2 and "'--split'" in line and "synthetic" in line
     for empty in ("", " "):  # scored the default split, as if the flag were not given
         rc, line = _fails(capsys, "eval", "--model", str(run), "--split", empty)
-        assert rc == 2 and "'--split'" in line and "empty" in line
+        assert rc == 2 and "'--split'" in line and "empty value" in line
 
 
 def test_bag_sizes_that_are_not_numbers_name_the_flag(tmp_path, capsys):

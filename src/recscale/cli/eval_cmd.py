@@ -43,10 +43,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.train.run import evaluate
     from recscale.train.step import resolve_device
 
-    if args.split is not None and not args.split.strip():
-        raise ConfigError(
-            "--split", "an empty name: name a split of the dataset, or leave the flag out"
-        )
     run_dir: Path = args.model
     has_checkpoints = (run_dir / "checkpoints").is_dir()
     if not (run_dir / "config.toml").exists() or not (

@@ -72,6 +72,16 @@ def _stdout_closed() -> bool:
     return closed
 
 
+def _refuse_empty_values(args: argparse.Namespace) -> None:
+    """A flag given an empty value (``--config ""``, ``--run-dir "$UNSET"``) is refused,
+    naming it: read as the flag left out, it trained the default preset, wrote to a
+    default place or scored the default split without a word."""
+    for dest, value in vars(args).items():
+        if isinstance(value, str) and not value.strip():
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(flag, "an empty value: give one, or leave the flag out")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="recscale",
@@ -97,6 +107,7 @@ def _main(argv: list[str]) -> int:
         parser.print_help()
         return 2
     try:
+        _refuse_empty_values(args)
         with signals.sigterm_as_interrupt():
             rc = COMMANDS[args.command].run(args, extra)
             sys.stdout.flush()  # a reader gone: the error comes here, to the clause below
