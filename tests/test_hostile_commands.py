@@ -375,3 +375,20 @@ def test_control_characters_in_what_a_command_prints_are_shown_escaped(tmp_path,
     assert main(["eval", "--model", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["count"] > 0
     assert sys.stdout is not None and not type(sys.stdout).__name__ == "EscapingStream"
+
+
+def test_a_loop_of_symbolic_links_is_one_line_naming_it(tmp_path, capsys):
+    """``a -> b -> a`` as the run directory or a preprocess input was pathlib's
+    ``RuntimeError: Symlink loop`` traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    loop = tmp_path / "a"
+    for argv in (
+        ["train", "--config", "debug", "--train.steps=1", f"--run-dir={loop}"],
+        ["train", "--config", "debug", "--train.steps=1", f"--run-dir={loop / 'sub'}"],
+        ["data", "preprocess", "--input", str(loop), "--out", str(tmp_path / "ds")],
+    ):
+        assert main(argv) == 1
+        line = error_line(capsys.readouterr().err)
+        assert line.startswith(f"recscale: error: {loop}") and "loop of symbolic links" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
