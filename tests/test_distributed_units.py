@@ -193,6 +193,32 @@ def test_a_malformed_launch_environment_names_the_variable(monkeypatch, env, nam
         launch_env()
 
 
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({}, "MASTER_ADDR is not set"),  # torch's ValueError traceback
+        ({"MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT=''"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}, "MASTER_PORT='abc'"),  # same
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),  # same
+    ],
+)
+def test_a_rendezvous_environment_that_cannot_work_is_one_line(
+    tmp_path, monkeypatch, capsys, env, named
+):
+    from recscale.cli.main import main
+
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run = tmp_path / "run"
+    assert main(["train", "--config", "debug", "--train.steps=1", f"--run-dir={run}"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("recscale: error: ") and named in line, line
+    assert not run.exists()
+
+
 def test_launch_env_reads_torchruns_variables(monkeypatch):
     from recscale.launch_env import launch_env
 

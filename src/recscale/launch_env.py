@@ -40,6 +40,24 @@ def launch_env() -> tuple[int, int, int]:
     return world, rank, local_rank
 
 
+def check_rendezvous_env(world: int) -> None:
+    """Where ``world`` > 1 ranks meet (torch's ``env://`` rendezvous): ``MASTER_ADDR``
+    set and ``MASTER_PORT`` a port - torch's own errors for these are tracebacks."""
+    if world <= 1:
+        return
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise JobLaunchError(
+            f"WORLD_SIZE={world} but MASTER_ADDR is not set: launch the ranks with "
+            "torchrun, or unset WORLD_SIZE to train in one process"
+        )
+    raw = os.environ.get("MASTER_PORT", "")
+    port = env_int("MASTER_PORT", -1, 1)
+    if not 1 <= port <= 65535:
+        raise JobLaunchError(
+            f"environment variable MASTER_PORT={raw!r}: a port in [1, 65535] (torchrun sets it)"
+        )
+
+
 def local_world_size() -> int:
     """How many ranks share this host (``LOCAL_WORLD_SIZE``, 1 when unset): they split its
     cores and its memory."""

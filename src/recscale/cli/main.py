@@ -128,13 +128,12 @@ def _main(argv: list[str]) -> int:
         where = f"{e.filename}: " if e.filename and str(e.filename) not in str(e.strerror) else ""
         print_error(f"{where}{e.strerror or e}")
         return 1
-    except RuntimeError as e:  # pathlib's resolve() on a loop of links (Python < 3.13)
-        loop = re.fullmatch(r"Symlink loop from '(.*)'", str(e), re.DOTALL)
-        if loop is None:
-            raise
-        print_error(f"{loop.group(1)}: a loop of symbolic links")
-        return 1
     except Exception as e:  # after OSError: these are not OS errors
+        # pathlib's resolve() on a loop of links raises this RuntimeError (Python < 3.13)
+        loop = re.fullmatch(r"Symlink loop from '(.*)'", str(e), re.DOTALL)
+        if loop is not None and type(e) is RuntimeError:
+            print_error(f"{loop.group(1)}: a loop of symbolic links")
+            return 1
         if not _is_user_error(e):
             raise
         print_error(e)

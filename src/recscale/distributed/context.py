@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recscale.launch_env import JobLaunchError, launch_env
+from recscale.launch_env import JobLaunchError, check_rendezvous_env, launch_env
 
 
 @dataclass
@@ -78,6 +78,7 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> DistCont
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        check_rendezvous_env(world)
         try:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         except dist.DistError as e:  # the store: ranks that never came, an unreachable master
