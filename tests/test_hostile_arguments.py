@@ -15,7 +15,11 @@ from helpers import error_line, make_dataset
 from recscale.cli.main import main
 from recscale.config import ConfigError, load_config
 from recscale.data.columns import DatasetError, read_metadata
-from recscale.train.parallel import batch_bytes_per_sample
+from recscale.train.parallel import (
+    QUEUED_BYTES_PER_ID,
+    STEP_BYTES_PER_ID,
+    batch_bytes_per_sample,
+)
 
 
 def _fails(capsys, *argv: str) -> tuple[int, str]:
@@ -100,6 +104,25 @@ def test_the_batch_estimate_grows_with_the_model_and_stays_low():
     debug, a, dcn = (load_config(n) for n in ("debug", "A", "criteo_multihot_dcnv2"))
     assert batch_bytes_per_sample(debug) < batch_bytes_per_sample(a) < batch_bytes_per_sample(dcn)
     assert a.train.batch_size * batch_bytes_per_sample(a) < 1e9
+
+
+def test_the_batch_estimate_counts_a_multi_hot_datasets_bags(tmp_path):
+    """A multi-hot dataset's ids were counted one a table (the synthetic data's mean),
+    so 65,535-id bags at batch 256 (33 GB) passed the memory check and the kernel
+    killed the run; the planner and the performance model priced one id a table too."""
+    from recscale.dataprep.multihot import to_multihot
+    from recscale.planner.from_config import ids_per_sample, table_infos
+
+    one_hot = make_dataset(tmp_path, 300, seed=1, hash_size=50)
+    bags = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+    to_multihot(one_hot, tmp_path / "mh", bags, echo=lambda _m: None)
+    cfgs = [load_config("debug", [f"--data.path={p}"]) for p in (one_hot, tmp_path / "mh")]
+    assert ids_per_sample(cfgs[0]) == [1.0] * 26
+    assert ids_per_sample(cfgs[1]) == [float(b) for b in bags]
+    assert [t.pooling for t in table_infos(cfgs[1])] == [float(b) for b in bags]
+    extra = batch_bytes_per_sample(cfgs[1]) - batch_bytes_per_sample(cfgs[0])
+    per_id = STEP_BYTES_PER_ID + QUEUED_BYTES_PER_ID * cfgs[1].data.prefetch_batches
+    assert extra == (sum(bags) - 26) * per_id and per_id >= 52
 
 
 @pytest.mark.parametrize(

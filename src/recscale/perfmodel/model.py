@@ -20,8 +20,9 @@ the slowest rank (the collectives make every rank wait for it)::
     overhead     the calibrated per-step constant (every stage above is first scaled by
                  the calibrated ``step_scale``)
 
-The ids per sample of a table are the synthetic data's: ``data.bag_sizes`` when set,
-else the mean pooling factor ((min + max ids per feature) / 2). Memory per rank: the plan's
+The ids per sample of a table are the data's (``planner.from_config.ids_per_sample``):
+a dataset's bag sizes (one for a one-hot dataset); synthetic data's ``data.bag_sizes``
+when set, else the mean pooling factor ((min + max ids per feature) / 2). Memory per rank: the plan's
 table bytes + the dense parameters with their gradients and Adam state + the activations
 kept for backward.
 """

@@ -72,10 +72,33 @@ def hit_curves(cfg: Config) -> list[tuple[tuple[float, float], ...]]:
     return curves
 
 
+def ids_per_sample(cfg: Config) -> list[float]:
+    """Each table's ids a sample: a dataset's own - a multi-hot dataset's ``bag_sizes``,
+    or its train split's ids a row spread over the tables (multi-hot Parquet records no
+    sizes), one for a one-hot dataset - else the synthetic data's ``data.bag_sizes``, or
+    the mean of ``min/max_ids_per_feature``."""
+    f = len(cfg.model.table_sizes)
+    if cfg.data.uses_dataset():
+        try:
+            meta = read_metadata(cfg.data.path)
+            if not meta.get("multi_hot"):
+                return [1.0] * f
+            bags = [float(b) for b in meta.get("bag_sizes") or []]
+            if len(bags) == f and all(b >= 0 for b in bags):
+                return bags
+            train = meta["splits"][cfg.data.train_split]
+            mean = float(train["ids"]) / max(float(train["rows"]), 1.0) / f
+            if mean >= 0 and mean == mean:
+                return [mean] * f
+        except (DatasetError, KeyError, TypeError, ValueError, AttributeError):
+            pass  # an unreadable dataset is named where it is opened
+    mean = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
+    return [float(k) for k in cfg.data.bag_sizes] or [mean] * f
+
+
 def table_infos(cfg: Config) -> list[TableInfo]:
     m = cfg.model
-    mean = (cfg.data.min_ids_per_feature + cfg.data.max_ids_per_feature) / 2
-    pooling = [float(k) for k in cfg.data.bag_sizes] or [mean] * len(m.table_sizes)
+    pooling = ids_per_sample(cfg)
     e = cfg.embedding
     comp = table_compressions(m.table_sizes, m.dims(), e)
     curves = hit_curves(cfg)

@@ -30,7 +30,7 @@ from recscale.models.dlrm import DLRM, build_model
 from recscale.modules.interaction_padding import PAD_MULTIPLE
 from recscale.perfmodel import calibrated_laws
 from recscale.planner import PlanError, ShardingPlan
-from recscale.planner.from_config import plan_for, table_infos, with_tiers
+from recscale.planner.from_config import ids_per_sample, plan_for, with_tiers
 from recscale.planner.job_plan import (
     available_memory,
     configured_tiers,
@@ -170,20 +170,32 @@ def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
         )
 
 
+# Host bytes an id of a batch takes at the step's peak, as measured (config debug over a
+# multi-hot dataset of 4,096 ids a bag - 27M ids a batch -, peak RSS against the batch
+# size and `data.prefetch_batches`, 2026-11-27): the loader's ids, their int64 copies and
+# bag indices, the lookup's sorted ids and permutation ...
+STEP_BYTES_PER_ID = 52
+# ... and an id of each batch waiting in the prefetch queue.
+QUEUED_BYTES_PER_ID = 6
+
+
 def batch_bytes_per_sample(cfg: Config) -> int:
-    """A low estimate of the host bytes one training sample takes at the step's peak:
-    its inputs (dense values drawn in float64 then kept in float32; each id and its bag
-    index in int64; the label) and, forward and back, the pooled embeddings and every
-    layer's output (the interaction's included) in float32."""
+    """An estimate of the host bytes one training sample takes at the step's peak (low:
+    the activations are counted once): its inputs (dense values drawn in float64 then
+    kept in float32; the label), its ids in the step and in the batches queued ahead
+    (``data.prefetch_batches``) and, forward and back, the pooled embeddings and every
+    layer's output (the interaction's included) in float32. A multi-hot dataset's ids
+    count at its bag sizes (counted as one a table, 65,535-id bags ran out of memory)."""
     m = cfg.model
-    ids = sum(t.pooling for t in table_infos(cfg))
+    ids = sum(ids_per_sample(cfg))
+    per_id = STEP_BYTES_PER_ID + QUEUED_BYTES_PER_ID * cfg.data.prefetch_batches
     f, dims = len(m.table_sizes), m.dims()
     if m.interaction == "dcnv2":
         inter = (sum(dims) + (m.bottom_mlp[-1] if m.bottom_mlp else 0)) * (m.dcn_layers + 1)
     else:
         inter = (f + 1) * f // 2
     widths = sum(m.bottom_mlp) + sum(m.top_mlp) + sum(dims) + inter
-    return int(m.num_dense_features * 12 + ids * 16 + 8 + widths * 4 * 2)
+    return int(m.num_dense_features * 12 + ids * per_id + 8 + widths * 4 * 2)
 
 
 def dense_parameter_counts(cfg: Config) -> dict[str, int]:
