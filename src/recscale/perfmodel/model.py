@@ -22,9 +22,9 @@ the slowest rank (the collectives make every rank wait for it)::
 
 The ids per sample of a table are the data's (``planner.from_config.ids_per_sample``):
 a dataset's bag sizes (one for a one-hot dataset); synthetic data's ``data.bag_sizes``
-when set, else the mean pooling factor ((min + max ids per feature) / 2). Memory per rank: the plan's
-table bytes + the dense parameters with their gradients and Adam state + the activations
-kept for backward.
+when set, else the mean pooling factor ((min + max ids per feature) / 2). Memory per
+rank: the plan's table bytes + the dense parameters with their gradients and Adam state
++ the activations kept for backward.
 """
 
 from __future__ import annotations
