@@ -1,7 +1,7 @@
 """The environment torchrun sets (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``), read and checked in one place. No torch: the embedding tier and
-the process set-up read the host's share of cores and memory from it before any process
-group exists."""
+``LOCAL_WORLD_SIZE``, and ``MASTER_ADDR`` / ``MASTER_PORT`` where the ranks meet), read
+and checked in one place. No torch: the embedding tier and the process set-up read the
+host's share of cores and memory from it before any process group exists."""
 
 from __future__ import annotations
 
