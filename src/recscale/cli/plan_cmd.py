@@ -94,6 +94,7 @@ MAX_WORLD_SIZE = 65536
 # is no integer number of bytes) or a rate of 5e-324 GB/s divides into infinity; a
 # petabyte a rank, a petabyte a second and 1e18 samples are past any machine or job.
 MAX_GB = 1e6
+ONE_BYTE_GB = 1e-9
 MAX_GBPS = 1e6
 MIN_RATE = 1e-6
 MAX_TRAIN_SAMPLES = 1e18
@@ -110,23 +111,17 @@ def check_args(args: argparse.Namespace, batch_size: int) -> None:
         raise ConfigError(
             "--world-size", f"{w:,} ranks cannot split a global batch of {batch_size:,} samples"
         )
-    for flag, value, zero_ok, top in (
-        ("--memory-per-rank", args.memory_per_rank, False, MAX_GB),
-        ("--all-to-all-gbps", args.all_to_all_gbps, False, MAX_GBPS),
-        ("--gather-gbps", args.gather_gbps, False, MAX_GBPS),
-        ("--ssd-per-rank", args.ssd_per_rank, True, MAX_GB),
-        ("--ssd-gbps", args.ssd_gbps, False, MAX_GBPS),
-        ("--host-per-rank", args.host_per_rank, True, MAX_GB),
-        ("--train-samples", args.train_samples, False, MAX_TRAIN_SAMPLES),
+    for flag, value, low, top in (
+        ("--memory-per-rank", args.memory_per_rank, ONE_BYTE_GB, MAX_GB),
+        ("--all-to-all-gbps", args.all_to_all_gbps, MIN_RATE, MAX_GBPS),
+        ("--gather-gbps", args.gather_gbps, MIN_RATE, MAX_GBPS),
+        ("--ssd-per-rank", args.ssd_per_rank, 0.0, MAX_GB),
+        ("--ssd-gbps", args.ssd_gbps, MIN_RATE, MAX_GBPS),
+        ("--host-per-rank", args.host_per_rank, 0.0, MAX_GB),
+        ("--train-samples", args.train_samples, 1.0, MAX_TRAIN_SAMPLES),
     ):
-        if value is None:
-            continue
-        floor = 1.0 if flag == "--train-samples" else MIN_RATE if flag.endswith("gbps") else 0.0
-        if not math.isfinite(value) or not floor <= value <= top or (value == 0 and not zero_ok):
-            want = f"in [{floor if floor or zero_ok else 0:g}, {top:g}]"
-            raise ConfigError(
-                flag, f"a number {want if floor or zero_ok else f'> 0, <= {top:g}'}, got {value:g}"
-            )
+        if value is not None and not (math.isfinite(value) and low <= value <= top):
+            raise ConfigError(flag, f"a number in [{low:g}, {top:g}], got {value:g}")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
