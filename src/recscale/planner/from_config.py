@@ -5,6 +5,7 @@ on it alone. What a job adds on its own device (its memory, tiers, kernels) is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -228,15 +229,13 @@ IN_FLIGHT_BATCHES = 4
 
 def batch_ids_per_table(cfg: Config) -> int:
     """At most how many ids of one table a (global) batch brings to the rank that holds
-    it: its samples times the largest bag (synthetic bags, or a multi-hot dataset's
-    ``bag_sizes``)."""
-    bags = list(cfg.data.bag_sizes) or [cfg.data.max_ids_per_feature]
+    it: its samples times the largest bag (a dataset's, as ``ids_per_sample`` reads them;
+    synthetic bags, or ``max_ids_per_feature``)."""
     if cfg.data.uses_dataset():
-        try:
-            bags = [int(b) for b in read_metadata(cfg.data.path).get("bag_sizes") or [1]]
-        except (DatasetError, TypeError, ValueError):
-            bags = [1]
-    return cfg.train.batch_size * max(max(bags, default=1), 1)
+        bags = ids_per_sample(cfg)
+    else:
+        bags = [float(b) for b in cfg.data.bag_sizes] or [float(cfg.data.max_ids_per_feature)]
+    return cfg.train.batch_size * max(math.ceil(max(bags, default=1.0)), 1)
 
 
 def in_flight_cache_bytes(cfg: Config) -> int:
