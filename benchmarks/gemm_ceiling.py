@@ -16,6 +16,11 @@ throughput``) and with the step.
 
     python benchmarks/gemm_ceiling.py --config A      # 2-core EPYC: 26.4 ms, 0.99 of 223 GFLOP/s
     # (the same VM without AVX-512: 34.65-36.66 ms, 0.93-0.985 of 170 GFLOP/s)
+    python benchmarks/gemm_ceiling.py --config B --precision bf16   # operands in bf16
+
+``--precision bf16`` times the products with bf16 operands (what ``train.precision=bf16``
+runs on a CPU with AVX512-BF16 or AMX; without them torch's bf16 GEMMs are a scalar
+loop): MKL's and oneDNN's, not our fp32 weight-gradient kernel.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ def best_seconds(fns, repeats: int) -> float:
     return min(hardware._best_seconds(fn, repeats, warmup=3) for fn in fns)
 
 
-def layer_times(batch: int, i: int, o: int, input_grad: bool, repeats: int):
+def layer_times(batch: int, i: int, o: int, input_grad: bool, repeats: int, dtype: torch.dtype):
     """(forward, input gradient or 0, weight gradient) seconds for one ``i -> o`` layer."""
-    x, w, g = torch.randn(batch, i), torch.randn(o, i), torch.randn(batch, o)
+    x, w, g = (torch.randn(*s).to(dtype) for s in ((batch, i), (o, i), (batch, o)))
     xt, wt, gt = x.t().contiguous(), w.t().contiguous(), g.t().contiguous()
     dnn = gemm.ONEDNN_LINEAR
 
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument(
         "--gflops",
         type=float,
@@ -92,14 +98,20 @@ def main() -> None:
         for name, widths in mlps
         for li, (i, o) in enumerate(zip(widths[:-1], widths[1:]))
     ]
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     best: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for name, li, i, o in layers:
-            times = layer_times(batch, i, o, not (name == "bottom" and li == 0), args.repeats)
+            times = layer_times(
+                batch, i, o, not (name == "bottom" and li == 0), args.repeats, dtype
+            )
             prev = best.get((name, li), [float("inf")] * 3)
             best[(name, li)] = [min(a, b) for a, b in zip(prev, times)]
     total = flops = best_rate = 0.0
-    print(f"{args.config}: batch {batch}, {torch.get_num_threads()} threads; ms (GFLOP/s)")
+    print(
+        f"{args.config}: batch {batch}, {args.precision}, {torch.get_num_threads()} threads; "
+        "ms (GFLOP/s)"
+    )
     for name, li, i, o in layers:
         tf, td, tw = best[(name, li)]
         f = 2.0 * batch * i * o
