@@ -74,8 +74,9 @@ POINTS = [
 ]
 # Each run's stage_ms (lookup, forward, backward, sparse, dense_opt) and median step ms a
 # point, in POINTS' order. Trees up to da3844c ran the interaction's Gram matrix over 27
-# unpadded rows through autograd (forecast as "recscale-unpadded"); f2be6a5 and ce18e55
-# pad it on a GPU ("recscale"), each run on another H200 box.
+# unpadded rows through autograd (forecast as "recscale-unpadded"); f2be6a5, ce18e55 and
+# ec9e6b3 pad it on a GPU ("recscale"), each run on another H200 box (ec9e6b3 on
+# 2026-11-27, the others on 2026-11-26).
 RUNS = {
     ("da3844c", "recscale-unpadded", ""): [
         ((0.559, 0.879, 1.542, 0.490, 0.150), 3.53),
@@ -95,7 +96,14 @@ RUNS = {
         ((0.924, 3.436, 5.691, 1.439, 0.049), 11.49),
         ((0.787, 1.447, 4.077, 1.233, 0.409), 8.14),
     ],
+    ("ec9e6b3", "recscale", " padded (ec9e6b3)"): [
+        ((0.826, 1.526, 2.117, 0.601, 0.260), 5.27),
+        ((0.771, 1.347, 2.354, 0.630, 0.248), 5.40),
+        ((1.083, 3.543, 5.685, 1.510, 0.089), 11.91),
+        ((0.747, 1.366, 4.004, 1.298, 0.382), 7.81),
+    ],
 }
+RUN_DATE = {"ec9e6b3": "2026-11-27"}  # the others: 2026-11-26
 STAGE_KEYS = ("lookup", "forward", "backward", "sparse", "dense_opt")
 MEASURED = [
     Measured(
@@ -106,7 +114,8 @@ MEASURED = [
         "tf32",
         dict(zip(STAGE_KEYS, stages)),
         step,
-        "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-26, "
+        "scripts/gpu_check.sh on one H200 (torch 2.11.0+cu130, Triton 3.6.0), "
+        f"{RUN_DATE.get(tree, '2026-11-26')}, "
         f"tree {tree}: recscale bench throughput --steps 50 --train.device=cuda {tail} "
         "--train.precision=tf32",
         system,
