@@ -195,3 +195,34 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
     single = train(cfg, None, echo=lambda _m: None)
     assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
     assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)
+
+
+def test_a_bad_config_is_reported_once_not_once_a_rank(tmp_path: Path):
+    out = subprocess.run(
+        TORCHRUN + _free_port_args() + ARGS + ["--train.bogus=1", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("recscale: error:")]
+    assert lines == [lines[0]] and "'train.bogus'" in lines[0], out.stderr[-3000:]
+
+
+def test_a_rank_prints_what_no_other_rank_on_its_host_said(tmp_path: Path, monkeypatch):
+    from recscale.cli.output import said_by_another_rank
+
+    attempt = tmp_path / "attempt_0"
+    (attempt / "1").mkdir(parents=True)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert not said_by_another_rank("x") and not said_by_another_rank("x")  # no torchrun
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "1" / "error.json"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not said_by_another_rank("x") and not said_by_another_rank("x")  # one rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not said_by_another_rank("bad key")  # the first to say it prints it
+    assert said_by_another_rank("bad key")  # the next rank does not
+    assert not said_by_another_rank("rank 1: its own device is missing")  # its own: printed
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "gone" / "0" / "e.json"))
+    assert not said_by_another_rank("bad key")  # no directory to claim it in: printed

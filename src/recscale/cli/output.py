@@ -2,11 +2,17 @@
 bad-line report may add lines of its own), and everything a command prints - errors,
 progress, the paths it wrote - with every control character of what the user or a file
 put in it (a path, a value) shown escaped. A path holding ESC sequences would otherwise
-rewrite the terminal it is printed to (colours, the title, the screen)."""
+rewrite the terminal it is printed to (colours, the title, the screen).
+
+Under torchrun every rank runs the same command, and a bad config fails each of them
+the same way: the error is printed by the first rank on a host to say it
+(:func:`said_by_another_rank`), not once per rank."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -32,8 +38,39 @@ def printable(text: str) -> str:
 
 
 def print_error(message: object) -> None:
-    """``recscale: error: MESSAGE`` on standard error, control characters escaped."""
-    print(f"recscale: error: {printable(str(message))}", file=sys.stderr)
+    """``recscale: error: MESSAGE`` on standard error, control characters escaped; nothing
+    where another rank of this torchrun job on this host printed the same."""
+    text = printable(str(message))
+    if not said_by_another_rank(text):
+        print(f"recscale: error: {text}", file=sys.stderr)
+
+
+def said_by_another_rank(text: str) -> bool:
+    """Whether another process of this torchrun job and attempt, on this host, has
+    reported ``text``; else this one claims it and returns False.
+
+    The claim is a file created exclusively in the directory torchrun keeps for the
+    attempt (the parent of each rank's ``TORCHELASTIC_ERROR_FILE`` directory, removed
+    with the job's), named by a hash of the text: no race between ranks that fail at
+    once, and a message that differs - a rank's own - is printed by that rank. Outside
+    torchrun, or where the directory cannot be written, always False."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not error_file or os.environ.get("LOCAL_WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return False
+    attempt_dir = os.path.dirname(os.path.dirname(error_file))
+    digest = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:32]
+    try:
+        fd = os.open(
+            os.path.join(attempt_dir, f"recscale-error-{digest}"),
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+            0o600,
+        )
+    except FileExistsError:
+        return True
+    except OSError:  # no such directory, read-only: print it
+        return False
+    os.close(fd)
+    return False
 
 
 class EscapingStream:
