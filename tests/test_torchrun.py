@@ -207,7 +207,7 @@ def test_a_bad_config_is_reported_once_not_once_a_rank(tmp_path: Path):
     )
     assert out.returncode != 0
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("recscale: error:")]
-    assert lines == [lines[0]] and "'train.bogus'" in lines[0], out.stderr[-3000:]
+    assert len(lines) == 1 and "'train.bogus'" in lines[0], out.stderr[-3000:]
 
 
 def test_a_rank_prints_what_no_other_rank_on_its_host_said(tmp_path: Path, monkeypatch):

@@ -49,11 +49,12 @@ def said_by_another_rank(text: str) -> bool:
     """Whether another process of this torchrun job and attempt, on this host, has
     reported ``text``; else this one claims it and returns False.
 
-    The claim is a file created exclusively in the directory torchrun keeps for the
-    attempt (the parent of each rank's ``TORCHELASTIC_ERROR_FILE`` directory, removed
-    with the job's), named by a hash of the text: no race between ranks that fail at
-    once, and a message that differs - a rank's own - is printed by that rank. Outside
-    torchrun, or where the directory cannot be written, always False."""
+    The claim is an empty file created exclusively in torchrun's own directory for the
+    attempt (the parent of each rank's ``TORCHELASTIC_ERROR_FILE`` directory, beside the
+    ranks' folders torchrun makes and leaves there), named by a hash of the text: no race
+    between ranks that fail at once, and a message that differs - a rank's own - is
+    printed by that rank. Outside torchrun, or where the directory cannot be written,
+    always False."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
     if not error_file or os.environ.get("LOCAL_WORLD_SIZE", "1").strip() in ("", "0", "1"):
         return False
