@@ -48,15 +48,20 @@ def _free_port_args():
     return [f"--master_port={free_port()}"]
 
 
-def test_two_ranks_train_like_one(tmp_path: Path):
-    run = tmp_path / "run"
-    out = subprocess.run(
-        TORCHRUN + _free_port_args() + ARGS + ["--train.steps=60", "--run-dir", str(run)],
+def _torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2`` on a free port with ``args``, its output captured."""
+    return subprocess.run(
+        TORCHRUN + _free_port_args() + args,
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=300,
+        timeout=timeout,
     )
+
+
+def test_two_ranks_train_like_one(tmp_path: Path):
+    run = tmp_path / "run"
+    out = _torchrun(ARGS + ["--train.steps=60", "--run-dir", str(run)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
     metrics = json.loads((run / "metrics.json").read_text())
@@ -143,13 +148,7 @@ def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path: Path):
         "--train.steps=60",
     ]
     run = tmp_path / "run"
-    out = subprocess.run(
-        TORCHRUN + _free_port_args() + ARGS + tier + ["--run-dir", str(run)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    out = _torchrun(ARGS + tier + ["--run-dir", str(run)])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["embedding_cache"]["lookups"] > 0
@@ -170,18 +169,10 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
     ranks and then at 1 - trains as one process does."""
     tiny = ["--model.table_sizes=" + ",".join(["1"] * 26), "--train.save_model=false"]
     run = tmp_path / "run"
-    first = TORCHRUN + _free_port_args() + ARGS + tiny
     more = ["--distributed.sharding=row_wise", "--checkpoint.every_steps=5"]
-    out = subprocess.run(
-        first + more + ["--train.steps=10", "--run-dir", str(run)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    out = _torchrun(ARGS + tiny + more + ["--train.steps=10", "--run-dir", str(run)])
     assert out.returncode == 0, out.stderr[-3000:]
-    again = TORCHRUN + _free_port_args() + ARGS[:3] + ["--resume", str(run), "--train.steps=15"]
-    out = subprocess.run(again, capture_output=True, text=True, env=_env(), timeout=300)
+    out = _torchrun(ARGS[:3] + ["--resume", str(run), "--train.steps=15"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stderr + out.stdout
     metrics = json.loads((run / "metrics.json").read_text())
@@ -198,13 +189,7 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
 
 
 def test_a_bad_config_is_reported_once_not_once_a_rank(tmp_path: Path):
-    out = subprocess.run(
-        TORCHRUN + _free_port_args() + ARGS + ["--train.bogus=1", "--run-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
+    out = _torchrun(ARGS + ["--train.bogus=1", "--run-dir", str(tmp_path)], timeout=120)
     assert out.returncode != 0
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("recscale: error:")]
     assert len(lines) == 1 and "'train.bogus'" in lines[0], out.stderr[-3000:]
