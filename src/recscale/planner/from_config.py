@@ -89,7 +89,7 @@ def ids_per_sample(cfg: Config) -> list[float]:
                 return bags
             train = meta["splits"][cfg.data.train_split]
             mean = float(train["ids"]) / max(float(train["rows"]), 1.0) / f
-            if mean >= 0 and mean == mean:
+            if math.isfinite(mean) and mean >= 0:
                 return [mean] * f
         except (DatasetError, KeyError, TypeError, ValueError, AttributeError):
             pass  # an unreadable dataset is named where it is opened
