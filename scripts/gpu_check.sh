@@ -10,9 +10,15 @@
 #
 #   bash scripts/gpu_check.sh                 # OUT=gpu_check/ gets the logs and JSON
 #   BUDGET_S=480 bash scripts/gpu_check.sh    # the tests stop so that all ends in 480 s
+#   RESUME=done.log BENCH=0 bash scripts/gpu_check.sh   # the tests an earlier run left
 #
 # Benchmarks come first: they are short and bounded (90 s each); the suite takes the
-# rest, on WORKERS processes (default 8) where pytest-xdist is installed.
+# rest, on WORKERS processes (default 8) where pytest-xdist is installed. The test files
+# that run device code go first and those that never touch a device (CLI argument
+# checks, hostile files, import layers, the forecast's arithmetic) last, so a budget that
+# cuts the suite short cuts those. RESUME names an earlier run's tests.log (copied into
+# the tree, so that it travels to the GPU machine): the tests it saw pass or skip are
+# deselected, the failed ones run again. BENCH=0 skips the benchmarks and profiles.
 # Exit code: the test suite's (the benchmarks report, they do not fail the check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +48,9 @@ bench() {  # name, then recscale bench throughput arguments
         || echo "   failed: see $OUT/bench-$name.log"
 }
 
+BENCH=${BENCH:-1}
+RESUME=${RESUME:-}
+if [ "$BENCH" != 0 ]; then
 echo "== bench throughput =="
 for cfg in A B; do
     bench "$cfg-2048-tf32" --config "$cfg" --train.batch_size=2048 --train.precision=tf32
@@ -69,6 +78,7 @@ echo "-- syncs A-16384-tf32"
 timeout 60 "$PY" benchmarks/gpu_syncs.py --steps 2 --preset A -- --train.precision=tf32 \
     >"$OUT/syncs-A.txt" 2>&1 || echo "   failed: see $OUT/syncs-A.txt"
 grep -A6 "^== A" "$OUT/syncs-A.txt" || true
+fi
 
 echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
 # addopts' -q would cancel -v: with -v each result prints as it happens, so a run the
@@ -76,12 +86,29 @@ echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="
 args=(-p no:cacheprovider -o addopts= -rfE)
 "$PY" -c "import xdist" 2>/dev/null && args+=(-n "$WORKERS" -v)
 "$PY" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=240)
+base=${#args[@]}
 left=0
 if [ "$BUDGET_S" -gt 0 ]; then
     left=$((BUDGET_S - ($(date +%s) - START) - 20))
     [ "$left" -lt 30 ] && left=30
 fi
-RECSCALE_TEST_DEVICE=cuda timeout "$left" "$PY" -m pytest "${args[@]}" 2>&1 | tee "$OUT/tests.log"
+# device code first, the files that never touch a device last (see the header)
+host_only=(test_hostile_arguments test_hostile_commands test_hostile_files
+    test_hostile_inputs test_import_layers test_forecast test_perfmodel test_config
+    test_native_header test_planner test_torchrun test_criteo_data)
+files=()
+for f in tests/test_*.py; do
+    [[ " ${host_only[*]} " == *" $(basename "$f" .py) "* ]] || files+=("$f")
+done
+for f in "${host_only[@]}"; do [ -f "tests/$f.py" ] && files+=("tests/$f.py"); done
+if [ -n "$RESUME" ]; then
+    [ -f "$RESUME" ] || { echo "gpu_check: RESUME=$RESUME: no such file" >&2; exit 2; }
+    while read -r id; do args+=(--deselect "$id"); done < <(
+        grep -oE "(PASSED|SKIPPED) tests/[^ ]+" "$RESUME" | awk '{print $2}' | sort -u)
+    echo "resuming: $(((${#args[@]} - base) / 2)) tests of $RESUME done before, deselected"
+fi
+RECSCALE_TEST_DEVICE=cuda timeout "$left" "$PY" -m pytest "${args[@]}" "${files[@]}" 2>&1 \
+    | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 "$PY" - "$OUT" "$tests_rc" <<'PYEOF'
