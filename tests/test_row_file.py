@@ -414,36 +414,6 @@ def test_pinned_warm_rows_outlive_any_scan(tmp_path):
         st.lookup(ids, torch.arange(ids.numel() + 1), None, for_update=True)
 
 
-def test_a_datasets_order_counts_its_first_samples(tmp_path):
-    from helpers import make_dataset
-
-    from recscale.train.data_source import adopt_dataset_shapes, sample_id_counts
-
-    ds = make_dataset(tmp_path, 3000, seed=2, hash_size=500)
-    cfg = load_config(
-        "debug",
-        [
-            f"--data.path={ds}",
-            "--data.eval_split=train",
-            "--embedding.order_sample_rows=2000",
-            "--train.batch_size=256",
-        ],
-    )
-    adopt_dataset_shapes(cfg)
-    ranks = popularity_ranks(cfg)
-    counted = sample_id_counts(cfg, 2000, [0, 5])
-    for f in (0, 5):
-        r = ranks(f)
-        n = cfg.model.table_sizes[f]
-        assert sorted(r.tolist()) == list(range(n))
-        ids, counts = counted[f]
-        # ranked by count (ties by id), then the ids never seen, by id
-        by_rank = np.argsort(r)
-        seen = ids[np.lexsort((ids, -counts))]
-        assert by_rank[: len(seen)].tolist() == seen.tolist()
-        assert by_rank[len(seen) :].tolist() == sorted(set(range(n)) - set(ids.tolist()))
-
-
 @pytest.mark.parametrize(
     "disk_bytes, bounded", [(0, False), (4096 * 10 // 2, False), (4096 * 50, True)]
 )

@@ -195,8 +195,8 @@ class EmbeddingConfig:
     # it from a cold row used once - the popularity order can); the rest of the cache is
     # LFU/LRU over whatever the batches bring. 0 = every warm row may be evicted.
     warm_pin_share: float = 0.8
-    # Where the data has no popularity profile (a dataset), the first this many training
-    # samples are counted to order the rows (seen ids by count, then the rest by id).
+    # A dataset without an id profile (id_counts.u32, written by preprocessing) has its
+    # first this many training samples counted to order the rows (ids by count, then id).
     order_sample_rows: int = 1_000_000
     # Slipstream (ssd/host tiers, with warm_start's pinned hot rows): skip for one
     # interval the update - and the write-back - of each hot row whose weights moved by

@@ -19,6 +19,7 @@ from recscale import locks
 from recscale.config.small_files import not_a_file
 from recscale.data.columns import ID_LIMIT, READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
+from recscale.data.id_profile import PROFILE_FILE
 from recscale.units import size_text
 
 FORMAT_VERSION = READ_FORMAT_VERSION  # what data/columns.py reads is what is written
@@ -168,7 +169,8 @@ def _dataset_strangers(path: Path) -> list[str] | None:
         meta["table_sizes"]
     except (OSError, ValueError, KeyError, TypeError):  # DatasetError is a ValueError
         return None
-    ours = {"metadata.json", "bad_lines.txt", *splits, *(f"{s}.parquet" for s in splits)}
+    ours = {"metadata.json", "bad_lines.txt", PROFILE_FILE, *splits}
+    ours |= {f"{s}.parquet" for s in splits}
     return sorted(c.name for c in path.iterdir() if c.name not in ours)
 
 
@@ -204,7 +206,7 @@ def check_output_dir(out: Path, inputs: list[Path]) -> None:
                 "replacing it would delete; move them, or name another directory"
             )
     tmp = o.with_name(o.name + ".tmp")
-    leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt"}
+    leftovers = {"raw", "metadata.json", *SPLITS, "bad_lines.txt", PROFILE_FILE}
     if tmp.exists() and not {c.name for c in tmp.iterdir()} <= leftovers:
         raise ValueError(f"{tmp} exists and is not a leftover of an earlier preprocess; move it")
 

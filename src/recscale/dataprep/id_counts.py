@@ -124,6 +124,22 @@ class IdCounts:
         _map(self.keys, self.ids, cats, missing, out)
         return out
 
+    def table_counts(
+        self, f: int, size: int, id_mode: str, missing: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Feature f's lookups by final id over what was counted: ``(ids, counts)``, the
+        ids that occur (ascending, int64) and how often - its values' counts added at the
+        ids they become (their vocab ids after :meth:`assign_vocab`, rare values at
+        ``RARE_ID``; or ``value mod size``) and ``missing`` at ``MISSING_ID``."""
+        slots, values, counts = self.feature(f)
+        ids = self.ids[slots].astype(np.int64) if id_mode == "vocab" else values % np.int64(size)
+        if missing:
+            ids = np.append(ids, MISSING_ID)
+            counts = np.append(counts, missing)
+        uniq, where = np.unique(ids, return_inverse=True)
+        # float64 sums of whole numbers below 2^53 are exact
+        return uniq, np.bincount(where, weights=counts).astype(np.int64)
+
     def summary(self, f: int) -> dict[str, float | int]:
         """How concentrated feature f's lookups are (for caches and the planner)."""
         _, _, counts = self.feature(f)

@@ -124,8 +124,9 @@ def _write(src, out, meta, bag_sizes, seed, layout, echo) -> dict[str, Any]:
         )
     total = sum(s["rows"] for s in splits.values())
     seconds = time.perf_counter() - start
+    # the one-hot ids' profile does not count the bags' ids: the tier counts samples
     new = {
-        **meta,
+        **{k: v for k, v in meta.items() if k != "id_profile"},
         "multi_hot": True,
         "multi_hot_layout": layout,
         "bag_sizes": bag_sizes,

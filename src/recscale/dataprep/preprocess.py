@@ -19,7 +19,8 @@ Two passes, bounded memory (chunks of text; blocks of rows):
    writes the multi-hot layout of ``multihot.py``: bags of ids with offsets per row)
 
    plus ``OUT/metadata.json`` (rows and CTR per split, table sizes, id-frequency
-   summaries, bad-line report). Everything is built under ``OUT.tmp`` and renamed
+   summaries, bad-line report) and ``OUT/id_counts.u32`` (each id's count over the
+   train split: data/id_profile.py). Everything is built under ``OUT.tmp`` and renamed
    into place at the end, so a failed run never leaves a half-written dataset.
 """
 
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
+from recscale.data.id_profile import write_id_profile
 from recscale.data.sources import Piece, parquet_pieces, tsv_pieces
 from recscale.dataprep.common import (
     BLOCK_ROWS,
@@ -181,10 +183,12 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
 
     ranges = split_ranges(opts, file_rows, raw.rows)
     counts = IdCounts(NUM_CAT)
+    missing_train = np.zeros(NUM_CAT, np.int64)  # a feature's missing values: id 0's count
+    bit = np.arange(NUM_CAT, dtype=np.uint32)
     for a, b in _blocks(ranges["train"]):
-        counts.add(
-            np.ascontiguousarray(cols["cats"][a:b]), np.ascontiguousarray(cols["missing"][a:b])
-        )
+        miss = np.ascontiguousarray(cols["missing"][a:b])
+        counts.add(np.ascontiguousarray(cols["cats"][a:b]), miss)
+        missing_train += ((miss[:, None] >> bit) & 1).sum(0, dtype=np.int64)
     if opts.id_mode == "vocab":
         table_sizes = counts.assign_vocab(opts.min_count)
     elif opts.hash_sizes:
@@ -200,7 +204,8 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
     sizes_u64 = np.array(table_sizes, np.uint64)
     # pass 2 writes each row once more (dense, ids, label; Parquet about as much again)
     per_row = (4 * NUM_DENSE + 4 * NUM_CAT + 1) * (2 if opts.parquet_out else 1)
-    check_free_space(out, raw.rows * per_row, f"preprocess ({raw.rows:,} rows)", echo)
+    need = raw.rows * per_row + 8 * counts.size  # + the id profile (at most)
+    check_free_space(out, need, f"preprocess ({raw.rows:,} rows)", echo)
 
     splits_meta: dict[str, Any] = {}
     for name, rng in ranges.items():
@@ -235,6 +240,16 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
             _write_parquet(d, tmp / f"{name}.parquet")
     del cols
     shutil.rmtree(tmp / "raw")
+    # each id's count over the train split: an ssd tier's file order (data/id_profile.py)
+    profile = write_id_profile(
+        tmp,
+        [
+            counts.table_counts(f, table_sizes[f], opts.id_mode, int(missing_train[f]))
+            for f in range(NUM_CAT)
+        ],
+        table_sizes,
+    )
+    profile["rows"] = splits_meta["train"]["rows"]
 
     seconds = time.perf_counter() - start
     meta = {
@@ -250,6 +265,7 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
         "split_rule": opts.split,
         "inputs": [str(p) for p in all_inputs],
         "id_frequency_train": {f"C{k + 1}": counts.summary(k) for k in range(NUM_CAT)},
+        "id_profile": profile,
         "bad_lines": {
             "lines": report.lines,
             "bad": report.bad,

@@ -13,6 +13,7 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.config.small_files import loads_json, read_small_text
 from recscale.data.columns import DatasetError, read_metadata
+from recscale.data.id_profile import CURVE_FRACTIONS
 from recscale.data.zipf_law import zipf_share
 from recscale.embedding.compression_shapes import table_compressions
 from recscale.embedding.sizing import (
@@ -37,24 +38,25 @@ from recscale.planner.plan import (
 from recscale.planner.types import KINDS
 from recscale.units import size_text
 
-# Where the hit curve is read: the share of rows a cache may hold.
-_CURVE_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
-
 
 def hit_curves(cfg: Config) -> list[tuple[tuple[float, float], ...]]:
     """Each table's hit curve ((fraction of rows, share of lookups), ...): synthetic
-    data's exact Zipf law; a dataset's id-frequency summary (``metadata.json``: the top
-    1% and 10% of its distinct ids, and all of them); () where neither says."""
+    data's exact Zipf law; a dataset's id profile's (each id's count over the train
+    split, read at ``CURVE_FRACTIONS`` by preprocessing: data/id_profile.py), or where
+    it has none its id-frequency summary (``metadata.json``: the top 1% and 10% of its
+    distinct ids, and all of them); () where none says."""
     m = cfg.model
     if not cfg.data.uses_dataset():
         a = cfg.data.zipf_alpha
-        return [
-            tuple((f, zipf_share(f * n, n, a)) for f in _CURVE_FRACTIONS) for n in m.table_sizes
-        ]
+        return [tuple((f, zipf_share(f * n, n, a)) for f in CURVE_FRACTIONS) for n in m.table_sizes]
     try:
-        freq = read_metadata(cfg.data.path).get("id_frequency_train") or {}
+        meta = read_metadata(cfg.data.path)
     except DatasetError:
-        freq = {}
+        meta = {}
+    profiled = _profile_curves(meta, len(m.table_sizes))
+    if profiled is not None:
+        return profiled
+    freq = meta.get("id_frequency_train") or {}
     curves = []
     for i, n in enumerate(m.table_sizes):
         s = freq.get(f"C{i + 1}") if isinstance(freq, dict) else None
@@ -71,6 +73,22 @@ def hit_curves(cfg: Config) -> list[tuple[tuple[float, float], ...]]:
         ok = all(0 < x <= 1 and 0 <= y <= 1 for x, y in points)
         curves.append(tuple(sorted(points)) if ok else ())
     return curves
+
+
+def _profile_curves(meta: dict, tables: int) -> list[tuple[tuple[float, float], ...]] | None:
+    """The id profile's hit curves from ``metadata.json``, or None where it has none
+    that reads as one curve a table of points in [0, 1], rising."""
+    try:
+        raw = meta["id_profile"]["hit_curves"]
+        curves = [tuple((float(x), float(y)) for x, y in c) for c in raw]
+    except (KeyError, TypeError, ValueError):
+        return None
+    ok = len(curves) == tables and all(
+        all(0 < x <= 1 and 0 <= y <= 1 for x, y in c)
+        and all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(c, c[1:]))
+        for c in curves
+    )
+    return curves if ok else None
 
 
 def ids_per_sample(cfg: Config) -> list[float]:

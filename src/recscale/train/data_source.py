@@ -10,6 +10,7 @@ import torch
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
+from recscale.data.columns import read_metadata
 from recscale.data.dataset import (
     BatchLoader,
     BinaryDataset,
@@ -17,6 +18,7 @@ from recscale.data.dataset import (
     LoaderPosition,
     SplitMissing,
 )
+from recscale.data.id_profile import read_id_profile
 from recscale.data.synthetic import SyntheticCriteo
 from recscale.planner.from_config import table_infos
 from recscale.planner.job_plan import available_memory
@@ -169,9 +171,10 @@ def check_eval_set_memory(cfg: Config) -> None:
 def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:
     """``rank_of_id(feature)``: each id's popularity rank in its table (0 = the most
     used), the order an ssd tier's file lays rows out in (``embedding.row_order``); None
-    for id order. Synthetic data knows its own popularity law; a dataset's first
-    ``embedding.order_sample_rows`` training samples are counted once, on first use (ids
-    seen, by count and then id; then the unseen ones by id)."""
+    for id order. Synthetic data knows its own popularity law; a dataset its id profile
+    (each id's count over the train split, written by preprocessing: data/id_profile.py),
+    or, where it has none, its first ``embedding.order_sample_rows`` training samples,
+    counted once on first use. Either way ids by count, then by id."""
     e = cfg.embedding
     if e.row_order == "id":
         return None
@@ -185,9 +188,12 @@ def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:
             source[:] = source or [make_synthetic(cfg)]
             return source[0].rank_of_id(feature)
         if not counted:
-            counted.update(
-                sample_id_counts(cfg, e.order_sample_rows, list(range(len(cfg.model.table_sizes))))
-            )
+            profile = read_id_profile(cfg.data.path, read_metadata(cfg.data.path))
+            tables = list(range(len(cfg.model.table_sizes)))
+            if profile is not None:
+                counted.update(enumerate(profile))
+            else:
+                counted.update(sample_id_counts(cfg, e.order_sample_rows, tables))
         ids, counts = counted[feature]
         n = cfg.model.table_sizes[feature]
         seen = ids[np.lexsort((ids, -counts))]
