@@ -69,6 +69,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
     from recscale.checkpoint.format import CheckpointError
+    from recscale.distributed.pipeline import InputStalled
     from recscale.embedding.cached_storage import CacheTooSmallError
     from recscale.launch_env import launch_env
     from recscale.modules.embedding_bag_collection import IdOutOfRangeError
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         CheckpointError,
         RunDirInUse,
         CacheTooSmallError,
+        InputStalled,
     ) as e:
         print_error(e)
         return 1

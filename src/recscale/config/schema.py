@@ -183,6 +183,9 @@ class EmbeddingConfig:
     # thread), inline (each lookup brings its misses), auto (inline where the tier is in
     # memory and the step's threads take every core; train/cache_prefetch.py).
     cache_prefetch: str = "auto"
+    # A batch whose rows have not come from the tier after this many seconds stops the
+    # run naming the file (a stalled or far too slow device; 0 = wait for ever).
+    io_stall_seconds: float = 600.0
     # ssd tier's file layout: frequency (each table's rows hottest first, from the data's
     # id popularity: a page read brings rows of like heat, and the page cache holds the
     # warm rows densely) or id. Checkpoints store rows by id either way.
@@ -276,6 +279,7 @@ class EmbeddingConfig:
         _choice("embedding.cache_prefetch", self.cache_prefetch, ("auto", "thread", "inline"))
         if not 1 <= int(self.io_depth) <= 256:
             raise ConfigError("embedding.io_depth", f"must be in [1, 256], got {self.io_depth}")
+        _positive("embedding.io_stall_seconds", self.io_stall_seconds, allow_zero=True)
         _choice("embedding.row_order", self.row_order, ROW_ORDERS)
         if not 0.0 <= float(self.slipstream_threshold) < 1.0:
             raise ConfigError(

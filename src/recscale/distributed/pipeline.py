@@ -32,6 +32,10 @@ _DONE = object()
 BACKGROUND_NICE = 10  # added to the pipeline thread's nice value (Linux threads only)
 
 
+class InputStalled(RuntimeError):
+    """No batch came from the pipeline's thread within its ``stall_seconds``."""
+
+
 def lower_thread_priority(by: int = BACKGROUND_NICE) -> bool:
     """Lower the calling thread's priority by ``by`` (Linux: a thread's own nice value;
     elsewhere ``setpriority`` would take the whole process, so nothing is done)."""
@@ -52,6 +56,10 @@ class EmbeddingPipeline:
     only once the consumer has taken batch t (a permit per consumed batch): ranks that
     stop after the same number of steps have run exactly the same collectives, and
     ``close()`` can join the thread without a rank waiting on a partner that stopped.
+
+    ``stall_seconds`` > 0: a batch that the thread has not handed over after that long
+    raises :class:`InputStalled` with ``stall_message`` (what it waits on: a tier's file on
+    a stalled device, or a peer rank that stopped) instead of waiting for ever.
     """
 
     def __init__(
@@ -60,8 +68,12 @@ class EmbeddingPipeline:
         ebc: ShardedEmbeddingBagCollection,
         device,
         ahead: int = 1,
+        stall_seconds: float = 0.0,
+        stall_message: str = "",
     ) -> None:
         self._batches, self._ebc, self._device = iter(batches), ebc, device
+        self._stall, self._stall_message = stall_seconds, stall_message
+        self.stalled = False  # InputStalled was raised: close() need not wait the thread out
         self._permits = threading.Semaphore(ahead)
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -96,7 +108,13 @@ class EmbeddingPipeline:
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._stall or None)
+            except queue.Empty:
+                self.stalled = True
+                raise InputStalled(
+                    f"no batch in {self._stall:g} s: {self._stall_message}".rstrip(": ")
+                ) from None
             if item is _DONE:
                 return
             if isinstance(item, BaseException):

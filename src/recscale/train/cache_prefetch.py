@@ -12,6 +12,7 @@ row the other still needs, whatever ids consecutive batches share.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -72,6 +73,22 @@ def prefetch_on_thread(ebc, cfg: EmbeddingConfig, threads: int, cores: int) -> t
     return False, (
         f"rows in memory and the step's {threads} threads take all {cores} cores: a "
         "background thread would stall the step's parallel regions"
+    )
+
+
+def stall_guard(ebc, cfg: EmbeddingConfig, world_size: int) -> tuple[float, str]:
+    """``(stall_seconds, stall_message)`` for the pipeline (``EmbeddingPipeline``): how long
+    the step waits for a batch whose rows a tier is bringing in (``embedding.io_stall_seconds``)
+    and what it waits on. Only where that is all it waits on - one process with a tier;
+    with several ranks the wait holds their input all-to-all too, whose peers may be busy
+    writing a checkpoint, and the process group's own timeout stands."""
+    if world_size > 1 or not ebc.tiered():
+        return 0.0, ""
+    files = [str(st.path) for st in cached_storages(ebc) if getattr(st, "path", None)]
+    what = ", ".join(files) or "host memory"
+    return min(float(cfg.io_stall_seconds), threading.TIMEOUT_MAX), (
+        f"its rows from {what} did not come (a stalled or far too slow device); the last "
+        "checkpoint is as it was (embedding.io_stall_seconds waits longer, 0 for ever)"
     )
 
 

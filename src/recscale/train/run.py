@@ -51,6 +51,7 @@ from recscale.train.cache_prefetch import (
     hit_rate_since,
     prefetch_depth,
     prefetch_on_thread,
+    stall_guard,
     warm_caches,
 )
 from recscale.train.config_agreement import settle_on_every_rank
@@ -308,7 +309,8 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
             where = "a background thread" if prefetch_ahead else "inline, in each lookup"
             job.echo(f"recscale: cache prefetch: {where} ({why})")
     if dist_ahead or prefetch_ahead:
-        stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device, prefetch_depth(ebc))
+        guard = stall_guard(ebc, cfg.embedding, ctx.world_size)
+        stream = pipeline = EmbeddingPipeline(stream, ebc, ctx.device, prefetch_depth(ebc), *guard)
     cached = bool(cached_storages(ebc))
     batches, wait_s, window_wait, cache_seen = iter(stream), 0.0, 0.0, (0, 0)
     step = saved_step = start_step
@@ -397,7 +399,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
         interrupted = True
     finally:
         if pipeline is not None:
-            pipeline.close(timeout=None if not interrupted else 5.0)
+            pipeline.close(timeout=5.0 if interrupted or pipeline.stalled else None)
         progress.close()
         if log_file is not None:
             log_file.close()
