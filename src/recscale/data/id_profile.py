@@ -69,9 +69,10 @@ def write_id_profile(
 def read_id_profile(
     root: str | Path, meta: dict[str, Any]
 ) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """Each table's ``(ids, counts)`` (int64), or None when the dataset has no profile;
-    raises :class:`DatasetError` naming the file when the metadata names one that is
-    missing, unreadable, or does not agree with the tables and the train split."""
+    """Each table's ``(ids, counts)`` (uint32 views of the file's memory map: a table is
+    read when it is used), or None when the dataset has no profile; raises
+    :class:`DatasetError` naming the file when the metadata names one that is missing,
+    unreadable, or does not agree with the tables and the train split."""
     entry = meta.get("id_profile")
     if entry is None:
         return None
@@ -106,15 +107,14 @@ def read_id_profile(
             f"{path}: {have:,} bytes where metadata.json's {sum(ks):,} ids need "
             f"{8 * sum(ks):,}: the profile of another dataset, or a damaged one"
         )
-    flat = np.fromfile(path, dtype=np.uint32)
+    flat = np.memmap(path, dtype=np.uint32, mode="r") if have else np.zeros(0, np.uint32)
     rows = entry.get("rows")
     tables, at = [], 0
     for t, (k, n) in enumerate(zip(ks, sizes)):
-        ids = flat[at : at + k].astype(np.int64)
-        counts = flat[at + k : at + 2 * k].astype(np.int64)
+        ids, counts = flat[at : at + k], flat[at + k : at + 2 * k]
         at += 2 * k
-        total = int(counts.sum())
-        if k and (ids[-1] >= n or (np.diff(ids) <= 0).any()):
+        total = int(counts.sum(dtype=np.uint64))
+        if k and (int(ids[-1]) >= n or (ids[1:] <= ids[:-1]).any()):
             raise DatasetError(
                 f"{path}: table {t}'s ids are not ascending ids of its {n:,} rows: the "
                 "profile of another dataset, or a damaged one"

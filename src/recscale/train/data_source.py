@@ -194,7 +194,7 @@ def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:
                 counted.update(enumerate(profile))
             else:
                 counted.update(sample_id_counts(cfg, e.order_sample_rows, tables))
-        ids, counts = counted[feature]
+        ids, counts = (np.asarray(a, dtype=np.int64) for a in counted[feature])
         n = cfg.model.table_sizes[feature]
         seen = ids[np.lexsort((ids, -counts))]
         unseen = np.setdiff1d(np.arange(n, dtype=np.int64), seen, assume_unique=True)
