@@ -420,7 +420,7 @@ def test_pinned_warm_rows_outlive_any_scan(tmp_path):
 def test_the_io_bound_needs_a_page_a_step_from_the_disk(monkeypatch, tmp_path, disk_bytes, bounded):
     """The printed I/O bound prices the pages the disk served a step at its probed rate;
     under a page a step (the page cache answered the rest) there is no bound to print."""
-    from recscale.bench import throughput
+    from recscale.bench import hardware, throughput
     from recscale.bench.disk import DiskCounters
     from recscale.embedding.cache_stats import CacheStats
 
@@ -451,5 +451,17 @@ def test_the_io_bound_needs_a_page_a_step_from_the_disk(monkeypatch, tmp_path, d
     if bounded:  # 5 pages a step at 8,000 reads/s: 1,600 steps/s of 2048 samples
         assert io["io_bound_samples_per_s"] == pytest.approx(2048 * 8000 / 5)
         assert probed == [(st.path, 32)] and "over the tier's 3.0 GB file (O_DIRECT)" in line
+        assert "best reading" not in line  # no record kept in tests: the run's is the best
+        # a host that once read such a file faster says so beside the run's own bound
+        record = tmp_path / "hardware.json"
+        record.write_text('{"disk/qd32/direct/file3GB": 12000.0}')
+        monkeypatch.setattr(
+            throughput, "best_on_record", lambda k, v: hardware.best_on_record(k, v, record)
+        )
+        io = throughput.tier_io(ebc, DiskCounters(disk_bytes, 0), steps=10, batch=2048, echo=print)
+        line = throughput.format_tier_io(io)
+        assert io["io_bound_samples_per_s"] == pytest.approx(2048 * 8000 / 5)
+        assert io["io_bound_best_samples_per_s"] == pytest.approx(2048 * 12000 / 5)
+        assert "best reading of such a file, 12,000/s: 4,915,200)" in line
     else:  # nothing to bound: the disk is not probed
         assert "io_bound_samples_per_s" not in io and "no I/O bound" in line and not probed
