@@ -174,3 +174,14 @@ def test_a_multi_hot_copy_drops_the_one_hot_profile_and_preprocess_replaces_its_
     src.write_text("\n".join(synthetic_lines(300, seed=5)) + "\n")
     opts = PreprocessOptions(inputs=[src], out=ds, hash_sizes=[300], split="none")
     assert preprocess(opts, echo=lambda s: None)["id_profile"]["rows"] == 300
+
+
+def test_data_info_prints_each_tables_hit_curve_on_one_line(tmp_path):
+    ds = make_dataset(tmp_path, 600, seed=4, hash_size=300)
+    r = run_cli("data", "info", str(ds))
+    assert r.returncode == 0, r.stderr
+    curves = json.loads(r.stdout)["id_profile"]["hit_curves"]
+    stored = read_metadata(ds)["id_profile"]["hit_curves"]
+    assert list(curves) == [f"C{i + 1}" for i in range(26)]
+    first = curves["C1"].split(", ")
+    assert len(first) == 10 and first[0] == f"0.1%: {stored[0][0][1]:.3f}"

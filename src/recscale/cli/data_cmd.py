@@ -168,5 +168,21 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from recscale.data.columns import read_metadata
 
     # checked as training opens it: a FIFO is refused, not read; damaged fields named
-    print(json_text(read_metadata(args.path), indent=2))
+    print(json_text(_readable(read_metadata(args.path)), indent=2))
     return 0
+
+
+def _readable(meta: dict) -> dict:
+    """The metadata as ``data info`` prints it: the id profile's hit curves (10 points a
+    table) one line a table - "rows share: lookups share" - instead of 40 lines."""
+    profile = meta.get("id_profile")
+    curves = profile.get("hit_curves") if isinstance(profile, dict) else None
+    if not isinstance(curves, list):
+        return meta
+    try:
+        lines = [", ".join(f"{x:.1%}: {y:.3f}" for x, y in c) for c in curves]
+    except (TypeError, ValueError):  # a hand-edited curve: printed as it is
+        return meta
+    names = meta.get("feature_names") or []
+    keys = names if len(names) == len(lines) else [f"table {i}" for i in range(len(lines))]
+    return {**meta, "id_profile": {**profile, "hit_curves": dict(zip(keys, lines))}}
