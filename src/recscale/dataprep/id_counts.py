@@ -73,6 +73,7 @@ class IdCounts:
         self.num_features = num_features
         self._alloc(capacity)
         self.size = 0
+        self.missing = np.zeros(num_features, np.int64)  # each feature's missing values
 
     def _alloc(self, capacity: int) -> None:
         self.keys = np.full(capacity, _EMPTY, np.int64)
@@ -91,9 +92,12 @@ class IdCounts:
         _rehash(*old, self.keys, self.counts, self.ids)
 
     def add(self, cats: np.ndarray, missing: np.ndarray) -> None:
-        """Count the present values of a block ``cats [rows, F] uint32`` / ``missing [rows]``."""
+        """Count the present values of a block ``cats [rows, F] uint32`` / ``missing [rows]``
+        (bit f: feature f missing), and each feature's missing ones."""
         self._reserve(cats.shape[0] * cats.shape[1])
         self.size = _count(self.keys, self.counts, cats, missing, self.size)
+        bit = np.arange(self.num_features, dtype=np.uint32)
+        self.missing += ((missing[:, None] >> bit) & 1).sum(0, dtype=np.int64)
 
     def feature(self, f: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(slots, raw values, counts) of feature f's distinct ids."""
@@ -124,18 +128,16 @@ class IdCounts:
         _map(self.keys, self.ids, cats, missing, out)
         return out
 
-    def table_counts(
-        self, f: int, size: int, id_mode: str, missing: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def table_counts(self, f: int, size: int, id_mode: str) -> tuple[np.ndarray, np.ndarray]:
         """Feature f's lookups by final id over what was counted: ``(ids, counts)``, the
         ids that occur (ascending, int64) and how often - its values' counts added at the
         ids they become (their vocab ids after :meth:`assign_vocab`, rare values at
-        ``RARE_ID``; or ``value mod size``) and ``missing`` at ``MISSING_ID``."""
+        ``RARE_ID``; or ``value mod size``) and its missing values at ``MISSING_ID``."""
         slots, values, counts = self.feature(f)
         ids = self.ids[slots].astype(np.int64) if id_mode == "vocab" else values % np.int64(size)
-        if missing:
+        if self.missing[f]:
             ids = np.append(ids, MISSING_ID)
-            counts = np.append(counts, missing)
+            counts = np.append(counts, self.missing[f])
         uniq, where = np.unique(ids, return_inverse=True)
         # float64 sums of whole numbers below 2^53 are exact
         return uniq, np.bincount(where, weights=counts).astype(np.int64)

@@ -183,12 +183,10 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
 
     ranges = split_ranges(opts, file_rows, raw.rows)
     counts = IdCounts(NUM_CAT)
-    missing_train = np.zeros(NUM_CAT, np.int64)  # a feature's missing values: id 0's count
-    bit = np.arange(NUM_CAT, dtype=np.uint32)
     for a, b in _blocks(ranges["train"]):
-        miss = np.ascontiguousarray(cols["missing"][a:b])
-        counts.add(np.ascontiguousarray(cols["cats"][a:b]), miss)
-        missing_train += ((miss[:, None] >> bit) & 1).sum(0, dtype=np.int64)
+        counts.add(
+            np.ascontiguousarray(cols["cats"][a:b]), np.ascontiguousarray(cols["missing"][a:b])
+        )
     if opts.id_mode == "vocab":
         table_sizes = counts.assign_vocab(opts.min_count)
     elif opts.hash_sizes:
@@ -241,14 +239,8 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
     del cols
     shutil.rmtree(tmp / "raw")
     # each id's count over the train split: an ssd tier's file order (data/id_profile.py)
-    profile = write_id_profile(
-        tmp,
-        [
-            counts.table_counts(f, table_sizes[f], opts.id_mode, int(missing_train[f]))
-            for f in range(NUM_CAT)
-        ],
-        table_sizes,
-    )
+    tables = [counts.table_counts(f, table_sizes[f], opts.id_mode) for f in range(NUM_CAT)]
+    profile = write_id_profile(tmp, tables, table_sizes)
     profile["rows"] = splits_meta["train"]["rows"]
 
     seconds = time.perf_counter() - start

@@ -70,9 +70,13 @@ def hit_curves(cfg: Config) -> list[tuple[tuple[float, float], ...]]:
             curves.append(())  # no summary, or a foreign one: the planner's default
             continue
         points.append((min(d, 1.0), 1.0))
-        ok = all(0 < x <= 1 and 0 <= y <= 1 for x, y in points)
-        curves.append(tuple(sorted(points)) if ok else ())
+        curves.append(tuple(sorted(points)) if _in_unit_square(points) else ())
     return curves
+
+
+def _in_unit_square(points) -> bool:
+    """Every (fraction of rows, share of lookups) of a curve in (0, 1] x [0, 1]."""
+    return all(0 < x <= 1 and 0 <= y <= 1 for x, y in points)
 
 
 def _profile_curves(meta: dict, tables: int) -> list[tuple[tuple[float, float], ...]] | None:
@@ -84,8 +88,7 @@ def _profile_curves(meta: dict, tables: int) -> list[tuple[tuple[float, float], 
     except (KeyError, TypeError, ValueError):
         return None
     ok = len(curves) == tables and all(
-        all(0 < x <= 1 and 0 <= y <= 1 for x, y in c)
-        and all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(c, c[1:]))
+        _in_unit_square(c) and all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(c, c[1:]))
         for c in curves
     )
     return curves if ok else None

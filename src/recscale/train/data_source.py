@@ -189,11 +189,10 @@ def popularity_ranks(cfg: Config) -> Callable[[int], np.ndarray] | None:
             return source[0].rank_of_id(feature)
         if not counted:
             profile = read_id_profile(cfg.data.path, read_metadata(cfg.data.path))
-            tables = list(range(len(cfg.model.table_sizes)))
-            if profile is not None:
-                counted.update(enumerate(profile))
-            else:
-                counted.update(sample_id_counts(cfg, e.order_sample_rows, tables))
+            if profile is None:
+                tables = list(range(len(cfg.model.table_sizes)))
+                profile = sample_id_counts(cfg, e.order_sample_rows, tables).values()
+            counted.update(enumerate(profile))
         ids, counts = (np.asarray(a, dtype=np.int64) for a in counted[feature])
         n = cfg.model.table_sizes[feature]
         seen = ids[np.lexsort((ids, -counts))]
