@@ -234,6 +234,7 @@ def test_synth_tsv_of_no_lines_is_one_line(tmp_path, capsys, lines):
         ("feature_names", 5, "feature_names"),
         ("feature_names", ["C1"], "feature_names"),
         ("splits", {"train": {"rows": "many"}}, "splits.train.rows"),
+        ("splits", {"train": {"rows": 64, "ids": 2.5}}, "splits.train.ids"),
         ("splits", {"../other/train": {"rows": 1}}, "splits.../other/train"),  # outside
         ("splits", {"..": {"rows": 1}}, "not a plain name"),
     ],
@@ -247,6 +248,25 @@ def test_a_foreign_or_damaged_metadata_field_is_named(tmp_path, field, value, na
     with pytest.raises(DatasetError) as e:
         read_metadata(ds)
     assert named in str(e.value) and "metadata.json" in str(e.value)
+
+
+@pytest.mark.parametrize("drop", [("splits",), ("num_dense", "table_sizes"), None])
+def test_metadata_without_a_datasets_fields_is_named_not_a_key_error(tmp_path, capsys, drop):
+    """A metadata.json that parses but lacks what the reader needs (an empty object, a
+    hand-trimmed one) is one line naming the missing fields, from training and from
+    ``data info`` alike - not a KeyError from deep in the loader."""
+    ds = make_dataset(tmp_path, 64, seed=0, hash_size=50)
+    meta = json.loads((ds / "metadata.json").read_text())
+    meta = {} if drop is None else {k: v for k, v in meta.items() if k not in drop}
+    (ds / "metadata.json").write_text(json.dumps(meta))
+    missing = drop or ("num_dense", "num_sparse", "table_sizes", "splits")
+    for argv in (
+        ("data", "info", str(ds)),
+        ("train", "--config", "debug", f"--data.path={ds}", "--train.steps=1"),
+    ):
+        rc, line = _fails(capsys, *argv)
+        assert rc == 1 and "metadata.json" in line, line
+        assert f"no {', '.join(missing)}" in line, line
 
 
 def test_a_synthetic_eval_set_beyond_memory_is_refused_before_training(capsys):

@@ -208,12 +208,24 @@ def test_rule_layout_refuses_broken_metadata(tmp_path, onehot):
     for bad, match in (
         ({"bag_sizes": [2, 2]}, "without valid bag_sizes"),
         ({"multi_hot_layout": "packed"}, "unknown multi_hot_layout"),
+        ({"bag_sizes": [2.5] * F}, "without valid bag_sizes"),  # not silently int()-ed
+        ({"bag_sizes": [70_000] * F}, "without valid bag_sizes"),  # lengths are uint16
+        ({"multi_hot_seed": "abc"}, "multi_hot_seed is 'abc'"),
     ):
         (tmp_path / "mh/metadata.json").write_text(json.dumps({**meta, **bad}))
         with pytest.raises(DatasetError, match=match):
             BinaryDataset(tmp_path / "mh", "train")
     with pytest.raises(ValueError, match="--layout takes one of rule, ids"):
         to_multihot(onehot, tmp_path / "x", [2], layout="packed", echo=lambda _m: None)
+
+
+def test_ids_layout_refuses_a_split_without_its_id_count(tmp_path, onehot):
+    to_multihot(onehot, tmp_path / "mh", [2], seed=0, layout="ids", echo=lambda _m: None)
+    meta = json.loads((tmp_path / "mh/metadata.json").read_text())
+    del meta["splits"]["train"]["ids"]
+    (tmp_path / "mh/metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(DatasetError, match="multi-hot split 'train' without its ids count"):
+        BinaryDataset(tmp_path / "mh", "train")
 
 
 def test_expand_ids_stay_in_their_tables():

@@ -165,10 +165,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             print_error(e)
             return 1
         return 0
-    from recscale.data.columns import read_metadata
+    from recscale.data.columns import DATASET_FIELDS, read_metadata
 
     # checked as training opens it: a FIFO is refused, not read; damaged fields named
-    print(json_text(_readable(read_metadata(args.path)), indent=2))
+    print(json_text(_readable(read_metadata(args.path, DATASET_FIELDS)), indent=2))
     return 0
 
 

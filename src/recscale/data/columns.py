@@ -39,8 +39,14 @@ def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> N
     _CHECKED.add(key)
 
 
-def read_metadata(root: str | Path) -> dict[str, Any]:
-    """A dataset's ``metadata.json``; a directory without one is not a dataset."""
+# What a reader of the rows needs: a metadata.json without one of these is not a dataset
+# that ``recscale data`` wrote (the planner reads a partial one for its id frequencies).
+DATASET_FIELDS = ("num_dense", "num_sparse", "table_sizes", "splits")
+
+
+def read_metadata(root: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A dataset's ``metadata.json``; a directory without one is not a dataset. Each
+    field of ``required`` (e.g. :data:`DATASET_FIELDS`) must be there."""
     path = Path(root) / "metadata.json"
     if not path.exists():
         raise DatasetError(f"{root} is not a recscale dataset (no metadata.json)")
@@ -54,6 +60,12 @@ def read_metadata(root: str | Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise DatasetError(f"{path}: not a dataset's metadata (a JSON object)")
     check_metadata_fields(path, meta)
+    missing = [f for f in required if f not in meta]
+    if missing:
+        raise DatasetError(
+            f"{path}: no {', '.join(missing)} (not the metadata of a dataset that "
+            "`recscale data preprocess` wrote)"
+        )
     return meta
 
 
@@ -113,6 +125,9 @@ def check_metadata_fields(path: Path, meta: dict[str, Any]) -> None:
             rows = split.get("rows") if isinstance(split, dict) else None
             if not _whole(rows) or rows < 0:
                 raise bad(f"splits.{name}.rows", f"is {rows!r}, not a whole number >= 0")
+            ids = split.get("ids", 0)  # a multi-hot split's id count (data/multihot.py)
+            if not _whole(ids) or ids < 0:
+                raise bad(f"splits.{name}.ids", f"is {ids!r}, not a whole number >= 0")
 
 
 def map_column(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:

@@ -25,6 +25,7 @@ import torch
 
 from recscale.data.batch import Batch
 from recscale.data.columns import (
+    DATASET_FIELDS,
     DatasetError,
     _check_finite,
     check_bags,
@@ -45,7 +46,7 @@ class BinaryDataset:
     def __init__(self, root: str | Path, split: str) -> None:
         self.root = Path(root)
         meta_path = self.root / "metadata.json"
-        self.meta: dict[str, Any] = read_metadata(self.root)
+        self.meta: dict[str, Any] = read_metadata(self.root, DATASET_FIELDS)
         if split not in self.meta["splits"]:
             raise SplitMissing(
                 f"{self.root} has no split '{split}' (it has {', '.join(self.meta['splits'])})"
@@ -66,17 +67,18 @@ class BinaryDataset:
         if layout not in (None, "rule", "ids"):
             raise DatasetError(f"{meta_path}: unknown multi_hot_layout {layout!r}")
         if layout == "rule":
+            seed = self.meta.get("multi_hot_seed", 0)
+            if not isinstance(seed, int) or isinstance(seed, bool):
+                raise DatasetError(f"{meta_path}: multi_hot_seed is {seed!r}, not a whole number")
             try:
-                self.bag_rule = BagRule(
-                    self.table_sizes,
-                    list(self.meta["bag_sizes"]),
-                    int(self.meta.get("multi_hot_seed", 0)),
-                )
+                self.bag_rule = BagRule(self.table_sizes, list(self.meta["bag_sizes"]), seed)
             except (KeyError, TypeError, ValueError) as e:
                 raise DatasetError(
                     f"{meta_path}: a rule-layout multi-hot dataset without valid bag_sizes ({e})"
                 ) from None
         if layout == "ids":  # variable-length bags (data/multihot.py)
+            if "ids" not in self.meta["splits"][split]:
+                raise DatasetError(f"{meta_path}: multi-hot split '{split}' without its ids count")
             ids = int(self.meta["splits"][split]["ids"])
             m = open_split(d, self.rows, self.num_dense, self.num_sparse, ids)
             self.dense, self.labels, self.sparse = m["dense.f32"], m["labels.u8"], m["sparse.i32"]

@@ -185,8 +185,16 @@ class BagRule:
     ``multi_hot_seed``), and ``bags`` expands a block on one thread (``expand``'s ids)."""
 
     def __init__(self, table_sizes: list[int], bag_sizes: list[int], seed: int) -> None:
-        if len(bag_sizes) != len(table_sizes) or min(bag_sizes, default=1) < 1:
-            raise ValueError(f"bag sizes {bag_sizes} for {len(table_sizes)} tables")
+        whole = all(isinstance(b, int) and not isinstance(b, bool) for b in bag_sizes)
+        if (
+            len(bag_sizes) != len(table_sizes)
+            or not whole
+            or not all(1 <= b <= MAX_BAG for b in bag_sizes)
+        ):
+            raise ValueError(
+                f"bag sizes {bag_sizes} for {len(table_sizes)} tables (whole numbers in "
+                f"1..{MAX_BAG}, one a table)"
+            )
         self.sizes = np.array(table_sizes, np.int64)
         self.bag = np.array(bag_sizes, np.int64)
         self.salts = feature_salts(len(bag_sizes), seed)

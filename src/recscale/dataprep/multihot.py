@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from recscale.data.columns import DatasetError, read_metadata
+from recscale.data.columns import DATASET_FIELDS, DatasetError, read_metadata
 from recscale.data.dataset import BinaryDataset
 from recscale.data.multihot import BLOCK_ROWS, FILES, LAYOUTS, MAX_BAG, expand
 from recscale.dataprep.common import (
@@ -92,7 +92,7 @@ def to_multihot(
     at the speed the disk takes the bytes)."""
     if layout not in LAYOUTS:
         raise ValueError(f"--layout takes one of {', '.join(LAYOUTS)}, got {layout!r}")
-    meta = read_metadata(src)
+    meta = read_metadata(src, DATASET_FIELDS)
     if meta.get("multi_hot"):
         raise DatasetError(f"{src} is multi-hot already; give a one-hot dataset")
     f = int(meta["num_sparse"])
