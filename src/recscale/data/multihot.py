@@ -185,7 +185,7 @@ class BagRule:
     ``multi_hot_seed``), and ``bags`` expands a block on one thread (``expand``'s ids)."""
 
     def __init__(self, table_sizes: list[int], bag_sizes: list[int], seed: int) -> None:
-        whole = all(isinstance(b, int) and not isinstance(b, bool) for b in bag_sizes)
+        whole = all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in bag_sizes)
         if (
             len(bag_sizes) != len(table_sizes)
             or not whole
