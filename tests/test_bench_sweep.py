@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 
 import pytest
@@ -108,6 +109,29 @@ def test_bound_uses_the_best_reading_this_host_gave(tmp_path):
     path.write_text("{half a file")  # unreadable: the run's own reading, file rewritten
     assert best_on_record("gemm/cpu2/fp32/batch2048", 150.0, path) == 150.0
     assert json.loads(path.read_text()) == {"gemm/cpu2/fp32/batch2048": 150.0}
+    # hand-edited or foreign: not an object, or readings that are not positive finite
+    # numbers - each counts as no reading (was an AttributeError or a ValueError)
+    for damaged in (
+        "[1, 2]",
+        '"str"',
+        '{"gemm/cpu2/fp32/batch2048": "x"}',
+        '{"gemm/cpu2/fp32/batch2048": Infinity}',
+        '{"gemm/cpu2/fp32/batch2048": -5, "other": true}',
+    ):
+        path.write_text(damaged)
+        assert best_on_record("gemm/cpu2/fp32/batch2048", 150.0, path) == 150.0, damaged
+        assert json.loads(path.read_text())["gemm/cpu2/fp32/batch2048"] == 150.0
+    path.write_text('{"gemm/cpu2/fp32/batch2048": 170, "other": 3.5}')  # the rest kept
+    assert best_on_record("gemm/cpu2/fp32/batch2048", 150.0, path) == 170.0
+    assert best_on_record("disk/qd32", 10.0, path) == 10.0
+    assert json.loads(path.read_text()) == {
+        "gemm/cpu2/fp32/batch2048": 170.0,
+        "other": 3.5,
+        "disk/qd32": 10.0,
+    }
+    path.unlink()
+    os.mkfifo(path)  # would hang a plain read
+    assert best_on_record("gemm/cpu2/fp32/batch2048", 150.0, path) == 150.0
 
 
 def test_gemm_probe_is_at_least_as_fast_as_either_library():

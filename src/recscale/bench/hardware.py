@@ -13,8 +13,10 @@ read-modify-write of each row and its optimizer state.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,25 @@ def record_path() -> Path | None:
     return base / "recscale" / f"hardware-{platform.node() or 'host'}.json"
 
 
+def _read_record(path: Path) -> dict[str, float]:
+    """The readings kept at ``path``: a damaged or hand-edited file (not a JSON object, a
+    FIFO, a reading that is not a positive finite number) counts as none of them, so the
+    run's own probe stands and the next write replaces it."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would hang the read
+            return {}
+        record = loads_json(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+    }
+
+
 def best_on_record(key: str, measured: float, path: Path | None = None) -> float:
     """The higher of ``measured`` and the best reading this host ever gave for ``key``
     (which is then updated); ``measured`` alone when there is no record.
@@ -204,11 +225,8 @@ def best_on_record(key: str, measured: float, path: Path | None = None) -> float
     path = path if path is not None else record_path()
     if path is None:
         return measured
-    try:
-        record = loads_json(path.read_text())
-    except (OSError, ValueError):
-        record = {}
-    best = max(measured, float(record.get(key, 0.0)))
+    record = _read_record(path)
+    best = max(measured, record.get(key, 0.0))
     if best > record.get(key, 0.0):
         record[key] = best
         try:
