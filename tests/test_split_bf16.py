@@ -121,3 +121,69 @@ def test_the_native_split_update_is_the_fp32_update_bit_for_bit(make_opt):
             st.apply_pooled_gradients(rows, segments, bag_of_id, None, grad)
     every = torch.arange(n)
     assert torch.equal(split.read_rows(every), ref.read_rows(every))
+
+
+@pytest.mark.parametrize(
+    "tier, extra",
+    [
+        # a cold cache: misses read from the file, rows evicted and written back
+        ("ssd", ["--embedding.cache_prefetch=thread", "--embedding.warm_start=false"]),
+        ("ssd", ["--data.max_ids_per_feature=3", "--embedding.optimizer=adam"]),  # bags
+        ("host", []),
+    ],
+)
+def test_a_tier_trains_split_rows_as_memory_does(tmp_path, tier, extra):
+    """On the host/ssd tiers a split_bf16 table is kept as its exact fp32 row (the two
+    halves' bits) and pooled by its bf16 high halves: the run equals split_bf16 in
+    memory - loss, AUC, every row and state - not fp32's (the forward differs)."""
+    over = [
+        "--train.steps=60",
+        "--train.progress=false",
+        "--embedding.row_precision=split_bf16",
+        *extra,
+    ]
+    runs = {}
+    for name, more in (
+        ("memory", []),
+        (
+            tier,
+            [
+                f"--embedding.placement={tier}",
+                "--embedding.cache_bytes=300000",  # a fraction of the 7,485 rows
+                f"--embedding.ssd_dir={tmp_path / 'ssd'}",
+            ],
+        ),
+        ("fp32", ["--embedding.row_precision=fp32"]),
+    ):
+        run_dir = tmp_path / name
+        runs[name] = train(load_config("debug", over + more), run_dir, **QUIET)
+    mem, tiered, fp32 = runs["memory"], runs[tier], runs["fp32"]
+    assert tiered["auc"] == mem["auc"] and tiered["logloss"] == mem["logloss"]
+    assert fp32["logloss"] != mem["logloss"]  # the high halves are what the forward read
+    if "--embedding.warm_start=false" in extra:
+        assert 0 < tiered["embedding_cache"]["hit_rate"] < 1
+    # the final checkpoints hold the same exact fp32 rows and optimizer state
+    parts = {}
+    for n in ("memory", tier):
+        last = sorted((tmp_path / n / "checkpoints").glob("step_*"))[-1]
+        parts[n] = {f.name: f.read_bytes() for f in last.glob("parts/*/*.f32")}
+    assert parts["memory"] and parts["memory"] == parts[tier]
+
+
+def test_a_split_run_resumes_on_another_tier(tmp_path):
+    """Checkpoints store the exact fp32 value at any placement: a split_bf16 run saved in
+    memory resumes on the ssd tier and ends where the uninterrupted in-memory run does."""
+    base = ["--train.progress=false", "--embedding.row_precision=split_bf16"]
+    whole = train(load_config("debug", base + ["--train.steps=60"]), tmp_path / "whole", **QUIET)
+    cut = load_config("debug", base + ["--train.steps=30"])
+    train(cut, tmp_path / "cut", **QUIET)
+    ssd = [
+        "--train.steps=60",
+        "--embedding.placement=ssd",
+        "--embedding.cache_bytes=300000",
+        f"--embedding.ssd_dir={tmp_path / 'ssd'}",
+    ]
+    resumed = train(
+        load_config("debug", base + ssd), tmp_path / "cut", resume=tmp_path / "cut", **QUIET
+    )
+    assert resumed["auc"] == whole["auc"] and resumed["logloss"] == whole["logloss"]

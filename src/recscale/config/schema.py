@@ -268,11 +268,14 @@ class EmbeddingConfig:
             if name in named:  # the last would have won without a word
                 raise ConfigError("embedding.table_compression", f"{name} is named twice")
             named.add(name)
-        if self.row_precision != "fp32" and self.placement != "device":
+        # split_bf16 is fp32's bits in two halves: a tier keeps them as one fp32 row and
+        # pools the high halves, as the device's split rows do (embedding/cached_storage.py)
+        if self.row_precision not in ("fp32", "split_bf16") and self.placement != "device":
             raise ConfigError(
                 "embedding.row_precision",
                 f"{self.row_precision} rows live in device memory; placement "
-                f"{self.placement!r} keeps fp32 rows (use embedding.placement=device)",
+                f"{self.placement!r} keeps fp32 rows (use embedding.placement=device; fp32 "
+                "and split_bf16 train on every placement)",
             )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "direct", "map"))

@@ -67,7 +67,12 @@ from recscale.embedding.row_file import (  # noqa: F401  (re-exported: the tier'
 )
 from recscale.embedding.row_io import row_move
 from recscale.embedding.slipstream import Slipstream
-from recscale.embedding.storage import RowStorage, merge_duplicate_rows, per_id_gradients
+from recscale.embedding.storage import (
+    RowStorage,
+    merge_duplicate_rows,
+    per_id_gradients,
+    pool_rows,
+)
 
 
 class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorage):
@@ -85,11 +90,17 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
         device: torch.device | None = None,
         io_depth: int = 32,
         io_access: str = "auto",
+        high_halves: bool = False,
     ) -> None:
         """``path``: the ssd tier's file; ``None``: the host tier (rows in host memory,
         pinned when CUDA is present, behind a cache on ``device`` - a GPU run's tables
-        larger than the GPU's memory). ``io_depth``: the file's requests in flight."""
+        larger than the GPU's memory). ``io_depth``: the file's requests in flight.
+        ``high_halves``: ``row_precision=split_bf16`` - the lookup pools each value's bf16
+        high half (the value truncated), what ``LowPrecisionStorage``'s split rows pool,
+        while the rows, their updates and checkpoints stay exact fp32 (the split's two
+        halves are that fp32 value's bits)."""
         super().__init__()
+        self.high_halves = high_halves
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
         if cache_rows < 1:
@@ -337,7 +348,7 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
 
     def native_slot_table(self) -> torch.Tensor | None:
         w = self.cache_weight
-        if w.device.type != "cpu":
+        if w.device.type != "cpu" or self.high_halves:  # the native pass pools whole values
             return None
         kernel = kernels.choose_once(self, self.kernel, "lookup", w, self.dim, 128)
         return w if kernel == "native" else None
@@ -386,6 +397,11 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
                 uniq, inverse = unique_ids(rows)
                 table = torch.from_numpy(self._gather(uniq)[:, : self.dim].copy()).to(dev)
             ids = inverse.to(dev)
+        if self.high_halves:  # split_bf16: the bf16 high halves, pooled in fp32
+            w = table.index_select(0, ids)
+            return pool_rows(
+                (w.view(torch.int32) & -65536).view(torch.float32), offsets, per_sample_weights
+            )
         return F.embedding_bag(
             ids,
             table,

@@ -7,6 +7,10 @@
              on the compute device - a GPU run's tables larger than its memory
     ssd      a CachedStorage: rows in a file, a hot-row cache in memory
 
+A tier keeps fp32 rows; at ``row_precision=split_bf16`` (fp32's bits in two halves) its
+lookup pools each value's bf16 high half, as the device's split rows do, so a table
+trains the same on every placement. The other row precisions live on the device only.
+
 The planner decides placements (``planner/``); this module only builds storages.
 """
 
@@ -103,6 +107,7 @@ def storage_factory(
             return on_device(num_rows, dim, optimizer, tables, parts)
         kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice
         rows = max(1, sum(t.cache_bytes for t in tables) // row_bytes(cfg, dim))
+        split = cfg.row_precision == "split_bf16"  # fp32 rows, pooled by their high halves
         if tables[0].placement == "host":  # host memory under a cache on the device (GPU)
             storage = CachedStorage(
                 num_rows,
@@ -113,6 +118,7 @@ def storage_factory(
                 policy=cfg.cache_policy,
                 kernel=kern,
                 device=device,
+                high_halves=split,
             )
             if rank_of_id is not None:  # the hot head its cache warms and pins
                 storage.set_row_order(*file_order(parts, rank_of_id))
@@ -130,6 +136,7 @@ def storage_factory(
             device=device,
             io_depth=cfg.io_depth,
             io_access=cfg.ssd_access,
+            high_halves=split,
         )
         if rank_of_id is not None:
             storage.set_row_order(*file_order(parts, rank_of_id))

@@ -173,8 +173,10 @@ def with_kernels(plan: ShardingPlan, cfg: Config, device: torch.device) -> Shard
         if c != "none":
             continue
         # what a kernel asks of the rows is their device, dtype and layout; the width goes
-        # as ``d`` (a [1, d] probe allocated d floats before the memory check saw them)
-        probe = torch.empty(1, 1, dtype=dtype, device=device)
+        # as ``d`` (a [1, d] probe allocated d floats before the memory check saw them).
+        # A tier's cache holds fp32 rows at any row precision it takes (split_bf16).
+        rows_dtype = dtype if p.placement == "device" else torch.float32
+        probe = torch.empty(1, 1, dtype=rows_dtype, device=device)
         chosen[p.table] = kernels.choose(m.kernels, "backward", probe, d)
     placements = [replace(p, kernel=chosen.get(p.table, "")) for p in plan.placements]
     return replace(plan, placements=placements)
