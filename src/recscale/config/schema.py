@@ -268,8 +268,7 @@ class EmbeddingConfig:
             if name in named:  # the last would have won without a word
                 raise ConfigError("embedding.table_compression", f"{name} is named twice")
             named.add(name)
-        # split_bf16 is fp32's bits in two halves: a tier keeps them as one fp32 row and
-        # pools the high halves, as the device's split rows do (embedding/cached_storage.py)
+        # split_bf16 is fp32's bits: a tier keeps the fp32 row (embedding/placement.py)
         if self.row_precision not in ("fp32", "split_bf16") and self.placement != "device":
             raise ConfigError(
                 "embedding.row_precision",
