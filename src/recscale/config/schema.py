@@ -272,9 +272,8 @@ class EmbeddingConfig:
         if self.row_precision not in ("fp32", "split_bf16") and self.placement != "device":
             raise ConfigError(
                 "embedding.row_precision",
-                f"{self.row_precision} rows live in device memory; placement "
-                f"{self.placement!r} keeps fp32 rows (use embedding.placement=device; fp32 "
-                "and split_bf16 train on every placement)",
+                f"{self.row_precision} rows live in device memory; placement {self.placement!r}"
+                " takes fp32 and split_bf16 rows only (use embedding.placement=device)",
             )
         _positive("embedding.cache_bytes", self.cache_bytes, allow_zero=True)
         _choice("embedding.ssd_access", self.ssd_access, ("auto", "pread", "direct", "map"))
