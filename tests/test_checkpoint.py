@@ -281,3 +281,31 @@ def test_eval_from_newest_checkpoint_without_model_file(tmp_path):
     r = run_cli("eval", "--model", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
     assert "step_00000040" in r.stderr and json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
+
+
+def test_eval_scores_the_checkpoint_it_is_given(tmp_path):
+    """``eval --model RUN/checkpoints/step_N`` scores that checkpoint (an earlier one than
+    the final model): its metrics are those of a run trained for N steps alone, written
+    beside the final model's; ``RUN/checkpoints`` scores the newest; a checkpoint with no
+    run above it is one line."""
+    run = tmp_path / "run"
+    train(
+        load_config("debug", [*BASE, "--train.steps=40", "--checkpoint.every_steps=20"]),
+        run,
+        **QUIET,
+    )
+    short = train(load_config("debug", [*BASE, "--train.steps=20"]), tmp_path / "short", **QUIET)
+    r = run_cli("eval", "--model", str(run / "checkpoints" / "step_00000020"), "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["auc"] == short["auc"] and got["logloss"] == short["logloss"]
+    assert json.loads((run / "eval_synthetic-eval_step_00000020.json").read_text()) == got
+    final = json.loads((run / "metrics.json").read_text())
+    r = run_cli("eval", "--model", str(run / "checkpoints"), "--json")
+    assert r.returncode == 0 and "step_00000040" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["auc"] == final["auc"] != got["auc"]
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    os.rename(run / "checkpoints" / "step_00000020", lone / "step_00000020")
+    r = run_cli("eval", "--model", str(lone / "step_00000020"))
+    assert r.returncode == 1 and "above the checkpoint" in r.stderr and "Traceback" not in r.stderr

@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         type=Path,
-        help="run directory: config.toml + model.pt, or else its newest valid checkpoint",
+        help="run directory: config.toml + model.pt, or else its newest valid checkpoint; "
+        "or one checkpoint (RUN_DIR/checkpoints/step_N), or RUN_DIR/checkpoints (its newest)",
     )
     p.add_argument(
         "--split", default=None, help="dataset split (default: data.eval_split, usually test)"
@@ -44,6 +45,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.train.step import resolve_device
 
     run_dir: Path = args.model
+    checkpoint: Path | None = None  # a checkpoint (or the checkpoints/ folder) named
+    if not (run_dir / "config.toml").exists() and (
+        run_dir.name == "checkpoints" or (run_dir / "manifest.json").exists()
+    ):
+        checkpoint = run_dir
+        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir.parent.parent
     has_checkpoints = (run_dir / "checkpoints").is_dir()
     if not (run_dir / "config.toml").exists() or not (
         os.path.lexists(run_dir / MODEL_FILE) or has_checkpoints
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             if (run_dir / "config.toml").is_file()
             else "is not a run directory: no config.toml with a model.pt or checkpoints/"
         )
+        if checkpoint is not None:  # a checkpoint is scored with its run's config
+            why = f"(above the checkpoint {checkpoint}) {why}"
         print_error(f"{run_dir} {why}")
         return 1
     try:
@@ -72,7 +81,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     device = resolve_device(cfg.train.device)
     model = build_model(cfg.model, cfg.embedding, device=device)
-    if os.path.lexists(run_dir / MODEL_FILE):  # a run of a version before checkpoints
+    if checkpoint is None and os.path.lexists(run_dir / MODEL_FILE):  # the final model
         try:
             load_model_file(model, run_dir)
         except CheckpointError as e:
@@ -80,7 +89,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             return 1
     else:  # the final checkpoint (or, after a crash, the newest valid one)
         try:
-            chain = resolve_chain(run_dir, echo=lambda m: print(m, file=sys.stderr))
+            chain = resolve_chain(checkpoint or run_dir, echo=lambda m: print(m, file=sys.stderr))
             step = restore(model, None, chain)["step"]
         except CheckpointError as e:
             print_error(e)
@@ -95,7 +104,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     split = args.split or cfg.data.eval_split
     metrics = evaluate(model, eval_batches(cfg, split), device)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
-    out = run_dir / f"eval_{metrics['split']}.json"
+    # a checkpoint named by its path: its own file beside the final model's
+    named = (
+        f"_{chain[-1].name}" if checkpoint is not None and checkpoint.name != "checkpoints" else ""
+    )
+    out = run_dir / f"eval_{metrics['split']}{named}.json"
     write_text_atomic(out, json_text(metrics, indent=2) + "\n")  # not through a planted link
     if args.json:
         print(json_text(metrics, indent=2))
