@@ -414,3 +414,31 @@ def train_with_rank_memory(root: str, memory_by_rank: dict) -> dict:
     cfg.train.device = "cpu"
     metrics = train(cfg, Path(root) / "run", echo=lambda _m: None)
     return {"auc": metrics["auc"], "logloss": metrics["logloss"]}
+
+
+def replicated_rows(precision: str, steps: int, batch_size: int):
+    """On each rank: the debug model at ``embedding.row_precision=precision`` with every
+    table replicated (data_parallel), trained ``steps`` steps on this rank's slices;
+    returns each replicated storage's class and row dtype, and every table's rows."""
+    from recscale.embedding.placement import storage_factory
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"), timeout_s=60)
+    w, r = ctx.world_size, ctx.rank
+    lo, hi = r * batch_size // w, (r + 1) * batch_size // w
+    cfg = parity_config("rowwise_adagrad")
+    cfg.embedding.row_precision = precision
+    batches, eval_batch = global_batches(cfg, steps, batch_size)
+    torch.manual_seed(0)
+    plan = uniform_plan(table_infos(cfg), w, "data_parallel")
+    model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+    make = storage_factory(cfg.embedding, None, "auto")
+    module = shard(model, plan, ctx, make, row_precision=precision)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    train_and_report(module, model, opt, [b.slice(lo, hi) for b in batches], eval_batch)
+    kinds = [(type(s).__name__, str(s.weight.dtype)) for s in model.embeddings.storages()]
+    rows = {}
+    for s, storage, first in model.embeddings.local_parts():
+        rows[s.feature] = storage.read_rows(torch.arange(first, first + s.num_rows))
+    torch.distributed.destroy_process_group()
+    return kinds, rows

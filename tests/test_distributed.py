@@ -14,8 +14,12 @@ import pytest
 import torch
 from dist_workers import (
     die_mid_training,
+    global_batches,
+    parity_config,
     reference,
+    replicated_rows,
     sharded_run,
+    train_and_report,
     train_and_report_group,
     train_into_own_run_dir,
     train_with_rank_memory,
@@ -23,6 +27,8 @@ from dist_workers import (
 )
 
 from recscale.distributed.spawn import run_ranks
+from recscale.models.dlrm import build_model
+from recscale.train.optimizers import build_dense_optimizer
 
 STEPS, BATCH = 4, 64
 KINDS = ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]
@@ -77,6 +83,39 @@ def test_sharded_training_matches_single_process(world_size):
     results = run_ranks(sharded_run, world_size, cases, STEPS, BATCH, timeout=240)
     for i, case in enumerate(cases):
         _check(case, [results[r][i] for r in range(world_size)], world_size)
+
+
+@pytest.mark.parametrize("precision", ["split_bf16", "fp16"])
+def test_replicated_tables_keep_the_row_precision(precision):
+    """A data_parallel table is stored at ``embedding.row_precision`` on every rank (its
+    replicas were fp32 whatever the run asked, so a split_bf16 or fp16 run trained its
+    small tables otherwise at 2 ranks than at 1). split_bf16 is exact fp32 arithmetic:
+    its rows match the single-process run's within the reduction's summation order."""
+    steps = 3
+    results = run_ranks(replicated_rows, 2, precision, steps, BATCH, timeout=120)
+    for kinds, _rows in results:
+        assert kinds and all(
+            k == ("AllReducedLowPrecisionStorage", _DTYPE[precision]) for k in kinds
+        )
+    assert all(torch.equal(results[0][1][f], results[1][1][f]) for f in results[0][1])  # replicas
+    if precision != "split_bf16":
+        return  # 16-bit rows round stochastically by storage row: not comparable across plans
+    cfg = parity_config("rowwise_adagrad")
+    cfg.embedding.row_precision = precision
+    batches, eval_batch = global_batches(cfg, steps, BATCH)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.embedding, seed=0)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    train_and_report(model, model, opt, batches, eval_batch)
+    ebc = model.embeddings
+    for f, rows in results[0][1].items():
+        g = ebc.groups[int(ebc.group_of_feature[f])]
+        lo = int(ebc.feature_row_offset[f])
+        ref = g.storage.read_rows(torch.arange(lo, lo + ebc.tables[f].num_rows))
+        torch.testing.assert_close(rows, ref, atol=1e-5, rtol=1e-4)
+
+
+_DTYPE = {"split_bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
 def test_a_finished_run_destroys_the_process_group_it_made():

@@ -39,12 +39,17 @@ def one_rank_plan(names: list[str]) -> ShardingPlan:
 
 
 def shard(
-    model: DLRM, plan: ShardingPlan, ctx: DistContext, make_storage: StorageFactory | None = None
+    model: DLRM,
+    plan: ShardingPlan,
+    ctx: DistContext,
+    make_storage: StorageFactory | None = None,
+    row_precision: str = "fp32",
 ) -> nn.Module:
     """Returns the module to train (DDP-wrapped when ``ctx`` is distributed); ``model``
     itself is changed in place, so ``model.embeddings`` is the sharded collection. The
     shards take the collection's optimizer, init seed and kernel choice; ``make_storage``
-    builds their host/ssd storages (``embedding/placement.py``; needed for those tiers)."""
+    builds their storages (``embedding/placement.py``; needed for the host/ssd tiers and
+    row precisions), ``row_precision`` is that of the replicated tables' rows."""
     if plan.world_size != ctx.world_size:
         raise ValueError(f"plan for {plan.world_size} ranks, job has {ctx.world_size}")
     ebc = model.embeddings
@@ -76,6 +81,7 @@ def shard(
         validate_ids=ebc.validate_ids,
         kernel=ebc.kernel,
         make_storage=make_storage,
+        row_precision=row_precision,
     )
     model.to(ctx.device)
     wrong = model.embeddings.misplaced(ctx.device)

@@ -40,6 +40,7 @@ from torch import nn
 from recscale.distributed.context import DistContext
 from recscale.distributed.input_dist import InputDist, LocalBatch
 from recscale.distributed.output_dist import OutputDist
+from recscale.embedding.low_precision import LowPrecisionStorage
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import (
     DeviceStorage,
@@ -59,17 +60,15 @@ from recscale.planner.layout import ShardLayout
 StorageFactory = Callable[[int, int, SparseOptimizer, list[TableSpec], list[TablePart]], RowStorage]
 
 
-class AllReducedStorage(DeviceStorage):
+class _AllReduced:
     """A replicated storage: the gradient of every rank's ids is summed across ranks
     before the (identical) update, so replicas stay equal. The all-reduce is dense over
     the storage (``[rows, dim + 1]``, the last column counts touches), which is why only
-    small tables are replicated."""
+    small tables are replicated. Mixed into a storage of the run's row precision."""
 
     always_apply = True  # every rank must join the all-reduce, ids or not
-
-    def __init__(self, num_rows, dim, optimizer, device, kernel, group, world_size) -> None:
-        super().__init__(num_rows, dim, optimizer, device, kernel)
-        self.group, self.world_size = group, world_size
+    group: object
+    world_size: int
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
@@ -84,6 +83,34 @@ class AllReducedStorage(DeviceStorage):
         if self.dirty is not None:
             self.dirty[touched] = True
         self.apply_gradients(touched, buf[touched, : self.dim] / self.world_size)
+
+
+class AllReducedStorage(_AllReduced, DeviceStorage):
+    """fp32 rows, replicated (:class:`_AllReduced`)."""
+
+    def __init__(self, num_rows, dim, optimizer, device, kernel, group, world_size) -> None:
+        super().__init__(num_rows, dim, optimizer, device, kernel)
+        self.group, self.world_size = group, world_size
+
+
+class AllReducedLowPrecisionStorage(_AllReduced, LowPrecisionStorage):
+    """Rows at ``embedding.row_precision`` (fp16, bf16, int8, split_bf16), replicated: a
+    small table keeps the precision the run asked for at every world size."""
+
+    def __init__(
+        self, num_rows, dim, optimizer, precision, device, kernel, group, world_size
+    ) -> None:
+        super().__init__(num_rows, dim, optimizer, precision, device, kernel)
+        self.group, self.world_size = group, world_size
+
+
+def all_reduced_storage(num_rows, dim, optimizer, precision, device, kernel, group, world_size):
+    """A replicated storage at ``precision`` (``embedding.row_precision``)."""
+    if precision == "fp32":
+        return AllReducedStorage(num_rows, dim, optimizer, device, kernel, group, world_size)
+    return AllReducedLowPrecisionStorage(
+        num_rows, dim, optimizer, precision, device, kernel, group, world_size
+    )
 
 
 class _OutputDistFn(torch.autograd.Function):
@@ -112,10 +139,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         validate_ids: bool = True,
         kernel: str = "auto",
         make_storage: StorageFactory | None = None,
+        row_precision: str = "fp32",
     ) -> None:
         """``tables``: the model's tables (a table's ``placement`` and ``cache_bytes``
         carry over to its shards, the cache split by rows). ``make_storage`` builds a
-        compute group's storage for host/ssd shards (see ``embedding/placement.py``)."""
+        compute group's storage for host/ssd shards (see ``embedding/placement.py``);
+        ``row_precision`` the replicated tables' rows (the shards' come from
+        ``make_storage``)."""
         super().__init__()
         self.tables, self.pooling, self.layout, self.ctx = list(tables), pooling, layout, ctx
         self.validate_ids = validate_ids
@@ -181,8 +211,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 device=dev,
                 seed=seed,
                 kernel=kernel,
-                make_storage=lambda n, d, opt, _tables, _parts: AllReducedStorage(
-                    n, d, opt, dev, kernel, ctx.embed, ctx.world_size
+                make_storage=lambda n, d, opt, _tables, _parts: all_reduced_storage(
+                    n, d, opt, row_precision, dev, kernel, ctx.embed, ctx.world_size
                 ),
                 parts=[
                     TablePart(

@@ -98,7 +98,7 @@ def build(
         subdir=f"rank{ctx.rank:05d}" if w > 1 else "",
         rank_of_id=popularity_ranks(cfg),  # lazy: only an ssd file asks
     )
-    module = shard(model, plan, ctx, make_storage)
+    module = shard(model, plan, ctx, make_storage, row_precision=e.row_precision)
     if w > 1:
         kinds = plan.kind_counts()
         mem = plan.memory_per_rank
