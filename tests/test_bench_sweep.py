@@ -233,3 +233,21 @@ def test_plots_are_never_written_through_links_planted_at_their_names(tmp_path):
     assert victim.read_text() == "keep me"
     for name in names:
         assert not (out / name).is_symlink() and (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "precision, per_id",
+    [
+        ("fp32", 3 * 512 + 8),  # lookup, update read + write; row-wise Adagrad's 4-byte state
+        ("fp16", 3 * 256 + 8),
+        ("int8", 3 * (128 + 8) + 8),  # codes + scale and bias a row
+        ("split_bf16", 256 + 2 * 512 + 8),  # the lookup reads the bf16 high halves only
+    ],
+)
+def test_the_bound_counts_the_bytes_each_row_precision_moves(precision, per_id):
+    """Config B (26 one-id features, dim 128): the embedding bytes a sample costs."""
+    from recscale.bench.hardware import step_cost
+    from recscale.config import load_config
+
+    cfg = load_config("B", [f"--embedding.row_precision={precision}"])
+    assert step_cost(cfg, 480, 26.0).embedding_bytes_per_sample == 26 * per_id

@@ -267,9 +267,11 @@ def step_cost(cfg: Config, interaction_out_dim: int, ids_per_sample: float) -> S
     dim = m.embedding_dim
     state_bytes = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[cfg.embedding.optimizer]
     # forward read + update read + update write of the row (as stored: fp32, fp16, ...),
-    # read + write of its (fp32) state
+    # read + write of its (fp32) state; split_bf16's forward reads the high halves only
     precision = cfg.embedding.row_precision
-    row_bytes = 3 * (dim * bytes_per_value(precision) + row_overhead(precision)) + 2 * state_bytes
+    stored = dim * bytes_per_value(precision) + row_overhead(precision)
+    read = dim * 2 if precision == "split_bf16" else stored
+    row_bytes = read + 2 * stored + 2 * state_bytes
     return StepCost(
         mlp_flops_per_sample=6.0 * macs, embedding_bytes_per_sample=ids_per_sample * row_bytes
     )
