@@ -392,3 +392,20 @@ def test_a_loop_of_symbolic_links_is_one_line_naming_it(tmp_path, capsys):
         line = error_line(capsys.readouterr().err)
         assert line.startswith(f"recscale: error: {loop}") and "loop of symbolic links" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "argv, flag, named",
+    [
+        (["throughput", "--threads", "2"], "--threads", "--train.threads"),
+        (["throughput", "--world-size", "2"], "--world-size", "pipeline and calibrate"),
+        (["throughput", "--vary", "train.batch_size=64"], "--vary", "bench sweep does"),
+        (["pipeline", "--out", "x"], "--out", "sweep and calibrate"),
+        (["sweep", "--world-size", "2", "--out", "x"], "--world-size", "pipeline"),
+    ],
+)
+def test_a_bench_flag_its_benchmark_ignores_is_one_line(capsys, argv, flag, named):
+    """A flag of another benchmark (e.g. ``bench throughput --threads 4``) ran without a
+    word and without the effect the user asked for."""
+    rc, line = _fails(capsys, "bench", *argv, "--config", "debug", "--steps", "1")
+    assert rc == 2 and f"'{flag}'" in line and "does not take it" in line and named in line

@@ -62,6 +62,15 @@ MAX_LOCAL_RANKS = 64
 MAX_BENCH_STEPS = 10**9
 
 
+# The flags each benchmark reads beyond --config, --steps, --warmup and --json.
+FLAGS_OF = {
+    "throughput": (),
+    "pipeline": ("world_size", "threads"),
+    "sweep": ("vary", "out"),
+    "calibrate": ("world_size", "threads", "out"),
+}
+
+
 def check_args(args: argparse.Namespace) -> None:
     """One-line errors naming the flag for counts no benchmark can run with."""
     if not 1 <= args.steps <= MAX_BENCH_STEPS:
@@ -72,6 +81,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--world-size", f"local ranks in [1, {MAX_LOCAL_RANKS}], got {args.world_size}"
         )
+    for flag, attr in (
+        ("--world-size", "world_size"),
+        ("--threads", "threads"),
+        ("--vary", "vary"),
+        ("--out", "out"),
+    ):
+        takes = [w for w, flags in FLAGS_OF.items() if attr in flags]
+        if getattr(args, attr) not in (None, []) and args.what not in takes:
+            raise ConfigError(  # else it would be ignored without a word
+                flag,
+                f"bench {args.what} does not take it (bench {' and '.join(takes)} "
+                + ("do" if len(takes) > 1 else "does")
+                + ("; the step's own threads: --train.threads)" if attr == "threads" else ")"),
+            )
     cores = os.cpu_count() or 1
     if args.threads is not None and not 1 <= args.threads <= 4 * cores:
         raise ConfigError(
