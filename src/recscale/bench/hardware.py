@@ -26,7 +26,12 @@ import torch
 from recscale import native
 from recscale.config.schema import Config
 from recscale.config.small_files import loads_json, write_text_atomic
-from recscale.embedding.sizing import bytes_per_value, row_overhead
+from recscale.embedding.sizing import (
+    bytes_per_value,
+    lookup_bytes_per_value,
+    row_overhead,
+    state_bytes,
+)
 from recscale.modules import gemm
 from recscale.train.precision import gemms
 
@@ -264,14 +269,12 @@ def step_cost(cfg: Config, interaction_out_dim: int, ids_per_sample: float) -> S
     for w in m.top_mlp:
         macs += d * w
         d = w
-    dim = m.embedding_dim
-    state_bytes = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[cfg.embedding.optimizer]
-    # forward read + update read + update write of the row (as stored: fp32, fp16, ...),
-    # read + write of its (fp32) state; split_bf16's forward reads the high halves only
-    precision = cfg.embedding.row_precision
+    dim, precision = m.embedding_dim, cfg.embedding.row_precision
+    # forward read + update read + update write of the row (as stored: fp32, fp16, ...;
+    # split_bf16's lookup reads the high halves only), read + write of its (fp32) state
     stored = dim * bytes_per_value(precision) + row_overhead(precision)
-    read = dim * 2 if precision == "split_bf16" else stored
-    row_bytes = read + 2 * stored + 2 * state_bytes
+    read = dim * lookup_bytes_per_value(precision) + row_overhead(precision)
+    row_bytes = read + 2 * stored + 2 * state_bytes(cfg.embedding, dim)
     return StepCost(
         mlp_flops_per_sample=6.0 * macs, embedding_bytes_per_sample=ids_per_sample * row_bytes
     )

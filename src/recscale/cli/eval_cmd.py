@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from recscale.cli.output import print_error
+from recscale.cli.train_cmd import run_dir_of
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config
 from recscale.config.small_files import json_text, write_text_atomic
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         run_dir.name == "checkpoints" or (run_dir / "manifest.json").exists()
     ):
         checkpoint = run_dir
-        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir.parent.parent
+        run_dir = run_dir_of(run_dir) or run_dir.parent  # the parent: named in the error
     has_checkpoints = (run_dir / "checkpoints").is_dir()
     if not (run_dir / "config.toml").exists() or not (
         os.path.lexists(run_dir / MODEL_FILE) or has_checkpoints

@@ -40,14 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _resumed_run_dir(path: Path) -> Path:
-    """A run directory, its checkpoints/ folder, or one checkpoint -> the run directory."""
-    if (path / "config.toml").exists():
-        return path
-    for parent in (path.parent, path.parent.parent):
-        if (parent / "config.toml").exists():
-            return parent
-    raise FileNotFoundError(f"--resume {path}: no config.toml in it or above it")
+def run_dir_of(path: Path) -> Path | None:
+    """A run directory, its checkpoints/ folder, or one checkpoint -> the run directory
+    (the nearest with a config.toml, ``path`` or up to two levels up), or None."""
+    for d in (path, path.parent, path.parent.parent):
+        if (d / "config.toml").exists():
+            return d
+    return None
 
 
 def _finished_at(run_dir: Path, steps: int) -> int | None:
@@ -77,10 +76,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     resume_dir = None
     if args.resume is not None:
-        try:
-            resume_dir = _resumed_run_dir(args.resume)
-        except FileNotFoundError as e:
-            print_error(e)
+        resume_dir = run_dir_of(args.resume)
+        if resume_dir is None:
+            print_error(f"--resume {args.resume}: no config.toml in it or above it")
             return 1
     config = args.config or (str(resume_dir / "config.toml") if resume_dir else None)
     try:

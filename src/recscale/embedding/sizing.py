@@ -38,6 +38,12 @@ def bytes_per_value(precision: str) -> float:
     return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "split_bf16": 4}[precision]
 
 
+def lookup_bytes_per_value(precision: str) -> float:
+    """Bytes of one row element a lookup reads: as stored, but split_bf16's lookup reads
+    the bf16 high halves only (its update reads and writes both)."""
+    return 2 if precision == "split_bf16" else bytes_per_value(precision)
+
+
 def row_overhead(precision: str) -> int:
     """Bytes a row carries beside its values (int8: its scale and bias)."""
     return 8 if precision == "int8" else 0
