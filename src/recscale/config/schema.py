@@ -133,8 +133,8 @@ class ModelConfig:
             if len(dims) != 1:
                 raise ConfigError(
                     "model.table_dims",
-                    "the dot interaction needs one embedding dim for every table, got "
-                    f"{sorted(dims)}",
+                    "the dot interaction needs every table at one embedding dim (mixed dims: "
+                    f'interaction = "cat" or "dcnv2"), got dims {sorted(dims)}',
                 )
             (d,) = dims
             if self.num_dense_features > 0 and self.bottom_mlp[-1] != d:
