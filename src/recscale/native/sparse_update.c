@@ -6,8 +6,8 @@
  *
  *     merge duplicate rows with an open-addressing hash map, summing
  *         acc[u] += grad_pooled[bag_of_id[n]] * psw[n]        (psw = 1 when absent);
- *     (SGD, row-wise Adagrad) each unique row's step size, in a pass over the rows'
- *     state of its own (row_scales);
+ *     (row-wise Adagrad) each unique row's step size, in a pass over the rows' state
+ *     of its own (adagrad_scales);
  *     apply the optimizer to every unique row in place, prefetching the rows (and Adam's
  *     state) a fixed distance ahead:
  *         SGD:               w -= lr * acc
@@ -85,7 +85,7 @@ typedef struct {
 } Args;
 
 /* Scratch for one segment of up to n ids: hash keys/slots (cap = 2^k >= 2n), the unique
- * rows, their accumulated gradients and (SGD, row-wise Adagrad) their step sizes. */
+ * rows, their accumulated gradients and (row-wise Adagrad) their step sizes. */
 typedef struct {
     int64_t cap, *keys, *slot, *uniq;
     float *acc, *scale;
@@ -103,14 +103,14 @@ RS_INLINE void prefetch_row(const Args *a, int64_t r, const int64_t d, const int
     if (wt == RS_SPLIT) /* the low halves too, a row of them as long as the high one */
         for (int64_t o = 0; o < bytes; o += 64)
             __builtin_prefetch((const char *)(a->low + r * d) + o, 1, 1);
-    if (a->kind == RS_ADAM) { /* row-wise Adagrad's state: row_scales prefetches it */
+    if (a->kind == RS_ADAM) { /* row-wise Adagrad's state: adagrad_scales prefetches it */
         __builtin_prefetch(a->state1 + r * d, 1, 1);
         __builtin_prefetch(a->state2 + r * d, 1, 1);
     }
 }
 
 /* One optimizer step on the fp32 row w (its merged gradient g, its state at row r; SGD
- * and row-wise Adagrad: w -= scale * g, the step size from row_scales). */
+ * and row-wise Adagrad: w -= scale * g, the step size lr or from adagrad_scales). */
 RS_INLINE void update_row(const Args *a, int64_t r, float *restrict w, const float *restrict g,
                           float scale, const int64_t d) {
     if (a->kind != RS_ADAM) {
@@ -126,7 +126,7 @@ RS_INLINE void update_row(const Args *a, int64_t r, float *restrict w, const flo
     }
 }
 
-/* Each unique row's step size, before any row is updated: SGD's lr; row-wise Adagrad's
+/* Each unique row's row-wise Adagrad step size, before any row is updated:
  * lr / (sqrt(s) + eps) after s += mean(g^2). A pass of its own, prefetching the state
  * further ahead than the rows: a state read that missed inside the update loop held the
  * row's whole update (it waits for the step size) in the core's reorder window, and
@@ -134,12 +134,8 @@ RS_INLINE void update_row(const Args *a, int64_t r, float *restrict w, const flo
  * 2 GB table: split rows 11.8-12.3 -> 8.1-8.6 ms, SGD's 7.5-7.7 the floor; fp32 rows,
  * whose update is shorter, 7.2-7.5 either way). */
 #define RS_STATE_AHEAD 64
-RS_INLINE void row_scales(const Args *a, const int64_t *uniq, const float *acc, int64_t u,
-                          float *scale, const int64_t d) {
-    if (a->kind == RS_SGD) {
-        for (int64_t j = 0; j < u; ++j) scale[j] = a->lr;
-        return;
-    }
+RS_INLINE void adagrad_scales(const Args *a, const int64_t *uniq, const float *acc, int64_t u,
+                              float *scale, const int64_t d) {
     for (int64_t j = 0; j < u && j < RS_STATE_AHEAD; ++j)
         __builtin_prefetch(a->state1 + uniq[j], 1, 1);
     for (int64_t j = 0; j < u; ++j) {
@@ -253,14 +249,14 @@ RS_INLINE void segment(const Args *a, int64_t s, const int64_t d, const int wt, 
         axpy(sc->acc + sc->slot[h] * d, a->grad + a->bag_of_id[lo + k] * a->grad_stride, w, d);
     }
     for (int64_t j = 0; j < u && j < RS_AHEAD; ++j) prefetch_row(a, sc->uniq[j], d, wt);
-    if (a->kind != RS_ADAM) row_scales(a, sc->uniq, sc->acc, u, sc->scale, d);
+    if (a->kind == RS_ADAGRAD) adagrad_scales(a, sc->uniq, sc->acc, u, sc->scale, d);
     float row[128]; /* a 16-bit row, decoded (d <= 128 for those) */
     for (int64_t j = 0; j < u; ++j) {
         /* rows are read-modified-written: keep RS_AHEAD of them in flight */
         if (j + RS_AHEAD < u) prefetch_row(a, sc->uniq[j + RS_AHEAD], d, wt);
         const int64_t r = sc->uniq[j];
         const float *g = sc->acc + j * d;
-        const float scale = a->kind != RS_ADAM ? sc->scale[j] : 0.0f;
+        const float scale = a->kind == RS_ADAGRAD ? sc->scale[j] : a->lr; /* Adam: unused */
         if (a->dirty) a->dirty[r] = 1; /* changed since the last checkpoint */
         if (wt == RS_F32) {
             update_row(a, r, (float *)a->weight + r * d, g, scale, d);
