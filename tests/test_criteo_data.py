@@ -150,6 +150,27 @@ def test_bad_lines_counted_with_file_and_line(tmp_path):
     assert meta["splits"]["train"]["rows"] == 395
 
 
+def test_a_line_without_40_fields_is_a_wrong_field_count_whatever_else_is_wrong(tmp_path):
+    """Spaces or commas for tabs, a blank line, a bad label on a short line: the line's
+    shape is what is off, and the report says so (not "bad label", the first field's
+    complaint when the whole line reads as one field)."""
+    src = tmp_path / "shapes.tsv"
+    lines = synthetic_lines(200, seed=5)
+    fields = lines[0].split("\t")
+    for at, text in (
+        (10, " ".join(fields)),
+        (20, ",".join(fields)),
+        (30, ""),
+        (40, "\t".join(["2", *fields[1:-1]])),
+    ):
+        lines[at] = text
+    src.write_text("\n".join(lines) + "\n")
+    meta = _pp(tmp_path, [src], max_bad_fraction=0.05)
+    report = meta["bad_lines"]
+    assert report["counts"] == {"wrong field count": 4}
+    assert report["examples"]["wrong field count"] == [f"{src}:{n}" for n in (11, 21, 31, 41)]
+
+
 def test_too_many_bad_lines_fails_and_keeps_previous_output(tmp_path, sample):
     _pp(tmp_path, [sample], "out")
     before = (tmp_path / "out/metadata.json").read_text()

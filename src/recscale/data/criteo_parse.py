@@ -11,6 +11,9 @@ feature fields may be empty (missing). Per good line the kernel writes::
 Every line gets a status; a bad line writes nothing and is reported by kind::
 
     1 wrong field count   2 bad label   3 non-integer dense value   4 non-hex category
+
+A line without 40 fields is kind 1 whatever else is wrong with it (a file separated
+by spaces or commas, a blank line).
 """
 
 from __future__ import annotations
@@ -113,7 +116,9 @@ def parse_lines(buf, dense, cats, missing, labels, status):
                     bad = 4
                 else:
                     val = val * 16 + d
-        if bad == 0 and field != NUM_FIELDS:
+        if field != NUM_FIELDS:
+            # the line's shape first: a space- or comma-separated line (one field) or a
+            # blank one reads as a bad label too, and "wrong field count" says what is off
             bad = 1
         status[line] = bad
         if bad == 0:
