@@ -17,6 +17,7 @@ setup(
                 "src/recscale/native/embedding_lookup.c",
                 "src/recscale/native/sparse_update.c",
                 "src/recscale/native/weight_grad.c",
+                "src/recscale/native/weight_grad_bf16.c",
                 "src/recscale/native/narrow_layer.c",
                 "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/logit.c",

@@ -42,6 +42,7 @@ USE_NATIVE_WGRAD = True
 USE_NATIVE_LOGIT = True
 USE_NATIVE_NARROW_WGRAD = True  # the narrow first layer's kernels: weight gradient,
 USE_NATIVE_NARROW_FORWARD = True  # forward
+USE_FUSED_BF16 = True  # modules/mlp.py's bf16 node (off: autocast's modules)
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
@@ -106,12 +107,33 @@ def _native_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
+def native_bf16_wgrad() -> bool:
+    """Whether bf16 weight gradients run natively here (``native/weight_grad_bf16.c``:
+    the library loaded on a CPU with AVX512-BF16)."""
+    return USE_NATIVE_WGRAD and bool(native.cpu_features() & native.CPU_AVX512_BF16)
+
+
+def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    return (
+        all(
+            t.device.type == "cpu"
+            and t.dtype == torch.bfloat16
+            and t.dim() == 2
+            and t.stride(1) == 1
+            for t in (g, x)
+        )
+        and g.shape[0] == x.shape[0]
+        and native_bf16_wgrad()  # a logit (1 output) too: 0.05 ms more than torch's
+    )  # bf16-rounded GEMV at 256 -> 1, for its gradient in fp32
+
+
 def weight_grad(
     g: torch.Tensor, x: torch.Tensor, bias_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A dense layer's weight gradient ``g^T x`` (``g [B, out]`` the output gradient,
     ``x [B, in]`` the input; ``[out, in]``, contiguous) and, with ``bias_grad``, the bias
-    gradient ``g.sum(0)``.
+    gradient ``g.sum(0)``. bf16 operands give fp32 results (sums in fp32), the dtype of
+    the master weights they update.
 
     The native kernel reads ``g`` and ``x`` in place (rows of samples, any row stride);
     the intra-op threads split the outputs."""
@@ -119,8 +141,11 @@ def weight_grad(
     # lanes and leave it load-bound, so both CPU paths compute x^T g [in, out] and
     # transpose it (MKL: 0.83 -> 0.45 ms; the kernel on one thread: 0.66-0.70 -> 0.49-0.51)
     narrow = x.device.type == "cpu" and x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]
-    if not _native_wgrad_applies(g, x):
+    bf16 = g.dtype == torch.bfloat16
+    if not (_native_bf16_wgrad_applies(g, x) if bf16 else _native_wgrad_applies(g, x)):
         dw = torch.mm(x.t(), g).t().contiguous() if narrow else torch.mm(g.t(), x)
+        if bf16:
+            return dw.float(), (g.sum(0, dtype=torch.float32) if bias_grad else None)
         return dw, (g.sum(0) if bias_grad else None)
     if narrow:
         dwt, db = _native_at_b(x, g, sum_b=bias_grad)
@@ -143,13 +168,15 @@ def _native_at_b(
     # threads take whole 6-row tiles of the result (no partial sums to add up: at
     # 1024 -> 1024 a batch split costs 7% more)
     tiles = -(-m // _WGRAD_TILE)
+    fn, isa = _wgrad_kernel(a)
+    size = a.element_size()
 
     def args(p: int, lo: int, hi: int) -> tuple:  # tiles [lo, hi)
         r0, r1 = _WGRAD_TILE * lo, min(m, _WGRAD_TILE * hi)
         a_sums = sums.data_ptr() + 4 * r0 if sum_a else None
         b_sums = sums.data_ptr() if sum_b and p == 0 else None  # b is whole in every part
         return (
-            a.data_ptr() + 4 * r0,
+            a.data_ptr() + size * r0,
             a.stride(0),
             b.data_ptr(),
             b.stride(0),
@@ -160,16 +187,30 @@ def _native_at_b(
             r1 - r0,
             n,
             batch,
-            _WGRAD_ISA,
+            *isa,
         )
 
-    rcs = native.parallel_call(
-        lib, "recscale_weight_grad", tiles, args, threads, key=("wgrad/outputs", m, n, batch)
-    )
+    rcs = native.parallel_call(lib, fn, tiles, args, threads, key=("wgrad/outputs", m, n, batch))
     failed = any(rcs)
     if failed:  # no memory for the packed blocks: torch's GEMM instead
-        return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
+        return _torch_at_b(a, b, sum_a, sum_b)
     return out, sums
+
+
+def _wgrad_kernel(a: torch.Tensor) -> tuple[str, tuple]:
+    """The native entry point for ``a``'s dtype and its trailing arguments."""
+    if a.dtype == torch.bfloat16:
+        return "recscale_weight_grad_bf16", ()
+    return "recscale_weight_grad", (_WGRAD_ISA,)
+
+
+def _torch_at_b(
+    a: torch.Tensor, b: torch.Tensor, sum_a: bool, sum_b: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_native_at_b`'s results through torch (fp32, as the kernels give them)."""
+    sums = a.sum(0, dtype=torch.float32) if sum_a else None
+    sums = b.sum(0, dtype=torch.float32) if sum_b else sums
+    return torch.mm(a.t(), b).float(), sums  # a, b: fp32 or bf16 CPU rows
 
 
 def _native_at_b_batch_split(
@@ -190,6 +231,8 @@ def _native_at_b_batch_split(
     lib = native.library()
     batch, m, n = a.shape[0], a.shape[1], b.shape[1]
     parts = min(threads, batch // _WGRAD_KC)  # at least a packed block of samples each
+    fn, isa = _wgrad_kernel(a)
+    size = a.element_size()
     outs = [out] + [torch.empty(m, n) for _ in range(parts - 1)]
     part_sums = (
         [sums] + [torch.empty_like(sums) for _ in range(parts - 1)] if sums is not None else None
@@ -198,9 +241,9 @@ def _native_at_b_batch_split(
     def args(p: int, r0: int, r1: int) -> tuple:  # samples [r0, r1)
         s = part_sums[p].data_ptr() if part_sums is not None else None
         return (
-            a.data_ptr() + 4 * r0 * a.stride(0),
+            a.data_ptr() + size * r0 * a.stride(0),
             a.stride(0),
-            b.data_ptr() + 4 * r0 * b.stride(0),
+            b.data_ptr() + size * r0 * b.stride(0),
             b.stride(0),
             outs[p].data_ptr(),
             n,
@@ -209,15 +252,13 @@ def _native_at_b_batch_split(
             m,
             n,
             r1 - r0,
-            _WGRAD_ISA,
+            *isa,
         )
 
     # an even split: the partial sums are added, and must not depend on timing
-    failed = any(
-        native.parallel_call(lib, "recscale_weight_grad", batch, args, parts, adaptive=False)
-    )
+    failed = any(native.parallel_call(lib, fn, batch, args, parts, adaptive=False))
     if failed:
-        return torch.mm(a.t(), b), (a.sum(0) if sum_a else b.sum(0) if sum_b else None)
+        return _torch_at_b(a, b, sum_a, sum_b)
     return _sum_parts(outs), _sum_parts(part_sums) if sums is not None else None
 
 

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 24
+#define RECSCALE_NATIVE_ABI 25
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -49,6 +49,9 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
 int recscale_weight_grad(const float *g, int64_t ldg, const float *x, int64_t ldx, float *dw,
                          int64_t lddw, float *db, float *xs, int64_t out, int64_t in,
                          int64_t batch, int64_t isa);
+int recscale_weight_grad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx,
+                              float *dw, int64_t lddw, float *db, float *xs, int64_t out,
+                              int64_t in, int64_t batch);
 int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask, int64_t ldm,
                                 const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
                                 int64_t out, int64_t in, int64_t batch);

@@ -50,7 +50,7 @@ int recscale_team_init(const char *path) {
 }
 
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
-       K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, K_UNIQUE_PROBE, N_KERNELS };
+       K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, K_UNIQUE_PROBE, K_WEIGHT_GRAD_BF16, N_KERNELS };
 static const char *const kernel_names[N_KERNELS] = {
     [K_LOOKUP] = "recscale_pooled_lookup",
     [K_SPARSE_UPDATE] = "recscale_sparse_update",
@@ -61,6 +61,7 @@ static const char *const kernel_names[N_KERNELS] = {
     [K_DOT_BACKWARD] = "recscale_dot_backward",
     [K_ROW_MOVE] = "recscale_row_move",
     [K_UNIQUE_PROBE] = "recscale_unique_probe_part",
+    [K_WEIGHT_GRAD_BF16] = "recscale_weight_grad_bf16",
 };
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
@@ -86,6 +87,9 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_WEIGHT_GRAD:
         return recscale_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9),
                                     I(10), I(11));
+    case K_WEIGHT_GRAD_BF16:
+        return recscale_weight_grad_bf16(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8),
+                                         I(9), I(10));
     case K_NARROW_WGRAD:
         return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
                                            I(9), I(10), I(11));

@@ -1,0 +1,187 @@
+"""bf16 MLPs on a CPU: the native bf16 weight gradient (``native/weight_grad_bf16.c``)
+against float64, and the bf16 autograd node (``modules/mlp.py``'s ``_FusedMLPBF16``)
+against a float64 emulation of the same rounding points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recscale import native
+from recscale.modules import gemm
+from recscale.modules.mlp import MLP, fused_bf16_applies
+
+BF16 = torch.bfloat16
+
+
+def _needs_native_bf16() -> None:
+    if not gemm.native_bf16_wgrad():
+        pytest.skip(f"no AVX512-BF16 weight-gradient kernel here: {native.status()}")
+
+
+@pytest.mark.parametrize("bias_grad", [True, False])
+@pytest.mark.parametrize(
+    "batch,out,inp,strided",
+    [
+        (0, 7, 9, False),  # no samples: zero gradients
+        (1, 6, 1, False),  # one sample (a pair with zero), one column
+        (300, 1, 256, False),  # a logit's weight gradient: one row of one edge tile
+        (127, 6, 16, False),  # a block of 64 pairs minus one sample (the odd one alone)
+        (129, 13, 17, True),  # two blocks and one sample; edge tile rows 1, columns 1
+        (300, 70, 130, True),  # split over two threads; 3 column blocks, the last 2 wide
+        (257, 64, 50, False),  # 4-row edge tile, 4 vectors with the last 2 lanes
+        (256, 512, 13, False),  # a narrow input: operands swapped, the bias from xs
+        (129, 100, 7, True),  # narrow and strided
+        (600, 8, 20, False),  # samples split into odd parts
+    ],
+)
+@pytest.mark.parametrize("split", ["outputs", "samples"])
+def test_native_bf16_weight_grad_is_the_fp32_sum_of_exact_products(
+    batch, out, inp, strided, bias_grad, split, monkeypatch
+):
+    """dW = g^T x and db = g.sum(0) of bf16 operands, in fp32: each product of two bf16
+    values is exact, so against float64 of the same values only fp32 sums differ (every
+    edge: pairs of samples with an odd one out, partial tiles and vectors, blocks across
+    threads, strided rows, the outputs or the samples split)."""
+    _needs_native_bf16()
+    monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # threads on however little work
+    monkeypatch.setattr(gemm, "_WGRAD_BATCH_SPLIT_BYTES", 0 if split == "outputs" else 1 << 40)
+    gen = torch.Generator().manual_seed(batch + out + inp)
+    pad = 3 if strided else 0
+    g = torch.randn(batch, out + pad, generator=gen).to(BF16)[:, pad:]
+    x = torch.randn(batch, inp + 2 * pad, generator=gen).to(BF16)[:, :inp]
+    assert gemm._native_bf16_wgrad_applies(g, x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dw, db = gemm.weight_grad(g, x, bias_grad=bias_grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert dw.dtype == torch.float32 and dw.shape == (out, inp) and dw.is_contiguous()
+    want = g.double().t() @ x.double()
+    torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * (batch + 1))
+    if bias_grad:
+        assert db.dtype == torch.float32
+        torch.testing.assert_close(
+            db.double(), g.double().sum(0), rtol=1e-5, atol=1e-5 * (batch + 1)
+        )
+    else:
+        assert db is None
+
+
+def test_bf16_weight_grad_without_the_kernel_is_fp32_too(monkeypatch):
+    """Where the kernel does not run (no AVX512-BF16, or switched off) the gradients of
+    bf16 operands still come back in fp32: torch's bf16 GEMM, widened."""
+    monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", False)
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(70, 24, generator=gen).to(BF16), torch.randn(70, 40, generator=gen).to(BF16)
+    dw, db = gemm.weight_grad(g, x, bias_grad=True)
+    assert dw.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(dw.double(), g.double().t() @ x.double(), rtol=1e-2, atol=5e-2)
+    torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-5, atol=1e-4)
+
+
+def _emulate(x, weights, biases, final_relu, upstream):
+    """The bf16 node's arithmetic in float64 with its rounding points: bf16 operands and
+    activations, fp32 bias (bf16 for a logit, as autocast's addmm), sums unrounded."""
+
+    def bf(t: torch.Tensor) -> torch.Tensor:
+        return t.to(BF16).double()
+
+    n = len(weights)
+    h = bf(x)
+    acts = [h]
+    for li, (w, b) in enumerate(zip(weights, biases)):
+        logit = w.shape[0] == 1
+        z = h @ bf(w).t() + (bf(b) if logit else b.double())
+        if li < n - 1 or final_relu:
+            z = z.clamp_min(0)
+        h = bf(z)
+        acts.append(h)
+    g = bf(upstream)
+    if final_relu:
+        g = g * (acts[n] > 0)
+    grads, grad_x = [None] * (2 * n), None
+    for li in range(n - 1, -1, -1):
+        w = bf(weights[li])
+        grads[2 * li], grads[2 * li + 1] = g.t() @ acts[li], g.sum(0)
+        g_in = bf(g * w) if w.shape[0] == 1 else bf(g @ w)
+        if li > 0:
+            g = g_in * (acts[li] > 0)
+        else:
+            grad_x = g_in
+    return h, grad_x, grads
+
+
+@pytest.mark.parametrize(
+    "in_dim,widths,final_relu,input_grad",
+    [
+        (13, [64, 32, 16], True, False),  # a bottom MLP: narrow input, ReLU at the end
+        (40, [48, 24, 1], False, True),  # a top MLP ending in a logit, its input's gradient
+        (29, [16], True, True),  # one layer
+    ],
+)
+def test_bf16_mlp_node_matches_a_float64_emulation_of_its_rounding(
+    in_dim, widths, final_relu, input_grad
+):
+    """Forward and backward of the bf16 node against float64 with the same bf16 rounding
+    points: agreement to fp32 sums. autocast's modules, which round the weight gradients
+    to bf16, sit further from it."""
+    _needs_native_bf16()
+    if gemm.ONEDNN_LINEAR is None:
+        pytest.skip("torch built without oneDNN")
+    ref = MLP(in_dim, widths, final_relu, generator=torch.Generator().manual_seed(0), fused=False)
+    node = MLP(in_dim, widths, final_relu, fused=True)
+    node.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(67, in_dim, generator=gen)  # an odd batch: the kernel's lone sample
+    upstream = torch.randn(67, widths[-1], generator=gen)
+    runs = []
+    for m in (node, ref):
+        xx = x.clone().requires_grad_(input_grad)
+        with torch.autocast("cpu", dtype=BF16):
+            assert fused_bf16_applies(xx)
+            y = m(xx)
+        assert (type(y.grad_fn).__name__ == "_FusedMLPBF16Backward") == (m is node)
+        assert y.dtype == BF16
+        (y.float() * upstream.to(BF16).float()).sum().backward()
+        runs.append((y.detach(), xx.grad, [p.grad for p in m.parameters()]))
+    linears = [m for m in ref.layers if isinstance(m, torch.nn.Linear)]
+    y_want, gx_want, g_want = _emulate(
+        x,
+        [m.weight.detach() for m in linears],
+        [m.bias.detach() for m in linears],
+        final_relu,
+        upstream,
+    )
+    (y_node, gx_node, g_node), (_, _, g_auto) = runs
+    torch.testing.assert_close(y_node.double(), y_want, rtol=1e-2, atol=1e-2)
+    if input_grad:
+        assert gx_node.dtype == torch.float32
+        torch.testing.assert_close(gx_node.double(), gx_want, rtol=1e-2, atol=1e-2)
+    else:
+        assert gx_node is None
+    for got, auto, want in zip(g_node, g_auto, g_want):
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        err = float((got.double() - want).norm() / want.norm())
+        assert err < 1e-4, err
+        if want.dim() == 2 and want.numel() > 1:  # autocast's bf16-rounded weight gradients
+            assert float((auto.double() - want).norm() / want.norm()) > err
+
+
+def test_the_bf16_node_runs_only_where_bf16_is_native(monkeypatch):
+    """Switched off (or without AVX512-BF16 or oneDNN), an MLP under bf16 autocast runs
+    autocast's modules: the GEMMs of a CPU that emulates bf16 go through its dispatch
+    mode, which the node's oneDNN calls would pass by."""
+    m = MLP(8, [16, 4], True)
+    x = torch.randn(5, 8)
+    monkeypatch.setattr(gemm, "USE_FUSED_BF16", False)
+    with torch.autocast("cpu", dtype=BF16):
+        assert not fused_bf16_applies(x)
+        y = m(x)
+    assert type(y.grad_fn).__name__ != "_FusedMLPBF16Backward"
+    assert not fused_bf16_applies(x)  # no autocast
+    monkeypatch.setattr(gemm, "USE_FUSED_BF16", True)
+    monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", False)
+    with torch.autocast("cpu", dtype=BF16):
+        assert not fused_bf16_applies(x)
