@@ -34,6 +34,7 @@ setup(
                 "src/recscale/native/recscale_native.h",
                 "src/recscale/native/row_format.h",
                 "src/recscale/native/weight_grad_driver.h",
+                "src/recscale/native/weight_grad_tile.h",
             ],
             # dlopen/dlsym (team.c): in libc itself since glibc 2.34, in libdl before
             libraries=["dl"] if sys.platform.startswith("linux") else [],

@@ -43,6 +43,17 @@ from torch import nn
 from recscale.modules import gemm
 
 
+def _saved(ctx, grad_out: torch.Tensor) -> tuple:
+    """A node's backward inputs: ``(activations, weights, g)`` with ``g`` the gradient at
+    the last layer's output (through its ReLU when there is one: out of place, since
+    ``grad_out`` is not ours to modify). The forward saved ``*acts, *weights``."""
+    saved = ctx.saved_tensors
+    n = (len(saved) - 1) // 2
+    acts, weights = saved[: n + 1], saved[n + 1 :]
+    g = torch.ops.aten.threshold_backward(grad_out, acts[n], 0.0) if ctx.final_relu else grad_out
+    return acts, weights, g
+
+
 class _FusedMLP(torch.autograd.Function):
     """``x [B, in] -> [B, out]`` through layers ``(W_l [o, i], b_l [o])``, ReLU after
     every layer but the last (and after the last too if ``final_relu``).
@@ -72,12 +83,8 @@ class _FusedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        n = (len(saved) - 1) // 2
-        acts, weights = saved[: n + 1], saved[n + 1 :]
-        g = grad_out
-        if ctx.final_relu:  # grad_out is not ours to modify: out of place once
-            g = torch.ops.aten.threshold_backward(g, acts[n], 0.0)
+        acts, weights, g = _saved(ctx, grad_out)
+        n = len(weights)
         grads: list[torch.Tensor | None] = [None] * (2 * n)
         grad_x = None
         mask = None  # set when the first layer's ReLU mask is left to its own kernel
@@ -162,12 +169,8 @@ class _FusedMLPBF16(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        n = (len(saved) - 1) // 2
-        acts, weights = saved[: n + 1], saved[n + 1 :]
-        g = grad_out.to(torch.bfloat16)
-        if ctx.final_relu:  # grad_out is not ours to modify: out of place once
-            g = torch.ops.aten.threshold_backward(g, acts[n], 0.0)
+        acts, weights, g = _saved(ctx, grad_out.to(torch.bfloat16))
+        n = len(weights)
         grads: list[torch.Tensor | None] = [None] * (2 * n)
         grad_x = None
         for li in range(n - 1, -1, -1):

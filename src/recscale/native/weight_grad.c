@@ -58,6 +58,7 @@
 #ifndef KC
 #define KC 64
 #endif
+#include "weight_grad_tile.h"
 
 /* c[r, j] (row stride ldc; rows x cols valid) = or += the 6 x (16 nq) tile
  * sum_k gp[k, r] xp[k, j] (xp rows of 64); nq is a constant at each call site. */
@@ -75,22 +76,7 @@ micro512(const int nq, int64_t kc, const float *restrict gp, const float *restri
             for (int q = 0; q < nq; ++q) a[r][q] = _mm512_fmadd_ps(gv, xv[q], a[r][q]);
         }
     }
-    if (rows == MR && cols == 16 * nq) {
-        for (int r = 0; r < MR; ++r)
-            for (int q = 0; q < nq; ++q) {
-                float *p = c + r * ldc + 16 * q;
-                _mm512_storeu_ps(p, accumulate ? _mm512_add_ps(a[r][q], _mm512_loadu_ps(p))
-                                               : a[r][q]);
-            }
-        return;
-    }
-    /* an edge tile: through a buffer (masked stores are slow on AMD's cores) */
-    float tmp[MR][64] __attribute__((aligned(64)));
-    for (int r = 0; r < MR; ++r)
-        for (int q = 0; q < nq; ++q) _mm512_store_ps(&tmp[r][16 * q], a[r][q]);
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < cols; ++j)
-            c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[r][j] : tmp[r][j];
+    store_tile512(nq, a, c, ldc, rows, cols, accumulate);
 }
 
 /* The same with ymm registers: a 6 x (8 nq) tile, nq <= 2, xp rows of 16. */

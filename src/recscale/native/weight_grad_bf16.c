@@ -39,6 +39,7 @@
 #define MR 6
 #define NB 64 /* inputs per packed block */
 #define KP 64 /* sample pairs per packed block: 32 KB of xp, 1.5 KB of a g tile */
+#include "weight_grad_tile.h"
 
 /* Lane j = a[j] | b[j] << 16 for j < n (n <= 16; b NULL: zero), zero past n. */
 RS_BF static inline __m512i pair16(const uint16_t *a, const uint16_t *b, int64_t n) {
@@ -84,21 +85,7 @@ micro(const int nq, int64_t kp, const uint32_t *restrict gp, const uint32_t *res
                 a[r][q] = _mm512_dpbf16_ps(a[r][q], (__m512bh)gv, (__m512bh)xv[q]);
         }
     }
-    if (rows == MR && cols == 16 * nq) {
-        for (int r = 0; r < MR; ++r)
-            for (int q = 0; q < nq; ++q) {
-                float *p = c + r * ldc + 16 * q;
-                _mm512_storeu_ps(p, accumulate ? _mm512_add_ps(a[r][q], _mm512_loadu_ps(p))
-                                               : a[r][q]);
-            }
-        return;
-    }
-    float tmp[MR][64] __attribute__((aligned(64))); /* an edge tile, through a buffer */
-    for (int r = 0; r < MR; ++r)
-        for (int q = 0; q < nq; ++q) _mm512_store_ps(&tmp[r][16 * q], a[r][q]);
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < cols; ++j)
-            c[r * ldc + j] = accumulate ? c[r * ldc + j] + tmp[r][j] : tmp[r][j];
+    store_tile512(nq, a, c, ldc, rows, cols, accumulate);
 }
 
 /* Pack ks samples (kp = ceil(ks / 2) pairs) of g and x, rows read in order; grow is a
