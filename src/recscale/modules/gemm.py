@@ -13,8 +13,10 @@ level with MKL isolated, config A's step 2% faster; the bias gradient summed on 
 way). A logit layer (``n -> 1``) has its own one-pass
 kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first layer (13 ->
 512) its forward (:func:`narrow_forward`) and a weight gradient that applies the layer's
-ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). Anything other than fp32
-CPU tensors (CUDA, bf16) goes to torch's own ops.
+ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). bf16 weight gradients
+on a CPU with AVX512-BF16 run ``native/weight_grad_bf16.c`` (fp32 results, the bias
+gradient on the way: the MLPs' bf16 node); anything else other than fp32 CPU tensors
+(CUDA, bf16 elsewhere) goes to torch's own ops.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def native_bf16_wgrad() -> bool:
 
 
 def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    # any number of outputs: a logit's (256 -> 1) takes 0.05 ms more than torch's GEMV,
+    # whose result is rounded to bf16, and its gradient comes out in fp32 like the rest
     return (
         all(
             t.device.type == "cpu"
@@ -123,8 +127,8 @@ def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
             for t in (g, x)
         )
         and g.shape[0] == x.shape[0]
-        and native_bf16_wgrad()  # a logit (1 output) too: 0.05 ms more than torch's
-    )  # bf16-rounded GEMV at 256 -> 1, for its gradient in fp32
+        and native_bf16_wgrad()
+    )
 
 
 def weight_grad(
