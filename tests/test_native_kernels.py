@@ -72,20 +72,25 @@ def test_parallel_for_covers_the_range_once_and_raises_worker_errors():
         native.parallel_for(8, fail, 2)
 
 
-@pytest.fixture(params=["wide", "tiles", "avx2"])
+@pytest.fixture(params=["wide", "wide-streamed", "tiles", "avx2"])
 def wide_interaction(request):
     """Every native interaction path for d >= 64: the AVX-512 tiles
-    (native/dot_interaction_avx512.c, where the CPU has AVX-512), the AVX2 forward tiles
-    (2 x 4 rows; the backward then takes the AVX2 kernel) and the AVX2 pair kernels."""
+    (native/dot_interaction_avx512.c, where the CPU has AVX-512; "streamed": its
+    backward's non-temporal stores, which large batches take, at any size), the AVX2
+    forward tiles (2 x 4 rows; the backward then takes the AVX2 kernel) and the AVX2
+    pair kernels."""
     import ctypes
 
-    if request.param == "wide" and not native.has_avx512():
+    if request.param.startswith("wide") and not native.has_avx512():
         pytest.skip(f"AVX-512 interaction kernels: {native.status()}")
     flag = ctypes.c_int.in_dll(native.library(), "recscale_dot_wide")
-    saved = flag.value
-    flag.value = {"wide": 1, "tiles": 2, "avx2": 0}[request.param]
+    stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
+    saved = flag.value, stream.value
+    flag.value = {"wide": 1, "wide-streamed": 1, "tiles": 2, "avx2": 0}[request.param]
+    if request.param == "wide-streamed":
+        stream.value = 0
     yield request.param
-    flag.value = saved
+    flag.value, stream.value = saved
 
 
 def test_split_covers_the_range_with_every_part_non_empty():
@@ -129,7 +134,7 @@ _DIMS = [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3
 @pytest.mark.parametrize(
     "dim,num_f,wide_interaction",
     [(d, f, "avx2") for d, f in _DIMS]
-    + [(d, f, kind) for d, f in _DIMS if d >= 64 for kind in ("wide", "tiles")],
+    + [(d, f, kind) for d, f in _DIMS if d >= 64 for kind in ("wide", "wide-streamed", "tiles")],
     indirect=["wide_interaction"],
 )  # 80: a 64-float block and a 16-float one; 48: below the tiles (d >= 64); 128 x 1 with
 # dense features: k = 2, one tile mostly past k

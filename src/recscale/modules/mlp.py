@@ -143,7 +143,7 @@ class _FusedMLPBF16(torch.autograd.Function):
     gradients come out of one native pass in fp32 (``native/weight_grad_bf16.c``) where
     autocast rounds the weight gradient to bf16, casts it back and sums the bias in a
     pass of its own. In the step, alternating with autocast's modules on a Zen 4 VM
-    (AVX512-BF16; ``benchmarks/bf16_mlp_node.py``): config A faster in 27 of 34 rounds
+    (AVX512-BF16; ``benchmarks/step_ab.py``): config A faster in 27 of 34 rounds
     (medians 21.8-25.2 ms against 22.7-26.4), B in 10 of 12 (91.9-93.2 against 93.3-97.3)."""
 
     @staticmethod

@@ -24,6 +24,13 @@
 
 #define RS_AVX512 __attribute__((target("avx512f")))
 
+/* The backward writes a part's gradient rows with non-temporal stores when they come to
+ * at least this many bytes (tests set 0 to reach those stores at any size). Config B's
+ * 27 MB of embedding gradients (2048 x 27 x 128 fp32) would not stay in the caches until
+ * the sparse update reads them, and a plain store first reads each line it writes
+ * (write-allocate): streamed, B's bf16 step 93.0 -> 91.4 ms (docs/performance.md). */
+int64_t recscale_dot_stream_bytes = (int64_t)8 << 20;
+
 
 /* Share `part` of `parts` of the 64-byte lines of a sample's embedding rows (row f at
  * e + f * esf, d floats each: `lines` in all) into the L1: spread over a sample's work,
@@ -130,7 +137,8 @@ RS_AVX512 int recscale_dot_forward_wide(const float *dense, const float *emb, fl
  * G[r][j] for j >= r and G[j][r] below, so j runs in three ranges of fixed addressing. */
 RS_AVX512 static inline __attribute__((always_inline)) void
 grad_block(const float *restrict G, int64_t kp, const float *const *rows, int64_t k, int64_t i0,
-           int64_t c, const int nq, float *const *dst, const float *gpass, int64_t e0) {
+           int64_t c, const int nq, float *const *dst, const float *gpass, int64_t e0,
+           int stream) {
     __m512 acc[4][4];
     for (int u = 0; u < 4; ++u)
         for (int q = 0; q < nq; ++q) acc[u][q] = _mm512_setzero_ps();
@@ -155,7 +163,11 @@ grad_block(const float *restrict G, int64_t kp, const float *const *rows, int64_
         for (int q = 0; q < nq; ++q) {
             __m512 v = acc[u][q];
             if (r < e0) v = _mm512_add_ps(v, _mm512_loadu_ps(gpass + c + 16 * q));
-            _mm512_storeu_ps(dst[r] + c + 16 * q, v);
+            float *o = dst[r] + c + 16 * q;
+            if (stream && ((uintptr_t)o & 63) == 0)
+                _mm512_stream_ps(o, v);
+            else
+                _mm512_storeu_ps(o, v);
         }
     }
 }
@@ -167,6 +179,7 @@ backward_wide(const float *dense, const float *emb, const float *g, float *grad_
               int64_t gsf, float *G, int64_t kp, const float **rows, float **dst) {
     const int64_t first = e0 * d, lines = (k - e0) * (d / 16), ngroups = kp / 4;
     const int64_t steps = ngroups * ((d + 63) / 64);
+    const int stream = (b1 - b0) * k * d * (int64_t)sizeof(float) >= recscale_dot_stream_bytes;
     for (int64_t b = b0; b < b1; ++b) {
         const float *gb = g + b * width;
         if (e0) {
@@ -191,10 +204,10 @@ backward_wide(const float *dense, const float *emb, const float *g, float *grad_
             for (int64_t i0 = 0; i0 < kp; i0 += 4, ++step) {
                 if (b + 1 < b1) prefetch_share(emb + (b + 1) * esb, esf, d, lines, step, steps);
                 switch (d - c >= 64 ? 4 : (d - c) / 16) {
-                case 4: grad_block(G, kp, rows, k, i0, c, 4, dst, gb, e0); break;
-                case 3: grad_block(G, kp, rows, k, i0, c, 3, dst, gb, e0); break;
-                case 2: grad_block(G, kp, rows, k, i0, c, 2, dst, gb, e0); break;
-                default: grad_block(G, kp, rows, k, i0, c, 1, dst, gb, e0); break;
+                case 4: grad_block(G, kp, rows, k, i0, c, 4, dst, gb, e0, stream); break;
+                case 3: grad_block(G, kp, rows, k, i0, c, 3, dst, gb, e0, stream); break;
+                case 2: grad_block(G, kp, rows, k, i0, c, 2, dst, gb, e0, stream); break;
+                default: grad_block(G, kp, rows, k, i0, c, 1, dst, gb, e0, stream); break;
                 }
             }
     }
@@ -220,6 +233,7 @@ RS_AVX512 int recscale_dot_backward_wide(const float *dense, const float *emb, c
         else
             backward_wide(dense, emb, g, grad_dense, grad_emb, b0, b1, k, d, e0, offset, width,
                           dsb, esb, esf, gsb, gsf, G, kp, rows, dst);
+        _mm_sfence(); /* the streamed stores visible before the caller reads them */
         rc = 0;
     }
     free(G);

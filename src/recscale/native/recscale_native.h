@@ -126,8 +126,9 @@ __attribute__((visibility("hidden"))) void recscale_tile_scratch_free(float *zer
                                                                       const float **rows,
                                                                       int64_t *start);
 
-/* Test hooks (set through ctypes): which kernel width runs. */
-extern int recscale_dot_wide;   /* dot_interaction.c */
-extern int recscale_narrow_isa; /* narrow_layer.c */
+/* Test hooks (set through ctypes): which kernel width runs, when stores stream. */
+extern int recscale_dot_wide;                 /* dot_interaction.c */
+extern int recscale_narrow_isa;               /* narrow_layer.c */
+extern int64_t recscale_dot_stream_bytes;     /* dot_interaction_avx512.c */
 
 #endif

@@ -1,0 +1,105 @@
+"""A training step with one switch on against off, alternating in one process (a shared
+VM drifts by more than the differences this measures).
+
+    python benchmarks/step_ab.py --switch bf16_node --config A --rounds 10
+    python benchmarks/step_ab.py --switch bf16_node --config B --rounds 6 \
+        --embedding.row_precision=split_bf16
+    python benchmarks/step_ab.py --switch dot_stream --config B --rounds 6 \
+        --train.precision=bf16 --embedding.row_precision=split_bf16
+
+Switches (on = what recscale runs):
+
+    bf16_node   modules/mlp.py's _FusedMLPBF16 against autocast's nn.Linear modules
+                (gemm.USE_FUSED_BF16; runs train.precision=bf16, on CPUs with AVX512-BF16)
+    dot_stream  the dot interaction's backward writing large gradients with
+                non-temporal stores, against plain stores (recscale_dot_stream_bytes)
+
+Each round times ``--steps`` steps on and as many off (one untimed step after each
+switch; the order swapped every round) on the same batches, made once. Prints each
+round's median step time for both and the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+
+from recscale import native
+from recscale.config import load_config
+from recscale.distributed import DistContext
+from recscale.modules import gemm
+from recscale.train.data_source import make_synthetic
+from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.parallel import build
+from recscale.train.step import backward_and_step, forward_loss, setup_process, start_steps
+
+
+def _bf16_node(on: bool) -> None:
+    gemm.USE_FUSED_BF16 = on
+
+
+def _dot_stream(on: bool) -> None:
+    stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
+    if not hasattr(_dot_stream, "default"):
+        _dot_stream.default = stream.value  # type: ignore[attr-defined]
+    stream.value = _dot_stream.default if on else 1 << 62  # type: ignore[attr-defined]
+
+
+SWITCHES: dict[str, Callable[[bool], None]] = {"bf16_node": _bf16_node, "dot_stream": _dot_stream}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
+    ap.add_argument("--config", default="A")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per side a round")
+    args, overrides = ap.parse_known_args()
+    if args.switch == "bf16_node":
+        if not gemm.native_bf16_wgrad():
+            raise SystemExit("this CPU has no AVX512-BF16: the bf16 node does not run here")
+        overrides = [*overrides, "--train.precision=bf16"]
+    if args.switch == "dot_stream" and not native.has_avx512():
+        raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")
+    cfg = load_config(args.config, overrides)
+    device, _ = setup_process(cfg)
+    model, _, _ = build(cfg, DistContext(device=device), print)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    data = make_synthetic(cfg)
+    start_steps(cfg)
+    batches = [data.batch(i, cfg.train.batch_size) for i in range(8)]
+    precision = cfg.train.precision
+    k = 0
+
+    def step() -> float:
+        nonlocal k
+        t = time.perf_counter()
+        loss = forward_loss(model, batches[k % len(batches)], precision, device)
+        backward_and_step(loss, opt, precision, device)
+        k += 1
+        return time.perf_counter() - t
+
+    for _ in range(6):  # warm-up
+        step()
+    medians: dict[bool, list[float]] = {True: [], False: []}
+    flip = SWITCHES[args.switch]
+    for r in range(args.rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            flip(on)
+            step()
+            medians[on].append(1e3 * statistics.median(step() for _ in range(args.steps)))
+        print(f"round {r + 1}: on {medians[True][-1]:.2f} ms, off {medians[False][-1]:.2f} ms")
+    flip(True)
+    on, off = statistics.median(medians[True]), statistics.median(medians[False])
+    wins = sum(a < b for a, b in zip(medians[True], medians[False]))
+    print(
+        f"config {args.config}, {args.switch}: on {on:.2f} ms/step, off {off:.2f} "
+        f"(median of {args.rounds} rounds; on faster in {wins})"
+    )
+
+
+if __name__ == "__main__":
+    main()
