@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_resume_identical
 
 from recscale import native
 from recscale.modules import gemm
@@ -185,3 +186,11 @@ def test_the_bf16_node_runs_only_where_bf16_is_native(monkeypatch):
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", False)
     with torch.autocast("cpu", dtype=BF16):
         assert not fused_bf16_applies(x)
+
+
+def test_a_bf16_run_resumes_bitwise(tmp_path):
+    """train.precision=bf16 stopped at step 40 and resumed gives the losses of an
+    uninterrupted run (the node's sums split the same way every step: its thread split
+    of the weight gradient is even where partial sums are added); on a CPU without
+    AVX512-BF16 the same for autocast's modules."""
+    assert_resume_identical(tmp_path, ["--train.precision=bf16"])
