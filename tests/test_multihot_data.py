@@ -113,11 +113,85 @@ def test_parquet_bad_rows_are_counted_with_file_and_row(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "metadata.json").read_text())
-    assert meta["bad_lines"]["counts"] == {"bad label": 1, "non-hex category": 1}
+    assert meta["bad_lines"]["counts"] == {"bad label": 1, "id outside 0..2^32-1": 1}
     assert meta["bad_lines"]["examples"]["bad label"] == [f"{tmp_path / 'bad.parquet'}:8"]
     assert meta["splits"]["train"]["rows"] == 48
     r, _ = _preprocess(tmp_path, [tmp_path / "bad.parquet"], "--mode", "vocab")
     assert r.returncode == 1 and "--mode hash only" in r.stderr
+
+
+def test_parquet_bad_ids_are_named_by_what_is_wrong(tmp_path):
+    """Integer ids are not hex text: a null id inside a bag and an id outside 0..2^32-1
+    (negative, 2^32, unsigned 2^64-1 - which a cast through float64 rounded) are each
+    counted under their own kind with file:row, not as "non-hex category"; a null bag is
+    an empty one; 2^32-1 is a good id."""
+    table, _, _ = _bags_table(40, seed=5)
+    n = table.num_rows
+
+    def put(name, values, type_):
+        return table.set_column(table.schema.get_field_index(name), name, pa.array(values, type_))
+
+    c3 = table.column("C3").to_pylist()
+    c3[2], c3[5], c3[9] = [1, None], None, [2**32 - 1]
+    table = put("C3", c3, pa.list_(pa.int64()))
+    c7 = [[1]] * n
+    c7[4], c7[6] = [2**64 - 1], [2**32]
+    table = put("C7", c7, pa.list_(pa.uint64()))
+    c9 = list(range(n))  # a scalar integer column among the lists: a bag of one
+    c9[8] = -1
+    table = put("C9", c9, pa.int64())
+    pq.write_table(table, tmp_path / "ids.parquet")
+    r, out = _preprocess(
+        tmp_path, [tmp_path / "ids.parquet"], "--split", "none", "--max-bad-fraction", "0.2"
+    )
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    bad = meta["bad_lines"]
+    assert bad["counts"] == {"null id in a bag": 1, "id outside 0..2^32-1": 3}
+    where = str(tmp_path / "ids.parquet")
+    assert bad["examples"]["null id in a bag"] == [f"{where}:3"]
+    assert bad["examples"]["id outside 0..2^32-1"] == [f"{where}:5", f"{where}:7", f"{where}:9"]
+    assert meta["splits"]["train"]["rows"] == n - 4
+
+
+def test_parquet_one_hot_integer_ids_outside_32_bits_are_named(tmp_path):
+    """Criteo Parquet with integer categories (one-hot): a negative id and unsigned
+    2^64-1 are "id outside 0..2^32-1" with file:row; null is a missing category."""
+    n = 30
+    cols = {"label": pa.array([k % 2 for k in range(n)], pa.int64())}
+    cols |= {f"I{k}": pa.array([k] * n, pa.int64()) for k in range(1, 14)}
+    cols |= {f"C{k}": pa.array([k * 7 + r for r in range(n)], pa.int64()) for k in range(1, 27)}
+    c2 = list(range(n))
+    c2[3], c2[4], c2[11] = -5, None, 2**32 - 1
+    cols["C2"] = pa.array(c2, pa.int64())
+    c4 = [1] * n
+    c4[6] = 2**64 - 1
+    cols["C4"] = pa.array(c4, pa.uint64())
+    pq.write_table(pa.table(cols), tmp_path / "ids.parquet")
+    r, out = _preprocess(
+        tmp_path, [tmp_path / "ids.parquet"], "--split", "none", "--max-bad-fraction", "0.2"
+    )
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    bad = meta["bad_lines"]
+    where = str(tmp_path / "ids.parquet")
+    assert bad["counts"] == {"id outside 0..2^32-1": 2}
+    assert bad["examples"]["id outside 0..2^32-1"] == [f"{where}:4", f"{where}:7"]
+    assert meta["splits"]["train"]["rows"] == n - 2
+
+
+def test_multi_hot_parquet_with_a_text_column_names_it(tmp_path):
+    """A list column makes the file multi-hot; a hex-string column beside it is named
+    with what the multi-hot reader takes (was "want list<int> or int", which read as if
+    the list column were wrong)."""
+    table, _, _ = _bags_table(10, seed=6)
+    i = table.schema.get_field_index("C4")
+    table = table.set_column(i, "C4", pa.array(["0a"] * 10))
+    pq.write_table(table, tmp_path / "mixed.parquet")
+    r, out = _preprocess(tmp_path, [tmp_path / "mixed.parquet"], "--split", "none")
+    assert r.returncode == 1 and not out.exists()
+    assert "column C4: is string; multi-hot Parquet" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_file_whose_rows_are_all_bad_is_counted_not_a_crash(tmp_path):

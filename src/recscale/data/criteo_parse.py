@@ -13,7 +13,10 @@ Every line gets a status; a bad line writes nothing and is reported by kind::
     1 wrong field count   2 bad label   3 non-integer dense value   4 non-hex category
 
 A line without 40 fields is kind 1 whatever else is wrong with it (a file separated
-by spaces or commas, a blank line).
+by spaces or commas, a blank line). Parquet rows with integer ids add two kinds the
+text never has (``data/sources.py``, ``dataprep/multihot_parquet.py``)::
+
+    5 id outside 0..2^32-1   6 null id in a bag
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ BAD_KINDS = {
     2: "bad label",
     3: "non-integer dense value",
     4: "non-hex category",
+    5: "id outside 0..2^32-1",
+    6: "null id in a bag",
 }
+BAD_LABEL, BAD_ID_RANGE, BAD_NULL_ID = 2, 5, 6
 TRUNCATED_GZIP = "truncated gzip"
 
 

@@ -22,7 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from recscale.data.columns import DatasetError
-from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE, ParsedChunk
+from recscale.data.criteo_parse import (
+    BAD_ID_RANGE,
+    BAD_LABEL,
+    NUM_CAT,
+    NUM_DENSE,
+    ParsedChunk,
+)
 from recscale.data.prefetch import Prefetcher
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -278,22 +284,23 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
                 f"{path}: column 'label' is {rb.column('label').type}, not 0/1"
             ) from None
         # 0 or 1 exactly: 0.5 (a probability, a soft label) was truncated to 0 and kept
-        status[~np.isin(label, (0.0, 1.0))] = 2
-        label = np.where(status == 2, 0, label).astype(np.int64)
+        status[~np.isin(label, (0.0, 1.0))] = BAD_LABEL
+        label = np.where(status == BAD_LABEL, 0, label).astype(np.int64)
         dense = parquet_dense(rb, path)
         cats = np.zeros((n, NUM_CAT), np.uint32)
         miss_bits = np.zeros(n, np.uint32)
         for k in range(NUM_CAT):
             col = rb.column(f"C{k + 1}")
-            if pa.types.is_integer(col.type):
-                v = col.to_numpy(zero_copy_only=False)
-                miss = np.isnan(v.astype(np.float64))
-                v = np.nan_to_num(v.astype(np.float64), nan=0.0)
-                bad = (v < 0) | (v >= 2**32)
+            if pa.types.is_integer(col.type):  # ids as they are: 0..2^32-1
+                miss = np.asarray(col.is_null().to_numpy(zero_copy_only=False))
+                v = col.fill_null(0).to_numpy(zero_copy_only=False)
+                # compared in the column's own type: through float64 2^64-1 was rounded
+                bad = (v >= 2**32) if v.dtype.kind == "u" else (v < 0) | (v >= 2**32)
                 vals = np.where(bad, 0, v).astype(np.uint32)
+                status[(status == 0) & bad] = BAD_ID_RANGE
             else:
                 vals, miss, bad = _hex_column(_category_column(col, path, f"C{k + 1}"))
-            status[(status == 0) & bad] = 4
+                status[(status == 0) & bad] = 4  # non-hex category
             cats[:, k] = vals
             miss_bits |= miss.astype(np.uint32) << np.uint32(k)
         good = status == 0

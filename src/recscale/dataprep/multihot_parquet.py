@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from recscale.data.criteo_parse import NUM_CAT, NUM_DENSE
+from recscale.data.criteo_parse import BAD_ID_RANGE, BAD_LABEL, BAD_NULL_ID, NUM_CAT, NUM_DENSE
 from recscale.data.dataset import segment_gather
 from recscale.data.multihot import open_split
 from recscale.data.sources import parquet_dense, parquet_schema
@@ -37,7 +37,6 @@ from recscale.dataprep.common import (
 from recscale.dataprep.multihot import MultiHotWriter
 
 BLOCK_ROWS = 1 << 18
-BAD_LABEL, BAD_ID = 2, 4  # criteo_parse.BAD_KINDS codes
 
 
 def is_multi_hot_parquet(path: Path) -> bool:
@@ -53,40 +52,48 @@ def is_multi_hot_parquet(path: Path) -> bool:
 
 
 def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A list or scalar integer column -> (lengths [n], raw values, bad [n])."""
+    """A list or scalar integer column -> (lengths [n], raw values, bad [n]): ``bad`` is
+    0 for a good row, else its ``criteo_parse.BAD_KINDS`` code (a null id inside a bag,
+    an id outside 0..2^32-1)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
+    bad = np.zeros(n, np.int8)
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
         if not pa.types.is_integer(col.type.value_type):
             raise ValueError(f"list column of {col.type.value_type}; ids must be integers")
         lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
         flat = pc.list_flatten(col)  # nulls dropped with their (empty) bags
-        v = flat.to_numpy(zero_copy_only=False)
+        nulls = np.asarray(flat.is_null().to_numpy(zero_copy_only=False))
+        v = _as_int64(flat.fill_null(0) if flat.null_count else flat)
         if flat.null_count:  # a null id inside a bag: the row is bad
-            nulls = np.isnan(v.astype(np.float64))
-            row_of = np.repeat(np.arange(n), lengths)
-            bad = np.zeros(n, bool)
-            bad[row_of[nulls]] = True
-            v = np.where(nulls, 0, np.nan_to_num(v.astype(np.float64))).astype(np.int64)
-        else:
-            bad = np.zeros(n, bool)
-        v = v.astype(np.int64)
+            bad[np.repeat(np.arange(n), lengths)[nulls]] = BAD_NULL_ID
     elif pa.types.is_integer(col.type):
         valid = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False))
         lengths = valid.astype(np.int64)
-        v = col.drop_null().to_numpy().astype(np.int64)
-        bad = np.zeros(n, bool)
+        v = _as_int64(col.drop_null())
     else:
-        raise ValueError(f"categorical column of type {col.type}; want list<int> or int")
+        raise ValueError(
+            f"is {col.type}; multi-hot Parquet (list columns in the first input) takes "
+            "list<integer> or integer categorical columns in every input"
+        )
     out_of_range = (v < 0) | (v >= 2**32)
     if out_of_range.any():
-        row_of = np.repeat(np.arange(n), lengths)
-        bad[row_of[out_of_range]] = True
+        rows = np.repeat(np.arange(n), lengths)[out_of_range]
+        bad[rows[bad[rows] == 0]] = BAD_ID_RANGE
         v = np.where(out_of_range, 0, v)
     return lengths, v.astype(np.uint32), bad
+
+
+def _as_int64(values) -> np.ndarray:
+    """Integer ids (no nulls) as int64; unsigned ones at 2^63 and above read as -1, which
+    is outside 0..2^32-1 as they are (a cast through float64 had rounded them)."""
+    v = values.to_numpy(zero_copy_only=False)
+    if v.dtype == np.uint64:
+        return np.where(v >= 2**63, np.uint64(2**64 - 1), v).astype(np.int64)
+    return v.astype(np.int64)
 
 
 def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
@@ -112,7 +119,7 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
                 lengths[:, k], v, bad = _bags(rb.column(f"C{k + 1}"), n)
             except ValueError as e:
                 raise ValueError(f"{path}: column C{k + 1}: {e}") from e
-            status[(status == 0) & bad] = BAD_ID
+            status = np.where(status == 0, bad, status)
             per_feature.append(v)
         report.add_statuses(status, path, first, examples)
         # row-major values: row r's bag of C1, then C2, ... (feature k's bags start at
