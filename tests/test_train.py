@@ -230,3 +230,37 @@ def test_interrupt_with_checkpointing_saves_a_resumable_checkpoint(tmp_path, mon
     )
     assert resumed["resumed_from_step"] == 33 and resumed["auc"] > 0.7
     assert any(line.startswith("eval on") for line in lines)
+
+
+def test_max_seconds_stops_at_a_step_boundary_says_so_and_saves(tmp_path, monkeypatch):
+    """train.max_seconds ends the run between steps: the model is evaluated, a checkpoint
+    holds the last step, and the run says it stopped for time (it read as a finished
+    run, with fewer steps and no word why)."""
+    original = SyntheticCriteo.batch
+
+    def slow(self, index, batch_size, split="train"):
+        if split == "train":
+            time.sleep(0.02)
+        return original(self, index, batch_size, split)
+
+    monkeypatch.setattr(SyntheticCriteo, "batch", slow)
+    lines = []
+    cfg = load_config(
+        "debug",
+        [
+            "--train.progress=false",
+            "--data.prefetch_batches=0",
+            "--train.max_seconds=0.4",
+            "--checkpoint.every_steps=1000",
+        ],
+    )
+    m = train(cfg, tmp_path, echo=lines.append)
+    assert 0 < m["steps"] < cfg.train.steps and not m["interrupted"]
+    assert m["stopped_by"] == "train.max_seconds" and m["auc"] is not None
+    assert m["checkpoints"]["last"] == f"step_{m['steps']:08d}"
+    assert (
+        f"stopped at step {m['steps']} of {cfg.train.steps}: train.max_seconds=0.4 reached" in lines
+    )
+    monkeypatch.setattr(SyntheticCriteo, "batch", original)
+    full = train(load_config("debug", ["--train.progress=false"]), None, echo=_quiet)
+    assert "stopped_by" not in full and full["steps"] == cfg.train.steps

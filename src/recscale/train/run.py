@@ -153,6 +153,7 @@ class LoopResult:
     evals: list[dict[str, Any]]  # train.eval_every: the validation scores along the way
     reached: dict[str, Any] | None  # train.target_auc: the evaluation that reached it
     stop_signal: str | None = None  # SIGINT / SIGTERM that stopped it on this rank
+    out_of_time: bool = False  # train.max_seconds ended it (on any rank) before train.steps
 
 
 def _settle_config(cfg: Config, run_dir: Path | None, echo) -> Config:
@@ -314,7 +315,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
     cached = bool(cached_storages(ebc))
     batches, wait_s, window_wait, cache_seen = iter(stream), 0.0, 0.0, (0, 0)
     step = saved_step = start_step
-    interrupted = False
+    interrupted = timed_out = False
     window_loss, window_steps, last_loss = 0.0, 0, float("nan")
     start = window_start = time.perf_counter()
     schedule = None
@@ -350,6 +351,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
                 )
                 if stop and math.isfinite(loss_value):
                     step -= 1  # this forward is dropped: the step boundary is the one before
+                    timed_out = not interrupted
                     break
                 if not math.isfinite(loss_value):
                     # Checked before backward: the fused sparse update must not apply a NaN step.
@@ -419,6 +421,7 @@ def train_loop(job: Job, start_step: int, resumed: bool) -> LoopResult:
         evals,
         reached_at,
         stop_signal,
+        timed_out,
     )
 
 
@@ -585,6 +588,11 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
             "last": st.last,
             "history": st.history,
         }
+    if loop.out_of_time:  # said, or a short run reads as a finished one
+        metrics["stopped_by"] = "train.max_seconds"
+        echo(
+            f"stopped at step {loop.step} of {t.steps}: train.max_seconds={t.max_seconds:g} reached"
+        )
     echo(
         f"trained {trained} steps in {loop.seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
     )
