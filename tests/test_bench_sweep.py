@@ -21,6 +21,8 @@ def test_grid_is_the_product_and_the_dim_keeps_the_dot_interaction_valid():
     over = point_overrides("debug", {"model.embedding_dim": "16"})
     cfg = load_config("debug", over)  # valid: the bottom MLP now ends at 16
     assert cfg.model.bottom_mlp[-1] == 16
+    over = point_overrides("debug", {"model.embedding_dim": "1e1"})  # as the loader reads it
+    assert load_config("debug", over).model.bottom_mlp[-1] == 10
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,8 @@ def test_grid_is_the_product_and_the_dim_keeps_the_dot_interaction_valid():
         ("model.nope=1,2", "model.nope"),
         ("train.batch_size=", "section.key=v1"),
         ("train.batch_size=0,8", "train.batch_size"),
+        # the dim's value read for the bottom MLP before the loader saw it: int("a")
+        ("model.embedding_dim=16,a", "model.embedding_dim': expected an integer, got 'a'"),
     ],
 )
 def test_bad_knobs_are_refused_naming_the_key(spec, match):

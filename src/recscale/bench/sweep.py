@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from recscale.config.errors import ConfigError
-from recscale.config.loader import load_config
+from recscale.config.loader import load_config, set_key
 from recscale.config.small_files import open_log, write_bytes_atomic
 
 STAGE_COLUMNS = (
@@ -64,8 +64,9 @@ def point_overrides(config: str | None, point: dict[str, str]) -> list[str]:
     over = [f"--{k}={v}" for k, v in point.items()]
     if "model.embedding_dim" in point and "model.bottom_mlp" not in point:
         base = load_config(config, [o for o in over if not o.startswith("--model.embedding_dim")])
+        set_key(base, "model.embedding_dim", point["model.embedding_dim"])  # "a": names it
         if base.model.interaction == "dot" and base.model.bottom_mlp:
-            mlp = [*base.model.bottom_mlp[:-1], int(point["model.embedding_dim"])]
+            mlp = [*base.model.bottom_mlp[:-1], base.model.embedding_dim]
             over.append(f"--model.bottom_mlp={','.join(map(str, mlp))}")
     return over
 
@@ -193,7 +194,7 @@ def run_sweep(
     rows = [done[tuple(p.values())] for p in points]
     for name in plot(rows, varies, out):
         echo(f"wrote {out / name}")
-    echo(f"wrote {csv_path} ({len(rows)} points)")
+    echo(f"wrote {csv_path} ({len(rows)} point{'s' if len(rows) != 1 else ''})")
     return rows
 
 
