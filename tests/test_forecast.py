@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import traceback
@@ -410,6 +411,29 @@ def test_plan_device_mistakes_are_one_line(args, words):
     r = run_cli("plan", *args)
     assert r.returncode != 0
     assert words in error_line(r.stderr)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--system", "ipex"], "--system': models another system's step on a catalogue"),
+        (["--device", "this", "--system", "dle"], "the calibrated host runs recscale's own"),
+        (["--precision", "bf16"], "--precision': sets a catalogue --device forecast's"),
+        (["--device-file", "DEVICES"], "--device-file': adds catalogue entries"),
+        (["--train-samples", "1e9"], "--train-samples': needs a step forecast"),
+    ],
+)
+def test_plan_refuses_forecast_flags_no_forecast_reads(tmp_path, args, words):
+    """Without a catalogue device these flags changed nothing and were dropped without a
+    word (``plan --system ipex`` printed recscale's own plan); with one they apply."""
+    devices = tmp_path / "devices.toml"
+    devices.write_text("")
+    args = [str(devices) if a == "DEVICES" else a for a in args]
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))  # no saved calibration
+    r = run_cli("plan", "--config", "debug", *args, env=env)
+    assert r.returncode == 2 and words in error_line(r.stderr)
+    ok = run_cli("plan", "--config", "debug", *args, "--device", "h100-sxm", env=env)
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_this_device_is_the_calibrated_model_under_the_forecasts_names(tmp_path):

@@ -44,9 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--system",
-        default="recscale",
-        help="whose step the forecast models (recscale; dle, hugectr, torchrec, ipex: the "
-        "published systems of benchmarks/forecast_validation.py)",
+        default=None,
+        help="whose step a --device forecast models (default recscale; dle, hugectr, "
+        "torchrec, ipex: the published systems of benchmarks/forecast_validation.py)",
     )
     p.add_argument(
         "--train-samples", type=float, default=None, help="forecast the time to train this many"
@@ -124,6 +124,27 @@ def check_args(args: argparse.Namespace, batch_size: int) -> None:
             raise ConfigError(flag, f"a number in [{low:g}, {top:g}], got {value:g}")
 
 
+def _refuse_forecast_flags(args: argparse.Namespace) -> None:
+    """Flags only a catalogue device's forecast reads, refused where none runs (they
+    were dropped without a word: ``plan --system ipex`` printed recscale's plan)."""
+    where = "the calibrated host" if args.device == THIS else "no --device"
+    if args.system is not None:
+        raise ConfigError(
+            "--system",
+            f"models another system's step on a catalogue --device; {where} runs recscale's own",
+        )
+    if args.precision is not None:
+        raise ConfigError(
+            "--precision",
+            f"sets a catalogue --device forecast's GEMMs; with {where} the "
+            "prediction is the calibration's, at train.precision (--train.precision=P)",
+        )
+    if args.device_file is not None:
+        raise ConfigError(
+            "--device-file", "adds catalogue entries for --device NAME or --list-devices"
+        )
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.device_file is not None and not Path(args.device_file).exists():
         raise ConfigError("--device-file", f"file not found: {args.device_file}")
@@ -139,6 +160,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     check_args(args, cfg.train.batch_size)
     if args.device is not None and args.device != THIS:
         return _forecast(cfg, args)
+    _refuse_forecast_flags(args)
     from recscale.planner.from_config import table_infos  # imports torch: not for --help
 
     tables = table_infos(cfg)
@@ -168,6 +190,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.device == THIS and pred is None:
         raise ConfigError(
             "--device", "'this' needs a calibration: run `recscale bench calibrate` (a minute)"
+        )
+    if args.train_samples and pred is None:  # no step forecast to divide it by
+        raise ConfigError(
+            "--train-samples",
+            "needs a step forecast: a catalogue --device, or this host's calibration "
+            "(`recscale bench calibrate`, a minute)",
         )
     if args.json:
         out = plan.to_dict()
@@ -289,10 +317,11 @@ def _forecast(cfg, args) -> int:
     from recscale.perfmodel.systems import SYSTEMS
 
     dev = device_spec(args.device, args.device_file)
-    if args.system not in SYSTEMS:
-        raise ConfigError("--system", f"unknown {args.system!r} (systems: {', '.join(SYSTEMS)})")
+    system = args.system or "recscale"
+    if system not in SYSTEMS:
+        raise ConfigError("--system", f"unknown {system!r} (systems: {', '.join(SYSTEMS)})")
     try:
-        f = forecast(cfg, dev, args.world_size, args.precision, SYSTEMS[args.system])
+        f = forecast(cfg, dev, args.world_size, args.precision, SYSTEMS[system])
     except PlanError as e:
         print_error(f"{dev.name} x {args.world_size}: {e}")
         return 1
