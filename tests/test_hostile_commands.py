@@ -93,6 +93,36 @@ def test_synth_tsv_names_a_directory_out_and_a_negative_seed_before_writing(tmp_
     assert rc == 1 and "--seed" in line and not out.exists()
 
 
+def test_outputs_that_are_fifos_or_devices_are_refused_not_replaced(tmp_path, capsys):
+    """synth-tsv renamed its finished file over --out: run as root with ``--out
+    /dev/null`` it left a regular file where the device was (and wrote
+    ``/dev/null.optimum.json``). Every whole-file replacement (calibrate --out, sweep
+    plots, run files) refuses a FIFO, device or socket at its name; a symbolic link is
+    replaced, its target untouched."""
+    from recscale.config.small_files import write_text_atomic
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    rc, line = _fails(capsys, "data", "synth-tsv", "--lines", "10", "--out", str(fifo))
+    assert rc == 1 and "it is a FIFO; refused" in line and "--out" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]  # no .optimum.json
+    os.mkfifo(tmp_path / "x.tsv.optimum.json")  # the side file too, before any writing
+    rc, line = _fails(
+        capsys, "data", "synth-tsv", "--lines", "10", "--out", str(tmp_path / "x.tsv")
+    )
+    assert rc == 1 and "x.tsv.optimum.json: it is a FIFO" in line
+    assert not (tmp_path / "x.tsv").exists()
+    with pytest.raises(OSError, match="it is a FIFO; refused"):
+        write_text_atomic(fifo, "{}")
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)
+    target = tmp_path / "target.json"
+    target.write_text("kept")
+    (tmp_path / "link.json").symlink_to(target)
+    write_text_atomic(tmp_path / "link.json", "new")
+    assert target.read_text() == "kept" and (tmp_path / "link.json").read_text() == "new"
+    assert not (tmp_path / "link.json").is_symlink()
+
+
 def test_metrics_that_are_undefined_are_written_as_null_json(tmp_path, capsys):
     """Ten lines leave one in the Kaggle test split: its AUC is undefined, and Python
     wrote it as NaN, which is not JSON (jq and JavaScript reject the file)."""

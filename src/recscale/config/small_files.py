@@ -12,6 +12,7 @@ is not a regular file, or is larger than ``MAX_BYTES``, is refused before it is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -115,9 +116,26 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def refuse_replacing_special(path: str | Path) -> None:
+    """An OSError where ``path`` is a device, FIFO or socket: a rename over it replaces
+    the node itself (as root, ``--out /dev/null`` left a regular file at /dev/null). A
+    regular file or a symbolic link (the link is replaced, never its target) passes."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+    kind = None if stat.S_ISLNK(mode) else not_a_file(mode)
+    if kind is not None:
+        raise OSError(errno.EEXIST, f"cannot write {path}: it is {kind}; refused (name a file)")
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """:func:`write_text_atomic` for bytes (a plot's PNG)."""
+    """:func:`write_text_atomic` for bytes (a plot's PNG); never over a device, FIFO or
+    socket (:func:`refuse_replacing_special`)."""
     path = Path(path)
+    refuse_replacing_special(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:

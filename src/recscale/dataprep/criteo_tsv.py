@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recscale.config.small_files import json_text, write_text_atomic
+from recscale.config.small_files import json_text, refuse_replacing_special, write_text_atomic
 from recscale.data.synthetic import zipf_ranks
 from recscale.units import size_text
 
@@ -117,6 +117,11 @@ def write_tsv(
     path = Path(path)
     if path.is_dir():  # found at the final rename, after all the writing, it was EISDIR
         raise ValueError(f"--out {path} is a directory; name a file (.tsv, or .tsv.gz)")
+    for target in (path, Path(str(path) + ".optimum.json")):  # renamed over at the end
+        try:
+            refuse_replacing_special(target)
+        except OSError as e:
+            raise ValueError(f"--out: {e.strerror}") from None
     if lines < 1:
         raise ValueError(f"--lines must be >= 1, got {lines}")
     if seed < 0:
