@@ -593,3 +593,43 @@ def test_a_config_with_a_byte_order_mark_reads_as_without(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")
     assert load_config(str(path)).train.steps == 3
+
+
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("NUMBA_NUM_THREADS", "0", "NUMBA_NUM_THREADS='0': a whole number >= 1"),
+        ("NUMBA_NUM_THREADS", "abc", "NUMBA_NUM_THREADS='abc': a whole number >= 1"),
+        ("NUMBA_THREADING_LAYER", "bogus", "NUMBA_THREADING_LAYER='bogus': one of workqueue"),
+        ("NUMBA_THREADING_LAYER", "tbb", "NUMBA_THREADING_LAYER='tbb': needs Intel TBB"),
+    ],
+)
+def test_numbas_environment_is_one_line_naming_the_variable(tmp_path, name, value, words):
+    """NUMBA_NUM_THREADS=0 was a traceback from numba's import, in any command that
+    loads the kernels; an unknown threading layer, or tbb without Intel TBB, a traceback
+    at the first parallel kernel, mid-run. (A fresh process: numba reads its
+    environment once, at import.)"""
+    from helpers import cli
+
+    if value == "tbb":
+        import importlib.util
+
+        if importlib.util.find_spec("tbb") is not None:
+            pytest.skip("Intel TBB is installed here")
+    env = dict(os.environ, **{name: value})
+    r = cli(
+        "train", "--config", "debug", "--train.steps=2", "--run-dir", str(tmp_path / "r"), env=env
+    )
+    assert r.returncode == 1 and words in error_line(r.stderr)
+
+
+@pytest.mark.parametrize("value", ["", "2"])
+def test_numba_threads_set_empty_or_whole_load_without_a_warning(value):
+    """``NUMBA_NUM_THREADS=`` (set empty) printed numba's warning, a traceback in it."""
+    import subprocess
+    import sys
+
+    code = "from recscale.kernels import numba\nprint(numba.config.NUMBA_NUM_THREADS >= 1)"
+    env = dict(os.environ, NUMBA_NUM_THREADS=value)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "True" and r.stderr == "", r.stderr

@@ -40,6 +40,7 @@ COMMANDS = {
 # have been raised, and `--help` and `config` need neither torch nor the training
 # stack (seconds of imports).
 USER_ERRORS = (
+    ("recscale.config.errors", "EnvironmentSettingError"),
     ("recscale.data.columns", "DatasetError"),
     ("recscale.embedding.row_file", "TierFileError"),
     ("recscale.embedding.storage", "DevicePlacementError"),

@@ -5,3 +5,12 @@ class ConfigError(ValueError):
         self.key = key
         self.message = message
         super().__init__(f"config key '{key}': {message}")
+
+
+class EnvironmentSettingError(ValueError):
+    """An environment variable recscale or a library it loads reads holds a value that
+    cannot be used: one line naming the variable, its value and what it takes."""
+
+    def __init__(self, name: str, value: str, takes: str) -> None:
+        self.name = name
+        super().__init__(f"environment variable {name}={value!r}: {takes}")
