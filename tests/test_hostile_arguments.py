@@ -633,3 +633,28 @@ def test_numba_threads_set_empty_or_whole_load_without_a_warning(value):
     env = dict(os.environ, NUMBA_NUM_THREADS=value)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "True" and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize(
+    "override, shown",
+    [
+        ("--data.eval_split=val", "'val'"),
+        ("--data.train_split=val", "'val'"),
+        ("--data.val_split=train", "'train'"),
+        ("--data.shuffle=false", "false"),
+        ("--data.block_rows=128", "128"),
+    ],
+)
+def test_dataset_keys_on_synthetic_data_are_refused(tmp_path, capsys, override, shown):
+    """Synthetic data is one stream and one held-out set: these keys changed nothing and
+    said nothing (``--data.eval_split=val`` scored the same held-out set). With a
+    dataset they apply (the test above); their defaults pass either way."""
+    run_dir = tmp_path / "r"
+    rc, line = _fails(capsys, "train", "--config", "debug", override, f"--run-dir={run_dir}")
+    key = override[2:].split("=")[0]
+    assert rc == 2 and f"'{key}': {shown} applies to a dataset (data.path)" in line, line
+    assert not run_dir.exists()
+    cfg = load_config("debug", ["--data.eval_split=test", "--data.shuffle=true"])
+    from recscale.train.data_source import adopt_dataset_shapes
+
+    assert adopt_dataset_shapes(cfg) is None

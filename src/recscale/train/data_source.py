@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from recscale.config.errors import ConfigError
-from recscale.config.schema import Config
+from recscale.config.schema import Config, DataConfig
 from recscale.data.batch import Batch
 from recscale.data.columns import read_metadata
 from recscale.data.dataset import (
@@ -40,10 +40,32 @@ def make_synthetic(cfg: Config) -> SyntheticCriteo:
     )
 
 
+# What only a dataset reads: synthetic data is one stream of batches and one held-out set
+DATASET_KEYS = ("train_split", "eval_split", "val_split", "shuffle", "block_rows")
+
+
+def _refuse_dataset_keys(data: DataConfig) -> None:
+    """``--data.eval_split=val`` (or ``shuffle=false``...) on synthetic data changed
+    nothing, without a word."""
+    default = DataConfig()
+    for key in DATASET_KEYS:
+        value = getattr(data, key)
+        if value != getattr(default, key):
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(
+                f"data.{key}",
+                f"{shown} applies to a dataset (data.path); synthetic data is one stream of "
+                "batches and one held-out set",
+            )
+
+
 def adopt_dataset_shapes(cfg: Config, training: bool = True) -> str | None:
     """With a dataset, take its table sizes (and check its dense width and, for
-    ``training``, that its train split holds a batch); returns a note."""
+    ``training``, that its train split holds a batch); returns a note. Without one, a
+    dataset's own keys set away from their defaults are refused, for ``training``."""
     if not cfg.data.uses_dataset():
+        if training:
+            _refuse_dataset_keys(cfg.data)
         return None
     try:
         ds = BinaryDataset(cfg.data.path, cfg.data.train_split)
