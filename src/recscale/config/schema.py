@@ -559,7 +559,9 @@ class Config:
             section.validate()
         bags, tables = self.data.bag_sizes, self.model.table_sizes
         if bags and len(bags) != len(tables):
-            raise ConfigError("data.bag_sizes", f"{len(bags)} sizes for {len(tables)} tables")
+            raise ConfigError(
+                "data.bag_sizes", f"has {len(bags)} entries, one a table: {len(tables)}"
+            )
         self._check_compression()
         return self
 
