@@ -557,11 +557,9 @@ class Config:
                 if isinstance(v, float) and not math.isfinite(v):
                     raise ConfigError(f"{f.name}.{g.name}", f"must be a finite number, got {v}")
             section.validate()
-        bags, tables = self.data.bag_sizes, self.model.table_sizes
-        if bags and len(bags) != len(tables):
-            raise ConfigError(
-                "data.bag_sizes", f"has {len(bags)} entries, one a table: {len(tables)}"
-            )
+        bags, n = len(self.data.bag_sizes), len(self.model.table_sizes)
+        if bags and bags != n:
+            raise ConfigError("data.bag_sizes", f"has {bags} entries, one a table: {n}")
         self._check_compression()
         return self
 
