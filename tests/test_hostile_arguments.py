@@ -98,6 +98,55 @@ def test_a_batch_beyond_memory_is_refused_before_the_first_batch(capsys):
     assert rc == 2 and "train.batch_size" in line and "GB" in line
 
 
+def test_an_eval_batch_beyond_memory_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """The evaluation's batches (train.eval_batch_size, forward only) were never checked:
+    dim 65,536 trained its batches of 256, then asked for 56 GB to score 8,192 at once -
+    a traceback after the training. Refused before the model is built; the same run
+    with smaller eval batches trains, and ``recscale eval`` checks them too."""
+    from recscale.train import parallel
+
+    monkeypatch.setattr(parallel, "available_memory", lambda _d: 8 << 30)  # any host alike
+    wide = ["--model.embedding_dim=65536", "--model.bottom_mlp=32,65536", "--train.steps=2"]
+    run = tmp_path / "r"
+    rc, line = _fails(capsys, "train", "--config", "debug", *wide, f"--run-dir={run}")
+    assert rc == 2 and "'train.eval_batch_size'" in line and "smaller eval batch" in line, line
+    assert not run.exists()
+    small = ["--train.progress=false", "--model.embedding_dim=1024", "--model.bottom_mlp=32,1024"]
+    small += ["--data.eval_samples=512"]
+    assert main(["train", "--config", "debug", "--train.steps=2", *small, f"--run-dir={run}"]) == 0
+    capsys.readouterr()
+    big = ["--data.eval_samples=90000", "--train.eval_batch_size=90000"]  # ~10 GB at once
+    rc, line = _fails(capsys, "eval", "--model", str(run), *big)
+    assert rc == 2 and "'train.eval_batch_size'" in line, line
+
+
+def test_synthetic_datas_first_draw_beyond_memory_names_the_dense_width(monkeypatch):
+    """10^5 dense features: the generator's calibration draw (16,384 samples at once)
+    asked for 26 GB and the kernel killed the run; named before anything is built. The
+    draw's bytes a value are measured here, so the estimate cannot drift from the code."""
+    import tracemalloc
+
+    from recscale.data.synthetic import CALIBRATION_ROWS, DENSE_DRAW_BYTES, SyntheticCriteo
+    from recscale.train import data_source
+
+    gen = SyntheticCriteo([10] * 3, num_dense=2000, seed=1)
+    tracemalloc.start()
+    try:
+        gen.batch(0, 4096, "eval")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak / (4096 * 2000) <= DENSE_DRAW_BYTES + 1  # two float64 copies at most
+    cfg = load_config("debug", ["--model.num_dense_features=1000"])
+    draw = CALIBRATION_ROWS * 1000 * DENSE_DRAW_BYTES
+    monkeypatch.setattr(data_source, "available_memory", lambda _d: int(draw / 0.8) + 1)
+    data_source.check_synthetic_memory(cfg)  # just fits
+    monkeypatch.setattr(data_source, "available_memory", lambda _d: int(draw / 0.8) - 1)
+    with pytest.raises(ConfigError, match="16,384 samples of 1,000 dense features") as e:
+        data_source.check_synthetic_memory(cfg)
+    assert e.value.key == "model.num_dense_features"
+
+
 def test_the_batch_estimate_grows_with_the_model_and_stays_low():
     """A low estimate (it refuses only what cannot fit): the MLPerf model's sample is
     larger than the debug model's, and a batch of config A takes well under a GB."""

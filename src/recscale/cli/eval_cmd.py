@@ -41,7 +41,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.checkpoint.model_file import MODEL_FILE, load_model_file
     from recscale.checkpoint.state import restore
     from recscale.models.dlrm import build_model
-    from recscale.train.data_source import adopt_dataset_shapes, eval_batches
+    from recscale.train.data_source import (
+        adopt_dataset_shapes,
+        check_synthetic_memory,
+        eval_batches,
+    )
+    from recscale.train.parallel import check_eval_batch_memory
     from recscale.train.run import evaluate
     from recscale.train.step import resolve_device
 
@@ -80,6 +85,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    check_eval_batch_memory(cfg, 1, args.split)  # before the model is built and restored
+    if not cfg.data.uses_dataset():
+        check_synthetic_memory(cfg)
     device = resolve_device(cfg.train.device)
     model = build_model(cfg.model, cfg.embedding, device=device)
     if checkpoint is None and os.path.lexists(run_dir / MODEL_FILE):  # the final model

@@ -165,6 +165,12 @@ def _accumulate_features(
             factor_sq[row] += sq
 
 
+# Samples drawn at once to calibrate the click rate (the generator's construction), and
+# the bytes a dense value takes at a batch's drawing peak (two float64 copies: _sample)
+CALIBRATION_ROWS = 16384
+DENSE_DRAW_BYTES = 16
+
+
 class SyntheticCriteo:
     """Deterministic, infinite Criteo-shaped batches. See the module docstring."""
 
@@ -227,7 +233,7 @@ class SyntheticCriteo:
 
     def _calibrated_bias(self, target_ctr: float) -> float:
         """The intercept that gives ``target_ctr`` on a calibration sample (bisection)."""
-        _, raw = self._sample(0, 16384, "calibration")
+        _, raw = self._sample(0, CALIBRATION_ROWS, "calibration")
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = (lo + hi) / 2
@@ -292,12 +298,17 @@ class SyntheticCriteo:
         rng = np.random.default_rng([self.seed, _SPLIT_KEYS[split], index])
         b = batch_size
         num_sparse = len(self.table_sizes)
-        raw = rng.lognormal(mean=self._dense_mu, sigma=1.0, size=(b, self.num_dense))
-        dense = np.log1p(raw)
+        # in place where it can be (the same values): a batch's dense block at its peak is
+        # two float64 copies, not four (8,192 x 10^5 features asked for ~30 GB)
+        dense = rng.lognormal(mean=self._dense_mu, sigma=1.0, size=(b, self.num_dense))
+        np.log1p(dense, out=dense)
         logit = np.zeros(b)
-        if self.num_dense:
-            z = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6) if b > 1 else dense * 0
+        if self.num_dense and b > 1:
+            sd = dense.std(axis=0)  # first: its own temporary copy is gone before z's
+            z = dense - dense.mean(axis=0)
+            z /= sd + 1e-6
             logit += z @ self._dense_w
+            del z
 
         if self.bag_sizes is not None:
             lengths = np.repeat(self.bag_sizes[:, None], b, axis=1)

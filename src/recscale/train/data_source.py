@@ -19,7 +19,7 @@ from recscale.data.dataset import (
     SplitMissing,
 )
 from recscale.data.id_profile import read_id_profile
-from recscale.data.synthetic import SyntheticCriteo
+from recscale.data.synthetic import CALIBRATION_ROWS, DENSE_DRAW_BYTES, SyntheticCriteo
 from recscale.planner.from_config import table_infos
 from recscale.planner.job_plan import available_memory
 from recscale.units import size_text
@@ -171,15 +171,37 @@ def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:
     ]
 
 
+def synthetic_eval_set_bytes(cfg: Config) -> int:
+    """Host bytes of the kept synthetic held-out set: dense float32, ids int64, one
+    int64 offset a bag, the label, for each of ``data.eval_samples``."""
+    ids = sum(t.pooling for t in table_infos(cfg))
+    f = len(cfg.model.table_sizes)
+    per_sample = cfg.model.num_dense_features * 4 + ids * 8 + f * 8 + 4
+    return cfg.data.eval_samples * per_sample
+
+
+def check_synthetic_memory(cfg: Config) -> None:
+    """Before anything is built: the synthetic generator's first draw (``CALIBRATION_ROWS``
+    samples at once, to set its click rate) must fit the host memory - 10^5 dense
+    features asked for 26 GB there, and the kernel killed the run - and so must the
+    held-out set (:func:`check_eval_set_memory`)."""
+    have = available_memory(torch.device("cpu"))
+    draw = CALIBRATION_ROWS * cfg.model.num_dense_features * DENSE_DRAW_BYTES
+    if draw > 0.8 * have:
+        raise ConfigError(
+            "model.num_dense_features",
+            f"synthetic data draws {CALIBRATION_ROWS:,} samples of "
+            f"{cfg.model.num_dense_features:,} dense features at once to set its click rate: "
+            f"{size_text(draw)}, but {size_text(have)} of host memory are available",
+        )
+    check_eval_set_memory(cfg)
+
+
 def check_eval_set_memory(cfg: Config) -> None:
     """The synthetic held-out set is drawn once and kept (every evaluation scores the same
     samples): refuse, naming ``data.eval_samples``, a set the host memory cannot hold -
     10^10 samples would draw for hours, then fail on an allocation."""
-    ids = sum(t.pooling for t in table_infos(cfg))
-    f = len(cfg.model.table_sizes)
-    # dense float32, ids int64, one int64 offset a bag, the label
-    per_sample = cfg.model.num_dense_features * 4 + ids * 8 + f * 8 + 4
-    need = cfg.data.eval_samples * per_sample
+    need = synthetic_eval_set_bytes(cfg)
     have = available_memory(torch.device("cpu"))
     if need > 0.5 * have:
         raise ConfigError(

@@ -23,6 +23,8 @@ from torch import nn
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
+from recscale.data.dataset import BinaryDataset, DatasetError
+from recscale.data.synthetic import DENSE_DRAW_BYTES
 from recscale.distributed import DistContext, one_rank_plan, shard
 from recscale.embedding.placement import storage_factory
 from recscale.embedding.sizing import row_bytes
@@ -38,7 +40,7 @@ from recscale.planner.job_plan import (
     with_kernels,
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
-from recscale.train.data_source import popularity_ranks
+from recscale.train.data_source import popularity_ranks, synthetic_eval_set_bytes
 from recscale.units import size_text
 
 
@@ -84,6 +86,7 @@ def build(
     check_memory(cfg, plan, ctx)
     check_dense_memory(cfg, ctx.device)
     check_batch_memory(cfg, ctx)
+    check_eval_batch_memory(cfg, ctx.world_size)
     model = build_model(
         cfg.model,
         cfg.embedding,
@@ -179,23 +182,29 @@ STEP_BYTES_PER_ID = 52
 QUEUED_BYTES_PER_ID = 6
 
 
-def batch_bytes_per_sample(cfg: Config) -> int:
+def batch_bytes_per_sample(cfg: Config, forward_only: bool = False) -> int:
     """An estimate of the host bytes one training sample takes at the step's peak (low:
     the activations are counted once): its inputs (dense values drawn in float64 then
-    kept in float32; the label), its ids in the step and in the batches queued ahead
+    normalised in a second float64 copy, kept in float32; the label), its ids in the step
+    and in the batches queued ahead
     (``data.prefetch_batches``) and, forward and back, the pooled embeddings and every
     layer's output (the interaction's included) in float32. A multi-hot dataset's ids
-    count at its bag sizes (counted as one a table, 65,535-id bags ran out of memory)."""
+    count at its bag sizes (counted as one a table, 65,535-id bags ran out of memory).
+    ``forward_only``: a sample of an evaluation batch (no queue, no backward)."""
     m = cfg.model
     ids = sum(ids_per_sample(cfg))
     per_id = STEP_BYTES_PER_ID + QUEUED_BYTES_PER_ID * cfg.data.prefetch_batches
+    if forward_only:
+        per_id = STEP_BYTES_PER_ID
     f, dims = len(m.table_sizes), m.dims()
     if m.interaction == "dcnv2":
         inter = (sum(dims) + (m.bottom_mlp[-1] if m.bottom_mlp else 0)) * (m.dcn_layers + 1)
     else:
         inter = (f + 1) * f // 2
     widths = sum(m.bottom_mlp) + sum(m.top_mlp) + sum(dims) + inter
-    return int(m.num_dense_features * 12 + ids * per_id + 8 + widths * 4 * 2)
+    passes = 1 if forward_only else 2
+    dense = m.num_dense_features * (DENSE_DRAW_BYTES + 4)
+    return int(dense + ids * per_id + 8 + widths * 4 * passes)
 
 
 def dense_parameter_counts(cfg: Config) -> dict[str, int]:
@@ -257,6 +266,35 @@ def check_batch_memory(cfg: Config, ctx: DistContext) -> None:
             f"{cfg.train.batch_size:,} samples ({local:,} a rank) need at least "
             f"{size_text(need)} of host memory for a batch's inputs and activations, but "
             f"{size_text(have)} are available: use a smaller batch",
+        )
+
+
+def check_eval_batch_memory(cfg: Config, world_size: int, split: str | None = None) -> None:
+    """:func:`check_batch_memory` for the evaluations' batches (``train.eval_batch_size``,
+    forward only, every rank its slice), before the model is built: an eval batch of
+    8,192 samples at dim 65,536 asked for 56 GB after training had run, a traceback.
+    A synthetic set's batches are drawn beside the samples kept so far: with all of them."""
+    rows, kept = cfg.train.eval_batch_size, 0
+    if cfg.data.uses_dataset():  # no batch larger than the splits scored
+        splits = [split or cfg.data.eval_split]
+        if cfg.train.eval_every and split is None:
+            splits.append(cfg.data.val_split)
+        try:
+            rows = min(rows, max(BinaryDataset(cfg.data.path, s).rows for s in splits))
+        except (DatasetError, OSError):
+            return  # a split that is not there is named where it is opened
+    else:
+        rows, kept = min(rows, cfg.data.eval_samples), synthetic_eval_set_bytes(cfg)
+    local = -(-rows // world_size)
+    need = local * batch_bytes_per_sample(cfg, forward_only=True) + kept
+    have = available_memory(torch.device("cpu"))
+    if need > have:
+        held = f" beside the {size_text(kept)} of samples kept" if kept else ""
+        raise ConfigError(
+            "train.eval_batch_size",
+            f"evaluation batches of {rows:,} samples ({local:,} a rank) need at least "
+            f"{size_text(need)} of host memory for their inputs and activations{held}, but "
+            f"{size_text(have)} are available: use a smaller eval batch",
         )
 
 

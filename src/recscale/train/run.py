@@ -57,7 +57,7 @@ from recscale.train.cache_prefetch import (
 from recscale.train.config_agreement import settle_on_every_rank
 from recscale.train.data_source import (
     adopt_dataset_shapes,
-    check_eval_set_memory,
+    check_synthetic_memory,
     eval_batches,
     train_batches,
 )
@@ -213,7 +213,7 @@ def build_job(
         echo, run_dir = (lambda _msg: None), None
     cfg = settle_on_every_rank(lambda: _settle_config(cfg, run_dir, echo), ctx)
     if not cfg.data.uses_dataset():  # refused now, not after the training it would end
-        check_eval_set_memory(cfg)
+        check_synthetic_memory(cfg)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     model, module, plan = build(cfg, ctx, echo)
@@ -590,9 +590,7 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
         }
     if loop.out_of_time:  # said, or a short run reads as a finished one
         metrics["stopped_by"] = "train.max_seconds"
-        echo(
-            f"stopped at step {loop.step} of {t.steps}: train.max_seconds={t.max_seconds:g} reached"
-        )
+        echo(f"stopped at step {loop.step} of {t.steps}: train.max_seconds reached")
     echo(
         f"trained {trained} steps in {loop.seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
     )
