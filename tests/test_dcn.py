@@ -88,3 +88,35 @@ def test_the_mlperf_preset_loads():
     cfg = load_config("criteo_multihot_dcnv2")
     assert cfg.model.interaction == "dcnv2" and cfg.model.dcn_rank == 512
     assert cfg.model.embedding_dim == 128 and len(cfg.model.table_sizes) == 26
+
+
+def test_the_fused_stack_keeps_nothing_for_a_backward_under_no_grad(monkeypatch):
+    """Evaluation runs under ``torch.no_grad()``, where the one-node CPU stack still kept
+    every layer's input, low-rank product and output until its last layer (1,000 layers
+    at an eval batch of 8,192: 31 GB, the run killed). Under no_grad it now keeps none,
+    with the same output bit for bit; the memory estimate follows (one layer's values a
+    sample, whatever the depth)."""
+    from recscale.modules import dcn
+    from recscale.train.parallel import batch_bytes_per_sample
+
+    kept = []
+    forward = dcn._CrossStack.forward
+
+    def spy(ctx, x0, keep, *params):
+        out = forward(ctx, x0, keep, *params)
+        kept.append(len(ctx.to_save) - 1 - len(params))  # x0 and params aside
+        return out
+
+    monkeypatch.setattr(dcn._CrossStack, "forward", staticmethod(spy))
+    g = torch.Generator().manual_seed(0)
+    m = DCNv2Interaction(24, 8, num_layers=4, rank=6, generator=g)
+    dense, pooled = torch.randn(5, 8), torch.randn(5, 24)
+    with torch.no_grad():
+        quiet = m(dense, pooled)
+    loud = m(dense, pooled)
+    assert kept == [0, 3 * 4] and torch.equal(quiet, loud)
+    loud.sum().backward()  # the kept values still serve the backward
+    assert all(p.grad is not None for p in m.parameters())
+    deep = [load_config("criteo_multihot_dcnv2", [f"--model.dcn_layers={n}"]) for n in (3, 300)]
+    assert batch_bytes_per_sample(deep[0], True) == batch_bytes_per_sample(deep[1], True)
+    assert batch_bytes_per_sample(deep[0]) < batch_bytes_per_sample(deep[1])

@@ -35,14 +35,17 @@ class _CrossStack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x0, *params):
+    def forward(ctx, x0, keep: bool, *params):
+        """``keep``: grad mode at the call (False inside ``torch.no_grad()``, where nothing
+        is saved: an evaluation batch of 8,192 through 1,000 layers held 31 GB of them)."""
         vs, us, bs = params[0::3], params[1::3], params[2::3]
         saved = []
         x = x0
         for v, u, b in zip(vs, us, bs):
             low = gemm.linear(x, v)  # [B, r]
             y = gemm.linear(low, u, b)  # [B, d]
-            saved += [x, low, y]
+            if keep:
+                saved += [x, low, y]
             x = torch.addcmul(x, x0, y)
         ctx.save_for_backward(x0, *saved, *params)
         ctx.num_layers = len(vs)
@@ -73,7 +76,7 @@ class _CrossStack(torch.autograd.Function):
             grads[3 * li] = gemm.weight_grad(dlow, x)[0]
             g = gemm.linear(dlow, v.t(), add=g)  # d x_l = g + dlow V
         gx0.add_(g)  # x_0 is x0 itself
-        return (gx0, *grads)
+        return (gx0, None, *grads)
 
 
 class DCNv2Interaction(nn.Module):
@@ -117,7 +120,7 @@ class DCNv2Interaction(nn.Module):
             and not torch.is_autocast_enabled(x0.device.type)
         ):
             params = [p for layer in zip(self.V, self.U, self.b) for p in layer]
-            return _CrossStack.apply(x0, *params)
+            return _CrossStack.apply(x0, torch.is_grad_enabled(), *params)
         x = x0
         for v, u, bias in zip(self.V, self.U, self.b):
             low = torch.mm(x, v.t().to(x.dtype))  # [B, r]

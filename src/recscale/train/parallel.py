@@ -197,14 +197,19 @@ def batch_bytes_per_sample(cfg: Config, forward_only: bool = False) -> int:
     if forward_only:
         per_id = STEP_BYTES_PER_ID
     f, dims = len(m.table_sizes), m.dims()
-    if m.interaction == "dcnv2":
-        inter = (sum(dims) + (m.bottom_mlp[-1] if m.bottom_mlp else 0)) * (m.dcn_layers + 1)
-    else:
-        inter = (f + 1) * f // 2
-    widths = sum(m.bottom_mlp) + sum(m.top_mlp) + sum(dims) + inter
     passes = 1 if forward_only else 2
+    widths = sum(m.bottom_mlp) + sum(m.top_mlp) + sum(dims)
+    cross = 0  # DCNv2's float32 values, counted as modules/dcn.py keeps them
+    if m.interaction == "dcnv2":
+        d = sum(dims) + (m.bottom_mlp[-1] if m.bottom_mlp else 0)
+        r, n = m.dcn_rank, m.dcn_layers
+        # x0 and each layer's input, low-rank product and output saved for the backward,
+        # and the backward's own; forward only (no grad) one layer's at a time
+        cross = 3 * d + r if forward_only else d + n * (2 * d + r) + 3 * d + r
+    else:
+        widths += (f + 1) * f // 2
     dense = m.num_dense_features * (DENSE_DRAW_BYTES + 4)
-    return int(dense + ids * per_id + 8 + widths * 4 * passes)
+    return int(dense + ids * per_id + 8 + widths * 4 * passes + cross * 4)
 
 
 def dense_parameter_counts(cfg: Config) -> dict[str, int]:
