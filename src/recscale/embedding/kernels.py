@@ -24,6 +24,7 @@ import os
 import torch
 
 from recscale import native
+from recscale.config.errors import ConfigError
 from recscale.config.schema import KERNELS
 
 __all__ = ["KERNELS", "choose", "choose_once", "triton_available", "triton_interpreting"]
@@ -108,7 +109,7 @@ def choose(requested: str, op: str, t: torch.Tensor, dim: int, max_dim: int | No
         if requested not in order:
             return "torch"  # e.g. kernels=numba: the lookup has no numba kernel, torch pools
         if requested in _STRICT.get(op, ()):
-            raise RuntimeError(f"model.kernels={requested}: {why}")
+            raise ConfigError("model.kernels", f"{requested}: {why}")  # one line, not a traceback
         order = order[order.index(requested) + 1 :]  # a table the kernel cannot take: the next
     for kernel in order:
         if kernel == "triton" and t.device.type != "cuda":

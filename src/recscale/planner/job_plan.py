@@ -178,6 +178,12 @@ def with_kernels(plan: ShardingPlan, cfg: Config, device: torch.device) -> Shard
         rows_dtype = dtype if p.placement == "device" else torch.float32
         probe = torch.empty(1, 1, dtype=rows_dtype, device=device)
         chosen[p.table] = kernels.choose(m.kernels, "backward", probe, d)
+    # a dot interaction's kernel asked for by name is checked now too: found at the first
+    # step, its error left the run directory behind (config.toml), and no rerun could
+    # use it. (Under bf16 on a GPU the interaction runs autocast's torch ops: no kernel.)
+    if m.interaction == "dot" and not (device.type == "cuda" and cfg.train.precision == "bf16"):
+        probe = torch.empty(1, 1, dtype=torch.float32, device=device)
+        kernels.choose(m.kernels, "interaction", probe, m.embedding_dim)
     placements = [replace(p, kernel=chosen.get(p.table, "")) for p in plan.placements]
     return replace(plan, placements=placements)
 
