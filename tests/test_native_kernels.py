@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from recscale import native
-from recscale.config.errors import ConfigError
 from recscale.modules import dot_interaction_cpu
 from recscale.modules.interaction import DotInteraction
 from recscale.modules.mlp import MLP
@@ -170,32 +169,6 @@ def test_native_dot_interaction_matches_torch(
     for got, ref in zip(results["native"], results["torch"]):
         if ref is not None:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-
-
-@needs_native
-def test_native_kernel_choice_is_explicit_about_what_it_cannot_do():
-    inter = DotInteraction(3, 4, True, kernel="native")  # dim 4: not a multiple of 8
-    with pytest.raises(ConfigError, match="model.kernels': native: .*multiple of 8"):
-        inter(torch.randn(2, 4), torch.randn(2, 12))
-
-
-@needs_native
-def test_a_kernel_that_cannot_run_is_refused_before_the_run_directory(tmp_path, capsys):
-    """model.kernels=native at dim 4 (the interaction kernel needs a multiple of 8) was a
-    RuntimeError traceback at the first step, after config.toml was written: the
-    directory then held "another run" and no rerun could use it. Now one line naming
-    the key, before anything is written."""
-    from recscale.cli.main import main
-
-    run = tmp_path / "run"
-    narrow = ["--model.embedding_dim=4", "--model.bottom_mlp=32,4", "--train.steps=2"]
-    assert (
-        main(["train", "--config", "debug", "--model.kernels=native", *narrow, f"--run-dir={run}"])
-        == 2
-    )
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "config key 'model.kernels': native:" in err, err
-    assert "multiple of 8" in err and not run.exists()
 
 
 @needs_native
