@@ -23,6 +23,7 @@ import numpy as np
 
 from recscale.data.columns import DatasetError
 from recscale.data.criteo_parse import (
+    BAD_HEX,
     BAD_ID_RANGE,
     BAD_LABEL,
     NUM_CAT,
@@ -255,6 +256,12 @@ def parquet_schema(path: Path):
     return schema
 
 
+def ids_beyond_32_bits(v: np.ndarray) -> np.ndarray:
+    """Where integer ids fall outside 0..2^32-1, compared in their own type (through
+    float64, unsigned 2^64-1 rounded and wrapped)."""
+    return (v >= 2**32) if v.dtype.kind == "u" else (v < 0) | (v >= 2**32)
+
+
 def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -294,13 +301,12 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
             if pa.types.is_integer(col.type):  # ids as they are: 0..2^32-1
                 miss = np.asarray(col.is_null().to_numpy(zero_copy_only=False))
                 v = col.fill_null(0).to_numpy(zero_copy_only=False)
-                # compared in the column's own type: through float64 2^64-1 was rounded
-                bad = (v >= 2**32) if v.dtype.kind == "u" else (v < 0) | (v >= 2**32)
+                bad = ids_beyond_32_bits(v)
                 vals = np.where(bad, 0, v).astype(np.uint32)
                 status[(status == 0) & bad] = BAD_ID_RANGE
             else:
                 vals, miss, bad = _hex_column(_category_column(col, path, f"C{k + 1}"))
-                status[(status == 0) & bad] = 4  # non-hex category
+                status[(status == 0) & bad] = BAD_HEX
             cats[:, k] = vals
             miss_bits |= miss.astype(np.uint32) << np.uint32(k)
         good = status == 0

@@ -24,7 +24,7 @@ import numpy as np
 from recscale.data.criteo_parse import BAD_ID_RANGE, BAD_LABEL, BAD_NULL_ID, NUM_CAT, NUM_DENSE
 from recscale.data.dataset import segment_gather
 from recscale.data.multihot import open_split
-from recscale.data.sources import parquet_dense, parquet_schema
+from recscale.data.sources import ids_beyond_32_bits, parquet_dense, parquet_schema
 from recscale.dataprep.common import (
     FORMAT_VERSION,
     HASH_CAP,
@@ -66,34 +66,25 @@ def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             raise ValueError(f"list column of {col.type.value_type}; ids must be integers")
         lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
         flat = pc.list_flatten(col)  # nulls dropped with their (empty) bags
-        nulls = np.asarray(flat.is_null().to_numpy(zero_copy_only=False))
-        v = _as_int64(flat.fill_null(0) if flat.null_count else flat)
+        v = flat.fill_null(0).to_numpy(zero_copy_only=False)
         if flat.null_count:  # a null id inside a bag: the row is bad
+            nulls = np.asarray(flat.is_null().to_numpy(zero_copy_only=False))
             bad[np.repeat(np.arange(n), lengths)[nulls]] = BAD_NULL_ID
     elif pa.types.is_integer(col.type):
         valid = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False))
         lengths = valid.astype(np.int64)
-        v = _as_int64(col.drop_null())
+        v = col.drop_null().to_numpy(zero_copy_only=False)
     else:
         raise ValueError(
             f"is {col.type}; multi-hot Parquet (list columns in the first input) takes "
             "list<integer> or integer categorical columns in every input"
         )
-    out_of_range = (v < 0) | (v >= 2**32)
+    out_of_range = ids_beyond_32_bits(v)
     if out_of_range.any():
         rows = np.repeat(np.arange(n), lengths)[out_of_range]
         bad[rows[bad[rows] == 0]] = BAD_ID_RANGE
         v = np.where(out_of_range, 0, v)
     return lengths, v.astype(np.uint32), bad
-
-
-def _as_int64(values) -> np.ndarray:
-    """Integer ids (no nulls) as int64; unsigned ones at 2^63 and above read as -1, which
-    is outside 0..2^32-1 as they are (a cast through float64 had rounded them)."""
-    v = values.to_numpy(zero_copy_only=False)
-    if v.dtype == np.uint64:
-        return np.where(v >= 2**63, np.uint64(2**64 - 1), v).astype(np.int64)
-    return v.astype(np.int64)
 
 
 def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
