@@ -186,9 +186,9 @@ def batch_bytes_per_sample(cfg: Config, forward_only: bool = False) -> int:
     """An estimate of the host bytes one training sample takes at the step's peak (low:
     the activations are counted once): its inputs (dense values drawn in float64 then
     normalised in a second float64 copy, kept in float32; the label), its ids in the step
-    and in the batches queued ahead
-    (``data.prefetch_batches``) and, forward and back, the pooled embeddings and every
-    layer's output (the interaction's included) in float32. A multi-hot dataset's ids
+    and in the batches queued ahead (``data.prefetch_batches``) and, forward and back,
+    the pooled embeddings and every layer's output (the interaction's included) in
+    float32 (DCNv2's as its stack keeps them). A multi-hot dataset's ids
     count at its bag sizes (counted as one a table, 65,535-id bags ran out of memory).
     ``forward_only``: a sample of an evaluation batch (no queue, no backward)."""
     m = cfg.model
