@@ -161,3 +161,26 @@ def error_line(err: str) -> str:
     lines = [x for x in err.strip().splitlines() if x.startswith("recscale: error:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def wgrad_operands(batch: int, out: int, inp: int, strided: bool, dtype=torch.float32):
+    """``g [batch, out]`` and ``x [batch, inp]`` for a weight-gradient kernel test, seeded
+    by the shape; ``strided``: views into wider rows (row stride > width)."""
+    gen = torch.Generator().manual_seed(batch + out + inp)
+    pad = 3 if strided else 0
+    g = torch.randn(batch, out + pad, generator=gen).to(dtype)[:, pad:]
+    x = torch.randn(batch, inp + 2 * pad, generator=gen).to(dtype)[:, :inp]
+    return g, x
+
+
+def weight_grad_on_two_threads(g: torch.Tensor, x: torch.Tensor, bias_grad: bool):
+    """``gemm.weight_grad(g, x)`` on two torch threads (the kernels' thread splits run
+    on any host), the caller's thread count restored."""
+    from recscale.modules import gemm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return gemm.weight_grad(g, x, bias_grad=bias_grad)
+    finally:
+        torch.set_num_threads(threads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_resume_identical
+from helpers import assert_resume_identical, weight_grad_on_two_threads, wgrad_operands
 
 from recscale import native
 from recscale.modules import gemm
@@ -47,17 +47,9 @@ def test_native_bf16_weight_grad_is_the_fp32_sum_of_exact_products(
     _needs_native_bf16()
     monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # threads on however little work
     monkeypatch.setattr(gemm, "_WGRAD_BATCH_SPLIT_BYTES", 0 if split == "outputs" else 1 << 40)
-    gen = torch.Generator().manual_seed(batch + out + inp)
-    pad = 3 if strided else 0
-    g = torch.randn(batch, out + pad, generator=gen).to(BF16)[:, pad:]
-    x = torch.randn(batch, inp + 2 * pad, generator=gen).to(BF16)[:, :inp]
+    g, x = wgrad_operands(batch, out, inp, strided, BF16)
     assert gemm._native_bf16_wgrad_applies(g, x)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        dw, db = gemm.weight_grad(g, x, bias_grad=bias_grad)
-    finally:
-        torch.set_num_threads(threads)
+    dw, db = weight_grad_on_two_threads(g, x, bias_grad)
     assert dw.dtype == torch.float32 and dw.shape == (out, inp) and dw.is_contiguous()
     want = g.double().t() @ x.double()
     torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * (batch + 1))

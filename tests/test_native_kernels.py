@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import weight_grad_on_two_threads, wgrad_operands
 
 from recscale import native
 from recscale.modules import dot_interaction_cpu
@@ -375,17 +376,9 @@ def test_native_weight_grad_matches_fp64_reference(
     parts = []
     real = gemm._native_at_b_batch_split
     monkeypatch.setattr(gemm, "_native_at_b_batch_split", lambda *a: parts.append(1) or real(*a))
-    gen = torch.Generator().manual_seed(batch + out + inp)
-    pad = 3 if strided else 0  # views into wider rows: row stride > width
-    g = torch.randn(batch, out + pad, generator=gen)[:, pad:]
-    x = torch.randn(batch, inp + 2 * pad, generator=gen)[:, :inp]
+    g, x = wgrad_operands(batch, out, inp, strided)
     assert gemm._native_wgrad_applies(g, x)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        dw, db = gemm.weight_grad(g, x, bias_grad=bias_grad)
-    finally:
-        torch.set_num_threads(threads)
+    dw, db = weight_grad_on_two_threads(g, x, bias_grad)
     want = g.double().t() @ x.double()
     assert dw.shape == (out, inp) and dw.is_contiguous()
     torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * (batch + 1))
