@@ -269,6 +269,14 @@ def _damage(p: dict, change: str) -> None:
         first["hit_rate"] = math.nan
     elif change == "placement_not_object":
         p["placements"][0] = "C1"
+    elif change == "misspelt_key":
+        first["placment"] = "ssd"
+    elif change == "table_of_another_model":
+        p["placements"].append(dict(first, table="C99"))
+    elif change == "memory_for_three_ranks":
+        p["memory_per_rank"] = [1, 2, 3]
+    elif change == "negative_cost":
+        p["cost_per_rank"] = [0.1, -0.1]
 
 
 @pytest.mark.parametrize(
@@ -284,6 +292,10 @@ def _damage(p: dict, change: str) -> None:
         ("replica_on_one_rank", "data_parallel is on every rank, not [1]"),
         ("nan_hit_rate", "hit_rate is nan, not a share in [0, 1]"),
         ("placement_not_object", "placements[0] is not an object"),
+        ("misspelt_key", "placements[0] (table C1): unknown key 'placment'"),
+        ("table_of_another_model", "places tables the model does not have: C99"),
+        ("memory_for_three_ranks", "memory_per_rank has 3 entries for 2 ranks"),
+        ("negative_cost", "cost_per_rank is not a list of numbers >= 0"),
     ],
 )
 def test_a_plan_file_field_no_plan_holds_is_named(tmp_path, change, says):
@@ -291,7 +303,9 @@ def test_a_plan_file_field_no_plan_holds_is_named(tmp_path, change, says):
     TypeError traceback on every rank; a world size written as text said "a plan for 2
     ranks but the job has 2"; an unknown tier ("moon") built an ssd tier, a negative
     cache a one-row one; a table placed twice, a rank repeated in a row-wise table or a
-    replicated table on one rank trained without a word."""
+    replicated table on one rank trained without a word, and so did a misspelt key
+    (its default in force), a table the model lacks and per-rank figures for another
+    world size."""
     from recscale.config import ConfigError, load_config
     from recscale.planner.from_config import plan_for, table_infos, uniform_plan
 
@@ -325,6 +339,33 @@ def test_a_plan_file_without_the_planners_figures_is_read(tmp_path):
     got = plan_for(load_config("debug", [f"--distributed.plan={path}"]), 2, 1 << 30)
     assert [p.ranks for p in got.placements] == [[i % 2] for i in range(len(names))]
     assert got.memory_per_rank == [0, 0] and got.placements[0].placement == "device"
+
+
+def test_a_plan_files_tiers_and_a_configured_tier_are_not_both_taken(tmp_path):
+    """A plan that puts tables on ssd itself and ``embedding.placement=ssd`` (or host,
+    auto) each decide every table's tier: the configured one replaced the plan's without
+    a word. Both given is refused, naming the key; a plan of device tables takes the
+    configured tier, and ``embedding.placement=device`` follows the plan's."""
+    from recscale.config import ConfigError, load_config
+    from recscale.planner.from_config import plan_for, table_infos, uniform_plan
+
+    plan = uniform_plan(table_infos(load_config("debug", [])), 1, "table_wise").to_dict()
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(plan))
+    plan["placements"][0].update(placement="ssd", cache_bytes=4096)
+    tiered = tmp_path / "tiered.json"
+    tiered.write_text(json.dumps(plan))
+    for tier in ("ssd", "host", "auto"):
+        cfg = load_config(
+            "debug", [f"--distributed.plan={tiered}", f"--embedding.placement={tier}"]
+        )
+        with pytest.raises(ConfigError) as err:
+            plan_for(cfg, 1, 1 << 30)
+        assert err.value.key == "embedding.placement" and "tiered.json places" in str(err.value)
+        cfg = load_config("debug", [f"--distributed.plan={plain}", f"--embedding.placement={tier}"])
+        assert plan_for(cfg, 1, 1 << 30).placements[0].placement == "device"  # tiers: later
+    got = plan_for(load_config("debug", [f"--distributed.plan={tiered}"]), 1, 1 << 30)
+    assert (got.placements[0].placement, got.placements[0].cache_bytes) == ("ssd", 4096)
 
 
 @pytest.mark.parametrize(

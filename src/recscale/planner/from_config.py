@@ -228,6 +228,23 @@ def plan_for(
                 "distributed.plan",
                 f"{d.plan} is a plan for {plan.world_size} ranks but the job has {world_size}",
             )
+        names = {t.name for t in tables}
+        strangers = [p.table for p in plan.placements if p.table not in names]
+        if strangers:  # a plan made for another model
+            raise ConfigError(
+                "distributed.plan",
+                f"{d.plan} places tables the model does not have: {', '.join(strangers[:5])}"
+                + (f" (and {len(strangers) - 5} more)" if len(strangers) > 5 else "")
+                + f"; the model's tables are C1..C{len(tables)}",
+            )
+        tiered = sorted({p.placement for p in plan.placements} - {"device"})
+        if tiered and cfg.embedding.placement != "device":  # which of the two would win?
+            raise ConfigError(
+                "embedding.placement",
+                f"{cfg.embedding.placement} asks for every table's tier, and {d.plan} places "
+                f"tables on {', '.join(tiered)} itself: keep one (embedding.placement=device "
+                "follows the plan's tiers)",
+            )
         try:  # every table placed, on ranks of the job, column splits that add up
             build_layout(
                 [t.name for t in tables], [t.rows for t in tables], [t.dim for t in tables], plan

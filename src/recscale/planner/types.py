@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from recscale.config.schema import KERNELS, PLACEMENTS, SHARDING_KINDS
@@ -137,8 +137,10 @@ class ShardingPlan:
         """A plan from its JSON form (``to_dict``, ``recscale plan --json``). Raises
         ValueError naming the field that no plan holds: a world size or rank that is not
         a whole number, a kind, tier or kernel not among the choices, a negative cache, a
-        table placed twice, repeated ranks. The per-rank memory and cost figures are
-        what the planner predicted: optional (a hand-written plan leaves them out)."""
+        table placed twice, repeated ranks, a placement key no placement has. The
+        per-rank memory and cost figures are what the planner predicted: optional (a
+        hand-written plan leaves them out), else one figure >= 0 a rank. Other top-level
+        keys (``recscale plan --json``'s forecast) are read by no one."""
         if not isinstance(d, dict):
             raise ValueError("not a plan (a JSON object with world_size and placements)")
         ws = d.get("world_size")
@@ -155,8 +157,8 @@ class ShardingPlan:
             if p.table in seen:
                 raise ValueError(f"table {p.table} is placed twice")
             seen.add(p.table)
-        memory = _numbers("memory_per_rank", d.get("memory_per_rank", [0] * ws), int)
-        cost = _numbers("cost_per_rank", d.get("cost_per_rank", [0.0] * ws), float)
+        memory = _numbers("memory_per_rank", d.get("memory_per_rank", [0] * ws), int, ws)
+        cost = _numbers("cost_per_rank", d.get("cost_per_rank", [0.0] * ws), float, ws)
         return ShardingPlan(ws, placements, memory, cost)
 
 
@@ -168,19 +170,26 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _numbers(field: str, values: Any, kind: type) -> list:
-    if not isinstance(values, list) or not all(_number(v) for v in values):
-        raise ValueError(f"{field} is not a list of numbers")
+def _numbers(name: str, values: Any, kind: type, world_size: int) -> list:
+    """One figure >= 0 a rank (what ``imbalance`` and ``recscale plan`` read)."""
+    if not isinstance(values, list) or not all(_number(v) and v >= 0 for v in values):
+        raise ValueError(f"{name} is not a list of numbers >= 0")
+    if len(values) != world_size:
+        ranks = f"{world_size} rank" + ("s" if world_size != 1 else "")
+        raise ValueError(f"{name} has {len(values)} entries for {ranks}")
     return [kind(v) for v in values]
 
 
 def _per_rank(where: str, values: Any, kind: type) -> dict:
     """``{"0": 123, ...}`` (JSON keys are strings) -> ``{0: 123, ...}``."""
     if not isinstance(values, dict) or not all(
-        isinstance(k, str) and k.isdigit() and _number(v) for k, v in values.items()
+        isinstance(k, str) and k.isdigit() and _number(v) and v >= 0 for k, v in values.items()
     ):
-        raise ValueError(f"{where} is not an object of rank -> number")
+        raise ValueError(f"{where} is not an object of rank -> number >= 0")
     return {int(k): kind(v) for k, v in values.items()}
+
+
+PLACEMENT_KEYS = frozenset(f.name for f in fields(TablePlacement))
 
 
 def _placement_from_dict(where: str, p: Any) -> TablePlacement:
@@ -190,6 +199,13 @@ def _placement_from_dict(where: str, p: Any) -> TablePlacement:
     if not isinstance(table, str) or not table:
         raise ValueError(f"{where}.table is {table!r}, not a table name")
     where = f"{where} (table {table})"
+    unknown = sorted(set(p) - PLACEMENT_KEYS)
+    if unknown:  # a misspelt key ("placment") would leave its default in force unseen
+        raise ValueError(
+            f"{where}: unknown key {unknown[0]!r} (a placement's keys: "
+            + ", ".join(sorted(PLACEMENT_KEYS))
+            + ")"
+        )
 
     def field_of(name: str, default: Any, ok, what: str) -> Any:
         v = p.get(name, default)
