@@ -368,6 +368,41 @@ def test_a_plan_files_tiers_and_a_configured_tier_are_not_both_taken(tmp_path):
     assert (got.placements[0].placement, got.placements[0].cache_bytes) == ("ssd", 4096)
 
 
+def test_a_benchmark_plans_an_auto_tier_without_an_ssd_dir(tmp_path, capsys, monkeypatch):
+    """``bench throughput`` / ``pipeline`` with ``embedding.placement=auto`` and no
+    ``embedding.ssd_dir`` (a training run puts it in its run directory; a benchmark has
+    none) said only "No such file or directory" (the pipeline: a traceback from every
+    rank): the planner measured the free space of "". It measures the temp dir the tier's
+    files then go to; a directory that cannot be made names the key."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the tier's temp dir lands
+    argv = ["bench", "throughput", "--config", "debug", "--steps", "1", "--warmup", "0"]
+    assert main([*argv, "--embedding.placement=auto"]) == 0
+    assert "samples/s" in capsys.readouterr().out
+    (tmp_path / "a_file").write_text("")
+    blocked = f"--embedding.ssd_dir={tmp_path / 'a_file' / 'tier'}"
+    rc, line = _fails(capsys, *argv, "--embedding.placement=auto", blocked)
+    assert rc == 2 and "'embedding.ssd_dir'" in line and "a_file/tier" in line, line
+
+
+@pytest.mark.parametrize("bench", ["throughput", "pipeline"])
+def test_a_cache_too_small_for_a_benchmark_is_one_line(capsys, bench):
+    """``embedding.cache_bytes`` below the rows a batch needs stops the run at its first
+    step: one line from ``train``, a traceback from ``bench throughput`` and one from
+    each rank of ``bench pipeline`` (a rank's error came back as text in a
+    RuntimeError). A rank's refusal now comes back as itself (``run_ranks``'
+    passthrough), reported as in one process."""
+    import pickle
+
+    from recscale.config import ConfigError
+
+    argv = ["bench", bench, "--config", "debug", "--steps", "1", "--warmup", "0"]
+    rc, line = _fails(capsys, *argv, "--embedding.placement=ssd", "--embedding.cache_bytes=1000")
+    assert rc == 1 and line.startswith("recscale: error: the embedding cache holds"), line
+    assert "raise embedding.cache_bytes" in line
+    e = pickle.loads(pickle.dumps(ConfigError("model.kernels", "no such kernel")))
+    assert (e.key, str(e)) == ("model.kernels", "config key 'model.kernels': no such kernel")
+
+
 @pytest.mark.parametrize(
     "argv, key",
     [

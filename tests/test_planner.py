@@ -131,6 +131,33 @@ def test_ssd_tier_takes_the_largest_tables_when_memory_is_short():
         )
 
 
+def test_a_slow_tiers_cache_holds_at_least_the_batches_in_flight(tmp_path, capsys):
+    """A table moved to ssd had a cache of ``ssd_cache_fraction`` of its bytes even where
+    that held fewer rows than its batches in flight: ``embedding.placement=auto`` on the
+    debug preset's small tables planned 550 cache rows for 800 a step needed, and the
+    run stopped at its first step (the benchmark with a traceback). The cache is at
+    least ``TableInfo.min_cache_bytes`` (``in_flight_cache_bytes``' share, at most the
+    table), and where memory cannot hold that the plan is refused before any run."""
+    from recscale.cli.main import main
+    from recscale.config.loader import load_config
+    from recscale.planner.from_config import IN_FLIGHT_BATCHES, table_infos
+
+    t = TableInfo("t", 1_000_000, 16, min_cache_bytes=20_000_000)
+    topo = Topology(1, 40 * 10**6, ssd_per_rank=200 * GB)
+    plan = plan_sharding([t], topo, Constraints(batch_size=2048, ssd_cache_fraction=0.1))
+    assert plan.placements[0].placement == "ssd"
+    assert plan.placements[0].cache_bytes == 20_000_000 > int(t.bytes * 0.1)
+    cfg = load_config("debug", ["--train.batch_size=64"])
+    for info, rows in zip(table_infos(cfg), cfg.model.table_sizes):
+        assert info.min_cache_bytes == min(rows, IN_FLIGHT_BATCHES * 64) * (8 * 4 + 4)
+    run = tmp_path / "run"
+    argv = ["train", "--config", "debug", "--train.steps=3", "--run-dir", str(run)]
+    argv += ["--embedding.placement=auto", "--embedding.memory_budget_gb=1e-4"]
+    assert main(argv) == 2
+    assert "'embedding.memory_budget_gb'" in capsys.readouterr().err
+    assert not run.exists()  # nor its ssd tier's directory
+
+
 def test_gpu_runs_use_host_memory_before_ssd():
     tables = [
         TableInfo("big", 40_000_000, 128),

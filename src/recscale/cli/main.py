@@ -42,6 +42,7 @@ COMMANDS = {
 USER_ERRORS = (
     ("recscale.config.errors", "EnvironmentSettingError"),
     ("recscale.data.columns", "DatasetError"),
+    ("recscale.embedding.cache_stats", "CacheTooSmallError"),
     ("recscale.embedding.row_file", "TierFileError"),
     ("recscale.embedding.storage", "DevicePlacementError"),
     ("recscale.train.config_agreement", "RankFailed"),

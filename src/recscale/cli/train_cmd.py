@@ -122,8 +122,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     finally:
         if made_here:  # a run that failed before writing leaves no empty directory behind
-            with contextlib.suppress(OSError):  # not empty (or gone): left as it is
-                run_dir.rmdir()
+            for d in (run_dir / "embeddings", run_dir):  # the ssd tier's, planned in
+                with contextlib.suppress(OSError):  # not empty (or gone): left as it is
+                    d.rmdir()
     if signals.terminated() or metrics.get("stop_signal") == "SIGTERM":
         print("recscale: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         return 143

@@ -6,6 +6,9 @@ class ConfigError(ValueError):
         self.message = message
         super().__init__(f"config key '{key}': {message}")
 
+    def __reduce__(self):  # pickled by its fields: from a rank to the parent (spawn.py)
+        return (type(self), (self.key, self.message))
+
 
 class EnvironmentSettingError(ValueError):
     """An environment variable recscale or a library it loads reads holds a value that

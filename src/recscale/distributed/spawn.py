@@ -7,8 +7,10 @@ torchrun worker does (:func:`recscale.distributed.init_distributed`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -41,7 +43,7 @@ def process_context():
     return ctx
 
 
-def _worker(rank, world, port, fn, args, queue, environ) -> None:
+def _worker(rank, world, port, fn, args, queue, environ, passthrough) -> None:
     # The server's environment is the one it started with: the ranks see the caller's now.
     os.environ.clear()
     os.environ.update(environ)
@@ -59,30 +61,51 @@ def _worker(rank, world, port, fn, args, queue, environ) -> None:
         buf = io.BytesIO()
         torch.save(fn(*args), buf)
         queue.put((rank, True, buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
+        raised = None
+        if isinstance(e, passthrough):
+            with contextlib.suppress(Exception):  # an error that does not pickle: text only
+                raised = pickle.dumps(e)
+        queue.put((rank, False, (traceback.format_exc(), raised)))
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300,
+    passthrough: tuple[type[BaseException], ...] = (),
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` fresh processes; returns their results by rank.
 
     Raises RuntimeError with the failing ranks' tracebacks; a rank that exits without
-    reporting (killed) or a job that outlives ``timeout`` seconds is an error too.
+    reporting (killed) or a job that outlives ``timeout`` seconds is an error too. An
+    error of a ``passthrough`` type (a config the ranks refused) is raised as itself -
+    the lowest rank's, from that RuntimeError - so a caller reports it as it would in
+    one process; the other ranks then fail only because it left.
     """
     ctx = process_context()
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, environ, passthrough)
+        )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    passed: dict[int, BaseException] = {}
+
+    def failed(rank: int, value: tuple[str, bytes | None]) -> None:
+        text, raised = value
+        errors.append(f"rank {rank}:\n{text}")
+        if raised is not None:
+            passed[rank] = pickle.loads(raised)
+
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < world_size:
@@ -98,7 +121,7 @@ def run_ranks(
                     while not queue.empty():
                         rank, ok, value = queue.get()
                         if not ok:
-                            errors.append(f"rank {rank}:\n{value}")
+                            failed(rank, value)
                     errors.append(
                         f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}"
                     )
@@ -107,7 +130,7 @@ def run_ranks(
             if ok:
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
-                errors.append(f"rank {rank}:\n{value}")
+                failed(rank, value)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -115,5 +138,8 @@ def run_ranks(
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        detail = RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        if passed:
+            raise passed[min(passed)] from detail
+        raise detail
     return [results[r] for r in range(world_size)]

@@ -124,6 +124,7 @@ def table_infos(cfg: Config) -> list[TableInfo]:
     e = cfg.embedding
     comp = table_compressions(m.table_sizes, m.dims(), e)
     curves = hit_curves(cfg)
+    in_flight = IN_FLIGHT_BATCHES * batch_ids_per_table(cfg)
     infos = []
     for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp)):
         total, weights = compressed_table_bytes(c, n, d, sd, e)
@@ -139,6 +140,7 @@ def table_infos(cfg: Config) -> list[TableInfo]:
                 row_overhead(e.row_precision),
                 weights,
                 curves[i],
+                min(n, in_flight) * row_bytes(e, d),
             )
         )
     return infos

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -100,6 +101,19 @@ def default_memory_per_rank(device: torch.device, local_world: int) -> int:
     return total // (2 * max(local_world, 1))
 
 
+def ssd_free_bytes(ssd_dir: str) -> int:
+    """Free bytes of the disk the ssd tier's files go to: ``ssd_dir`` (made if missing),
+    or where an empty one puts them (a temp dir, ``embedding/placement.py``)."""
+    where = Path(ssd_dir or tempfile.gettempdir())
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        return shutil.disk_usage(where).free
+    except OSError as e:  # a file in the way, no permission: "No such file" named nothing
+        raise ConfigError(
+            "embedding.ssd_dir", f"cannot hold the ssd tier's files at {where}: {e.strerror or e}"
+        ) from e
+
+
 def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None) -> ShardingPlan:
     """``embedding.placement=auto`` for one process: the planner with the training
     device's memory budget (``embedding.memory_budget_gb``; default half of it) and, for
@@ -113,8 +127,7 @@ def placement_plan(cfg: Config, ssd_dir: str, device: torch.device | None = None
     host = 0
     if device.type == "cuda":  # the host tier: most of the host memory
         host = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
-    Path(ssd_dir).mkdir(parents=True, exist_ok=True)
-    ssd = int(shutil.disk_usage(ssd_dir).free * 0.9)
+    ssd = int(ssd_free_bytes(ssd_dir) * 0.9)
     tables = table_infos(cfg)
     total = sum(t.bytes for t in tables)
     fraction = min(1.0, e.cache_bytes / total) if e.cache_bytes else 0.1

@@ -22,9 +22,10 @@ ties go to the lower rank index.
 Slower tiers (``Topology.host_per_rank`` for GPU runs, then ``ssd_per_rank``): when
 the tables do not fit in the ranks' memory, the largest tables move first (big
 tables have the longest cold tails), each whole to the rank with the most room on
-that tier, with a hot-row cache of ``ssd_cache_fraction`` of its bytes in that
-rank's memory, until the rest plus the caches fit. Such a table costs its lookup
-plus the misses' traffic::
+that tier, with a hot-row cache of ``ssd_cache_fraction`` of its bytes (at least
+``TableInfo.min_cache_bytes``, the rows of its batches in flight) in that rank's
+memory, until the rest plus the caches fit. Such a table costs its lookup plus the
+misses' traffic::
 
     host/ssd  owner: lookup(B p, D) + all_to_all as table_wise
               + B p (1 - hit) * 2 * row_bytes / tier_bandwidth   (read + write-back)
@@ -137,7 +138,7 @@ def _place_on_slow_tiers(
             break
         if t.compressed_bytes:  # compressed tables stay in device memory
             continue
-        cache = int(t.bytes * cons.ssd_cache_fraction)
+        cache = min(t.bytes, max(int(t.bytes * cons.ssd_cache_fraction), t.min_cache_bytes))
         for tier, per_rank, bandwidth, used in tiers:  # the faster tier first
             room = [r for r in range(w) if used[r] + t.bytes <= per_rank and mem[r] + cache <= cap]
             if not room:
@@ -202,13 +203,13 @@ def _greedy(
     placements = _place_on_slow_tiers(tables, topology, constraints, laws, mem, cost)
     total = sum(t.bytes for t in tables if t.name not in placements) + sum(mem)
     if total > w * cap:
-        ssd = (
-            f" and {w} x {size_text(topology.ssd_per_rank)} of SSD" if topology.ssd_per_rank else ""
-        )
+        each = f"{w} ranks x " if w > 1 else ""  # "1 ranks x 10 kB = 10 kB" said it twice
+        room = f"{each}{size_text(cap)}" + (f" = {size_text(w * cap)}" if w > 1 else "")
+        if topology.ssd_per_rank:
+            room += f" and {each}{size_text(topology.ssd_per_rank)} of SSD"
         raise PlanError(
             f"the tables need {size_text(total)} of memory (with optimizer "
-            f"state{', and caches' if placements else ''}) "
-            f"but {w} ranks x {size_text(cap)} = {size_text(w * cap)}{ssd}: "
+            f"state{', and caches' if placements else ''}) but {room}: "
             f"{size_text(total - w * cap)} missing"
         )
     unplaced = [t for t in tables if t.name not in placements]

@@ -31,6 +31,10 @@ class TableInfo:
     # ascending - the hit rate of a cache holding that fraction (warm, LFU at steady
     # state); () = unknown (the planner assumes ``Constraints.ssd_hit_rate``).
     hit_curve: tuple[tuple[float, float], ...] = ()
+    # The least cache the table takes on a slower tier: the rows of the batches in
+    # flight (planner.from_config.in_flight_cache_bytes), or the whole table. A smaller
+    # cache stops the run at its first step.
+    min_cache_bytes: int = 0
 
     def hit_rate(self, cache_fraction: float, default: float) -> float:
         """The expected hit rate of a cache of ``cache_fraction`` of the rows: the curve

@@ -12,9 +12,7 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +35,7 @@ from recscale.planner.job_plan import (
     available_memory,
     configured_tiers,
     default_memory_per_rank,
+    ssd_free_bytes,
     with_kernels,
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
@@ -71,8 +70,7 @@ def build(
         memory = int(gb * 1e9) if gb else default_memory_per_rank(ctx.device, w)
         ssd = 0
         if e.placement == "auto":  # several ranks: the planner places tiers per rank
-            Path(e.ssd_dir).mkdir(parents=True, exist_ok=True)
-            ssd = int(shutil.disk_usage(e.ssd_dir).free * 0.9) // w
+            ssd = int(ssd_free_bytes(e.ssd_dir) * 0.9) // w
         if w > 1:
             memory, ssd = _smallest_on_any_rank(ctx, memory, ssd)
         laws = _shared_laws(cfg, ctx) if d.sharding == "auto" and not d.plan else None
