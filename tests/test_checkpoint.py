@@ -309,3 +309,23 @@ def test_eval_scores_the_checkpoint_it_is_given(tmp_path):
     os.rename(run / "checkpoints" / "step_00000020", lone / "step_00000020")
     r = run_cli("eval", "--model", str(lone / "step_00000020"))
     assert r.returncode == 1 and "above the checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_scores_in_the_precision_the_run_trained_in(tmp_path):
+    """A bf16 run's evaluations run under bf16 autocast; ``recscale eval`` scored it in
+    fp32 (its calibration 1.087 against the run's 1.086). It scores in the run's
+    ``train.precision`` - the run's own metrics, bit for bit - and an override of it
+    applies and is recorded."""
+    cfg = load_config("debug", [*BASE, "--train.steps=30", "--train.precision=bf16"])
+    m = train(cfg, tmp_path, **QUIET)
+    r = run_cli("eval", "--model", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["precision"] == "bf16"
+    assert [got[k] for k in ("auc", "logloss", "calibration")] == [
+        m[k] for k in ("auc", "logloss", "calibration")
+    ]
+    r = run_cli("eval", "--model", str(tmp_path), "--json", "--train.precision=fp32")
+    fp32 = json.loads(r.stdout)
+    assert fp32["precision"] == "fp32" and fp32["logloss"] != m["logloss"]
+    assert fp32["logloss"] == pytest.approx(m["logloss"], rel=1e-2)

@@ -111,8 +111,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             "(no splits); name a dataset with --data.path to score one of its splits",
         )
     split = args.split or cfg.data.eval_split
-    metrics = evaluate(model, eval_batches(cfg, split), device)
+    # in the run's precision, as its own evaluations: its metrics.json, reproduced
+    metrics = evaluate(model, eval_batches(cfg, split), device, cfg.train.precision)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
+    metrics["precision"] = cfg.train.precision
     # a checkpoint named by its path: its own file beside the final model's
     named = (
         f"_{chain[-1].name}" if checkpoint is not None and checkpoint.name != "checkpoints" else ""

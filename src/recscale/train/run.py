@@ -116,9 +116,12 @@ def score(
         return binary_metrics(*predict(module, batches, ctx))
 
 
-def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> dict[str, float]:
-    """Score a model in this process (``recscale eval``)."""
-    return score(model, batches, DistContext(device=device))
+def evaluate(
+    model: DLRM, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
+) -> dict[str, float]:
+    """Score a model in this process (``recscale eval``), in ``precision`` as the run's
+    own evaluations are (``train.precision``)."""
+    return score(model, batches, DistContext(device=device), precision)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
