@@ -381,8 +381,13 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"{r.get('native_threads', '')}",
             f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather "
             f"{r['gather_gbps']:.2f} GB/s"
-            f" (this host's best; this run's probes {r['probe_gemm_gflops']:.0f}, "
-            f"{r['probe_gather_gbps']:.2f})"
+            + (
+                " (this run's probes)"  # no record kept (RECSCALE_HARDWARE_RECORD=off) or beaten
+                if (r["gemm_gflops"], r["gather_gbps"])
+                == (r["probe_gemm_gflops"], r["probe_gather_gbps"])
+                else f" (this host's best; this run's probes {r['probe_gemm_gflops']:.0f}, "
+                f"{r['probe_gather_gbps']:.2f})"
+            )
             + (
                 f" (other processes: {r['other_cores_busy_during_probe']:.2f} cores busy during "
                 "the probe)"
