@@ -329,3 +329,29 @@ def test_eval_scores_in_the_precision_the_run_trained_in(tmp_path):
     fp32 = json.loads(r.stdout)
     assert fp32["precision"] == "fp32" and fp32["logloss"] != m["logloss"]
     assert fp32["logloss"] == pytest.approx(m["logloss"], rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("--embedding.optimizer=adam", "resume with the embedding.optimizer"),
+        ("--model.top_mlp=64,1", "differ from the checkpoint's (resume with the model.bottom_mlp"),
+    ],
+)
+def test_a_config_that_fits_no_checkpoint_is_said_once(tmp_path, override, says):
+    """A resume under a config no checkpoint of the run fits (another embedding
+    optimizer, another MLP) printed "skipping checkpoint ..." for each checkpoint in
+    turn, as if each were damaged, and then the newest one's reason again; a changed
+    MLP named only state keys ('top.layers.4.bias'). It is one error naming the config
+    keys, and nothing is skipped (a damaged newest checkpoint is still passed over:
+    test_hostile_files.py)."""
+    from recscale.checkpoint.format import CheckpointError
+
+    run = tmp_path / "run"
+    train(load_config("debug", [*BASE, "--train.steps=20", "--checkpoint.every_steps=10"]), run)
+    lines: list[str] = []
+    cfg = load_config("debug", [*BASE, "--train.steps=30", override])
+    with pytest.raises(CheckpointError, match="checkpoints/step_") as err:
+        train(cfg, run, resume=run, echo=lines.append)
+    assert says in str(err.value)
+    assert not [x for x in lines if "skipping" in x], lines

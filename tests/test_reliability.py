@@ -468,7 +468,7 @@ def test_a_signal_mid_update_ends_the_run_at_that_step_boundary(
         **QUIET,
     )
     assert ref["steps"] == 3
-    from recscale.checkpoint.state import load_dense
+    from recscale.checkpoint.trainer_files import load_dense
 
     (got,), (want,) = ((tmp_path / r / "checkpoints").iterdir() for r in ("a", "b"))
     assert got.name == want.name == "step_00000003"

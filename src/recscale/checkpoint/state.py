@@ -42,8 +42,8 @@ from recscale.checkpoint.format import (
     read_array,
     verify,
 )
+from recscale.checkpoint.trainer_files import load_dense, trainer_state
 from recscale.config.schema import CHECKPOINT_PRECISIONS as PRECISIONS
-from recscale.config.small_files import loads_json
 from recscale.embedding.storage import RowStorage
 from recscale.modules.embedding_bag_collection import TablePart, TableSpec
 
@@ -311,20 +311,11 @@ def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
 # -- restore ----------------------------------------------------------------------------
 
 
-def load_dense(path: Path) -> dict[str, Any]:
-    """``dense.pt``, loaded as tensors and plain containers only (``weights_only``): a
-    planted pickle is refused, never run."""
-    try:
-        return torch.load(
-            io.BytesIO(checked_file(path, "dense.pt").read_bytes()),
-            map_location="cpu",
-            weights_only=True,
-        )
-    except Exception as e:  # noqa: BLE001 - the unpickler's errors vary by payload
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{path / 'dense.pt'}: not a plain tensor file, refused to load it ({first})"
-        ) from e
+# what differs when a checkpoint's dense weights do not fit the model
+_ARCH = (
+    ": the model's dense layers differ from the checkpoint's (resume with the "
+    "model.bottom_mlp, top_mlp, interaction and num_dense_features it was written with)"
+)
 
 
 def _load_dense_weights(path: Path, model: Checkpointable, dense: Any) -> None:
@@ -339,14 +330,16 @@ def _load_dense_weights(path: Path, model: Checkpointable, dense: Any) -> None:
     own = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
     unknown = sorted(set(weights) - set(own))
     if unknown:
-        raise CheckpointError(f"{path}: dense state has unknown keys {unknown[:3]}")
+        raise CheckpointError(f"{path}: dense state has unknown keys {unknown[:3]}{_ARCH}")
     missing = sorted(set(own) - set(weights))
     if missing:
-        raise CheckpointError(f"{path}: dense state lacks {missing[:3]}")
+        raise CheckpointError(f"{path}: dense state lacks {missing[:3]}{_ARCH}")
     for k, v in weights.items():
         if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
             what = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise CheckpointError(f"{path}: {k} is {what}, the model's {tuple(own[k].shape)}")
+            raise CheckpointError(
+                f"{path}: {k} is {what}, the model's {tuple(own[k].shape)}{_ARCH}"
+            )
         check_finite(v, path, k)
     model.load_state_dict(weights, strict=False)
 
@@ -563,32 +556,4 @@ def restore(
         trainer = trainer_state(path, manifest)
     if "torch_rng" in trainer:
         torch.set_rng_state(torch.from_numpy(trainer["torch_rng"]))
-    return trainer
-
-
-def trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """``trainer.json`` checked before anything is taken from it: an object whose step is
-    the manifest's (an int; a forged or mismatched one had resumed at step -5, or at the
-    wrong step) and whose generator state, if any, is one (a traceback otherwise).
-    ``torch_rng`` comes back decoded (uint8)."""
-    try:
-        trainer = loads_json(checked_file(path, "trainer.json").read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: trainer.json is not JSON ({e})") from None
-    step = trainer.get("step") if isinstance(trainer, dict) else None
-    if type(step) is not int or step != manifest["step"]:
-        raise CheckpointError(
-            f"{path}: trainer.json's step {step!r} is not the manifest's {manifest['step']}"
-        )
-    if "torch_rng" in trainer:
-        try:
-            rng = np.frombuffer(base64.b64decode(trainer["torch_rng"], validate=True), np.uint8)
-        except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
-            raise CheckpointError(f"{path}: trainer.json's torch_rng is not base64 ({e})") from None
-        if rng.size != torch.get_rng_state().numel():
-            raise CheckpointError(
-                f"{path}: trainer.json's torch_rng holds {rng.size} bytes, not a generator "
-                f"state's {torch.get_rng_state().numel()}"
-            )
-        trainer = {**trainer, "torch_rng": rng.copy()}
     return trainer

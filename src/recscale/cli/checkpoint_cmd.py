@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _describe(path: Path) -> dict:
     from recscale.checkpoint.format import CheckpointError, read_manifest, verify
     from recscale.checkpoint.manager import chain_of
-    from recscale.checkpoint.state import load_dense, trainer_state
+    from recscale.checkpoint.trainer_files import load_dense, trainer_state
 
     info: dict = {"path": str(path)}
     try:

@@ -46,8 +46,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         check_synthetic_memory,
         eval_batches,
     )
-    from recscale.train.parallel import check_eval_batch_memory
-    from recscale.train.run import evaluate
+    from recscale.train.parallel import check_eval_batch_memory, evaluate
     from recscale.train.step import resolve_device
 
     run_dir: Path = args.model

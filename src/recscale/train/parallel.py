@@ -26,6 +26,7 @@ from recscale.data.synthetic import DENSE_DRAW_BYTES
 from recscale.distributed import DistContext, one_rank_plan, shard
 from recscale.embedding.placement import storage_factory
 from recscale.embedding.sizing import row_bytes
+from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM, build_model
 from recscale.modules.interaction_padding import PAD_MULTIPLE
 from recscale.perfmodel import calibrated_laws
@@ -40,6 +41,7 @@ from recscale.planner.job_plan import (
 )
 from recscale.planner.layout import build_layout, table_bytes_per_rank
 from recscale.train.data_source import popularity_ranks, synthetic_eval_set_bytes
+from recscale.train.precision import autocast
 from recscale.units import size_text
 
 
@@ -353,3 +355,19 @@ def _predict(module, batches, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         logits.append(out.cpu()[: b.batch_size])
         labels.append(b.labels.cpu())
     return torch.cat(logits), torch.cat(labels)
+
+
+def score(
+    module: nn.Module, batches: Iterable[Batch], ctx: DistContext, precision: str = "fp32"
+) -> dict[str, float]:
+    """Exact metrics over every batch (every rank scores its slice; see ``predict``)."""
+    with autocast(precision, ctx.device):
+        return binary_metrics(*predict(module, batches, ctx))
+
+
+def evaluate(
+    model: DLRM, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
+) -> dict[str, float]:
+    """Score a model in this process (``recscale eval``), in ``precision`` as the run's
+    own evaluations are (``train.precision``)."""
+    return score(model, batches, DistContext(device=device), precision)

@@ -20,7 +20,7 @@ import math
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,14 +35,12 @@ from recscale.config.errors import ConfigError
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.config.small_files import json_text, open_log, write_text_atomic
-from recscale.data.batch import Batch
 from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun, shutdown
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
 from recscale.embedding.sizing import compression_summary
-from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM
 from recscale.planner.from_config import batch_ids_per_table
 from recscale.train.cache_prefetch import (
@@ -63,8 +61,8 @@ from recscale.train.data_source import (
 )
 from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.parallel import build, predict, reduce_step
-from recscale.train.precision import autocast, bf16_note
+from recscale.train.parallel import build, reduce_step, score
+from recscale.train.precision import bf16_note
 from recscale.train.progress import Progress
 from recscale.train.schedule import LRSchedule, scheduled
 from recscale.train.step import (
@@ -106,22 +104,6 @@ def check_run_dir(run_dir: Path, resume: Path | None) -> None:
         f"{run_dir} holds another run ({', '.join(marks)}); continue it with --resume {run_dir}, "
         "or choose another --run-dir"
     )
-
-
-def score(
-    module: torch.nn.Module, batches: Iterable[Batch], ctx: DistContext, precision: str = "fp32"
-) -> dict[str, float]:
-    """Exact metrics over every batch (every rank scores its slice; see ``predict``)."""
-    with autocast(precision, ctx.device):
-        return binary_metrics(*predict(module, batches, ctx))
-
-
-def evaluate(
-    model: DLRM, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
-) -> dict[str, float]:
-    """Score a model in this process (``recscale eval``), in ``precision`` as the run's
-    own evaluations are (``train.precision``)."""
-    return score(model, batches, DistContext(device=device), precision)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -240,19 +222,20 @@ def restore_job(job: Job, resume: Path) -> int:
     Rank 0 picks (and may repair) the chain; every rank loads its own parts of it."""
     ctx = job.ctx
     if ctx.world_size == 1:  # a chain that verifies but does not load: the next older one
-        first: CheckpointError | None = None  # the newest chain's reason, if none loads
+        passed: list[tuple[str, CheckpointError]] = []  # the newer ones, and why
         try:
             for chain in valid_chains(resume, job.echo):
                 try:
                     step = int(restore(job.model, job.dense_opt, chain)["step"])
                     break
                 except CheckpointError as e:
-                    first = first or e
-                    job.echo(f"recscale: skipping checkpoint {chain[-1].name}: {e}")
+                    passed.append((chain[-1].name, e))
             else:
-                raise first or CheckpointError(f"no usable checkpoint in {resume}")
-        except CheckpointError as e:
-            raise (first or e) from None
+                raise CheckpointError(f"no usable checkpoint in {resume}")
+        except CheckpointError as e:  # none loads: why the newest did not (a config that
+            raise (passed[0][1] if passed else e) from None  # fits none said it each time)
+        for name, why in passed:
+            job.echo(f"recscale: skipping checkpoint {name}: {why}")
     else:
         chain = ctx.broadcast(resolve_chain(resume, job.echo) if ctx.is_main else None)
         step = int(restore(job.model, job.dense_opt, chain)["step"])
