@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from recscale.config.compression_rules import check_compression
 from recscale.config.errors import ConfigError
+from recscale.units import counted
 
 # Criteo-shaped but small enough to train in about a minute on 2 CPU cores: the
 # per-feature cardinalities keep Criteo's spread (3 .. ~10^5 rows).
@@ -102,8 +104,8 @@ class ModelConfig:
             if len(self.table_dims) != len(self.table_sizes):
                 raise ConfigError(
                     "model.table_dims",
-                    f"has {len(self.table_dims)} entries but model.table_sizes has "
-                    f"{len(self.table_sizes)}",
+                    f"has {counted(len(self.table_dims), 'entry', 'entries')} but "
+                    f"model.table_sizes has {len(self.table_sizes)}",
                 )
             for i, d in enumerate(self.table_dims):
                 if d <= 0:
@@ -559,42 +561,7 @@ class Config:
             section.validate()
         bags, n = len(self.data.bag_sizes), len(self.model.table_sizes)
         if bags and bags != n:
-            raise ConfigError("data.bag_sizes", f"has {bags} entries, one a table: {n}")
-        self._check_compression()
+            entries = counted(bags, "entry", "entries")
+            raise ConfigError("data.bag_sizes", f"has {entries}, one a table: {n}")
+        check_compression(self)
         return self
-
-    def _check_compression(self) -> None:
-        """Each table's compression fits its dim, its tier and the sharding."""
-        e, names = self.embedding, [f"C{i + 1}" for i in range(len(self.model.table_sizes))]
-        methods = dict(str(x).split("=", 1) for x in e.table_compression)
-        unknown = sorted(set(methods) - set(names))
-        if unknown:
-            raise ConfigError("embedding.table_compression", f"no table named {unknown[0]}")
-        used = {methods.get(n, e.compression) for n in names} - {"none"}
-        if not used:
-            if e.hot_fraction:
-                raise ConfigError(
-                    "embedding.hot_fraction",
-                    "keeps rows of compressed tables exact; no table is "
-                    "compressed (set embedding.compression)",
-                )
-            return
-        if self.distributed.sharding not in ("auto", "table_wise"):
-            raise ConfigError(
-                "embedding.compression",
-                f"a compressed table is placed whole; distributed.sharding="
-                f"{self.distributed.sharding} would split it (use auto or table_wise)",
-            )
-        for n, d in zip(names, self.model.dims()):
-            m = methods.get(n, e.compression)
-            if m == "qr" and e.qr_op == "concat" and d % 2:
-                raise ConfigError("embedding.qr_op", f"concat halves the dim; {n} has odd dim {d}")
-            if m == "tt" and not any(
-                d % (a * b) == 0 and d // (a * b) >= 2
-                for a in range(2, d + 1)
-                for b in range(2, d // a + 1)
-            ):
-                raise ConfigError(
-                    "embedding.compression",
-                    f"tt factors the dim into three; {n}'s dim {d} has no such factors",
-                )

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from recscale.config.schema import KERNELS, PLACEMENTS, SHARDING_KINDS
+from recscale.units import counted
 
 KINDS = SHARDING_KINDS
 
@@ -179,8 +180,10 @@ def _numbers(name: str, values: Any, kind: type, world_size: int) -> list:
     if not isinstance(values, list) or not all(_number(v) and v >= 0 for v in values):
         raise ValueError(f"{name} is not a list of numbers >= 0")
     if len(values) != world_size:
-        ranks = f"{world_size} rank" + ("s" if world_size != 1 else "")
-        raise ValueError(f"{name} has {len(values)} entries for {ranks}")
+        raise ValueError(
+            f"{name} has {counted(len(values), 'entry', 'entries')} for "
+            f"{counted(world_size, 'rank')}"
+        )
     return [kind(v) for v in values]
 
 
