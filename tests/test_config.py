@@ -162,3 +162,23 @@ def test_cli_config_prints_resolved_toml():
 def test_config_sections_are_dataclasses():
     for f in dataclasses.fields(Config):
         assert dataclasses.is_dataclass(f.default_factory())
+
+
+def test_a_memory_budget_no_planner_reads_is_refused(capsys):
+    """``embedding.memory_budget_gb`` is what ``placement=auto`` fits the tables into:
+    with another placement (the default ``device``) it limited nothing, without a word,
+    and so it did on several ranks, where each rank plans with
+    ``distributed.memory_per_rank_gb``. Both are refused, naming the key."""
+    from recscale.cli.main import main
+
+    for placement in ("device", "ssd", "host"):
+        with pytest.raises(ConfigError, match="embedding.memory_budget_gb.*placement=auto"):
+            load_config(
+                "debug", [f"--embedding.placement={placement}", "--embedding.memory_budget_gb=16"]
+            )
+    load_config("debug", ["--embedding.placement=auto", "--embedding.memory_budget_gb=16"])
+    argv = ["bench", "pipeline", "--config", "debug", "--steps", "1", "--warmup", "0"]
+    assert main([*argv, "--embedding.placement=auto", "--embedding.memory_budget_gb=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("recscale: error: config key 'embedding.memory_budget_gb'"), err
+    assert "at 2 ranks each rank plans with distributed.memory_per_rank_gb" in err[-1]

@@ -301,6 +301,12 @@ class EmbeddingConfig:
                 "watches the hot rows pinned in an ssd/host cache: it needs "
                 "embedding.placement=ssd|host|auto, warm_start=true and warm_pin_share > 0",
             )
+        if self.memory_budget_gb and self.placement != "auto":  # the budget auto plans to
+            raise ConfigError(
+                "embedding.memory_budget_gb",
+                f"is what placement=auto fits the tables into; placement {self.placement!r} "
+                "does not plan (set embedding.placement=auto, or leave the budget at 0)",
+            )
         if not 0.0 <= float(self.warm_pin_share) <= 0.95:
             raise ConfigError(
                 "embedding.warm_pin_share",

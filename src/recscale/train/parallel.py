@@ -68,6 +68,12 @@ def build(
     if w == 1 and not d.plan and d.sharding == "auto":
         plan = one_rank_plan([f"C{i + 1}" for i in range(len(cfg.model.table_sizes))])
     else:
+        if e.memory_budget_gb and w > 1:  # one process's budget: planned with, it was not
+            raise ConfigError(
+                "embedding.memory_budget_gb",
+                f"is the budget of one process's placement=auto; at {w} ranks each rank "
+                "plans with distributed.memory_per_rank_gb (set that instead)",
+            )
         gb = d.memory_per_rank_gb
         memory = int(gb * 1e9) if gb else default_memory_per_rank(ctx.device, w)
         ssd = 0
