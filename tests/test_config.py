@@ -182,3 +182,40 @@ def test_a_memory_budget_no_planner_reads_is_refused(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("recscale: error: config key 'embedding.memory_budget_gb'"), err
     assert "at 2 ranks each rank plans with distributed.memory_per_rank_gb" in err[-1]
+
+
+@pytest.mark.parametrize(
+    "override, needs",
+    [
+        ("--embedding.beta1=0.8", "embedding.optimizer=adam"),
+        ("--embedding.initial_accumulator=0.1", "embedding.optimizer=rowwise_adagrad"),
+        ("--model.dcn_rank=64", "model.interaction=dcnv2"),
+        ("--embedding.qr_buckets=8", "a table compressed by qr"),
+        ("--embedding.tt_rank=4", "a table compressed by tt"),
+        ("--embedding.hot_sample_rows=1000", "embedding.hot_fraction > 0"),
+        ("--optimizer.decay_to=0.5", "optimizer.decay_steps > 0"),
+    ],
+)
+def test_a_key_set_where_it_does_not_act_is_refused(override, needs):
+    """A key that acts only under another's setting (Adam's betas, DCNv2's rank, a
+    compression's knob, the decay's floor) changed nothing without it, without a word.
+    Set away from its default it is refused, naming what it needs; with that setting it
+    loads, and every preset (their values at the defaults where they do not act) too."""
+    key = override[2:].split("=")[0]
+    with pytest.raises(ConfigError, match=f"'{key}'.*acts only with {needs}"):
+        load_config("debug", ["--embedding.optimizer=sgd", override])
+    enable = {
+        "embedding.beta1": "--embedding.optimizer=adam",
+        "embedding.initial_accumulator": "--embedding.optimizer=rowwise_adagrad",
+        "model.dcn_rank": "--model.interaction=dcnv2",
+        "embedding.qr_buckets": "--embedding.table_compression=C5=qr",
+        "embedding.tt_rank": "--embedding.compression=tt",
+        "embedding.hot_sample_rows": "--embedding.hot_fraction=0.1",
+        "optimizer.decay_to": "--optimizer.decay_steps=10",
+    }[key]
+    over = [enable, override]
+    if key == "embedding.hot_sample_rows":
+        over.append("--embedding.compression=tt")  # hot rows are a compressed table's
+    load_config("debug", over)
+    for name in preset_names():
+        load_config(name)

@@ -1,6 +1,5 @@
-"""Sizes and counts as a person reads them, one rule for every message: ``2.32 GB``,
-``163.26 kB``, ``1 entry``, ``3 entries``. A debug model's tables and a test's disks
-are kB: "0.00 GB" would say nothing."""
+"""Sizes as a person reads them, one rule for every message: ``2.32 GB``, ``163.26 kB``.
+A debug model's tables and a test's disks are kB: "0.00 GB" would say nothing."""
 
 from __future__ import annotations
 
@@ -11,9 +10,3 @@ def size_text(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} bytes"
-
-
-def counted(n: int, one: str, many: str | None = None) -> str:
-    """``n`` things: ``counted(1, "rank")`` is "1 rank", ``counted(3, "entry", "entries")``
-    "3 entries" ("1 ranks" read as a slip in a message about what went wrong)."""
-    return f"{n:,} {one if n == 1 else many or one + 's'}"

@@ -17,3 +17,10 @@ class EnvironmentSettingError(ValueError):
     def __init__(self, name: str, value: str, takes: str) -> None:
         self.name = name
         super().__init__(f"environment variable {name}={value!r}: {takes}")
+
+
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """``n`` things in a message: ``counted(1, "rank")`` is "1 rank", ``counted(3,
+    "entry", "entries")`` "3 entries" ("1 ranks" reads as a slip in a message about what
+    went wrong)."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"

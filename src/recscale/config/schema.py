@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 from recscale.config.compression_rules import check_compression
-from recscale.config.errors import ConfigError
-from recscale.units import counted
+from recscale.config.errors import ConfigError, counted
+from recscale.config.inert_keys import refuse_inert_keys
 
 # Criteo-shaped but small enough to train in about a minute on 2 CPU cores: the
 # per-feature cardinalities keep Criteo's spread (3 .. ~10^5 rows).
@@ -570,4 +570,5 @@ class Config:
             entries = counted(bags, "entry", "entries")
             raise ConfigError("data.bag_sizes", f"has {entries}, one a table: {n}")
         check_compression(self)
+        refuse_inert_keys(self)
         return self

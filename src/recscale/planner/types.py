@@ -6,8 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from recscale.config.errors import counted
 from recscale.config.schema import KERNELS, PLACEMENTS, SHARDING_KINDS
-from recscale.units import counted
 
 KINDS = SHARDING_KINDS
 

@@ -1,0 +1,59 @@
+"""Keys that act only under another key's setting: set away from their default without
+it, they would change nothing, without a word (``--embedding.beta1=0.8`` under row-wise
+Adagrad, ``--model.dcn_rank=256`` under the dot interaction). Such a value is refused,
+naming the key and the setting it needs. Values at their defaults pass: a TOML file
+that spells every key out (``configs/default.toml``) stays valid under any choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from recscale.config.errors import ConfigError
+
+
+def _methods(cfg: Any) -> set[str]:
+    """The compression methods the config asks of any table (``compression`` and the
+    per-table ``table_compression`` overrides)."""
+    e = cfg.embedding
+    named = {str(x).split("=", 1)[1] for x in e.table_compression if "=" in str(x)}
+    return {e.compression, *named}
+
+
+# (key, does it act under cfg, the setting it needs - as the message says it)
+RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("embedding.beta1", lambda c: c.embedding.optimizer == "adam", "embedding.optimizer=adam"),
+    ("embedding.beta2", lambda c: c.embedding.optimizer == "adam", "embedding.optimizer=adam"),
+    (
+        "embedding.initial_accumulator",
+        lambda c: c.embedding.optimizer == "rowwise_adagrad",
+        "embedding.optimizer=rowwise_adagrad",
+    ),
+    ("model.dcn_layers", lambda c: c.model.interaction == "dcnv2", "model.interaction=dcnv2"),
+    ("model.dcn_rank", lambda c: c.model.interaction == "dcnv2", "model.interaction=dcnv2"),
+    ("embedding.qr_buckets", lambda c: "qr" in _methods(c), "a table compressed by qr"),
+    ("embedding.qr_op", lambda c: "qr" in _methods(c), "a table compressed by qr"),
+    ("embedding.md_alpha", lambda c: "mixed_dim" in _methods(c), "a table compressed by mixed_dim"),
+    ("embedding.tt_rank", lambda c: "tt" in _methods(c), "a table compressed by tt"),
+    (
+        "embedding.hot_sample_rows",
+        lambda c: c.embedding.hot_fraction > 0,
+        "embedding.hot_fraction > 0",
+    ),
+    ("optimizer.decay", lambda c: c.optimizer.decay_steps > 0, "optimizer.decay_steps > 0"),
+    ("optimizer.decay_to", lambda c: c.optimizer.decay_steps > 0, "optimizer.decay_steps > 0"),
+)
+
+
+def refuse_inert_keys(cfg: Any) -> None:
+    """Raise ConfigError for the first key of ``RULES`` set away from its default where
+    the setting it acts under is not made (``cfg``: a ``schema.Config``)."""
+    for key, acts, needs in RULES:
+        section_name, name = key.split(".")
+        section = getattr(cfg, section_name)
+        value, default = getattr(section, name), getattr(type(section)(), name)
+        if value != default and not acts(cfg):
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(
+                key, f"{shown} acts only with {needs}, which this config does not set"
+            )
