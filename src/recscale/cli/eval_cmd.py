@@ -10,7 +10,7 @@ from pathlib import Path
 from recscale.cli.output import print_error
 from recscale.cli.train_cmd import run_dir_of
 from recscale.config.errors import ConfigError
-from recscale.config.loader import load_config
+from recscale.config.loader import load_config, parse_overrides
 from recscale.config.small_files import json_text, write_text_atomic
 
 
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         adopt_dataset_shapes,
         check_synthetic_memory,
         eval_batches,
+        refuse_synthetic_keys,
     )
     from recscale.train.parallel import check_eval_batch_memory, evaluate
     from recscale.train.step import resolve_device
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except ConfigError as e:  # the run's own config.toml: the file --model named
         raise ConfigError("--model" if e.key == "--config" else e.key, e.message) from None
     cfg = load_config(str(run_dir / "config.toml"), overrides)
+    refuse_synthetic_keys(cfg, (key for key, _ in parse_overrides(overrides)))
     adopt_dataset_shapes(cfg, training=False)
     if cfg.model != trained.model:
         print(

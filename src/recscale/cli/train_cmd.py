@@ -11,7 +11,7 @@ from pathlib import Path
 from recscale.cli import signals
 from recscale.cli.output import print_error
 from recscale.config.errors import ConfigError
-from recscale.config.loader import load_config, preset_names
+from recscale.config.loader import load_config, parse_overrides, preset_names
 from recscale.config.small_files import loads_json, read_small_text
 
 
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.embedding.cached_storage import CacheTooSmallError
     from recscale.launch_env import launch_env
     from recscale.modules.embedding_bag_collection import IdOutOfRangeError
+    from recscale.train.data_source import refuse_synthetic_keys
     from recscale.train.run import RunDirInUse, TrainingDiverged, train
 
     resume_dir = None
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if e.key == "--config" and args.config is None and resume_dir is not None:
             raise ConfigError("--resume", e.message) from None  # the file --resume named
         raise
+    refuse_synthetic_keys(cfg, (key for key, _ in parse_overrides(overrides)))
     if args.run_dir:
         run_dir = Path(args.run_dir)
     elif resume_dir is not None:

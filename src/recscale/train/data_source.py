@@ -44,6 +44,35 @@ def make_synthetic(cfg: Config) -> SyntheticCriteo:
 DATASET_KEYS = ("train_split", "eval_split", "val_split", "shuffle", "block_rows")
 
 
+# What only synthetic data reads: a dataset brings its own ids, bags, clicks and splits
+SYNTHETIC_KEYS = (
+    "eval_samples",
+    "zipf_alpha",
+    "min_ids_per_feature",
+    "max_ids_per_feature",
+    "bag_sizes",
+    "signal_scale",
+    "target_ctr",
+)
+
+
+def refuse_synthetic_keys(cfg: Config, given: Iterable[str]) -> None:
+    """The synthetic generator's keys named on the command line (``given``: the dotted
+    keys of its overrides) for a run on a dataset changed nothing, without a word.
+    Only the command line's: a preset or a run's config.toml carries them at values of
+    its own (the debug preset's eval_samples) through any data."""
+    if not cfg.data.uses_dataset():
+        return
+    for key in given:
+        section, _, name = key.partition(".")
+        if section == "data" and name in SYNTHETIC_KEYS:
+            raise ConfigError(
+                key,
+                f"shapes the synthetic data; the run reads the dataset {cfg.data.path}, "
+                "which brings its own ids, bags and clicks",
+            )
+
+
 def _refuse_dataset_keys(data: DataConfig) -> None:
     """``--data.eval_split=val`` (or ``shuffle=false``...) on synthetic data changed
     nothing, without a word."""
