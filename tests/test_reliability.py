@@ -27,6 +27,7 @@ from recscale.train.run import RunDirInUse, train
 
 QUIET = dict(echo=lambda *_: None)
 BASE = ["--train.progress=false", "--data.eval_samples=2048", "--train.steps=20"]
+DATASET_BASE = [a for a in BASE if not a.startswith("--data.eval_samples")]  # synthetic's
 
 
 class _Planted:
@@ -144,7 +145,13 @@ def test_a_damaged_dataset_is_named_not_trained(tmp_path, damage):
         (ds / "metadata.json").write_text(json.dumps(meta))
         match = "20 table sizes for 26"
     r = run_cli(
-        "train", "--config", "debug", *BASE, f"--data.path={ds}", "--run-dir", str(tmp_path / "run")
+        "train",
+        "--config",
+        "debug",
+        *DATASET_BASE,
+        f"--data.path={ds}",
+        "--run-dir",
+        str(tmp_path / "run"),
     )
     assert r.returncode == 1, r.stderr
     assert match in error_line(r.stderr)
@@ -424,7 +431,7 @@ def test_a_failing_final_evaluation_keeps_the_trained_model(tmp_path):
         "train",
         "--config",
         "debug",
-        *BASE,
+        *DATASET_BASE,
         f"--data.path={tmp_path / 'ds'}",
         "--data.eval_split=test",
         "--run-dir",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, counted
 from recscale.config.schema import Config
 from recscale.data.columns import DatasetError
 from recscale.distributed import init_distributed, plan_for
@@ -136,7 +136,8 @@ def run_pipeline_bench(
 def format_pipeline_report(name: str, r: dict[str, Any]) -> str:
     st = "  ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items())
     return (
-        f"{name}: {r['world_size']} ranks x {r['threads_per_rank']} threads, global batch "
+        f"{name}: {counted(r['world_size'], 'rank')} x "
+        f"{counted(r['threads_per_rank'], 'thread')}, global batch "
         f"{r['batch_size']}, sharding {', '.join(r['sharding'])}\n"
         f"  stages (ms, rank 0, sequential): {st}\n"
         f"  sequential: {r['sequential_step_ms']:.2f} ms/step  "

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from recscale.cli.output import print_error
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, counted
 from recscale.config.loader import load_config, preset_names
 from recscale.config.small_files import json_text
 from recscale.planner import Constraints, PlanError, Topology, plan_sharding
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json_text(out, indent=1))
         return 0
     print(
-        f"plan for {args.config}: {len(tables)} tables on {args.world_size} ranks "
+        f"plan for {args.config}: {len(tables)} tables on {counted(args.world_size, 'rank')} "
         f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}"
     )
     from recscale.embedding.sizing import compression_summary

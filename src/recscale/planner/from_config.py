@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, counted
 from recscale.config.schema import Config
 from recscale.config.small_files import loads_json, read_small_text
 from recscale.data.columns import DatasetError, read_metadata
@@ -228,7 +228,8 @@ def plan_for(
         if plan.world_size != world_size:
             raise ConfigError(
                 "distributed.plan",
-                f"{d.plan} is a plan for {plan.world_size} ranks but the job has {world_size}",
+                f"{d.plan} is a plan for {counted(plan.world_size, 'rank')} but the job has "
+                f"{world_size}",
             )
         names = {t.name for t in tables}
         strangers = [p.table for p in plan.placements if p.table not in names]

@@ -31,7 +31,7 @@ from recscale import locks, native
 from recscale.checkpoint.format import CheckpointError
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain, valid_chains
 from recscale.checkpoint.state import restore
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, counted
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
 from recscale.config.small_files import json_text, open_log, write_text_atomic
@@ -252,7 +252,8 @@ def _announce(job: Job) -> None:
     job.echo(
         f"recscale: DLRM with {len(cfg.model.table_sizes)} tables ({num_rows:,} rows, "
         f"dim {cfg.model.embedding_dim}), {num_params:,} dense parameters; "
-        f"{t.steps} steps x batch {t.batch_size} on {ctx.device} ({job.threads} threads"
+        f"{t.steps} steps x batch {t.batch_size} on {ctx.device} "
+        f"({counted(job.threads, 'thread')}"
         + (f" per rank, {ctx.world_size} ranks)" if ctx.distributed else ")")
     )
     for line in compression_summary(cfg):
