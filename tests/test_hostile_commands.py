@@ -166,6 +166,25 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path):
     assert "Broken pipe" not in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("closed", ["stdout", "stderr", "all"])
+def test_closed_standard_streams_neither_crash_a_run_nor_land_in_its_files(tmp_path, closed):
+    """``recscale train ... >&-``: Python had no sys.stdout, the run's first line was an
+    AttributeError, and the directory it left (config.toml) refused a rerun. A closed
+    descriptor would also be taken by the next file the run opened, so what C libraries
+    write to fd 1 or 2 would land in it. Each closed one is opened on /dev/null: the run
+    trains, its files hold only what they should, and a bad key still exits 2."""
+    shut = {"stdout": ">&-", "stderr": "2>&-", "all": "<&- >&- 2>&-"}[closed]
+    run = tmp_path / "run"
+    cmd = f"exec {sys.executable} -m recscale train --config debug --train.steps=3 --run-dir {run}"
+    r = subprocess.run(["bash", "-c", f"{cmd} {shut}"], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+    logged = (run / "train_log.jsonl").read_text().splitlines()
+    assert logged and all(json.loads(line) for line in logged)
+    bad = f"exec {sys.executable} -m recscale config --nope.x=1 {shut}"
+    assert subprocess.run(["bash", "-c", bad], capture_output=True, timeout=120).returncode == 2
+
+
 def test_eval_of_a_run_that_kept_no_model_says_why(tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--config", "debug", "--run-dir", str(run), "--train.steps=2"]

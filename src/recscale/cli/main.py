@@ -98,7 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _open_closed_standard_streams() -> None:
+    """A standard descriptor the caller closed (``recscale train >&-``) is opened on
+    /dev/null. Left closed, Python has no ``sys.stdout`` (the first print was an
+    AttributeError mid-run, leaving a run directory no rerun could use), and the next
+    file the run opens takes its number: a C library's message to fd 2 (OpenMP's, torch's)
+    would land in a log or checkpoint file."""
+    for fd in (0, 1, 2):  # in order: os.open takes the lowest free number, this one
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode))  # noqa: SIM115 - for the process
+
+
 def main(argv: list[str] | None = None) -> int:
+    _open_closed_standard_streams()
     with escaped_output():  # no path or value printed can rewrite the terminal
         return _main(sys.argv[1:] if argv is None else argv)
 
