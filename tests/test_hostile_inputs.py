@@ -263,6 +263,25 @@ def test_every_rank_plans_beside_a_damaged_default_calibration(tmp_path, monkeyp
         _shared_laws(cfg, DistContext())
 
 
+def test_the_cache_dir_follows_an_absolute_xdg_cache_home_only(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME set empty or relative put the host's calibration and probe records
+    under whatever directory a command ran from (``./recscale/hardware-HOST.json``). The
+    XDG rule: only an absolute path counts; otherwise ~/.cache."""
+    from recscale.bench.hardware import record_path
+    from recscale.config.small_files import user_cache_dir
+    from recscale.perfmodel.calibration import default_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("RECSCALE_HARDWARE_RECORD")  # the tests' "off": the default path
+    home = tmp_path / "home" / ".cache" / "recscale"
+    for value in ("", "relative/cache", "."):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert user_cache_dir() == home
+        assert record_path().parent == default_path().parent == home
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_path().parent == tmp_path / "xdg" / "recscale"
+
+
 def test_a_named_calibration_one_rank_does_not_use_is_still_checked(tmp_path, capsys):
     """One rank plans without costs, so a named calibration was never opened: a typo
     (or a damaged file) trained without a word and failed on the first multi-rank run."""

@@ -25,7 +25,7 @@ import torch
 
 from recscale import native
 from recscale.config.schema import Config
-from recscale.config.small_files import loads_json, write_text_atomic
+from recscale.config.small_files import loads_json, user_cache_dir, write_text_atomic
 from recscale.embedding.sizing import (
     bytes_per_value,
     lookup_bytes_per_value,
@@ -195,8 +195,8 @@ def record_path() -> Path | None:
         return None
     if spec:
         return Path(spec)
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "recscale" / f"hardware-{platform.node() or 'host'}.json"
+    base = user_cache_dir()
+    return base / f"hardware-{platform.node() or 'host'}.json" if base else None
 
 
 def _read_record(path: Path) -> dict[str, float]:

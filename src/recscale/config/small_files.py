@@ -42,6 +42,20 @@ def not_a_file(mode: int) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def user_cache_dir() -> Path | None:
+    """``$XDG_CACHE_HOME/recscale``, or ``~/.cache/recscale``: where a host's calibration
+    and probe records are kept. The variable counts only when absolute (the XDG rule):
+    set empty or relative, the files landed in whatever directory a command ran from.
+    None when there is no home to find (no HOME and no password entry)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "recscale"
+    try:
+        return Path.home() / ".cache" / "recscale"
+    except RuntimeError:  # "Could not determine home directory"
+        return None
+
+
 def read_small_text(path: str | Path, key: str, limit: int = MAX_BYTES) -> str:
     """The UTF-8 text of ``path``: a regular file of at most ``limit`` bytes (symbolic
     links followed: a user may link a config). Anything else is a :class:`ConfigError`

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from recscale.config.small_files import loads_json, read_small_text, write_text_atomic
+from recscale.config.small_files import (
+    loads_json,
+    read_small_text,
+    user_cache_dir,
+    write_text_atomic,
+)
 
 FORMAT = 3
 
@@ -115,8 +119,10 @@ def _law(name: str, v: dict) -> Law:
 
 
 def default_path() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "recscale" / f"calibration-{platform.node() or 'host'}.json"
+    """This host's calibration file (``user_cache_dir``; the working directory when the
+    user has no home)."""
+    base = user_cache_dir() or Path.cwd()
+    return base / f"calibration-{platform.node() or 'host'}.json"
 
 
 def find_calibration(spec: str = "auto") -> Calibration | None:
