@@ -141,7 +141,13 @@ def test_metrics_that_are_undefined_are_written_as_null_json(tmp_path, capsys):
 def test_checkpoint_inspect_reports_no_checkpoints_on_stderr(tmp_path, capsys):
     assert main(["checkpoint", "inspect", str(tmp_path)]) == 1
     out = capsys.readouterr()
-    assert out.out == "" and "no checkpoints" in error_line(out.err)
+    assert out.out == "" and "holds no checkpoints" in error_line(out.err)
+    # a path that is not there, or a file, says so ("no checkpoints at" hid the typo)
+    rc, line = _fails(capsys, "checkpoint", "inspect", str(tmp_path / "typo"))
+    assert rc == 1 and line.endswith("typo does not exist"), line
+    (tmp_path / "f").write_text("")
+    rc, line = _fails(capsys, "checkpoint", "inspect", str(tmp_path / "f"))
+    assert rc == 1 and line.endswith("f is not a directory"), line
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a pipe's closed reader polls as POLLERR")

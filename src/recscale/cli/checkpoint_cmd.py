@@ -4,6 +4,7 @@ valid."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     paths = [path] if (path / "manifest.json").exists() else checkpoint_dirs(root)
     if not paths:
-        print_error(f"no checkpoints at {path}")
+        why = (
+            "does not exist"
+            if not os.path.lexists(path)
+            else "is not a directory"
+            if not path.is_dir()
+            else "holds no checkpoints (a run directory, its checkpoints/ or one step_N)"
+        )
+        print_error(f"{path} {why}")
         return 1
     infos = [_describe(p) for p in paths]
     if args.json:
