@@ -9,15 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from recscale.config.compression_rules import table_methods
 from recscale.config.errors import ConfigError
 
 
 def _methods(cfg: Any) -> set[str]:
-    """The compression methods the config asks of any table (``compression`` and the
-    per-table ``table_compression`` overrides)."""
-    e = cfg.embedding
-    named = {str(x).split("=", 1)[1] for x in e.table_compression if "=" in str(x)}
-    return {e.compression, *named}
+    """The compression methods some table of the config is given."""
+    return set(table_methods(cfg).values())
 
 
 # (key, does it act under cfg, the setting it needs - as the message says it)

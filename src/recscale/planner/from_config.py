@@ -124,7 +124,7 @@ def table_infos(cfg: Config) -> list[TableInfo]:
     e = cfg.embedding
     comp = table_compressions(m.table_sizes, m.dims(), e)
     curves = hit_curves(cfg)
-    in_flight = IN_FLIGHT_BATCHES * batch_ids_per_table(cfg)
+    least = in_flight_bytes_per_table(cfg)
     infos = []
     for i, ((n, d), (c, sd)) in enumerate(zip(zip(m.table_sizes, m.dims()), comp)):
         total, weights = compressed_table_bytes(c, n, d, sd, e)
@@ -140,7 +140,7 @@ def table_infos(cfg: Config) -> list[TableInfo]:
                 row_overhead(e.row_precision),
                 weights,
                 curves[i],
-                min(n, in_flight) * row_bytes(e, d),
+                least[i],
             )
         )
     return infos
@@ -279,12 +279,17 @@ def batch_ids_per_table(cfg: Config) -> int:
     return cfg.train.batch_size * max(math.ceil(max(bags, default=1.0)), 1)
 
 
-def in_flight_cache_bytes(cfg: Config) -> int:
+def in_flight_bytes_per_table(cfg: Config) -> list[int]:
     """The cache bytes (rows and state) ``IN_FLIGHT_BATCHES`` batches of each table need
-    at most, a table at most whole: the least a default cache holds."""
+    at most, a table at most whole: the least a cache of it holds."""
     e, m = cfg.embedding, cfg.model
     ids = IN_FLIGHT_BATCHES * batch_ids_per_table(cfg)
-    return sum(min(n, ids) * row_bytes(e, d) for n, d in zip(m.table_sizes, m.dims()))
+    return [min(n, ids) * row_bytes(e, d) for n, d in zip(m.table_sizes, m.dims())]
+
+
+def in_flight_cache_bytes(cfg: Config) -> int:
+    """:func:`in_flight_bytes_per_table` over all tables: the least a default cache holds."""
+    return sum(in_flight_bytes_per_table(cfg))
 
 
 def with_tiers(plan: ShardingPlan, tiers: list[tuple[str, int]] | None) -> ShardingPlan:
