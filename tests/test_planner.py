@@ -319,3 +319,27 @@ def test_replicas_never_starve_a_later_table():
         assert replicated(tight) < replicated(roomy)
     with pytest.raises(PlanError, match=r"2 ranks x 100\.00 kB = 200\.00 kB: \d+\.\d\d kB missing"):
         plan_sharding(tables, Topology(2, 100_000), cons)
+
+
+def test_plan_shows_the_plan_file_or_sharding_a_job_would_run(tmp_path, capsys):
+    """``recscale plan --distributed.plan=FILE`` (or ``--distributed.sharding=KIND``)
+    printed the planner's own plan: the file - even one that was not there, or for
+    another world size - was never read. It shows and checks the plan a job of that
+    config runs."""
+    from recscale.cli.main import main
+    from recscale.planner.from_config import uniform_plan
+
+    plan = uniform_plan(table_infos(load_config("debug")), 2, "table_wise").to_dict()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    argv = ["plan", "--config", "debug", f"--distributed.plan={path}", "--json"]
+    assert main([*argv, "--world-size", "2"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [p["ranks"] for p in shown["placements"]] == [p["ranks"] for p in plan["placements"]]
+    assert main([*argv, "--world-size", "4"]) == 2
+    assert "a plan for 2 ranks but the job has 4" in capsys.readouterr().err
+    assert main([*argv[:3], f"--distributed.plan={tmp_path / 'none.json'}"]) == 2
+    capsys.readouterr()
+    assert main([*argv[:3], "--world-size", "2", "--distributed.sharding=row_wise", "--json"]) == 0
+    kinds = {p["kind"] for p in json.loads(capsys.readouterr().out)["placements"]}
+    assert kinds == {"row_wise"}

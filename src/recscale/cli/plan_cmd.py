@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.device is not None and args.device != THIS:
         return _forecast(cfg, args)
     _refuse_forecast_flags(args)
-    from recscale.planner.from_config import table_infos  # imports torch: not for --help
+    from recscale.planner.from_config import plan_for, table_infos  # not for --help
 
     tables = table_infos(cfg)
     a2a = (args.all_to_all_gbps or 12.5) * 1e9
@@ -177,8 +177,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     cal = _calibration(args.calibration or cfg.distributed.calibration)
     laws = _laws(cal, topo, args)
+    d = cfg.distributed
+    given = f"the plan file {d.plan}" if d.plan else f"distributed.sharding={d.sharding}"
     try:
-        plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size), laws)
+        if d.plan or d.sharding != "auto":  # the plan a job of this config runs, checked
+            plan = plan_for(cfg, args.world_size, topo.memory_per_rank)
+        else:
+            plan = plan_sharding(tables, topo, Constraints(batch_size=cfg.train.batch_size), laws)
     except PlanError as e:
         print_error(e)
         return 1
@@ -217,6 +222,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     print(
         f"plan for {args.config}: {len(tables)} tables on {counted(args.world_size, 'rank')} "
         f"({args.memory_per_rank:g} GB each), global batch {cfg.train.batch_size}"
+        + (f"; {given}" if d.plan or d.sharding != "auto" else "")
     )
     from recscale.embedding.sizing import compression_summary
 
