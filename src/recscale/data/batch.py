@@ -63,6 +63,33 @@ class Batch:
             weights=None if self.weights is None else self.weights[keep],
         )
 
+    @staticmethod
+    def cat(parts: list[Batch]) -> Batch:
+        """The samples of ``parts``, in order, as one batch of the same layout (each
+        feature's ids stay together: feature-major)."""
+        f = parts[0].num_sparse_features
+        lengths = torch.cat([p.lengths().view(f, p.batch_size) for p in parts], 1).reshape(-1)
+        offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+
+        def by_feature(of: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(
+                [
+                    t[p.offsets[i * p.batch_size] : p.offsets[(i + 1) * p.batch_size]]
+                    for i in range(f)
+                    for p, t in zip(parts, of)
+                ]
+            )
+
+        weighted = all(p.weights is not None for p in parts)
+        return Batch(
+            dense=torch.cat([p.dense for p in parts]),
+            values=by_feature([p.values for p in parts]),
+            offsets=offsets,
+            labels=torch.cat([p.labels for p in parts]),
+            weights=by_feature([p.weights for p in parts]) if weighted else None,
+        )
+
     def pad(self, batch_size: int) -> Batch:
         """Append samples with empty bags, zero dense features and label 0 up to
         ``batch_size`` (ranks must run equal batches; padded predictions are dropped)."""
