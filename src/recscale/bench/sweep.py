@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, counted
 from recscale.config.loader import load_config, set_key
 from recscale.config.small_files import open_log, write_bytes_atomic
 
@@ -194,7 +194,7 @@ def run_sweep(
     rows = [done[tuple(p.values())] for p in points]
     for name in plot(rows, varies, out):
         echo(f"wrote {out / name}")
-    echo(f"wrote {csv_path} ({len(rows)} point{'s' if len(rows) != 1 else ''})")
+    echo(f"wrote {csv_path} ({counted(len(rows), 'point')})")
     return rows
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from recscale.cli.output import print_error, printable
+from recscale.config.errors import counted
 from recscale.config.small_files import json_text
 
 
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
             w = plan["world_size"]
             print(
-                f"  written by {w} rank{'s' if w > 1 else ''}: "
+                f"  written by {counted(w, 'rank')}: "
                 + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
                 + " (parts in table coordinates: loads at any world size and plan)"
             )

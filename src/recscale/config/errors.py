@@ -24,3 +24,9 @@ def counted(n: int, one: str, many: str | None = None) -> str:
     "entry", "entries")`` "3 entries" ("1 ranks" reads as a slip in a message about what
     went wrong)."""
     return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def value_text(value: object) -> str:
+    """A config value as a message quotes it, in TOML's spelling where Python's differs
+    (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from recscale.config.compression_rules import table_methods
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, value_text
 
 
 def _methods(cfg: Any) -> set[str]:
@@ -51,7 +51,7 @@ def refuse_inert_keys(cfg: Any) -> None:
         section = getattr(cfg, section_name)
         value, default = getattr(section, name), getattr(type(section)(), name)
         if value != default and not acts(cfg):
-            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            shown = value_text(value)
             raise ConfigError(
                 key, f"{shown} acts only with {needs}, which this config does not set"
             )

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, value_text
 from recscale.config.schema import Config, DataConfig
 from recscale.data.batch import Batch
 from recscale.data.columns import read_metadata
@@ -80,7 +80,7 @@ def _refuse_dataset_keys(data: DataConfig) -> None:
     for key in DATASET_KEYS:
         value = getattr(data, key)
         if value != getattr(default, key):
-            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            shown = value_text(value)
             raise ConfigError(
                 f"data.{key}",
                 f"{shown} applies to a dataset (data.path); synthetic data is one stream of "
