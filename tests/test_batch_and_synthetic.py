@@ -143,6 +143,31 @@ def test_batched_zipf_ranks_equal_zipf_ranks_feature_by_feature(alpha):
     np.testing.assert_array_equal(got, want)
 
 
+def test_slice_is_the_samples_built_again_from_lists():
+    """``slice(lo, hi)`` against the same samples built from nested lists: empty bags,
+    empty slices, whole batches and weights, over random shapes."""
+    g = np.random.default_rng(0)
+    for trial in range(200):
+        b, f = int(g.integers(1, 12)), int(g.integers(1, 5))
+        ids = [[list(g.integers(0, 99, g.integers(0, 4))) for _ in range(b)] for _ in range(f)]
+        wts = [[list(g.random(len(bag))) for bag in per] for per in ids]
+        dense, labels = g.random((b, 2)).tolist(), g.integers(0, 2, b).tolist()
+        whole = Batch.from_lists(dense, ids, labels, wts)
+        lo = int(g.integers(0, b + 1))
+        hi = int(g.integers(lo, b + 1))
+        got = whole.slice(lo, hi)
+        if lo == hi:  # from_lists builds no empty batch
+            assert got.dense.shape == (0, 2) and got.offsets.tolist() == [0]
+            assert got.values.numel() == got.weights.numel() == got.labels.numel() == 0
+            continue
+        want = Batch.from_lists(
+            dense[lo:hi], [per[lo:hi] for per in ids], labels[lo:hi], [w[lo:hi] for w in wts]
+        )
+        for name in ("dense", "values", "offsets", "labels", "weights"):
+            a, e = getattr(got, name), getattr(want, name)
+            assert a.dtype == e.dtype and torch.equal(a, e.view(a.shape)), (trial, name)
+
+
 def test_cat_joins_slices_back_into_the_batch():
     """``Batch.cat`` of consecutive slices is the batch itself (feature-major ids kept
     per feature), weights included."""

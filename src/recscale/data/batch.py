@@ -46,21 +46,27 @@ class Batch:
 
     def slice(self, lo: int, hi: int) -> Batch:
         """Samples ``[lo, hi)`` as a batch of the same layout (rank ``r`` of ``W`` trains on
-        ``slice(r * B // W, (r + 1) * B // W)`` of the global batch)."""
+        ``slice(r * B // W, (r + 1) * B // W)`` of the global batch). Each feature's ids of
+        those samples are one run of ``values``, so the cost is the slice's, not the
+        batch's: an eval set cut into small batches took time quadratic in its size."""
         b, f = self.batch_size, self.num_sparse_features
-        lengths = self.lengths()
-        sample = torch.arange(f * b, device=lengths.device) % b
-        keep_bag = (sample >= lo) & (sample < hi)
-        keep = torch.repeat_interleave(keep_bag, lengths, output_size=self.values.shape[0])
-        new_len = lengths.view(f, b)[:, lo:hi].reshape(-1)
-        offsets = torch.zeros(new_len.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+        starts = self.offsets[: f * b].view(f, b)[:, lo:hi]
+        new_len = (self.offsets[1:].view(f, b)[:, lo:hi] - starts).reshape(-1)
+        offsets = torch.zeros(new_len.shape[0] + 1, dtype=torch.int64, device=new_len.device)
         torch.cumsum(new_len, 0, out=offsets[1:])
+        # each feature's run: [offsets[i*B + lo], offsets[i*B + hi]) (one read-back)
+        first = torch.arange(f, device=self.offsets.device) * b
+        spans = self.offsets[torch.stack([first + lo, first + hi])].t().tolist() if hi > lo else []
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[s:e] for s, e in spans]) if spans else t[:0]
+
         return Batch(
             dense=self.dense[lo:hi],
-            values=self.values[keep],
+            values=cut(self.values),
             offsets=offsets,
             labels=self.labels[lo:hi],
-            weights=None if self.weights is None else self.weights[keep],
+            weights=None if self.weights is None else cut(self.weights),
         )
 
     @staticmethod
