@@ -9,7 +9,9 @@ increment would exceed ``full_if_fraction`` of all rows - then it is *full*.
 Asynchronous: ``capture`` copies the state to host memory (the training stall,
 reported), then one background thread writes it; a save that comes while the
 previous write is still running first waits for it (also counted as stall). Tables
-on a host/ssd tier are streamed from their storage instead, synchronously.
+on a host/ssd tier are streamed from their storage instead, synchronously - and so is
+every table when ``async_write`` is off (the final save) or when the copy would take
+more than ``COPY_SHARE`` of the host memory available (said once).
 
 Every rank runs the same code (world size 1 included): each writes its own parts in
 parallel, rank 0 adds the dense state and the manifest (``format.py``), and only
@@ -39,10 +41,17 @@ from recscale.checkpoint.format import (
     recover,
     verify,
 )
-from recscale.checkpoint.state import Checkpointable, capture, write_part
+from recscale.checkpoint.state import Checkpointable, capture, copy_bytes, write_part
 from recscale.config.schema import CheckpointConfig
 from recscale.distributed.context import DistContext
+from recscale.procfs import mem_available
 from recscale.units import size_text
+
+# An asynchronous save copies the rows to host memory while training goes on; a copy
+# above this share of the memory available is not made - the save streams the rows from
+# the tables and training waits for the write (the copy's growth beside the step's own
+# allocations had the kernel kill the run).
+COPY_SHARE = 0.6
 
 _NAME = re.compile(r"^step_(\d{8})(\.inc)?$")
 
@@ -125,11 +134,15 @@ class CheckpointManager:
         meta: dict[str, Any] | None = None,
         ctx: DistContext | None = None,
         timeout_s: float = 300.0,
+        echo: Callable[[str], None] | None = None,
     ) -> None:
         """``model.embeddings`` is any collection with ``local_parts()`` and ``storages()``
         (whole tables, or this rank's shards); ``ctx``: the ranks (default: one process).
-        ``timeout_s``: how long rank 0 waits for the other ranks' parts."""
+        ``timeout_s``: how long rank 0 waits for the other ranks' parts. ``echo``: where
+        a save that cannot copy its rows says so (once)."""
         self.cfg, self.root, self.model, self.dense_opt = cfg, root, model, dense_opt
+        self.echo = echo
+        self._said_streamed = False
         self.ctx = ctx if ctx is not None else DistContext()
         self.timeout_s = timeout_s
         self.meta = meta or {}
@@ -182,6 +195,20 @@ class CheckpointManager:
         dirty = self._global_sum(sum(int(s.dirty.sum()) for s in storages if s.dirty is not None))
         return "full" if dirty > self.cfg.full_if_fraction * self._total_rows else "incremental"
 
+    def _copy_fits(self, kind: str) -> bool:
+        """Whether this save's copy of the rows fits beside training (``COPY_SHARE``)."""
+        need, have = copy_bytes(self.model, kind, self.ctx.rank), mem_available()
+        if need <= COPY_SHARE * have:
+            return True
+        if self.echo is not None and not self._said_streamed:
+            self.echo(
+                f"recscale: a checkpoint's copy of the tables ({size_text(need)}) would not fit "
+                f"beside training ({size_text(have)} of host memory available): it is written "
+                "from the tables while training waits"
+            )
+        self._said_streamed = True
+        return False
+
     def save(self, step: int, trainer: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         self.wait()
@@ -198,6 +225,7 @@ class CheckpointManager:
             self._last_name if kind == "incremental" else None,
             step,
             self.ctx.rank,
+            stream=not self.cfg.async_write or not self._copy_fits(kind),
         )
         for storage in storages:
             if storage.dirty is not None:  # a compressed table keeps none (written whole)

@@ -6,8 +6,10 @@ shard (or a replica) in a sharded run. The same code runs in both:
 
 * ``capture`` copies this rank's parts (all rows, or for an increment the rows touched
   since the last checkpoint) to host memory, so training can go on while a background
-  thread writes them; parts on a host/ssd tier are not copied but *streamed* from the
-  storage in chunks when written (the manager then writes synchronously);
+  thread writes them; parts on a host/ssd tier - and every part when the write is
+  synchronous (``stream``: the final save, ``async_write = false``, or a copy the host
+  memory cannot hold) - are not copied but *streamed* from the storage in chunks when
+  written (the manager then writes synchronously);
 * ``write_part`` writes one rank's snapshot into the checkpoint's temporary directory;
   rank 0 also writes ``dense.pt`` + ``trainer.json`` and assembles the manifest
   (``format.CheckpointWriter.finalize``);
@@ -99,6 +101,11 @@ class PartSnapshot:
     def streamed(self) -> bool:
         return self.weight is None
 
+    @property
+    def stored_rows(self) -> int:
+        """Rows this part's files hold: the increment's, or every row of the part."""
+        return self.part.num_rows if self.rows is None else len(self.rows)
+
 
 @dataclass
 class Snapshot:
@@ -149,6 +156,27 @@ def _dense_bytes(
     return buf.getvalue()
 
 
+def copy_bytes(model: Checkpointable, kind: str, rank: int = 0) -> int:
+    """Host bytes :func:`capture` copies without ``stream``: the fp32 rows and per-row
+    state of this rank's parts it does not stream - every row of a device-tier part, or
+    an increment's dirty rows of any part."""
+    total = 0
+    for p, storage, first in model.embeddings.local_parts():
+        if (p.kind == "data_parallel" and rank != 0) or p.num_rows == 0 or storage.derived_rows:
+            continue
+        if kind == "incremental":
+            rows = int(storage.dirty[first : first + p.num_rows].sum())
+        elif storage.tier == "device":
+            rows = p.num_rows
+        else:
+            continue
+        one = torch.tensor([first], device=storage.device)
+        per_row = storage.read_rows(one)[0].numel()
+        per_row += sum(t[0].numel() for t in storage.read_state(one).values())
+        total += 4 * rows * per_row
+    return total
+
+
 def capture(
     model: Checkpointable,
     dense_opt: torch.optim.Optimizer,
@@ -158,9 +186,13 @@ def capture(
     parent: str | None,
     step: int,
     rank: int = 0,
+    stream: bool = False,
 ) -> Snapshot:
     """Copy this rank's state to host memory (see the module doc). ``incremental`` takes
-    only rows marked dirty. Replicated parts are written by rank 0 alone."""
+    only rows marked dirty. Replicated parts are written by rank 0 alone. ``stream``:
+    copy no rows - every part is read from its storage as it is written (a synchronous
+    write, training paused: a copy of B's 13 GB of tables for the final save had doubled
+    the run's memory, and the kernel killed it)."""
     ebc = model.embeddings
     parts = []
     factors = {}
@@ -176,9 +208,12 @@ def capture(
             continue
         if kind == "incremental":
             local = torch.nonzero(storage.dirty[first : first + p.num_rows]).squeeze(1).cpu()
-            idx = (local + first).to(storage.device)
             rows = (local + p.row_lo).numpy()
-        elif storage.tier != "device":
+            if stream:
+                parts.append(PartSnapshot(name, table_rows, dim, p, rows, None, {}, storage, first))
+                continue
+            idx = (local + first).to(storage.device)
+        elif storage.tier != "device" or stream:
             parts.append(PartSnapshot(name, table_rows, dim, p, None, None, {}, storage, first))
             continue
         else:
@@ -232,10 +267,16 @@ def _part_prefix(rank: int, name: str, p) -> str:
 
 def _streamed(ps: PartSnapshot, what: str, precision: str) -> Iterator[np.ndarray]:
     """One file of a streamed part, chunk by chunk: ``what`` is a weight file suffix
-    (``weight.f32`` ...) or ``state_NAME``; the storage is read once per file."""
-    for lo in range(0, ps.part.num_rows, _CHUNK_ROWS):
-        hi = min(ps.part.num_rows, lo + _CHUNK_ROWS)
-        idx = torch.arange(ps.first + lo, ps.first + hi)
+    (``weight.f32`` ...) or ``state_NAME``; the storage is read once per file - every row
+    of the part, or (an increment) the rows ``ps.rows`` lists."""
+    tiered = ps.storage.tier != "device"  # as ever: a tier's reads take CPU row indices
+    device = torch.device("cpu") if tiered else ps.storage.device
+    for lo in range(0, ps.stored_rows, _CHUNK_ROWS):
+        hi = min(ps.stored_rows, lo + _CHUNK_ROWS)
+        if ps.rows is None:
+            idx = torch.arange(ps.first + lo, ps.first + hi, device=device)
+        else:
+            idx = torch.from_numpy(ps.rows[lo:hi] - ps.part.row_lo + ps.first).to(device)
         if what.startswith("state_"):
             yield ps.storage.read_state(idx)[what[6:]].cpu().numpy().astype(np.float32)
             continue
@@ -269,7 +310,7 @@ def write_part(snap: Snapshot, w: CheckpointWriter) -> None:
                     f"{base}.state_{sname}.f32", _streamed(ps, f"state_{sname}", snap.precision)
                 )
             state_tails = {sname: list(shape) for sname, shape in shapes.items()}
-            stored = p.num_rows
+            stored = ps.stored_rows
         else:
             for n, arr in _weight_files(snap.precision, base, ps.weight):
                 w.write_array(n, arr)

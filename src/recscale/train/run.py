@@ -212,7 +212,7 @@ def build_job(
     ):
         meta = {"config": config_to_toml(cfg), "plan": plan_meta}
         ckpt = CheckpointManager(
-            cfg.checkpoint, ckpt_root, model, dense_opt, meta, ctx, cfg.distributed.timeout_s
+            cfg.checkpoint, ckpt_root, model, dense_opt, meta, ctx, cfg.distributed.timeout_s, echo
         )
     return Job(cfg, ctx, threads, model, module, dense_opt, ckpt, plan_meta, run_dir, echo)
 
