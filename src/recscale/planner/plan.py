@@ -205,12 +205,12 @@ def _greedy(
     if total > w * cap:
         each = f"{w} ranks x " if w > 1 else ""  # "1 ranks x 10 kB = 10 kB" said it twice
         room = f"{each}{size_text(cap)}" + (f" = {size_text(w * cap)}" if w > 1 else "")
-        if topology.ssd_per_rank:
-            room += f" and {each}{size_text(topology.ssd_per_rank)} of SSD"
+        ssd = f"{each}{size_text(topology.ssd_per_rank)}" if topology.ssd_per_rank else ""
         raise PlanError(
             f"the tables need {size_text(total)} of memory (with optimizer "
-            f"state{', and caches' if placements else ''}) but {room}: "
-            f"{size_text(total - w * cap)} missing"
+            f"state{', and caches' if placements else ''}"
+            + (f"; beside what {ssd} of SSD holds" if ssd else "")
+            + f") but {room} are available: {size_text(total - w * cap)} missing"
         )
     unplaced = [t for t in tables if t.name not in placements]
     order = sorted(unplaced, key=lambda t: (-t.bytes, t.name))
