@@ -77,7 +77,8 @@ def test_deterministic_and_serialisable():
 def test_impossible_plan_says_how_much_is_missing():
     tables = [TableInfo("a", 10_000_000, 128), TableInfo("b", 10_000_000, 128)]  # 5.16 GB each
     with pytest.raises(
-        PlanError, match=r"need 10\.32 GB .* 2 ranks x 4\.00 GB = 8\.00 GB: 2\.32 GB missing"
+        PlanError,
+        match=r"need 10\.32 GB .* 2 ranks x 4\.00 GB = 8\.00 GB are available: 2\.32 GB missing",
     ):
         plan_sharding(tables, Topology(2, 4 * GB), Constraints(batch_size=1024))
 
@@ -317,7 +318,9 @@ def test_replicas_never_starve_a_later_table():
         assert {p.table for p in tight.placements} == {t.name for t in tables}
         assert max(tight.memory_per_rank) <= cap, cap
         assert replicated(tight) < replicated(roomy)
-    with pytest.raises(PlanError, match=r"2 ranks x 100\.00 kB = 200\.00 kB: \d+\.\d\d kB missing"):
+    with pytest.raises(
+        PlanError, match=r"2 ranks x 100\.00 kB = 200\.00 kB are available: \d+\.\d\d kB missing"
+    ):
         plan_sharding(tables, Topology(2, 100_000), cons)
 
 
