@@ -153,6 +153,11 @@ def _shared_laws(cfg: Config, ctx: DistContext):
     return value
 
 
+# The share of the memory available that in-memory tables may take: the rest holds the
+# step's activations, the data's batches and the held-out set.
+TABLE_SHARE = 0.9
+
+
 def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
     """Fail in a second, naming the fixes, when this rank's in-memory tables (rows,
     optimizer state) cannot fit the memory there is - instead of a raw allocator error
@@ -167,12 +172,14 @@ def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
         layout, lambda w: row_bytes(e, w), lambda f: f in dp or tier[names[f]] == "device"
     )[ctx.rank]
     have = available_memory(ctx.device)
-    if need > 0.9 * have:
+    if need > TABLE_SHARE * have:
         where = "GPU" if ctx.device.type == "cuda" else "host"
         raise ConfigError(
             "embedding.placement",
             f"the embedding tables in {where} memory need {size_text(need)} (rows x (dim + "
-            f"optimizer state) x 4 bytes) but {size_text(have)} are available: use "
+            f"optimizer state) x 4 bytes) but {size_text(have)} are available, of which "
+            f"the tables may take {TABLE_SHARE:.0%} ({size_text(TABLE_SHARE * have)}; the "
+            "rest is the step's and the data's): use "
             "--embedding.placement=auto (the planner moves the largest tables to "
             f"{'host memory or ' if where == 'GPU' else ''}ssd), or give the dataset fewer rows "
             "(`recscale data preprocess --mode vocab`, or a smaller --hash-size)",
