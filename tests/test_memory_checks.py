@@ -159,3 +159,20 @@ def test_a_forecast_whose_dense_side_fills_the_device_says_so():
     cfg = load_config("debug", ["--model.table_sizes=" + ",".join(["5"] * 20000)])
     with pytest.raises(PlanError, match="dense model's state .* alone exceed"):
         forecast(cfg, device_spec("h100-sxm"), 1, "tf32")
+
+
+def test_ranks_on_one_host_check_their_tables_against_their_share(tmp_path, capsys, monkeypatch):
+    """CPU ranks on one host each checked their tables against the host's whole memory:
+    four ranks of 6 GB each passed on 24 GB free, and together the kernel killed them.
+    Each checks against its share (``LOCAL_WORLD_SIZE``); alone, the same tables pass."""
+    from recscale.train import parallel
+
+    monkeypatch.setattr(parallel, "available_memory", lambda _d: 1 << 30)  # 1.07 GB free
+    big = ["train", "--config", "debug", "--train.steps=1", "--model.table_sizes=12000000"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    rc, line = _fails(capsys, *big, "--embedding.optimizer=sgd", "--model.embedding_dim=8")
+    assert rc == 2 and "'embedding.placement'" in line, line
+    assert "384.00 MB (rows" in line and "268.44 MB are available to each of the 4 ranks" in line
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    alone = [*big, "--embedding.optimizer=sgd", f"--run-dir={tmp_path / 'r'}"]
+    assert main([*alone, "--data.eval_samples=256", "--train.save_model=false"]) == 0

@@ -26,6 +26,7 @@ from recscale.data.synthetic import DENSE_DRAW_BYTES
 from recscale.distributed import DistContext, one_rank_plan, shard
 from recscale.embedding.placement import storage_factory
 from recscale.embedding.sizing import row_bytes
+from recscale.launch_env import local_world_size
 from recscale.metrics import binary_metrics
 from recscale.models.dlrm import DLRM, build_model
 from recscale.modules.interaction_padding import PAD_MULTIPLE
@@ -161,7 +162,8 @@ TABLE_SHARE = 0.9
 def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
     """Fail in a second, naming the fixes, when this rank's in-memory tables (rows,
     optimizer state) cannot fit the memory there is - instead of a raw allocator error
-    minutes later (a 40M-row hash space per table, a 10^12-row table)."""
+    minutes later (a 40M-row hash space per table, a 10^12-row table). CPU ranks on one
+    host (``LOCAL_WORLD_SIZE``) share its memory: each checks against its share."""
     e = cfg.embedding
     names = [f"C{i + 1}" for i in range(len(cfg.model.table_sizes))]
     dims = cfg.model.dims()
@@ -172,12 +174,15 @@ def check_memory(cfg: Config, plan: ShardingPlan, ctx: DistContext) -> None:
         layout, lambda w: row_bytes(e, w), lambda f: f in dp or tier[names[f]] == "device"
     )[ctx.rank]
     have = available_memory(ctx.device)
+    sharing = local_world_size() if ctx.device.type == "cpu" else 1
+    have //= sharing  # the ranks on this host each hold their tables in its memory
     if need > TABLE_SHARE * have:
         where = "GPU" if ctx.device.type == "cuda" else "host"
+        each = f" to each of the {sharing} ranks on this host" if sharing > 1 else ""
         raise ConfigError(
             "embedding.placement",
             f"the embedding tables in {where} memory need {size_text(need)} (rows x (dim + "
-            f"optimizer state) x 4 bytes) but {size_text(have)} are available, of which "
+            f"optimizer state) x 4 bytes) but {size_text(have)} are available{each}, of which "
             f"the tables may take {TABLE_SHARE:.0%} ({size_text(TABLE_SHARE * have)}; the "
             "rest is the step's and the data's): use "
             "--embedding.placement=auto (the planner moves the largest tables to "
