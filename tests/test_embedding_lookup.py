@@ -7,9 +7,12 @@ from torch import nn
 
 from recscale.embedding.optimizers import SparseSGD
 from recscale.modules.embedding_bag_collection import (
+    _INIT_CHUNK_ROWS,
     EmbeddingBagCollection,
     IdOutOfRangeError,
     TableSpec,
+    _chunk_seed,
+    init_table_rows,
 )
 
 
@@ -168,3 +171,38 @@ def test_in_order_duplicate_merge_matches_index_add():
     u, s = merge_duplicate_rows(rows, grad, in_order=True)
     assert torch.equal(u, u_ref)
     torch.testing.assert_close(s, s_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_initial_rows_are_each_chunks_own_draw_in_any_rectangle(threads):
+    """A table's initial rows, drawn in place and on several threads, against the
+    contract drawn one chunk at a time into a fresh tensor: chunk ``c`` holds
+    U(-1/sqrt(n), 1/sqrt(n)) from a generator seeded by (seed, feature, c). Any row
+    block and column block of the table holds the whole table's values."""
+    n, dim, seed, feature = 3 * _INIT_CHUNK_ROWS + 77, 6, 11, 4
+    bound = (1.0 / n) ** 0.5
+    whole = torch.cat(
+        [
+            torch.empty(min(n, lo + _INIT_CHUNK_ROWS) - lo, dim).uniform_(
+                -bound,
+                bound,
+                generator=torch.Generator().manual_seed(_chunk_seed(seed, feature, c)),
+            )
+            for c, lo in enumerate(range(0, n, _INIT_CHUNK_ROWS))
+        ]
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, cols in [
+            ((0, n), (0, dim)),
+            ((5, n - 3), (0, dim)),
+            ((_INIT_CHUNK_ROWS, 2 * _INIT_CHUNK_ROWS), (0, dim)),
+            ((100, 2 * _INIT_CHUNK_ROWS + 9), (2, 5)),
+            ((7, 7), (0, dim)),
+        ]:
+            out = torch.full((rows[1] - rows[0], cols[1] - cols[0]), float("nan"))
+            init_table_rows(out, seed, feature, n, dim, *rows, *cols)
+            assert torch.equal(out, whole[rows[0] : rows[1], cols[0] : cols[1]]), (rows, cols)
+    finally:
+        torch.set_num_threads(before)

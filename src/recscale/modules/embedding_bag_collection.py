@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -98,15 +99,39 @@ def init_table_rows(
     ``_INIT_CHUNK_ROWS`` rows has its own generator seeded by (seed, feature, chunk), so
     any shard (a row block, a column block) is initialised to exactly the values the
     whole table would hold, without drawing the rest; and temporaries stay bounded.
-    """
+
+    The chunks are drawn on torch's threads at once (each its own generator: the values
+    do not depend on the order), and a chunk ``out`` holds whole - every column, fp32 on
+    the CPU - is drawn in place: a contiguous block draws the same sequence as a fresh
+    tensor of its shape. Config B's 13 GB of tables took 38 s to draw (one thread, then
+    a copy that first touched every page)."""
     bound = math.sqrt(1.0 / num_rows)
     first, last = row_lo // _INIT_CHUNK_ROWS, (row_hi - 1) // _INIT_CHUNK_ROWS
-    for c in range(first, last + 1) if row_hi > row_lo else ():
+    in_place = (
+        (col_lo, col_hi) == (0, dim)
+        and out.device.type == "cpu"
+        and out.dtype == torch.float32
+        and out.is_contiguous()
+    )
+
+    def draw(c: int) -> None:
         lo, hi = c * _INIT_CHUNK_ROWS, min(num_rows, (c + 1) * _INIT_CHUNK_ROWS)
         gen = torch.Generator().manual_seed(_chunk_seed(seed, feature, c))
-        chunk = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
         a, b = max(lo, row_lo), min(hi, row_hi)
+        if in_place and (a, b) == (lo, hi):
+            out[a - row_lo : b - row_lo].uniform_(-bound, bound, generator=gen)
+            return
+        chunk = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
         out[a - row_lo : b - row_lo].copy_(chunk[a - lo : b - lo, col_lo:col_hi])
+
+    chunks = range(first, last + 1) if row_hi > row_lo else range(0)
+    workers = min(torch.get_num_threads(), len(chunks))
+    if workers <= 1:
+        for c in chunks:
+            draw(c)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="recscale-init") as pool:
+        list(pool.map(draw, chunks))  # re-raises a chunk's error here
 
 
 class IdOutOfRangeError(ValueError):
