@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -26,17 +27,46 @@ from recscale.units import size_text
 
 
 def make_synthetic(cfg: Config) -> SyntheticCriteo:
+    """The config's synthetic source. The training stream, the held-out set and the
+    ssd tier's row order of one run share one (it holds no state once made, and making
+    it materialises every id's hidden effects: 4.5 s and 520 MB for config B's 26M rows,
+    made twice a run before)."""
     d = cfg.data
+    return _synthetic(
+        tuple(cfg.model.table_sizes),
+        cfg.model.num_dense_features,
+        d.seed,
+        d.zipf_alpha,
+        d.min_ids_per_feature,
+        d.max_ids_per_feature,
+        d.signal_scale,
+        d.target_ctr,
+        tuple(d.bag_sizes) if d.bag_sizes else None,
+    )
+
+
+@functools.lru_cache(maxsize=1)  # the last config's: a process runs one model at a time
+def _synthetic(
+    table_sizes: tuple[int, ...],
+    num_dense: int,
+    seed: int,
+    zipf_alpha: float,
+    min_ids: int,
+    max_ids: int,
+    signal_scale: float,
+    target_ctr: float,
+    bag_sizes: tuple[int, ...] | None,
+) -> SyntheticCriteo:
     return SyntheticCriteo(
-        cfg.model.table_sizes,
-        num_dense=cfg.model.num_dense_features,
-        seed=d.seed,
-        zipf_alpha=d.zipf_alpha,
-        min_ids=d.min_ids_per_feature,
-        max_ids=d.max_ids_per_feature,
-        signal_scale=d.signal_scale,
-        target_ctr=d.target_ctr,
-        bag_sizes=d.bag_sizes,
+        list(table_sizes),
+        num_dense=num_dense,
+        seed=seed,
+        zipf_alpha=zipf_alpha,
+        min_ids=min_ids,
+        max_ids=max_ids,
+        signal_scale=signal_scale,
+        target_ctr=target_ctr,
+        bag_sizes=list(bag_sizes) if bag_sizes else None,
     )
 
 
