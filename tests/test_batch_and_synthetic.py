@@ -203,7 +203,7 @@ def test_the_synthetic_held_out_set_is_the_same_at_any_eval_batch():
 
 def test_a_runs_synthetic_source_is_made_once_and_shared():
     """The training stream and the held-out set each made the source, and making it
-    draws every id's hidden effects (4.5 s for config B): one config makes it once;
+    draws every id's hidden effects (5.5 s for config B): one config makes it once;
     another config its own."""
     from recscale.config import load_config
     from recscale.train.data_source import make_synthetic

@@ -29,7 +29,7 @@ from recscale.units import size_text
 def make_synthetic(cfg: Config) -> SyntheticCriteo:
     """The config's synthetic source. The training stream, the held-out set and the
     ssd tier's row order of one run share one (it holds no state once made, and making
-    it materialises every id's hidden effects: 4.5 s and 520 MB for config B's 26M rows,
+    it materialises every id's hidden effects: 5.5 s and 520 MB for config B's 26M rows,
     made twice a run before)."""
     d = cfg.data
     return _synthetic(
