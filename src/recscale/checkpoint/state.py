@@ -156,13 +156,21 @@ def _dense_bytes(
     return buf.getvalue()
 
 
+def _written_parts(ebc: TableSource, rank: int) -> Iterator[tuple[TablePart, RowStorage, int]]:
+    """The parts of ``ebc.local_parts()`` this rank writes: replicated parts on rank 0
+    alone, and none without rows (a row-wise shard of a table smaller than the world)."""
+    for p, storage, first in ebc.local_parts():
+        if (p.kind != "data_parallel" or rank == 0) and p.num_rows > 0:
+            yield p, storage, first
+
+
 def copy_bytes(model: Checkpointable, kind: str, rank: int = 0) -> int:
     """Host bytes :func:`capture` copies without ``stream``: the fp32 rows and per-row
     state of this rank's parts it does not stream - every row of a device-tier part, or
     an increment's dirty rows of any part."""
     total = 0
-    for p, storage, first in model.embeddings.local_parts():
-        if (p.kind == "data_parallel" and rank != 0) or p.num_rows == 0 or storage.derived_rows:
+    for p, storage, first in _written_parts(model.embeddings, rank):
+        if storage.derived_rows:  # factors, not rows
             continue
         if kind == "incremental":
             rows = int(storage.dirty[first : first + p.num_rows].sum())
@@ -196,11 +204,7 @@ def capture(
     ebc = model.embeddings
     parts = []
     factors = {}
-    for p, storage, first in ebc.local_parts():
-        if p.kind == "data_parallel" and rank != 0:
-            continue
-        if p.num_rows == 0:  # a row-wise shard of a table smaller than the world: no rows
-            continue
+    for p, storage, first in _written_parts(ebc, rank):
         spec = ebc.tables[p.feature]  # the model's table (p.feature indexes the model's)
         name, table_rows, dim = spec.name, spec.num_rows, spec.dim
         if storage.derived_rows:  # a compressed table: its factors, not its rows

@@ -45,29 +45,9 @@ def make_synthetic(cfg: Config) -> SyntheticCriteo:
     )
 
 
-@functools.lru_cache(maxsize=1)  # the last config's: a process runs one model at a time
-def _synthetic(
-    table_sizes: tuple[int, ...],
-    num_dense: int,
-    seed: int,
-    zipf_alpha: float,
-    min_ids: int,
-    max_ids: int,
-    signal_scale: float,
-    target_ctr: float,
-    bag_sizes: tuple[int, ...] | None,
-) -> SyntheticCriteo:
-    return SyntheticCriteo(
-        list(table_sizes),
-        num_dense=num_dense,
-        seed=seed,
-        zipf_alpha=zipf_alpha,
-        min_ids=min_ids,
-        max_ids=max_ids,
-        signal_scale=signal_scale,
-        target_ctr=target_ctr,
-        bag_sizes=list(bag_sizes) if bag_sizes else None,
-    )
+# the last config's source (a process runs one model at a time), keyed by
+# SyntheticCriteo's arguments in its own order, made hashable
+_synthetic = functools.lru_cache(maxsize=1)(SyntheticCriteo)
 
 
 # What only a dataset reads: synthetic data is one stream of batches and one held-out set
