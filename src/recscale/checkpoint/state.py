@@ -165,9 +165,8 @@ def _written_parts(ebc: TableSource, rank: int) -> Iterator[tuple[TablePart, Row
 
 
 def copy_bytes(model: Checkpointable, kind: str, rank: int = 0) -> int:
-    """Host bytes :func:`capture` copies without ``stream``: the fp32 rows and per-row
-    state of this rank's parts it does not stream - every row of a device-tier part, or
-    an increment's dirty rows of any part."""
+    """Host bytes :func:`capture` copies without ``stream``: fp32 rows and per-row state,
+    every row of a device-tier part, or an increment's dirty rows of any part."""
     total = 0
     for p, storage, first in _written_parts(model.embeddings, rank):
         if storage.derived_rows:  # factors, not rows
@@ -197,10 +196,8 @@ def capture(
     stream: bool = False,
 ) -> Snapshot:
     """Copy this rank's state to host memory (see the module doc). ``incremental`` takes
-    only rows marked dirty. Replicated parts are written by rank 0 alone. ``stream``:
-    copy no rows - every part is read from its storage as it is written (a synchronous
-    write, training paused: a copy of B's 13 GB of tables for the final save had doubled
-    the run's memory, and the kernel killed it)."""
+    only rows marked dirty. ``stream``: copy no rows, every part is read from its storage
+    as it is written (a synchronous write: the manager's)."""
     ebc = model.embeddings
     parts = []
     factors = {}
@@ -270,9 +267,8 @@ def _part_prefix(rank: int, name: str, p) -> str:
 
 
 def _streamed(ps: PartSnapshot, what: str, precision: str) -> Iterator[np.ndarray]:
-    """One file of a streamed part, chunk by chunk: ``what`` is a weight file suffix
-    (``weight.f32`` ...) or ``state_NAME``; the storage is read once per file - every row
-    of the part, or (an increment) the rows ``ps.rows`` lists."""
+    """One file of a streamed part, chunk by chunk (``what``: ``weight.f32`` ... or
+    ``state_NAME``): every row of the part, or an increment's ``ps.rows``."""
     tiered = ps.storage.tier != "device"  # as ever: a tier's reads take CPU row indices
     device = torch.device("cpu") if tiered else ps.storage.device
     for lo in range(0, ps.stored_rows, _CHUNK_ROWS):
