@@ -258,10 +258,12 @@ def test_a_flag_given_an_empty_value_is_refused_not_read_as_left_out(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_split_of_a_synthetic_run_is_one_line(tmp_path, capsys):
+def test_a_split_of_a_synthetic_run_is_one_line(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     assert main(["train", "--config", "debug", "--train.steps=2", "--run-dir", str(run)]) == 0
     capsys.readouterr()
+    # refused before the model is built and restored (config B: a minute)
+    monkeypatch.setattr("recscale.models.dlrm.build_model", lambda *a, **k: pytest.fail("built"))
     rc, line = _fails(capsys, "eval", "--model", str(run), "--split", "nosuch")
     assert rc == 2 and "'--split'" in line and "synthetic" in line
     for empty in ("", " "):  # scored the default split, as if the flag were not given

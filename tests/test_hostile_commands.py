@@ -254,6 +254,20 @@ def test_the_filesystem_root_is_no_run_directory():
         check_run_dir(Path("/tmp/.."), None)
 
 
+def test_a_run_directory_that_is_a_device_says_what_it_is(tmp_path):
+    """``--run-dir /dev/null`` was refused as "is a file"; a FIFO too."""
+    import os
+    from pathlib import Path
+
+    from recscale.train.run import RunDirInUse, check_run_dir
+
+    with pytest.raises(RunDirInUse, match="/dev/null is a character device; name a directory"):
+        check_run_dir(Path("/dev/null"), None)
+    os.mkfifo(tmp_path / "f")
+    with pytest.raises(RunDirInUse, match="is a FIFO; name a directory"):
+        check_run_dir(tmp_path / "f", None)
+
+
 def test_a_run_that_fails_before_writing_leaves_no_empty_directory(tmp_path, capsys):
     """A run refused after its directory was made (for its lock: a dataset that is not
     there) left an empty ``runs/<timestamp>`` behind, one per failed try; a directory

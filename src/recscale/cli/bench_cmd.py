@@ -12,7 +12,7 @@ from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
-from recscale.config.small_files import json_text
+from recscale.config.small_files import json_text, kind_of
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -159,7 +159,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print("recscale: error: bench sweep needs --out DIR", file=sys.stderr)
             return 2
         if Path(args.out).exists() and not Path(args.out).is_dir():
-            raise ConfigError("--out", f"{args.out} is a file; name a directory for the sweep")
+            raise ConfigError(
+                "--out", f"{args.out} is {kind_of(args.out)}; name a directory for the sweep"
+            )
         varies = parse_vary(args.vary, args.config)
         _synthetic_only(load_config(args.config, overrides), "sweep")  # as run_sweep
         if any(key == "data.path" for key, _ in varies):

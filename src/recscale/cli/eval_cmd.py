@@ -86,6 +86,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.split and not cfg.data.uses_dataset():
+        raise ConfigError(
+            "--split",
+            f"{args.split!r}: this run trained on synthetic data, which has one held-out set "
+            "(no splits); name a dataset with --data.path to score one of its splits",
+        )
     check_eval_batch_memory(cfg, 1, args.split)  # before the model is built and restored
     if not cfg.data.uses_dataset():
         check_synthetic_memory(cfg)
@@ -105,12 +111,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print_error(e)
             return 1
         print(f"recscale: evaluating checkpoint {chain[-1].name} (step {step})", file=sys.stderr)
-    if args.split and not cfg.data.uses_dataset():
-        raise ConfigError(
-            "--split",
-            f"{args.split!r}: this run trained on synthetic data, which has one held-out set "
-            "(no splits); name a dataset with --data.path to score one of its splits",
-        )
     split = args.split or cfg.data.eval_split
     # in the run's precision, as its own evaluations: its metrics.json, reproduced
     metrics = evaluate(model, eval_batches(cfg, split), device, cfg.train.precision)

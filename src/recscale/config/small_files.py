@@ -42,6 +42,13 @@ def not_a_file(mode: int) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def kind_of(path: str | os.PathLike) -> str:
+    """What an existing ``path`` is, for a message: "a file", "a directory", "a
+    character device" (``--run-dir /dev/null`` read "is a file")..."""
+    mode = os.stat(path).st_mode
+    return not_a_file(mode) or "a file"
+
+
 def user_cache_dir() -> Path | None:
     """``$XDG_CACHE_HOME/recscale``, or ``~/.cache/recscale``: where a host's calibration
     and probe records are kept. The variable counts only when absolute (the XDG rule):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from recscale import locks
-from recscale.config.small_files import not_a_file
+from recscale.config.small_files import kind_of, not_a_file
 from recscale.data.columns import ID_LIMIT, READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 from recscale.data.id_profile import PROFILE_FILE
@@ -191,7 +191,7 @@ def check_output_dir(out: Path, inputs: list[Path]) -> None:
                 f"--out {out} is, holds or lies inside the input {p}; write the dataset elsewhere"
             )
     if o.exists() and not o.is_dir():
-        raise ValueError(f"--out {out} is a file; name a directory for the dataset")
+        raise ValueError(f"--out {out} is {kind_of(o)}; name a directory for the dataset")
     if o.is_dir() and any(o.iterdir()):
         strangers = _dataset_strangers(o)
         if strangers is None:

@@ -34,7 +34,7 @@ from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError, counted
 from recscale.config.loader import config_to_toml
 from recscale.config.schema import Config
-from recscale.config.small_files import json_text, open_log, write_text_atomic
+from recscale.config.small_files import json_text, kind_of, open_log, write_text_atomic
 from recscale.data.dataset import BinaryDataset
 from recscale.data.prefetch import DeviceFeeder, Prefetcher
 from recscale.distributed import DistContext, init_distributed, launched_by_torchrun, shutdown
@@ -88,7 +88,9 @@ def check_run_dir(run_dir: Path, resume: Path | None) -> None:
     (and pruned) as this run's, and ``--resume`` would restore the other run. Resuming
     the run in that very directory is fine."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirInUse(f"--run-dir {run_dir} is a file; name a directory for the run")
+        raise RunDirInUse(
+            f"--run-dir {run_dir} is {kind_of(run_dir)}; name a directory for the run"
+        )
     if run_dir.resolve() == Path(run_dir.resolve().anchor):  # `--run-dir /` wrote /metrics.json
         raise RunDirInUse(
             f"--run-dir {run_dir} is the filesystem root; name a directory for the run"
