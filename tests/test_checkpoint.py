@@ -14,7 +14,8 @@ from helpers import make_dataset, run_cli
 
 from recscale.checkpoint.format import CheckpointError, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
-from recscale.checkpoint.state import _dequantize_int8, _quantize_int8, restore
+from recscale.checkpoint.state import restore
+from recscale.checkpoint.stored_rows import dequantize_int8, quantize_int8
 from recscale.config import load_config
 from recscale.distributed.spawn import process_context
 from recscale.models.dlrm import build_model
@@ -187,8 +188,8 @@ def test_int8_and_fp16_round_trip_bounds():
     rng = np.random.default_rng(0)
     w = rng.normal(0, 0.05, size=(1000, 16)).astype(np.float32)
     w[3] = 0.25  # a constant row
-    q, qp = _quantize_int8(w)
-    back = _dequantize_int8(q, qp)
+    q, qp = quantize_int8(w)
+    back = dequantize_int8(q, qp)
     step = (w.max(axis=1) - w.min(axis=1)) / 255
     assert np.all(np.abs(back - w) <= step[:, None] / 2 + 1e-7)
     np.testing.assert_array_equal(back[3], w[3])

@@ -346,19 +346,53 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+# Files this process has checksummed, by identity: (device, inode, size, mtime, ctime)
+# -> their CRC. A restore verifies the chain that resolve_chain verified a moment
+# before: config B's 13 GB were read and summed twice (15 s of a 70 s eval). A file
+# rewritten or replaced since has another inode or ctime (which cannot be set back),
+# so it is summed again - provided its ctime had settled: file times tick coarsely
+# (a few ms), so a file changed within the last second is never remembered.
+_SUMMED: dict[tuple[int, ...], int] = {}
+_SETTLED_NS = 1_000_000_000
+_CRC_BLOCK = 16 << 20  # read and summed a block at a time: memory stays flat
+
+
+def _file_crc(f: Path, st: os.stat_result) -> int:
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _SUMMED:
+        return _SUMMED[key]
+    crc, block = 0, bytearray(min(_CRC_BLOCK, max(st.st_size, 1)))
+    view = memoryview(block)
+    with open(f, "rb") as fh:
+        while n := fh.readinto(block):
+            crc = zlib.crc32(view[:n], crc)
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _SETTLED_NS:
+        _SUMMED[key] = crc
+    return crc
+
+
 def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
-    """Check every file against the manifest; returns the manifest or raises naming the file."""
+    """Check every file against the manifest; returns the manifest or raises naming the file.
+    A file this process summed before and that has not changed since is not read again."""
     manifest = read_manifest(path)
     for name, info in manifest["files"].items():
         f = checked_file(path, name)
-        size = f.stat().st_size
-        if size != info["bytes"]:
+        st = f.stat()
+        if st.st_size != info["bytes"]:
             raise CheckpointError(
-                f"{f}: {size} bytes, the manifest says {info['bytes']} (truncated?)"
+                f"{f}: {st.st_size} bytes, the manifest says {info['bytes']} (truncated?)"
             )
-        if checksums and zlib.crc32(f.read_bytes()) != info["crc32"]:
+        if checksums and _file_crc(f, st) != info["crc32"]:
             raise CheckpointError(f"{f}: checksum mismatch (corrupted)")
     return manifest
+
+
+def _sized_file(path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> Path:
+    f = checked_file(path, name)
+    want = math.prod(shape) * np.dtype(dtype).itemsize
+    if f.stat().st_size != want:
+        raise CheckpointError(f"{f}: {f.stat().st_size:,} bytes, its shape needs {want:,}")
+    return f
 
 
 def read_array(path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -366,8 +400,26 @@ def read_array(path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...]) -
     inside the checkpoint, of exactly the size its shape needs."""
     if math.prod(shape) == 0:
         return np.zeros(shape, dtype)
-    f = checked_file(path, name)
-    want = math.prod(shape) * np.dtype(dtype).itemsize
-    if f.stat().st_size != want:
-        raise CheckpointError(f"{f}: {f.stat().st_size:,} bytes, its shape needs {want:,}")
-    return np.memmap(f, dtype=dtype, mode="r", shape=shape)
+    return np.memmap(_sized_file(path, name, dtype, shape), dtype=dtype, mode="r", shape=shape)
+
+
+def read_rows(
+    path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...], lo: int, hi: int
+) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a stored array (checked as :func:`read_array`), read into
+    memory of their own: one read a block, 3-4x the rate of copying them out of a
+    memory map, which takes a page fault every 4 KiB (5.6 against 1.4 GB/s from the
+    page cache, config B's rows, 2026-11-28)."""
+    out = np.empty((hi - lo, *shape[1:]), dtype)
+    if out.size == 0:
+        return out
+    f = _sized_file(path, name, dtype, shape)
+    row = out.nbytes // (hi - lo)
+    with open(f, "rb", buffering=0) as fh:
+        fh.seek(lo * row)
+        view, got = memoryview(out).cast("B"), 0
+        while got < out.nbytes and (n := fh.readinto(view[got:])):
+            got += n
+    if got != out.nbytes:  # shrunk since its size was checked
+        raise CheckpointError(f"{f}: ended at byte {lo * row + got:,} of {hi * row:,}")
+    return out

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from recscale.checkpoint.format import CheckpointError, checked_file
-from recscale.checkpoint.state import check_finite
+from recscale.checkpoint.stored_rows import check_finite
 
 MODEL_FILE = "model.pt"
 

@@ -14,7 +14,7 @@ shard (or a replica) in a sharded run. The same code runs in both:
   rank 0 also writes ``dense.pt`` + ``trainer.json`` and assembles the manifest
   (``format.CheckpointWriter.finalize``);
 * ``restore`` loads a full checkpoint and then each increment in order: every rank reads
-  the overlap of each stored part with each of its own parts (memory-mapped, in chunks),
+  the overlap of each stored part with each of its own parts (in chunks, ``stored_rows.py``),
   so a checkpoint written under any plan loads under any other.
 
 Embedding rows can be stored as ``fp32``, ``fp16`` or ``int8`` (row-wise: per row
@@ -43,6 +43,12 @@ from recscale.checkpoint.format import (
     checked_file,
     read_array,
     verify,
+)
+from recscale.checkpoint.stored_rows import (
+    check_finite,
+    quantize_int8,
+    read_weight,
+    stored_array_rows,
 )
 from recscale.checkpoint.trainer_files import load_dense, trainer_state
 from recscale.config.schema import CHECKPOINT_PRECISIONS as PRECISIONS
@@ -249,19 +255,6 @@ def capture(
     )
 
 
-def _quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    lo, hi = w.min(axis=1, initial=np.inf), w.max(axis=1, initial=-np.inf)
-    if w.shape[0] == 0:
-        return np.zeros(w.shape, np.uint8), np.zeros((0, 2), np.float32)
-    scale = np.where(hi > lo, (hi - lo) / 255.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint((w - lo[:, None]) / scale[:, None]), 0, 255).astype(np.uint8)
-    return q, np.stack([scale, lo], axis=1).astype(np.float32)
-
-
-def _dequantize_int8(q: np.ndarray, qparams: np.ndarray) -> np.ndarray:
-    return (q.astype(np.float32) * qparams[:, :1] + qparams[:, 1:2]).astype(np.float32)
-
-
 def _part_prefix(rank: int, name: str, p) -> str:
     return f"parts/rank{rank:05d}/{name}.r{p.row_lo}-{p.row_hi}.c{p.col_lo}-{p.col_hi}"
 
@@ -289,7 +282,7 @@ def _weight_files(precision: str, base: str, weight: np.ndarray) -> list[tuple[s
         return [(f"{base}.weight.f32", weight.astype(np.float32, copy=False))]
     if precision == "fp16":
         return [(f"{base}.weight.f16", weight.astype(np.float16))]
-    q, qp = _quantize_int8(weight)
+    q, qp = quantize_int8(weight)
     return [(f"{base}.weight.q8", q), (f"{base}.qparams.f32", qp)]
 
 
@@ -402,24 +395,6 @@ def _stored_parts(tm: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _read_weight(path: Path, base: str, precision: str, n: int, width: int, sel) -> np.ndarray:
-    if precision == "fp32":
-        return np.array(read_array(path, f"{base}.weight.f32", np.float32, (n, width))[sel])
-    if precision == "fp16":
-        return read_array(path, f"{base}.weight.f16", np.float16, (n, width))[sel].astype(
-            np.float32
-        )
-    q = read_array(path, f"{base}.weight.q8", np.uint8, (n, width))[sel]
-    return _dequantize_int8(q, read_array(path, f"{base}.qparams.f32", np.float32, (n, 2))[sel])
-
-
-def check_finite(values: torch.Tensor, path: Path, what: str) -> None:
-    """Rows restored are finite: NaN rows had resumed, and the run stopped at its first
-    step advising lower learning rates for a checkpoint that was damaged."""
-    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
-        raise CheckpointError(f"{path}: {what} holds NaN or infinite values")
-
-
 def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, mine) -> None:
     """Copy the overlap of stored part ``sp`` into each of this rank's ``mine`` parts."""
     n, width = sp["stored_rows"], sp["col_hi"] - sp["col_lo"]
@@ -450,7 +425,7 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
                 continue
             idx = torch.from_numpy(table_rows - p.row_lo + first).to(storage.device)
             weight = torch.from_numpy(
-                _read_weight(path, base, precision, n, width, sel)[
+                read_weight(path, base, precision, n, width, sel)[
                     :, c0 - sp["col_lo"] : c1 - sp["col_lo"]
                 ]
             )
@@ -464,8 +439,8 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
             current = storage.read_state(idx) if not whole_cols else None
             for sname, tail in sp["state"].items():
                 arr = torch.from_numpy(
-                    np.array(
-                        read_array(path, f"{base}.state_{sname}.f32", np.float32, (n, *tail))[sel]
+                    stored_array_rows(
+                        path, f"{base}.state_{sname}.f32", np.float32, (n, *tail), sel
                     )
                 )
                 check_finite(arr, path, f"{base} ({sname})")

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if not cfg.data.uses_dataset():
         check_synthetic_memory(cfg)
     device = resolve_device(cfg.train.device)
-    model = build_model(cfg.model, cfg.embedding, device=device)
+    model = build_model(cfg.model, cfg.embedding, device=device, init_rows=False)  # restored
     if checkpoint is None and os.path.lexists(run_dir / MODEL_FILE):  # the final model
         try:
             load_model_file(model, run_dir)

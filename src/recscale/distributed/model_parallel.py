@@ -82,6 +82,7 @@ def shard(
         kernel=ebc.kernel,
         make_storage=make_storage,
         row_precision=row_precision,
+        init_rows=ebc.init_rows,
     )
     model.to(ctx.device)
     wrong = model.embeddings.misplaced(ctx.device)

@@ -140,6 +140,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         kernel: str = "auto",
         make_storage: StorageFactory | None = None,
         row_precision: str = "fp32",
+        init_rows: bool = True,
     ) -> None:
         """``tables``: the model's tables (a table's ``placement`` and ``cache_bytes``
         carry over to its shards, the cache split by rows). ``make_storage`` builds a
@@ -196,6 +197,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 kernel=kernel,
                 make_storage=make_storage,
                 parts=parts,
+                init_rows=init_rows,
             )
             if mine
             else None
@@ -211,6 +213,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 device=dev,
                 seed=seed,
                 kernel=kernel,
+                init_rows=init_rows,
                 make_storage=lambda n, d, opt, _tables, _parts: all_reduced_storage(
                     n, d, opt, row_precision, dev, kernel, ctx.embed, ctx.world_size
                 ),

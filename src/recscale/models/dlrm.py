@@ -40,10 +40,12 @@ class DLRM(nn.Module):
         device: torch.device | None = None,
         seed: int = 0,
         materialize_embeddings: bool = True,
+        init_rows: bool = True,
     ) -> None:
         """``materialize_embeddings=False`` leaves the tables on the meta device (no
         memory): for ``recscale.distributed.shard``, which builds each rank's shards and
-        their tiers from the plan (``train.parallel.build``)."""
+        their tiers from the plan (``train.parallel.build``). ``init_rows=False``: a
+        checkpoint is restored into the model next; its rows are not drawn."""
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.num_dense = model_cfg.num_dense_features
@@ -62,6 +64,7 @@ class DLRM(nn.Module):
                 if materialize_embeddings
                 else None
             ),
+            init_rows=init_rows,
         )
         self.bottom = (
             MLP(
@@ -147,8 +150,9 @@ def build_model(
     device: torch.device | None = None,
     seed: int = 0,
     materialize_embeddings: bool = True,
+    init_rows: bool = True,
 ) -> DLRM:
-    model = DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings)
+    model = DLRM(model_cfg, embedding_cfg, device, seed, materialize_embeddings, init_rows)
     if device is not None and materialize_embeddings:
         model.to(device)  # the index buffers of the interaction too
     return model

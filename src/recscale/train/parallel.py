@@ -55,7 +55,7 @@ def check_batch_divides(cfg: Config, world_size: int) -> None:
 
 
 def build(
-    cfg: Config, ctx: DistContext, echo: Callable[[str], None]
+    cfg: Config, ctx: DistContext, echo: Callable[[str], None], init_rows: bool = True
 ) -> tuple[DLRM, nn.Module, ShardingPlan]:
     """The model every rank trains, at any world size: build it with its tables on the
     meta device, plan, and ``shard`` it (world size 1: the one-rank plan, whole tables,
@@ -100,6 +100,7 @@ def build(
         device=ctx.device,
         seed=cfg.train.seed,
         materialize_embeddings=False,
+        init_rows=init_rows,  # False: a checkpoint's rows are restored into it next
     )
     make_storage = storage_factory(
         e,

@@ -203,7 +203,7 @@ def build_job(
         check_synthetic_memory(cfg)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-    model, module, plan = build(cfg, ctx, echo)
+    model, module, plan = build(cfg, ctx, echo, init_rows=resume is None)
     if resume is None:  # a resumed run restores its hot ids with the factors
         assign_hot_rows(model, cfg, echo)
     dense_opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
