@@ -213,3 +213,24 @@ def test_a_runs_synthetic_source_is_made_once_and_shared():
     other = make_synthetic(load_config("debug", ["--data.seed=5"]))
     assert other is not a and other.seed == 5
     assert not torch.equal(other.batch(0, 64).values, a.batch(0, 64).values)
+
+
+def test_the_id_effects_hashed_in_pieces_on_threads_are_the_same(monkeypatch):
+    """SyntheticCriteo hashes its cached tables' id effects in pieces on the cores at
+    once; the source must be the same as one hashed in one piece on one thread."""
+    import recscale.data.synthetic as synthetic
+
+    sizes = [5000, 1, 777, 4096]
+    monkeypatch.setattr(synthetic, "_EFFECT_PIECE", 1 << 30)
+    monkeypatch.setattr(synthetic.os, "sched_getaffinity", lambda _pid: {0})
+    whole = synthetic.SyntheticCriteo(sizes, seed=5)
+    monkeypatch.setattr(synthetic, "_EFFECT_PIECE", 1000)
+    monkeypatch.setattr(synthetic.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    pieces = synthetic.SyntheticCriteo(sizes, seed=5)
+    assert np.array_equal(whole._cache_w, pieces._cache_w)
+    assert np.array_equal(whole._cache_fac, pieces._cache_fac)
+    for f, n in enumerate(sizes):  # against the effects hashed for the ids directly
+        ids = np.arange(n, dtype=np.int64)
+        assert np.array_equal(pieces._cached[f][0], whole.id_weight(f, ids).astype(np.float32))
+    a, b = whole.batch(3, 64), pieces.batch(3, 64)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.values, b.values)
