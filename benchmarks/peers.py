@@ -3,6 +3,7 @@
     python benchmarks/peers.py --torchrec-python /path/to/peer-venv/bin/python \\
         [--configs A B] [--rounds 3] [--steps 50] [--out peers.jsonl] [--peer-same-malloc]
         [--interleave [--turns 20] [--turn-steps 10]]
+        [--precision bf16 [--row-precision split_bf16]]
 
 Each round runs ``recscale bench throughput --config C --json`` and TorchRec's DLRM on
 the same shapes, optimizers and ids (``benchmarks/torchrec_peer.py``, run by the peer
@@ -179,7 +180,7 @@ def both_fit(cfg: Config) -> tuple[bool, float, float]:
     return need <= free, need, free
 
 
-def recscale_worker(config: str, warmup: int, precision: str) -> None:
+def recscale_worker(config: str, warmup: int, precision: str, row_precision: str) -> None:
     """``--recscale-worker``: ``recscale bench throughput`` in turns read from stdin."""
     from turn_protocol import report_turn, stdin_turns
 
@@ -188,7 +189,9 @@ def recscale_worker(config: str, warmup: int, precision: str) -> None:
     def echo(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    cfg = load_config(config, [f"--train.precision={precision}"])
+    cfg = load_config(
+        config, [f"--train.precision={precision}", f"--embedding.row_precision={row_precision}"]
+    )
     r = run_throughput(cfg, warmup=warmup, echo=echo, turns=stdin_turns(), on_turn=report_turn)
     print(json.dumps(r), flush=True)
 
@@ -242,12 +245,20 @@ def main() -> None:
         help="bf16: recscale's train.precision=bf16 against TorchRec under its own bf16 "
         "autocast (torch.autocast on the CPU around the forward; tables fp32 in both)",
     )
+    p.add_argument(
+        "--row-precision",
+        choices=["fp32", "split_bf16"],
+        default="fp32",
+        help="recscale's embedding.row_precision (TorchRec's tables stay fp32): split_bf16 "
+        "is recscale's Split-SGD-BF16 half of the bf16 recipe (the lookup reads bf16 "
+        "halves, the update stays exact fp32)",
+    )
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--turn-steps", type=int, default=10)
     p.add_argument("--recscale-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.recscale_worker:
-        recscale_worker(args.recscale_worker, args.warmup, args.precision)
+        recscale_worker(args.recscale_worker, args.warmup, args.precision, args.row_precision)
         return
     # TorchRec runs in the environment this script was started in: without the variables
     # importing recscale set (its OpenMP waits, huge pages), which a TorchRec user's
@@ -278,6 +289,7 @@ def main() -> None:
                 name,
                 "--json",
                 f"--train.precision={args.precision}",
+                f"--embedding.row_precision={args.row_precision}",
                 "--steps",
                 str(args.steps),
                 "--warmup",
@@ -292,6 +304,8 @@ def main() -> None:
                 str(args.warmup),
                 "--precision",
                 args.precision,
+                "--row-precision",
+                args.row_precision,
             ]
             interleave = args.interleave
             if interleave:
@@ -339,6 +353,7 @@ def main() -> None:
                                 {
                                     "config": name,
                                     "precision": args.precision,
+                                    "row_precision": args.row_precision,
                                     "round": r + 1,
                                     "recscale": rs,
                                     "torchrec": tr,
@@ -349,9 +364,10 @@ def main() -> None:
                         )
             summary[name] = statistics.median(ratios)
             os.remove(batches)
+    rows = "" if args.row_precision == "fp32" else f" (recscale's rows {args.row_precision})"
     for name, ratio in summary.items():
         print(
-            f"{name} {args.precision}: recscale / TorchRec = {ratio:.2f}x "
+            f"{name} {args.precision}{rows}: recscale / TorchRec = {ratio:.2f}x "
             f"(median of {args.rounds} rounds)"
         )
 

@@ -37,8 +37,12 @@ def test_turns_refuse_a_tier_and_an_empty_run():
         run_throughput(load_config("debug", SMALL), warmup=1, echo=lambda _m: None, turns=iter([]))
 
 
-def test_the_recscale_worker_speaks_the_turn_protocol():
-    """ready after the warm-up, one step_s line a turn, the report at 0."""
+@pytest.mark.parametrize(
+    "precisions", [[], ["--precision", "bf16", "--row-precision", "split_bf16"]]
+)
+def test_the_recscale_worker_speaks_the_turn_protocol(precisions):
+    """ready after the warm-up, one step_s line a turn, the report at 0 - in the
+    precision and with the rows it was asked for."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -47,6 +51,7 @@ def test_the_recscale_worker_speaks_the_turn_protocol():
             "debug",
             "--warmup",
             "1",
+            *precisions,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -59,4 +64,6 @@ def test_the_recscale_worker_speaks_the_turn_protocol():
     assert lines[0] == {"ready": True}
     assert [len(x["step_s"]) for x in lines[1:3]] == [2, 3]
     assert lines[3]["steps"] == 5 and lines[3]["samples_per_s"] > 0
+    want = ("bf16", "split_bf16") if precisions else ("fp32", "fp32")
+    assert (lines[3]["precision"], lines[3]["row_precision"]) == want
     assert "warm-up 1 steps" in err  # progress goes to stderr, never into the protocol

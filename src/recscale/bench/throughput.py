@@ -337,6 +337,7 @@ def run_throughput(
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
+        "row_precision": cfg.embedding.row_precision,
         "peak_device_bytes": (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
