@@ -1,7 +1,10 @@
 """Time building a preset's model on the CPU - its tables' initial rows drawn (the first
 thing a run of a large model waits for), and the MLPs.
 
-    python benchmarks/model_build.py --config B [--rounds 2]
+    python benchmarks/model_build.py --config B [--rounds 2] [--section.key=value ...]
+
+(e.g. ``--embedding.row_precision=split_bf16``: rows kept as bf16 halves are drawn on
+the CPU and written a chunk at a time.)
 
 Each round builds the model in a fresh process (a freed table's pages would otherwise
 be reused) and prints the seconds, the threads and the tables' bytes.
@@ -18,7 +21,7 @@ ROUND = """
 import time, torch
 from recscale.config import load_config
 from recscale.models.dlrm import build_model
-cfg = load_config({config!r}, [])
+cfg = load_config({config!r}, {overrides!r})
 t = time.perf_counter()
 model = build_model(cfg.model, cfg.embedding, seed=0)
 s = time.perf_counter() - t
@@ -31,11 +34,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="B")
     ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
+    args, overrides = ap.parse_known_args()  # the rest: --section.key=value overrides
     for r in range(args.rounds):
         t = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, "-c", ROUND.format(config=args.config)],
+            [sys.executable, "-c", ROUND.format(config=args.config, overrides=overrides)],
             check=True,
             capture_output=True,
             text=True,

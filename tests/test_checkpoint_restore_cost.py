@@ -48,16 +48,19 @@ def no_draws(monkeypatch):
     monkeypatch.setattr(ebc_mod, "init_table_rows", drawn)
 
 
-def test_a_model_to_be_restored_draws_nothing_and_restores_to_the_same_state(run_dir, monkeypatch):
-    cfg = load_config(str(run_dir / "config.toml"))
+@pytest.mark.parametrize("rows", ["fp32", "split_bf16", "int8"])
+def test_a_model_to_be_restored_draws_nothing_and_restores_to_the_same_state(
+    run_dir, monkeypatch, rows
+):
+    cfg = load_config(str(run_dir / "config.toml"), [f"--embedding.row_precision={rows}"])
     chain = resolve_chain(run_dir, **QUIET)
     assert [fmt.read_manifest(p)["kind"] for p in chain] == ["full", "incremental"]
     drawn = build_model(cfg.model, cfg.embedding, seed=7)
     restore(drawn, build_dense_optimizer(cfg.optimizer, drawn.dense_parameters()), chain)
     monkeypatch.setattr(ebc_mod, "init_table_rows", pytest.fail)
     bare = build_model(cfg.model, cfg.embedding, seed=7, init_rows=False)
-    plain = [s for s in bare.embeddings.storages() if type(s) is DeviceStorage]
-    assert plain and all(not s.weight.any() for s in plain)  # zeros, never stale memory
+    plain = [s for s in bare.embeddings.storages() if isinstance(s, DeviceStorage)]
+    assert plain and all(not s.weight.view(torch.uint8).any() for s in plain)  # zeros
     restore(bare, build_dense_optimizer(cfg.optimizer, bare.dense_parameters()), chain)
     want = drawn.state_dict()
     for k, v in bare.state_dict().items():

@@ -30,6 +30,13 @@ def test_split_and_join_are_exact_for_every_bit_pattern():
     assert torch.equal(join_fp32(high, low).view(torch.int32), x.view(torch.int32))
     # the high half is the value truncated toward zero to bf16
     assert torch.equal(high.float().abs() <= x.abs(), torch.ones_like(x, dtype=torch.bool))
+    # rows of a table, and a transposed (strided) block: the halves of each value's bits
+    for m in (x[:4000].view(250, 16), x[:4000].view(16, 250).t()):
+        hi, lo = split_fp32(m)
+        b = m.contiguous().view(torch.int32)
+        assert hi.shape == lo.shape == m.shape
+        assert torch.equal(hi.view(torch.int16).to(torch.int32), b >> 16)
+        assert torch.equal(lo.to(torch.int32) & 0xFFFF, b & 0xFFFF)
 
 
 @pytest.mark.parametrize(
