@@ -179,7 +179,10 @@ def checkpoint_hop(
         if plan_name == "mixed"
         else uniform_plan(table_infos(cfg), w, plan_name)
     )
-    model = build_model(cfg.model, cfg.embedding, seed=0, materialize_embeddings=False)
+    # rows zeroed, not drawn, as a resume builds them: the restore must write every one
+    model = build_model(
+        cfg.model, cfg.embedding, seed=0, materialize_embeddings=False, init_rows=False
+    )
     module = shard(model, plan, ctx)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     trainer = restore(model, opt, [Path(p) for p in chain.split(",")])
