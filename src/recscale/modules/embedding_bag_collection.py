@@ -124,14 +124,19 @@ def init_table_rows(
         chunk = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
         out[a - row_lo : b - row_lo].copy_(chunk[a - lo : b - lo, col_lo:col_hi])
 
-    chunks = range(first, last + 1) if row_hi > row_lo else range(0)
-    workers = min(torch.get_num_threads(), len(chunks))
+    _on_torch_threads(draw, range(first, last + 1) if row_hi > row_lo else range(0))
+
+
+def _on_torch_threads(work: Callable[[int], None], chunks: range, at_once: bool = True) -> None:
+    """``work(c)`` for every chunk, on as many threads as torch has (one when not
+    ``at_once``); a chunk's error is raised here."""
+    workers = min(torch.get_num_threads(), len(chunks)) if at_once else 1
     if workers <= 1:
         for c in chunks:
-            draw(c)
+            work(c)
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="recscale-init") as pool:
-        list(pool.map(draw, chunks))  # re-raises a chunk's error here
+        list(pool.map(work, chunks))
 
 
 def _write_drawn_chunks(
@@ -153,14 +158,7 @@ def _write_drawn_chunks(
         )  # fmt: skip
         storage.write_rows(torch.arange(start + lo, start + hi), chunk)
 
-    chunks = range(0, n, _INIT_CHUNK_ROWS)
-    workers = min(torch.get_num_threads(), len(chunks)) if storage.tier == "device" else 1
-    if workers <= 1:
-        for lo in chunks:
-            write(lo)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="recscale-init") as pool:
-        list(pool.map(write, chunks))  # re-raises a chunk's error here
+    _on_torch_threads(write, range(0, n, _INIT_CHUNK_ROWS), at_once=storage.tier == "device")
 
 
 class IdOutOfRangeError(ValueError):
