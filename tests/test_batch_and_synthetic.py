@@ -222,10 +222,14 @@ def test_the_id_effects_hashed_in_pieces_on_threads_are_the_same(monkeypatch):
 
     sizes = [5000, 1, 777, 4096]
     monkeypatch.setattr(synthetic, "_EFFECT_PIECE", 1 << 30)
-    monkeypatch.setattr(synthetic.os, "sched_getaffinity", lambda _pid: {0})
-    whole = synthetic.SyntheticCriteo(sizes, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = synthetic.SyntheticCriteo(sizes, seed=5)
+    finally:
+        torch.set_num_threads(threads)
     monkeypatch.setattr(synthetic, "_EFFECT_PIECE", 1000)
-    monkeypatch.setattr(synthetic.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    monkeypatch.setattr(synthetic.torch, "get_num_threads", lambda: 3)
     pieces = synthetic.SyntheticCriteo(sizes, seed=5)
     assert np.array_equal(whole._cache_w, pieces._cache_w)
     assert np.array_equal(whole._cache_fac, pieces._cache_fac)

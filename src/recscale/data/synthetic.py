@@ -28,7 +28,6 @@ regenerated, which makes runs reproducible and resumable.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -230,9 +229,10 @@ class SyntheticCriteo:
                 rows = slice(self._cache_start[f], self._cache_start[f] + n)
                 self._cached[f] = (self._cache_w[rows], self._cache_fac[rows])
                 pieces += [(f, lo, min(n, lo + _EFFECT_PIECE)) for lo in range(0, n, _EFFECT_PIECE)]
-        # pieces of a table hashed on the cores at once (numpy lets go of the GIL in its
-        # loops; each piece writes its own rows): config B's 26M ids took 5.4 s on one
-        workers = min(len(pieces), len(os.sched_getaffinity(0)))
+        # pieces of a table hashed on torch's threads at once, as the tables' initial rows
+        # are (numpy lets go of the GIL in its loops; each piece writes its own rows):
+        # config B's 26M ids took 5.4 s on one
+        workers = min(len(pieces), torch.get_num_threads())
         if workers > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="recscale-synth") as pool:
                 list(pool.map(self._cache_piece, pieces))
