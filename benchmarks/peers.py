@@ -3,7 +3,7 @@
     python benchmarks/peers.py --torchrec-python /path/to/peer-venv/bin/python \\
         [--configs A B] [--rounds 3] [--steps 50] [--out peers.jsonl] [--peer-same-malloc]
         [--interleave [--turns 20] [--turn-steps 10]]
-        [--precision bf16 [--row-precision split_bf16]]
+        [--precision bf16 [--row-precision auto|fp32|split_bf16]]
 
 Each round runs ``recscale bench throughput --config C --json`` and TorchRec's DLRM on
 the same shapes, optimizers and ids (``benchmarks/torchrec_peer.py``, run by the peer
@@ -247,11 +247,12 @@ def main() -> None:
     )
     p.add_argument(
         "--row-precision",
-        choices=["fp32", "split_bf16"],
-        default="fp32",
-        help="recscale's embedding.row_precision (TorchRec's tables stay fp32): split_bf16 "
-        "is recscale's Split-SGD-BF16 half of the bf16 recipe (the lookup reads bf16 "
-        "halves, the update stays exact fp32)",
+        choices=["auto", "fp32", "split_bf16"],
+        default="auto",
+        help="recscale's embedding.row_precision (TorchRec's tables stay fp32): auto (what "
+        "recscale train runs: split_bf16 under bf16 on the CPU for rows wider than a cache "
+        "line, else fp32), or one named; split_bf16 is recscale's Split-SGD-BF16 half of "
+        "the bf16 recipe (the lookup reads bf16 halves, the update stays exact fp32)",
     )
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--turn-steps", type=int, default=10)
@@ -270,7 +271,8 @@ def main() -> None:
             "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
         )
     recscale = [sys.executable, "-m", "recscale", "bench", "throughput"]
-    summary = {}
+    summary: dict[str, float] = {}
+    resolved: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="recscale-peers-") as tmp:
         for name in args.configs:
             cfg = load_config(name, [f"--train.precision={args.precision}"])
@@ -353,7 +355,7 @@ def main() -> None:
                                 {
                                     "config": name,
                                     "precision": args.precision,
-                                    "row_precision": args.row_precision,
+                                    "row_precision": rs.get("row_precision"),
                                     "round": r + 1,
                                     "recscale": rs,
                                     "torchrec": tr,
@@ -363,9 +365,10 @@ def main() -> None:
                             + "\n"
                         )
             summary[name] = statistics.median(ratios)
+            resolved[name] = rs.get("row_precision", args.row_precision)
             os.remove(batches)
-    rows = "" if args.row_precision == "fp32" else f" (recscale's rows {args.row_precision})"
     for name, ratio in summary.items():
+        rows = "" if resolved[name] == "fp32" else f" (recscale's rows {resolved[name]})"
         print(
             f"{name} {args.precision}{rows}: recscale / TorchRec = {ratio:.2f}x "
             f"(median of {args.rounds} rounds)"

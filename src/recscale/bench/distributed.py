@@ -33,6 +33,7 @@ from recscale.planner.job_plan import default_memory_per_rank
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, check_batch_divides
+from recscale.train.precision import resolve_row_precision
 from recscale.train.step import backward_and_step, forward_loss
 
 STAGES = ("input_dist", "forward", "backward", "dense_opt")
@@ -40,6 +41,7 @@ STAGES = ("input_dist", "forward", "backward", "dense_opt")
 
 def _rank_worker(cfg: Config, steps: int, warmup: int, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
+    resolve_row_precision(cfg, torch.device("cpu"))  # as a training rank does
     ctx = init_distributed(torch.device("cpu"), cfg.distributed.timeout_s)
     model, module, plan = build(cfg, ctx, echo=lambda _m: None)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())

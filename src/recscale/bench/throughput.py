@@ -356,6 +356,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"{r['device_name'] if r['device'] != 'cpu' else str(r['threads']) + ' threads'} "
             f"({r['precision']}"
             + (f", bf16 on {r['bf16_hardware']}" if r["precision"] == "bf16" else "")
+            + (f", {r['row_precision']} rows" if r.get("row_precision", "fp32") != "fp32" else "")
             + f"); stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "

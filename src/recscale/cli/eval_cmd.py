@@ -48,6 +48,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         refuse_synthetic_keys,
     )
     from recscale.train.parallel import check_eval_batch_memory, evaluate
+    from recscale.train.precision import resolve_row_precision
     from recscale.train.step import resolve_device
 
     run_dir: Path = args.model
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if not cfg.data.uses_dataset():
         check_synthetic_memory(cfg)
     device = resolve_device(cfg.train.device)
+    resolve_row_precision(cfg, device)  # a run's config.toml names it; auto for older ones
     model = build_model(cfg.model, cfg.embedding, device=device, init_rows=False)  # restored
     if checkpoint is None and os.path.lexists(run_dir / MODEL_FILE):  # the final model
         try:

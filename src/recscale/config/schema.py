@@ -215,7 +215,10 @@ class EmbeddingConfig:
     # Stored precision of the rows in training: fp16 / bf16 (half the bytes) or int8
     # (a quarter, plus a row-wise scale and bias); stochastic rounding in the update,
     # optimizer state fp32 (embedding/low_precision.py). Tables in device memory.
-    row_precision: str = "fp32"
+    # split_bf16: fp32 values in two halves, the lookup reading the bf16 high ones.
+    # auto: split_bf16 where train.precision=bf16 runs on the CPU with plain tables in
+    # memory and the native kernels, fp32 elsewhere (train/precision.py).
+    row_precision: str = "auto"
     # Compressed tables (embedding/compressed.py): rows computed from smaller factors.
     # qr: quotient x remainder tables (qr_buckets remainder rows; combined by qr_op);
     # mixed_dim: table t gets dim * (n_min / n_t) ** md_alpha dims (a power of two) and a
@@ -242,7 +245,7 @@ class EmbeddingConfig:
         _choice("embedding.placement", self.placement, (*PLACEMENTS, "auto"))
         _positive("embedding.memory_budget_gb", self.memory_budget_gb, allow_zero=True)
         _choice("embedding.cache_policy", self.cache_policy, CACHE_POLICIES)
-        _choice("embedding.row_precision", self.row_precision, ROW_PRECISIONS)
+        _choice("embedding.row_precision", self.row_precision, ("auto", *ROW_PRECISIONS))
         _choice("embedding.compression", self.compression, COMPRESSIONS)
         _choice("embedding.qr_op", self.qr_op, QR_OPS)
         _positive("embedding.compress_min_rows", self.compress_min_rows, allow_zero=True)
@@ -271,7 +274,7 @@ class EmbeddingConfig:
                 raise ConfigError("embedding.table_compression", f"{name} is named twice")
             named.add(name)
         # split_bf16 is fp32's bits: a tier keeps the fp32 row (embedding/placement.py)
-        if self.row_precision not in ("fp32", "split_bf16") and self.placement != "device":
+        if self.row_precision not in ("auto", "fp32", "split_bf16") and self.placement != "device":
             raise ConfigError(
                 "embedding.row_precision",
                 f"{self.row_precision} rows live in device memory; placement {self.placement!r}"
@@ -456,7 +459,8 @@ class TrainConfig:
     # ... and stop once its AUC reaches this (0 = never; MLPerf style: time to target).
     target_auc: float = 0.0
     # Arithmetic of the MLPs and the interaction: fp32, tf32 (CUDA: TF32 tensor-core
-    # GEMMs), or bf16 (autocast; fp32 master weights, tables and optimizer state).
+    # GEMMs), or bf16 (autocast; fp32 master weights, tables and optimizer state; on the
+    # CPU wide rows default to Split-SGD-BF16: embedding.row_precision=auto).
     precision: str = "fp32"
     # Freed host memory from step 0 (the model is built under malloc's default): retain
     # (keep it; no re-faulting of large activations each step) or system (unmap them).

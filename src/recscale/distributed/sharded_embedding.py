@@ -105,8 +105,9 @@ class AllReducedLowPrecisionStorage(_AllReduced, LowPrecisionStorage):
 
 
 def all_reduced_storage(num_rows, dim, optimizer, precision, device, kernel, group, world_size):
-    """A replicated storage at ``precision`` (``embedding.row_precision``)."""
-    if precision == "fp32":
+    """A replicated storage at ``precision`` (``embedding.row_precision``; an unresolved
+    ``auto`` is fp32, as ``device_rows`` takes it)."""
+    if precision in ("fp32", "auto"):
         return AllReducedStorage(num_rows, dim, optimizer, device, kernel, group, world_size)
     return AllReducedLowPrecisionStorage(
         num_rows, dim, optimizer, precision, device, kernel, group, world_size

@@ -260,8 +260,10 @@ def device_rows(
     kernel: str = "auto",
 ) -> DeviceStorage:
     """Rows in device memory at ``precision``: a plain :class:`DeviceStorage` for fp32,
-    else a :class:`LowPrecisionStorage` (plain tables and compressed factors alike)."""
-    if precision == "fp32":
+    else a :class:`LowPrecisionStorage` (plain tables and compressed factors alike).
+    ``auto`` is fp32 here: a run makes it concrete before it builds (``train.precision``'s
+    ``resolve_row_precision``); a model built outside a run keeps fp32 rows."""
+    if precision in ("fp32", "auto"):
         return DeviceStorage(num_rows, dim, optimizer, device, kernel)
     return LowPrecisionStorage(num_rows, dim, optimizer, precision, device, kernel)
 

@@ -34,8 +34,9 @@ ROW_INDEX_BYTES = 8
 
 
 def bytes_per_value(precision: str) -> float:
-    """Stored bytes of one row element (int8 adds 8 bytes a row: see ``row_overhead``)."""
-    return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "split_bf16": 4}[precision]
+    """Stored bytes of one row element (int8 adds 8 bytes a row: see ``row_overhead``).
+    ``auto`` is fp32 or split_bf16 (what a run makes of it): four bytes either way."""
+    return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "split_bf16": 4, "auto": 4}[precision]
 
 
 def lookup_bytes_per_value(precision: str) -> float:
@@ -128,13 +129,17 @@ def compression_summary(cfg) -> list[str]:
     e, m = cfg.embedding, cfg.model
     lines = []
     comp = table_compressions(m.table_sizes, m.dims(), e)
-    if e.row_precision != "fp32":
-        what = (
-            "embedding rows" if all(c == "none" for c, _ in comp) else "rows and gathered factors"
+    plain = all(c == "none" for c, _ in comp)
+    if e.row_precision not in ("fp32", "auto"):  # auto: fp32 or split_bf16, both 4 bytes
+        what = "embedding rows" if plain else "rows and gathered factors"
+        how = (
+            "Split-SGD-BF16: lookups read the bf16 high halves, updates the exact fp32 value"
+            if e.row_precision == "split_bf16"
+            else "optimizer state fp32"
         )
-        lines.append(f"{what} stored as {e.row_precision} (optimizer state fp32)")
-    if all(c == "none" for c, _ in comp):
-        return [*lines, memory_line(cfg)] if lines else lines
+        lines.append(f"{what} stored as {e.row_precision} ({how})")
+    if plain:  # split_bf16 holds fp32's bytes: no memory line to add
+        return [*lines, memory_line(cfg)] if bytes_per_value(e.row_precision) < 4 else lines
     parts = []
     for i, (c, sd) in enumerate(comp):
         if c != "none":

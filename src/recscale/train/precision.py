@@ -5,10 +5,13 @@
     fp32   plain fp32 everywhere (the default; what the CPU kernels are built for)
     tf32   fp32 tensors, GEMMs on TF32 tensor cores (CUDA; on a CPU it is fp32)
     bf16   autocast to bfloat16 for the MLPs and the interaction; parameters, embedding
-           tables, optimizer state and the loss stay fp32 (master weights)
+           tables, optimizer state and the loss stay fp32 (master weights; a table's
+           fp32 values may be kept as Split-SGD-BF16 halves, still exact)
 
-The embedding lookup and its fused optimizer always run in fp32: pooled rows enter
-the interaction in fp32 and autocast casts them where a GEMM takes them.
+The embedding lookup pools in fp32 and its fused optimizer updates in fp32: pooled rows
+enter the interaction in fp32 and autocast casts them where a GEMM takes them. Under
+bf16 on the CPU the rows default to Split-SGD-BF16 (``resolve_row_precision``): the
+lookup reads each value's bf16 high half, the update the exact fp32 value.
 
 On a CPU without bf16 instructions (AVX2, or AVX-512 without BF16/AMX) torch's own bf16
 GEMMs run a scalar loop: 1 GFLOP/s against fp32's 178 on a 2-core AMD EPYC (AVX2), a
@@ -29,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from recscale import native
+from recscale.config.schema import Config
+from recscale.embedding import kernels
 
 
 def set_matmul_precision(precision: str) -> None:
@@ -170,3 +175,45 @@ def bf16_note(precision: str, device: torch.device) -> str | None:
             f"so expect bf16 no faster than fp32 on this host (docs/performance.md)"
         )
     return None
+
+
+def resolve_row_precision(cfg: Config, device: torch.device) -> str:
+    """``embedding.row_precision=auto`` (the default) made concrete for a run on
+    ``device``, in ``cfg`` (its config.toml then records it), and returned.
+
+    auto is **split_bf16** (Split-SGD-BF16: the lookup reads the bf16 high halves, the
+    update stays exact fp32) where a bf16 run's lookup is the bytes it reads: on the
+    CPU, plain tables in memory (``placement=device``, no compression), rows wider than
+    a cache line in fp32 (dim > 16) holding at least half the values a sample's lookup
+    reads, every table's lookup and update taken by the native kernels (the split rows'
+    fast path; elsewhere they run through torch ops). Everywhere else it is fp32: an
+    fp32 run, a GPU, a tier (its cache pools whole fp32 rows either way), compressed
+    factors, narrow rows."""
+    e = cfg.embedding
+    if e.row_precision == "auto":
+        e.row_precision = "split_bf16" if _split_rows_pay(cfg, device) else "fp32"
+    return e.row_precision
+
+
+# A row narrower than a cache line costs one line whether its values are 2 or 4 bytes.
+CACHE_LINE_BYTES = 64
+
+
+def _split_rows_pay(cfg: Config, device: torch.device) -> bool:
+    e, m = cfg.embedding, cfg.model
+    if cfg.train.precision != "bf16" or device.type != "cpu" or e.placement != "device":
+        return False
+    # Halving a row's bytes saves lines only where its fp32 row spans more than one:
+    # config A's 64-byte rows (dim 16) read one line either way, and the split update
+    # costs more (2026-11-28, Zen 4 VM: sparse 2.1-2.6 ms against 1.8-2.1 in fp32).
+    dims = m.dims()
+    if 2 * sum(d for d in dims if 4 * d > CACHE_LINE_BYTES) < sum(dims):
+        return False
+    if e.compression != "none" or e.table_compression or m.kernels not in ("auto", "native"):
+        return False
+    probe = torch.empty(1, 1, dtype=torch.bfloat16)
+    return all(
+        kernels.choose(m.kernels, op, probe, d) == "native"
+        for d in set(m.dims())
+        for op in ("lookup", "backward")
+    )

@@ -25,7 +25,12 @@ from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.launch_env import local_world_size
 from recscale.train.host_memory import set_host_memory
-from recscale.train.precision import autocast, gemms, set_matmul_precision
+from recscale.train.precision import (
+    autocast,
+    gemms,
+    resolve_row_precision,
+    set_matmul_precision,
+)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,8 +65,9 @@ def available_cores() -> int:
 
 
 def setup_process(cfg: Config) -> tuple[torch.device, int]:
-    """Seed, matmul precision, malloc's own behaviour for building the model, and torch
-    threads (the cores shared among this host's ranks); returns ``(device, threads)``.
+    """Seed, matmul precision, malloc's own behaviour for building the model, torch
+    threads (the cores shared among this host's ranks) and ``embedding.row_precision``
+    made concrete; returns ``(device, threads)``.
     ``train.host_memory`` applies from step 0 (``start_steps``)."""
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -71,7 +77,9 @@ def setup_process(cfg: Config) -> tuple[torch.device, int]:
     set_host_memory("system")
     threads = t.threads or available_cores() // local_world_size() or 1
     torch.set_num_threads(threads)
-    return resolve_device(t.device), threads
+    device = resolve_device(t.device)
+    resolve_row_precision(cfg, device)  # auto: what this device and precision gain from
+    return device, threads
 
 
 def start_steps(cfg: Config) -> bool:
