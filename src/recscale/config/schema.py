@@ -217,7 +217,8 @@ class EmbeddingConfig:
     # optimizer state fp32 (embedding/low_precision.py). Tables in device memory.
     # split_bf16: fp32 values in two halves, the lookup reading the bf16 high ones.
     # auto: split_bf16 where train.precision=bf16 runs on the CPU with plain tables in
-    # memory and the native kernels, fp32 elsewhere (train/precision.py).
+    # memory, fp32 rows wider than a cache line (dim > 16) and the native kernels; fp32
+    # elsewhere (train/precision.py).
     row_precision: str = "auto"
     # Compressed tables (embedding/compressed.py): rows computed from smaller factors.
     # qr: quotient x remainder tables (qr_buckets remainder rows; combined by qr_op);
