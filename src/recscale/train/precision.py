@@ -214,6 +214,6 @@ def _split_rows_pay(cfg: Config, device: torch.device) -> bool:
     probe = torch.empty(1, 1, dtype=torch.bfloat16)
     return all(
         kernels.choose(m.kernels, op, probe, d) == "native"
-        for d in set(m.dims())
+        for d in set(dims)
         for op in ("lookup", "backward")
     )
