@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from recscale.data.batch import Batch
 from recscale.kernels import numba as nb
+from recscale.torch_threads import on_torch_threads
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -232,13 +232,7 @@ class SyntheticCriteo:
         # pieces of a table hashed on torch's threads at once, as the tables' initial rows
         # are (numpy lets go of the GIL in its loops; each piece writes its own rows):
         # config B's 26M ids took 5.4 s on one
-        workers = min(len(pieces), torch.get_num_threads())
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="recscale-synth") as pool:
-                list(pool.map(self._cache_piece, pieces))
-        else:
-            for piece in pieces:
-                self._cache_piece(piece)
+        on_torch_threads(self._cache_piece, pieces, "recscale-synth")
 
         self._bias = self._calibrated_bias(target_ctr)
 

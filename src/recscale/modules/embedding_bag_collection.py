@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,10 @@ from recscale.embedding.lookup import (
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.sizing import INIT_DRAW_MAX_VALUES
 from recscale.embedding.storage import DeviceStorage, RowStorage
+from recscale.torch_threads import on_torch_threads
 
 _INIT_CHUNK_ROWS = 1 << 16
+_INIT_THREADS = "recscale-init"  # the threads' names
 
 
 @dataclass(frozen=True)
@@ -124,19 +125,7 @@ def init_table_rows(
         chunk = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
         out[a - row_lo : b - row_lo].copy_(chunk[a - lo : b - lo, col_lo:col_hi])
 
-    _on_torch_threads(draw, range(first, last + 1) if row_hi > row_lo else range(0))
-
-
-def _on_torch_threads(work: Callable[[int], None], chunks: range, at_once: bool = True) -> None:
-    """``work(c)`` for every chunk, on as many threads as torch has (one when not
-    ``at_once``); a chunk's error is raised here."""
-    workers = min(torch.get_num_threads(), len(chunks)) if at_once else 1
-    if workers <= 1:
-        for c in chunks:
-            work(c)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="recscale-init") as pool:
-        list(pool.map(work, chunks))
+    on_torch_threads(draw, range(first, last + 1) if row_hi > row_lo else range(0), _INIT_THREADS)
 
 
 def _write_drawn_chunks(
@@ -158,7 +147,9 @@ def _write_drawn_chunks(
         )  # fmt: skip
         storage.write_rows(torch.arange(start + lo, start + hi), chunk)
 
-    _on_torch_threads(write, range(0, n, _INIT_CHUNK_ROWS), at_once=storage.tier == "device")
+    on_torch_threads(
+        write, range(0, n, _INIT_CHUNK_ROWS), _INIT_THREADS, at_once=storage.tier == "device"
+    )
 
 
 class IdOutOfRangeError(ValueError):
