@@ -3,7 +3,7 @@
 A line is ``label \\t I1..I13 \\t C1..C26 \\n``: 40 tab-separated fields, any of the
 feature fields may be empty (missing). Per good line the kernel writes::
 
-    dense   [13] float32   log(1 + max(x, 0)); missing -> 0
+    dense   [13] float32   log(1 + max(x, 0)); missing -> 0; x any decimal integer
     cats    [26] uint32    the hex value of C_k (1..8 hex digits); missing -> 0
     missing      uint32    bit k set when C_k is empty
     label        uint8     0 or 1
@@ -65,6 +65,7 @@ def parse_lines(buf, dense, cats, missing, labels, status):
         field = 0
         bad = 0
         val = 0
+        big = -1.0  # a dense value past 18 digits, carried as a float (see below)
         ndig = 0
         neg = False
         miss = np.uint32(0)
@@ -86,9 +87,11 @@ def parse_lines(buf, dense, cats, missing, labels, status):
                                 bad = 3
                             else:
                                 dense[row, field - 1] = 0.0
+                        elif neg:
+                            dense[row, field - 1] = 0.0
                         else:
-                            x = -val if neg else val
-                            dense[row, field - 1] = np.log1p(max(x, 0))
+                            x = big if big >= 0.0 else val
+                            dense[row, field - 1] = np.log1p(x)
                     else:
                         k = field - 1 - NUM_DENSE
                         if ndig == 0:
@@ -98,6 +101,7 @@ def parse_lines(buf, dense, cats, missing, labels, status):
                             cats[row, k] = val
                 field += 1
                 val = 0
+                big = -1.0
                 ndig = 0
                 neg = False
                 if c == 10:
@@ -108,9 +112,16 @@ def parse_lines(buf, dense, cats, missing, labels, status):
             if field <= NUM_DENSE:  # label or integer field
                 if 48 <= c <= 57:
                     ndig += 1
-                    if ndig > 18:
-                        bad = 2 if field == 0 else 3
-                    val = val * 10 + (c - 48)
+                    if ndig <= 18:
+                        val = val * 10 + (c - 48)
+                    elif field == 0:
+                        bad = 2  # a label past 18 digits is not 0 or 1
+                    elif big < 0.0:
+                        # an integer past int64 is still an integer (Parquet's columns
+                        # take any int64): go on in float64, which log1p needs anyway
+                        big = val * 10.0 + (c - 48)
+                    elif big < 1e300:  # saturated beyond: log1p stays finite (690.8)
+                        big = big * 10.0 + (c - 48)
                 elif c == 45 and ndig == 0 and not neg and field > 0:  # leading minus
                     neg = True
                 else:
