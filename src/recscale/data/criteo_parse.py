@@ -35,7 +35,7 @@ BAD_KINDS = {
     5: "id outside 0..2^32-1",
     6: "null id in a bag",
 }
-BAD_LABEL, BAD_HEX, BAD_ID_RANGE, BAD_NULL_ID = 2, 4, 5, 6
+BAD_LABEL, BAD_DENSE, BAD_HEX, BAD_ID_RANGE, BAD_NULL_ID = 2, 3, 4, 5, 6
 TRUNCATED_GZIP = "truncated gzip"
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from recscale.data.columns import DatasetError
 from recscale.data.criteo_parse import (
+    BAD_DENSE,
     BAD_HEX,
     BAD_ID_RANGE,
     BAD_LABEL,
@@ -216,18 +217,29 @@ def _category_column(col, path: Path, name: str):
     return col
 
 
-def parquet_dense(rb, path: Path) -> np.ndarray:
-    """Integer columns ``I1..I13`` of a record batch -> log(1 + max(x, 0)), null = 0."""
+def parquet_dense(rb, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Columns ``I1..I13`` of a record batch -> (log(1 + max(x, 0)) [n, 13], bad [n]).
+
+    Integer columns as they are; floating ones too (pandas stores an integer column
+    with a missing value as float64), where NaN and null are missing and a value that
+    is not a whole number (2.5, inf) makes its row a "non-integer dense value", as in
+    the text. Any other type is a ValueError naming the column."""
     import pyarrow as pa
 
     dense = np.zeros((rb.num_rows, NUM_DENSE), np.float32)
+    bad = np.zeros(rb.num_rows, bool)
     for k in range(NUM_DENSE):
         col = rb.column(f"I{k + 1}")
-        if not pa.types.is_integer(col.type):
-            raise ValueError(f"{path}: column I{k + 1} must be integer, is {col.type}")
-        x = col.to_numpy(zero_copy_only=False).astype(np.float64)
+        if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
+            raise ValueError(
+                f"{path}: column I{k + 1} must be integer (or whole floats), is {col.type}"
+            )
+        x = col.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+        x = np.nan_to_num(x, nan=0.0, posinf=np.nan, neginf=np.nan)
+        if pa.types.is_floating(col.type):
+            bad |= ~np.isfinite(x) | (x != np.floor(x))
         dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
-    return dense
+    return dense, bad
 
 
 CRITEO_COLUMNS = (
@@ -293,7 +305,8 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
         # 0 or 1 exactly: 0.5 (a probability, a soft label) was truncated to 0 and kept
         status[~np.isin(label, (0.0, 1.0))] = BAD_LABEL
         label = np.where(status == BAD_LABEL, 0, label).astype(np.int64)
-        dense = parquet_dense(rb, path)
+        dense, bad_dense = parquet_dense(rb, path)
+        status[(status == 0) & bad_dense] = BAD_DENSE
         cats = np.zeros((n, NUM_CAT), np.uint32)
         miss_bits = np.zeros(n, np.uint32)
         for k in range(NUM_CAT):

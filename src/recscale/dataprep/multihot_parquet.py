@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from recscale.data.criteo_parse import BAD_ID_RANGE, BAD_LABEL, BAD_NULL_ID, NUM_CAT, NUM_DENSE
+from recscale.data.criteo_parse import (
+    BAD_DENSE,
+    BAD_ID_RANGE,
+    BAD_LABEL,
+    BAD_NULL_ID,
+    NUM_CAT,
+    NUM_DENSE,
+)
 from recscale.data.dataset import segment_gather
 from recscale.data.multihot import open_split
 from recscale.data.sources import ids_beyond_32_bits, parquet_dense, parquet_schema
@@ -102,7 +109,8 @@ def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:
                 f"{path}: column 'label' is {rb.column('label').type}, not 0/1 ({e})"
             ) from None
         status[~np.isin(label, (0.0, 1.0))] = BAD_LABEL
-        dense = parquet_dense(rb, path)
+        dense, bad_dense = parquet_dense(rb, path)
+        status[(status == 0) & bad_dense] = BAD_DENSE
         lengths = np.zeros((n, NUM_CAT), np.int64)
         per_feature = []
         for k in range(NUM_CAT):
