@@ -16,7 +16,7 @@ A line without 40 fields is kind 1 whatever else is wrong with it (a file separa
 by spaces or commas, a blank line). Parquet rows with integer ids add two kinds the
 text never has (``data/sources.py``, ``dataprep/multihot_parquet.py``)::
 
-    5 id outside 0..2^32-1   6 null id in a bag
+    5 id outside 0..2^32-1   6 null id in a bag   7 id not a whole number (a float id)
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ BAD_KINDS = {
     4: "non-hex category",
     5: "id outside 0..2^32-1",
     6: "null id in a bag",
+    7: "id not a whole number",
 }
-BAD_LABEL, BAD_DENSE, BAD_HEX, BAD_ID_RANGE, BAD_NULL_ID = 2, 3, 4, 5, 6
+BAD_LABEL, BAD_DENSE, BAD_HEX, BAD_ID_RANGE, BAD_NULL_ID, BAD_ID_FRACTION = 2, 3, 4, 5, 6, 7
 TRUNCATED_GZIP = "truncated gzip"
 
 

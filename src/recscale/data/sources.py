@@ -25,6 +25,7 @@ from recscale.data.columns import DatasetError
 from recscale.data.criteo_parse import (
     BAD_DENSE,
     BAD_HEX,
+    BAD_ID_FRACTION,
     BAD_ID_RANGE,
     BAD_LABEL,
     NUM_CAT,
@@ -274,6 +275,28 @@ def ids_beyond_32_bits(v: np.ndarray) -> np.ndarray:
     return (v >= 2**32) if v.dtype.kind == "u" else (v < 0) | (v >= 2**32)
 
 
+def id_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ids as stored (integers, or floats - pandas stores an integer column with a gap
+    as float64) -> (uint32 ids, each one's ``BAD_KINDS`` code or 0). A float id must be
+    whole; either kind must fall in 0..2^32-1. NaN here is not missing: the caller
+    takes nulls (and a float column's NaN) out first."""
+    bad = np.zeros(v.shape[0], np.int8)
+    if v.dtype.kind == "f":
+        bad[~np.isfinite(v) | (v != np.floor(v))] = BAD_ID_FRACTION
+    bad[(bad == 0) & ids_beyond_32_bits(v)] = BAD_ID_RANGE
+    return np.where(bad == 0, v, 0).astype(np.uint32), bad
+
+
+def float_nulls(col):
+    """A float column with NaN as null (pandas' missing integer), else ``col``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_floating(col.type):
+        return pc.if_else(pc.is_nan(col), pa.scalar(None, col.type), col)
+    return col
+
+
 def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -311,12 +334,11 @@ def parquet_pieces(path: Path, rows_per_piece: int = 1 << 20) -> Iterator[Piece]
         miss_bits = np.zeros(n, np.uint32)
         for k in range(NUM_CAT):
             col = rb.column(f"C{k + 1}")
-            if pa.types.is_integer(col.type):  # ids as they are: 0..2^32-1
+            if pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
+                col = float_nulls(col)  # ids as they are: 0..2^32-1, whole
                 miss = np.asarray(col.is_null().to_numpy(zero_copy_only=False))
-                v = col.fill_null(0).to_numpy(zero_copy_only=False)
-                bad = ids_beyond_32_bits(v)
-                vals = np.where(bad, 0, v).astype(np.uint32)
-                status[(status == 0) & bad] = BAD_ID_RANGE
+                vals, bad = id_values(col.fill_null(0).to_numpy(zero_copy_only=False))
+                status = np.where(status == 0, bad, status)
             else:
                 vals, miss, bad = _hex_column(_category_column(col, path, f"C{k + 1}"))
                 status[(status == 0) & bad] = BAD_HEX

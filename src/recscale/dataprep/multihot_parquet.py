@@ -23,7 +23,6 @@ import numpy as np
 
 from recscale.data.criteo_parse import (
     BAD_DENSE,
-    BAD_ID_RANGE,
     BAD_LABEL,
     BAD_NULL_ID,
     NUM_CAT,
@@ -31,7 +30,7 @@ from recscale.data.criteo_parse import (
 )
 from recscale.data.dataset import segment_gather
 from recscale.data.multihot import open_split
-from recscale.data.sources import ids_beyond_32_bits, parquet_dense, parquet_schema
+from recscale.data.sources import float_nulls, id_values, parquet_dense, parquet_schema
 from recscale.dataprep.common import (
     FORMAT_VERSION,
     HASH_CAP,
@@ -68,16 +67,18 @@ def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     bad = np.zeros(n, np.int8)
+    numeric = pa.types.is_integer, pa.types.is_floating
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-        if not pa.types.is_integer(col.type.value_type):
+        if not any(is_(col.type.value_type) for is_ in numeric):
             raise ValueError(f"list column of {col.type.value_type}; ids must be integers")
         lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
-        flat = pc.list_flatten(col)  # nulls dropped with their (empty) bags
+        flat = float_nulls(pc.list_flatten(col))  # nulls dropped with their (empty) bags
         v = flat.fill_null(0).to_numpy(zero_copy_only=False)
-        if flat.null_count:  # a null id inside a bag: the row is bad
+        if flat.null_count:  # a null (or NaN) id inside a bag: the row is bad
             nulls = np.asarray(flat.is_null().to_numpy(zero_copy_only=False))
             bad[np.repeat(np.arange(n), lengths)[nulls]] = BAD_NULL_ID
-    elif pa.types.is_integer(col.type):
+    elif any(is_(col.type) for is_ in numeric):
+        col = float_nulls(col)
         valid = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False))
         lengths = valid.astype(np.int64)
         v = col.drop_null().to_numpy(zero_copy_only=False)
@@ -86,12 +87,12 @@ def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             f"is {col.type}; multi-hot Parquet (list columns in the first input) takes "
             "list<integer> or integer categorical columns in every input"
         )
-    out_of_range = ids_beyond_32_bits(v)
-    if out_of_range.any():
-        rows = np.repeat(np.arange(n), lengths)[out_of_range]
-        bad[rows[bad[rows] == 0]] = BAD_ID_RANGE
-        v = np.where(out_of_range, 0, v)
-    return lengths, v.astype(np.uint32), bad
+    ids, id_bad = id_values(v)
+    if id_bad.any():
+        rows = np.repeat(np.arange(n), lengths)[id_bad != 0]
+        first = bad[rows] == 0
+        bad[rows[first]] = id_bad[id_bad != 0][first]
+    return lengths, ids, bad
 
 
 def _read_file(path: Path, raw: MultiHotWriter, report, examples: int) -> int:

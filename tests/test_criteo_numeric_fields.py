@@ -72,28 +72,34 @@ def test_a_long_label_is_still_a_bad_label():
     assert chunk.rows == 0 and BAD_KINDS[int(chunk.status[0])] == "bad label"
 
 
-def _parquet(path, dense_column, pa, pq):
+def _parquet(path, dense_column, pa, pq, c2=None):
     n = len(dense_column)
     cols = {"label": pa.array([k % 2 for k in range(n)])}
     cols |= {f"I{k}": pa.array(list(range(1, n + 1))) for k in range(1, 14)}
     cols["I3"] = dense_column
     cols |= {f"C{k}": pa.array([f"{k:02x}"] * n) for k in range(1, 27)}
+    if c2 is not None and pa.types.is_list(c2.type):  # multi-hot: every feature a bag
+        cols |= {f"C{k}": pa.array([[k]] * n, c2.type) for k in range(1, 27)}
+    if c2 is not None:
+        cols["C2"] = c2
     pq.write_table(pa.table(cols), path)
     return path
 
 
-def _preprocess(tmp_path, src, name):
+def _preprocess(tmp_path, src, name, what="dense"):
     from recscale.dataprep.preprocess import PreprocessOptions, preprocess
 
     out = tmp_path / name
     meta = preprocess(
         PreprocessOptions(
             inputs=[src], out=out, input_format="parquet", hash_sizes=[1000], split="none",
-            max_bad_fraction=0.5,
+            max_bad_fraction=0.9,
         ),
         echo=lambda s: None,
     )  # fmt: skip
-    return meta, np.fromfile(out / "train" / "dense.f32", np.float32).reshape(-1, 13)
+    if what == "dense":
+        return meta, np.fromfile(out / "train" / "dense.f32", np.float32).reshape(-1, 13)
+    return meta, np.fromfile(out / "train" / "sparse.i32", np.int32).reshape(-1, 26)
 
 
 def test_parquet_dense_floats_as_pandas_writes_them_read_as_the_integers(tmp_path):
@@ -132,3 +138,45 @@ def test_a_parquet_dense_column_of_another_type_is_named(tmp_path):
     src = _parquet(tmp_path / "b.parquet", pa.array([True, False]), pa, pq)
     with pytest.raises(ValueError, match=r"column I3 must be integer.*is bool"):
         _preprocess(tmp_path, src, "b")
+
+
+def test_parquet_float_ids_read_as_the_integers_and_nan_is_missing(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    dense = pa.array([1, 2, 3, 4])
+    ints = pa.array([7, None, 0, 2**32 - 1], pa.int64())
+    floats = pa.array([7.0, float("nan"), 0.0, 2.0**32 - 1])
+    m_i, s_i = _preprocess(tmp_path, _parquet(tmp_path / "i.pq", dense, pa, pq, ints), "i", "ids")
+    m_f, s_f = _preprocess(tmp_path, _parquet(tmp_path / "f.pq", dense, pa, pq, floats), "f", "ids")
+    assert m_i["bad_lines"]["bad"] == m_f["bad_lines"]["bad"] == 0
+    np.testing.assert_array_equal(s_f, s_i)
+    assert s_f[:, 1].tolist() == [7, 0, 0, (2**32 - 1) % 1000]
+
+
+def test_parquet_float_ids_that_are_not_whole_or_in_range_are_counted_bad(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    ids = pa.array([1.0, 2.5, -1.0, 4.0, 2.0**32, float("inf"), 7.0])
+    src = _parquet(tmp_path / "f.pq", pa.array(list(range(7))), pa, pq, ids)
+    meta, sparse = _preprocess(tmp_path, src, "f", "ids")
+    report = meta["bad_lines"]
+    assert report["counts"] == {"id not a whole number": 2, "id outside 0..2^32-1": 2}
+    assert report["examples"]["id not a whole number"] == [f"{src}:2", f"{src}:6"]
+    assert report["examples"]["id outside 0..2^32-1"] == [f"{src}:3", f"{src}:5"]
+    assert sparse[:, 1].tolist() == [1, 4, 7]
+
+
+def test_multi_hot_parquet_bags_of_floats_read_as_bags_of_integers(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    bags = [[1, 2], [3], [], [4, 5, 6]]
+    outs = {}
+    for name, typ in (("i", pa.int64()), ("f", pa.float64())):
+        ids = pa.array([[float(x) if name == "f" else x for x in b] for b in bags], pa.list_(typ))
+        src = _parquet(tmp_path / f"{name}.pq", pa.array([1, 2, 3, 4]), pa, pq, ids)
+        meta, _ = _preprocess(tmp_path, src, name)
+        assert meta["bad_lines"]["bad"] == 0
+        files = sorted((tmp_path / name / "train").iterdir())
+        outs[name] = {f.name: f.read_bytes() for f in files}
+    assert "bag_lengths.u16" in outs["i"]  # written as multi-hot
+    assert outs["f"] == outs["i"]
