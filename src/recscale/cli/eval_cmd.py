@@ -17,7 +17,7 @@ from recscale.config.small_files import json_text, write_text_atomic
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="evaluate a trained model (RUN_DIR from recscale train) on a split",
+        help="evaluate a trained model (--model RUN_DIR from recscale train) on a split",
         epilog="Config overrides (e.g. --data.path DIR) apply on top of RUN_DIR/config.toml.",
     )
     p.add_argument(
