@@ -70,7 +70,9 @@ def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     numeric = pa.types.is_integer, pa.types.is_floating
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
         if not any(is_(col.type.value_type) for is_ in numeric):
-            raise ValueError(f"list column of {col.type.value_type}; ids must be integers")
+            raise ValueError(
+                f"list column of {col.type.value_type}; ids must be integers (or whole floats)"
+            )
         lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
         flat = float_nulls(pc.list_flatten(col))  # nulls dropped with their (empty) bags
         v = flat.fill_null(0).to_numpy(zero_copy_only=False)
@@ -85,7 +87,7 @@ def _bags(col, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     else:
         raise ValueError(
             f"is {col.type}; multi-hot Parquet (list columns in the first input) takes "
-            "list<integer> or integer categorical columns in every input"
+            "list<integer> or integer categorical columns in every input (whole floats too)"
         )
     ids, id_bad = id_values(v)
     if id_bad.any():
