@@ -1,7 +1,8 @@
 """Count the framework ops one training step dispatches: the host-op figures of the
 forecast's systems (``perfmodel/systems.py``) come from here.
 
-    python benchmarks/count_host_ops.py recscale [--config A] [--steps 3] [overrides...]
+    python benchmarks/count_host_ops.py recscale [--config A] [--steps 3] [--stages]
+        [--device cuda] [overrides...]
     PEER_VENV/bin/python benchmarks/count_host_ops.py torchrec [--world-size 2] [--tables 26]
 
 Each op that reaches the dispatcher (aten, fbgemm, c10d; views and detaches included,
@@ -16,6 +17,13 @@ into the backward), in ``--world-size`` gloo ranks on the CPU (the peer venv of
 ``benchmarks/peers.py``). Counted on 2026-11-25: recscale
 config A 197, config B 215; TorchRec 1.8, 26 one-hot tables, rank 0 of 2 / 4 / 8
 ranks 373 / 379 / 391.
+
+``--stages`` also splits recscale's count by the stages ``recscale bench throughput``
+times (lookup, forward, backward, sparse, dense_opt; the same marks): where a GPU step
+is bound by its host, each stage's CUDA-event time is its ops' host time, so these are
+what a per-stage host model needs. ``--device cuda`` counts the GPU path itself
+(``model.kernels`` as configured: Triton's launches are not dispatcher ops, so they are
+not in the count; the torch ops around them - sorts, read-backs, views - are).
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ def report(ops: collections.Counter, **fields) -> str:
     return json.dumps({**fields, "ops": sum(ops.values()), "top": ops.most_common(12)})
 
 
-def count_recscale(config: str, overrides: list[str], steps: int) -> str:
+def count_recscale(
+    config: str, overrides: list[str], steps: int, device: str = "cpu", stages: bool = False
+) -> str:
     from recscale.config import load_config
     from recscale.distributed import DistContext
     from recscale.train.data_source import make_synthetic
@@ -54,20 +64,46 @@ def count_recscale(config: str, overrides: list[str], steps: int) -> str:
     from recscale.train.parallel import build
     from recscale.train.step import backward_and_step, forward_loss
 
-    if not any(o.startswith("--model.kernels") for o in overrides):
+    dev = torch.device(device)
+    if dev.type == "cpu" and not any(o.startswith("--model.kernels") for o in overrides):
         overrides = [*overrides, "--model.kernels=torch"]
-    cfg = load_config(config, overrides)
-    dev = torch.device("cpu")
+    cfg = load_config(config, [*overrides, f"--train.device={dev.type}"])
     model, _module, _plan = build(cfg, DistContext(device=dev), lambda _: None)
     opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
     data = make_synthetic(cfg)
-    batches = [data.batch(i, cfg.train.batch_size) for i in range(steps + 1)]
+    batches = [data.batch(i, cfg.train.batch_size).to(dev) for i in range(steps + 1)]
     precision = cfg.train.precision
     for b in batches[:steps]:
         backward_and_step(forward_loss(model, b, precision, dev), opt, precision, dev)
-    with OpCounter() as c:
-        backward_and_step(forward_loss(model, batches[-1], precision, dev), opt, precision, dev)
-    return report(c.ops, system="recscale", config=config, overrides=overrides)
+    c = OpCounter()
+    count = lambda: sum(c.ops.values())  # noqa: E731 - the stages' clock
+    sparse: list[tuple[int, int]] = []
+    for storage in model.embeddings.storages():  # as bench/throughput.py's _SparseTimer
+        update = storage.apply_pooled_gradients
+
+        def counted(*args, _update=update):
+            start = count()
+            _update(*args)
+            sparse.append((start, count()))
+
+        storage.apply_pooled_gradients = counted
+    marks: list[int] = []
+    with c:
+        t0 = count()
+        loss = forward_loss(model, batches[-1], precision, dev, mark=lambda: marks.append(count()))
+        t2 = count()
+        t3, t4 = backward_and_step(loss, opt, precision, dev, count)
+    fields = {"system": "recscale", "config": config, "overrides": overrides, "device": device}
+    if stages:
+        in_sparse = sum(b - a for a, b in sparse)
+        fields["stage_ops"] = {
+            "lookup": marks[0] - t0,
+            "forward": t2 - marks[0],
+            "backward": t3 - t2 - in_sparse,
+            "sparse": in_sparse,
+            "dense_opt": t4 - t3,
+        }
+    return report(c.ops, **fields)
 
 
 def _torchrec_rank(rank: int, world: int, tables: int, batch: int, steps: int, port: int):
@@ -120,6 +156,8 @@ def main() -> None:
     r = sub.add_parser("recscale")
     r.add_argument("--config", default="A")
     r.add_argument("--steps", type=int, default=3, help="warm-up steps before the counted one")
+    r.add_argument("--device", default="cpu", help="cpu (the GPU path's ops) or cuda")
+    r.add_argument("--stages", action="store_true", help="split the count by bench stage")
     t = sub.add_parser("torchrec")
     t.add_argument("--world-size", type=int, default=2)
     t.add_argument("--tables", type=int, default=26)
@@ -128,7 +166,7 @@ def main() -> None:
     t.add_argument("--port", type=int, default=29577)
     args, overrides = ap.parse_known_args()
     if args.system == "recscale":
-        print(count_recscale(args.config, overrides, args.steps))
+        print(count_recscale(args.config, overrides, args.steps, args.device, args.stages))
         return
     import torch.multiprocessing as mp
 

@@ -5,6 +5,7 @@
 # for the two published model shapes the forecast is checked against (DeepLearningExamples'
 # DLRM at batch 65536, MLPerf's DLRM-DCNv2 at 6912 a GPU; tables capped at 4 GB), a
 # kernel-by-kernel profile of the first in TF32, where config A's step waits on the GPU,
+# the host ops each stage of A's and B's steps dispatches,
 # then the whole test suite on the GPU,
 # and print one summary table with each run's stages.
 #
@@ -78,6 +79,16 @@ echo "-- syncs A-16384-tf32"
 timeout 60 "$PY" benchmarks/gpu_syncs.py --steps 2 --preset A -- --train.precision=tf32 \
     >"$OUT/syncs-A.txt" 2>&1 || echo "   failed: see $OUT/syncs-A.txt"
 grep -A6 "^== A" "$OUT/syncs-A.txt" || true
+# the host ops each bench stage dispatches on the GPU path (benchmarks/count_host_ops.py
+# --stages): what a per-stage host model of a host-bound GPU step needs
+for cfg in A B; do
+    echo "-- host ops $cfg-16384-tf32"
+    timeout 60 "$PY" benchmarks/count_host_ops.py recscale --config "$cfg" --device cuda \
+        --stages --train.batch_size=16384 --train.precision=tf32 \
+        >"$OUT/host-ops-$cfg.json" 2>"$OUT/host-ops-$cfg.log" \
+        || echo "   failed: see $OUT/host-ops-$cfg.log"
+    tail -c 400 "$OUT/host-ops-$cfg.json" | grep -o '"stage_ops": {[^}]*}' || true
+done
 fi
 
 echo "== tests on cuda (RECSCALE_TEST_DEVICE=cuda) =="

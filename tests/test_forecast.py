@@ -475,7 +475,8 @@ def test_the_host_op_counter_counts_each_dispatched_op():
     assert forward <= set(c.ops) and c.ops["aten.mm"] == 2  # forward + w's gradient
     assert sum(c.ops.values()) >= 8  # + threshold_backward, expand, t, ...
     r = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "count_host_ops.py"), "recscale", "--config", "debug"],
+        [sys.executable, str(BENCHMARKS / "count_host_ops.py"), "recscale", "--config", "debug"]
+        + ["--stages"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -484,6 +485,9 @@ def test_the_host_op_counter_counts_each_dispatched_op():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["system"] == "recscale" and "--model.kernels=torch" in out["overrides"]
     assert out["ops"] > forecast(load_config("debug"), device_spec("h100-sxm")).kernels
+    # split by the bench's stages: every op in one of them, each stage dispatching some
+    assert list(out["stage_ops"]) == ["lookup", "forward", "backward", "sparse", "dense_opt"]
+    assert sum(out["stage_ops"].values()) == out["ops"] and min(out["stage_ops"].values()) > 0
 
 
 def test_the_validation_forecasts_every_published_point_from_its_sources():
