@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from recscale.metrics import auc, binary_metrics, logloss, normalized_entropy
+from recscale.metrics import auc, binary_metrics, logloss, metrics_text, normalized_entropy
 
 
 def brute_force_auc(scores, labels):
@@ -53,3 +53,14 @@ def test_predicting_the_ctr_gives_ne_one():
     labels = torch.tensor([1.0, 0.0, 0.0, 0.0] * 25)
     logit = math.log(0.25 / 0.75)
     assert math.isclose(normalized_entropy(torch.full((100,), logit), labels), 1.0, rel_tol=1e-9)
+
+
+def test_the_metrics_line_says_undefined_for_a_split_of_one_class():
+    logits = torch.tensor([0.3, -1.0, 2.0])
+    two = metrics_text(binary_metrics(logits, torch.tensor([1.0, 0.0, 1.0])))
+    assert two.startswith("AUC 1.0000  logloss ") and "undefined" not in two and "nan" not in two
+    for label in (0, 1):
+        one = metrics_text(binary_metrics(logits, torch.full((3,), float(label))))
+        assert "nan" not in one.lower() and one.startswith("AUC undefined  logloss ")
+        assert f"every label is {label}" in one
+        assert ("NE undefined" in one) and ("calibration undefined" in one) == (label == 0)

@@ -66,3 +66,21 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
         "ctr": ctr,
         "count": int(labels.numel()),
     }
+
+
+def metrics_text(m: dict) -> str:
+    """``binary_metrics``' figures on one line; on a split of one class, AUC, NE and
+    calibration are undefined, and the line says so rather than printing ``nan``."""
+
+    def fig(key: str, digits: int) -> str:
+        x = m.get(key)
+        return "undefined" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+    text = (
+        f"AUC {fig('auc', 4)}  logloss {fig('logloss', 4)}  NE {fig('ne', 4)}  "
+        f"calibration {fig('calibration', 3)}"
+    )
+    ctr = m.get("ctr")
+    if ctr in (0.0, 1.0):
+        text += f" (every label is {int(ctr)}: a split of one class ranks nothing)"
+    return text

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.checkpoint.manager import resolve_chain
     from recscale.checkpoint.model_file import MODEL_FILE, load_model_file
     from recscale.checkpoint.state import restore
+    from recscale.metrics import metrics_text
     from recscale.models.dlrm import build_model
     from recscale.train.data_source import (
         adopt_dataset_shapes,
@@ -127,9 +128,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         print(json_text(metrics, indent=2))
     else:
-        print(
-            f"{metrics['split']} ({metrics['count']:,} samples): AUC {metrics['auc']:.4f}  logloss "
-            f"{metrics['logloss']:.4f}  "
-            f"NE {metrics['ne']:.4f}  calibration {metrics['calibration']:.3f}  -> {out}"
-        )
+        split = f"{metrics['split']} ({metrics['count']:,} samples)"
+        print(f"{split}: {metrics_text(metrics)}  -> {out}")
     return 0

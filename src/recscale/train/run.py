@@ -41,6 +41,7 @@ from recscale.distributed import DistContext, init_distributed, launched_by_torc
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX
 from recscale.embedding.sizing import compression_summary
+from recscale.metrics import metrics_text
 from recscale.models.dlrm import DLRM
 from recscale.planner.from_config import batch_ids_per_table
 from recscale.train.cache_prefetch import (
@@ -420,7 +421,7 @@ def evaluate_during(job: Job, step: int, elapsed: float, log_file) -> dict[str, 
     split = cfg.data.val_split if cfg.data.uses_dataset() else None
     m = score(job.module, eval_batches(cfg, split), job.ctx, cfg.train.precision)
     ev = {"step": step, "elapsed_s": elapsed, "auc": m["auc"], "logloss": m["logloss"]}
-    job.echo(f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}")
+    job.echo(f"step {step}: validation {metrics_text(m)}")
     if log_file is not None:
         log_file.write(
             json_text(
@@ -560,11 +561,7 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
         metrics.update({"auc": None, "logloss": None, "ne": None})
     else:
         metrics.update(ev)
-        echo(
-            f"eval on {ev['count']:,} held-out samples: AUC {ev['auc']:.4f}  logloss "
-            f"{ev['logloss']:.4f}  "
-            f"NE {ev['ne']:.4f}  calibration {ev['calibration']:.3f}"
-        )
+        echo(f"eval on {ev['count']:,} held-out samples: {metrics_text(ev)}")
     if job.ckpt is not None and job.ckpt.stats.saved:
         st = job.ckpt.stats
         metrics["checkpoints"] = {
