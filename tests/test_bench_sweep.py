@@ -25,6 +25,14 @@ def test_grid_is_the_product_and_the_dim_keeps_the_dot_interaction_valid():
     assert load_config("debug", over).model.bottom_mlp[-1] == 10
 
 
+def test_a_list_valued_knob_keeps_its_commas_inside_brackets():
+    """``[32,1],[16,16,1]`` was cut at every comma: '[32' is not an integer."""
+    varies = parse_vary(["model.top_mlp=[32,1], [16,16,1]", "model.embedding_dim=8"], "debug")
+    assert varies[0] == ("model.top_mlp", ["[32,1]", "[16,16,1]"])
+    tops = [load_config("debug", point_overrides("debug", p)).model.top_mlp for p in grid(varies)]
+    assert tops == [[32, 1], [16, 16, 1]]
+
+
 @pytest.mark.parametrize(
     "spec, match",
     [
@@ -33,6 +41,8 @@ def test_grid_is_the_product_and_the_dim_keeps_the_dot_interaction_valid():
         ("train.batch_size=0,8", "train.batch_size"),
         # the dim's value read for the bottom MLP before the loader saw it: int("a")
         ("model.embedding_dim=16,a", "model.embedding_dim': expected an integer, got 'a'"),
+        ("model.top_mlp=[32,1,[16]", r"unbalanced \[ \]"),
+        ("model.top_mlp=32,1]", r"unbalanced \[ \]"),
     ],
 )
 def test_bad_knobs_are_refused_naming_the_key(spec, match):

@@ -71,13 +71,30 @@ def point_overrides(config: str | None, point: dict[str, str]) -> list[str]:
     return over
 
 
+def _split_values(spec: str, values: str) -> list[str]:
+    """``"16,32"`` -> ``["16", "32"]``; a list value keeps its own commas:
+    ``"[512,256,16],[256,16]"`` -> ``["[512,256,16]", "[256,16]"]``."""
+    vals, depth, start = [], 0, 0
+    for i, c in enumerate(values + ","):
+        depth += (c == "[") - (c == "]")
+        if depth < 0:
+            break
+        if c == "," and depth == 0:
+            vals.append(values[start:i].strip())
+            start = i + 1
+    if depth != 0:
+        raise ConfigError("--vary", f"{spec!r}: unbalanced [ ] in its values")
+    return [v for v in vals if v]
+
+
 def parse_vary(specs: list[str], config: str | None) -> list[tuple[str, list[str]]]:
-    """``["model.embedding_dim=16,32", ...]`` -> ``[("model.embedding_dim", ["16", "32"])]``,
-    each key and value checked against the config schema now (not one point at a time)."""
+    """``["model.embedding_dim=16,32", ...]`` -> ``[("model.embedding_dim", ["16", "32"])]``
+    (a list-valued key in brackets: ``model.top_mlp=[256,1],[512,256,1]``), each key and
+    value checked against the config schema now (not one point at a time)."""
     out = []
     for spec in specs:
         key, sep, values = spec.partition("=")
-        vals = [v.strip() for v in values.split(",") if v.strip()] if sep else []
+        vals = _split_values(spec, values) if sep else []
         if not key or not vals:
             raise ConfigError("--vary", f"{spec!r}: expected section.key=v1,v2,...")
         if key in {k for k, _ in out}:

@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--vary",
         action="append",
         default=[],
-        help="sweep: section.key=v1,v2,... (repeat for a grid)",
+        help="sweep: section.key=v1,v2,... (repeat for a grid; a list value in brackets: "
+        "model.top_mlp=[256,1],[512,256,1])",
     )
     p.add_argument(
         "--out",
