@@ -507,8 +507,8 @@ def test_a_tsv_input_in_another_format_is_named_with_the_fix(tmp_path, name, pac
 def test_text_without_line_feeds_is_named_not_held_whole(tmp_path):
     """A file whose lines end in CR alone read as one line - every row lost, "1 bad line
     of 1" - and a file without line breaks was held whole in memory as it grew (300 MB
-    of input: 0.9 GB resident). The first is named with the fix; the second stops at the
-    first megabyte without a line break."""
+    of input: 0.9 GB resident). The first is named with the fix; a file without a line
+    break in its first megabyte stops there."""
     lines = synthetic_lines(50, seed=1)
     cr = tmp_path / "cr.tsv"
     cr.write_bytes(("\r".join(lines) + "\r").encode())
@@ -534,6 +534,16 @@ def test_text_without_line_feeds_is_named_not_held_whole(tmp_path):
         "--chunk-mb",
         "1",
     )
+    # after whole lines, the run without a line break is one bad line, read through
+    # (tests/test_hostile_inputs.py); the 1 of 51 is over the default 0.1%
+    assert r.returncode == 1 and "line over 1 MB: 1" in r.stderr and f"{long}:51" in r.stderr
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+    binary = tmp_path / "binary.dat"
+    binary.write_bytes(bytes(range(1, 10)) * (400 << 10))  # 3.6 MB, no line break at all
+    r = run_cli(
+        "data", "preprocess", "--input", str(binary), "--out", str(tmp_path / "ds"),
+        "--chunk-mb", "1",
+    )  # fmt: skip
     line = error_line(r.stderr)
     assert r.returncode == 1 and "no line break in" in line and "not a Criteo TSV" in line, line
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()

@@ -486,3 +486,33 @@ def test_an_atomic_write_makes_its_file_as_open_would_under_the_umask(tmp_path):
             assert stat.S_IMODE((tmp_path / f"m{umask:o}.json").stat().st_mode) == mode
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_line_over_a_megabyte_mid_file_is_one_bad_line_not_the_files_end(tmp_path, gz):
+    """A run of zeros a crash left (or lines run together) 1 MB past whole lines ended
+    the whole file: "no line break in ... not a Criteo TSV file". It is one bad line,
+    read through without being held, and the lines after it count on."""
+    import gzip
+
+    from recscale.dataprep.criteo_tsv import synthetic_lines
+
+    good = synthetic_lines(20, seed=5)
+    text = "\n".join(good[:10]) + "\n1\t" + "\0" * (3 << 20) + "\n"
+    text += "\n".join([*good[10:13], "7" + good[13][1:], *good[14:]]) + "\n" + "x" * (3 << 20)
+    src = tmp_path / ("in.tsv.gz" if gz else "in.tsv")
+    src.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    out = tmp_path / "ds"
+    r = run_cli(
+        "data", "preprocess", "--input", str(src), "--out", str(out), "--split", "none",
+        "--max-bad-fraction", "0.5", "--chunk-mb", "1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "metadata.json").read_text())["bad_lines"]
+    assert report["lines"] == 22 and report["bad"] == 3  # 19 good, the zeros, 7, the xs
+    assert report["examples"]["bad label"] == [f"{src}:15"]
+    # a decompressed block can hold all the zeros: then the parser sees the line whole
+    assert report["examples"]["line over 1 MB"][-1] == f"{src}:22"
+    long = [*report["examples"]["line over 1 MB"], *report["examples"].get("wrong field count", [])]
+    assert sorted(long) == [f"{src}:11", f"{src}:22"]
+    assert json.loads((out / "metadata.json").read_text())["splits"]["train"]["rows"] == 19

@@ -17,6 +17,9 @@ by spaces or commas, a blank line). Parquet rows with integer ids add two kinds 
 text never has (``data/sources.py``, ``dataprep/multihot_parquet.py``)::
 
     5 id outside 0..2^32-1   6 null id in a bag   7 id not a whole number (a float id)
+
+and the text's reader one (``data/sources.py``): ``8 line over 1 MB``, read through to
+its end without being held or parsed.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ BAD_KINDS = {
     5: "id outside 0..2^32-1",
     6: "null id in a bag",
     7: "id not a whole number",
+    8: "line over 1 MB",
 }
 BAD_LABEL, BAD_DENSE, BAD_HEX, BAD_ID_RANGE, BAD_NULL_ID, BAD_ID_FRACTION = 2, 3, 4, 5, 6, 7
+BAD_LONG_LINE = 8  # read through to its end by the text's reader, not parsed
 TRUNCATED_GZIP = "truncated gzip"
 
 

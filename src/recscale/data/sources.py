@@ -28,6 +28,7 @@ from recscale.data.criteo_parse import (
     BAD_ID_FRACTION,
     BAD_ID_RANGE,
     BAD_LABEL,
+    BAD_LONG_LINE,
     NUM_CAT,
     NUM_DENSE,
     ParsedChunk,
@@ -103,15 +104,28 @@ def _without_bom(blocks: Iterator[tuple[bytes, str]]) -> Iterator[tuple[bytes, s
     yield from blocks
 
 
-def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, str]]:
+def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes | None, str]]:
     """Blocks of whole lines of about ``chunk_bytes`` (the last may lack a newline).
 
     The str says why a gzip file's last block is its last (``Piece.gzip_cut``); the
-    partial line at the cut is dropped (it never existed whole in the file).
+    partial line at the cut is dropped (it never existed whole in the file). A line
+    longer than ``MAX_LINE_BYTES`` after whole lines (a run of zeros a crash left, lines
+    run together) is read through to its end without being held and stands as
+    ``(None, "")``: one bad line. Before any whole line it is an error: the file is not
+    text, or its lines end in CR alone.
     """
     carry, parts, size, done = b"", [], 0, 0  # done: bytes of whole lines yielded
+    skipping = False  # inside an over-long line, dropping its bytes
     for block, cut_short in _without_bom(_raw_blocks(path, chunk_bytes)):
+        if skipping and block:
+            end = block.find(b"\n")
+            block = b"" if end < 0 else block[end + 1 :]
+            if end >= 0:
+                skipping = False
+                yield None, ""
         if cut_short:
+            if skipping:  # the stream stopped inside it
+                yield None, ""
             data = carry + b"".join(parts) + block
             yield data[: data.rfind(b"\n") + 1], cut_short
             return
@@ -124,15 +138,20 @@ def _line_blocks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, str]]:
             parts, size = [], 0
             cut = data.rfind(b"\n") + 1
             carry = data[cut:]
-            if len(carry) > MAX_LINE_BYTES:  # held whole, it would grow with the file
-                raise DatasetError(
-                    f"{path}: no line break in {len(carry):,} bytes from byte {done + cut:,} "
-                    f"on (a Criteo line is under 1 kB; lines ending in CR alone or a file "
-                    f"that is not text read so): not a Criteo TSV file"
-                )
             if cut:
                 done += cut
                 yield data[:cut], ""
+            if len(carry) > MAX_LINE_BYTES:  # held whole, it would grow with the file
+                if not done:
+                    raise DatasetError(
+                        f"{path}: no line break in {len(carry):,} bytes from its start (a "
+                        f"Criteo line is under 1 kB; lines ending in CR alone or a file "
+                        f"that is not text read so): not a Criteo TSV file"
+                    )
+                carry, skipping = b"", True
+    if skipping:  # the file's last line
+        yield None, ""
+        return
     data = carry + b"".join(parts)
     if data:
         yield data, ""
@@ -155,6 +174,12 @@ def tsv_pieces(
 ) -> Iterator[Piece]:
     line = 1
     for data, gzip_cut in Prefetcher(_line_blocks(path, chunk_bytes), depth=2):
+        if data is None:  # a line over MAX_LINE_BYTES, read through: one bad line
+            long = ParsedChunk(1)
+            long.status[0], long.lines, long.rows = BAD_LONG_LINE, 1, 0
+            yield Piece([long], 0, "", line)
+            line += 1
+            continue
         parts = _split_at_newline(data, threads) if data else []
 
         def parse(part: bytes) -> ParsedChunk:
