@@ -260,11 +260,11 @@ def parquet_dense(rb, path: Path) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(
                 f"{path}: column I{k + 1} must be integer (or whole floats), is {col.type}"
             )
-        x = col.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
-        x = np.nan_to_num(x, nan=0.0, posinf=np.nan, neginf=np.nan)
+        x = col.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN: missing
         if pa.types.is_floating(col.type):
-            bad |= ~np.isfinite(x) | (x != np.floor(x))
-        dense[:, k] = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+            bad |= np.isinf(x) | (np.isfinite(x) & (x != np.floor(x)))
+        x = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # a bad row's value is unused
+        dense[:, k] = np.log1p(np.maximum(x, 0.0))
     return dense, bad
 
 
