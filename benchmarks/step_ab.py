@@ -10,7 +10,7 @@ VM drifts by more than the differences this measures).
 Switches (on = what recscale runs):
 
     bf16_node   modules/mlp.py's _FusedMLPBF16 against autocast's nn.Linear modules
-                (gemm.USE_FUSED_BF16; runs train.precision=bf16, on CPUs with AVX512-BF16)
+                (gemm.USE_FUSED_BF16; runs train.precision=bf16, on CPUs with AVX512-BF16 or AMX)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
 
@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per side a round")
     args, overrides = ap.parse_known_args()
     if args.switch == "bf16_node":
-        if not gemm.native_bf16_wgrad():
-            raise SystemExit("this CPU has no AVX512-BF16: the bf16 node does not run here")
+        if not gemm.bf16_instructions():
+            raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
         overrides = [*overrides, "--train.precision=bf16"]
     if args.switch == "dot_stream" and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")

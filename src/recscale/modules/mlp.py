@@ -5,7 +5,8 @@ Three paths with the same parameters (``layers``, so checkpoints don't care whic
 - the reference ``nn.Sequential`` of ``nn.Linear`` / ``nn.ReLU`` (``model.kernels=torch``;
   also under bf16 autocast on CUDA and on CPUs that emulate bf16);
 - :class:`_FusedMLPBF16` under bf16 autocast on a CPU with AVX512-BF16 or AMX: bf16
-  GEMMs chained in one node, fp32 weight and bias gradients from a native pass;
+  GEMMs chained in one node, fp32 weight and bias gradients from a native pass (on AMX
+  from oneDNN's tile GEMM, rounded to bf16 on the way out);
 - :class:`_FusedMLP`, one autograd node for the whole stack, with the same GEMMs but a
   hand-written backward that (measured on config A, batch 2048):
 
@@ -142,9 +143,12 @@ class _FusedMLPBF16(torch.autograd.Function):
     bf16 first), the ReLU mask in place in the input gradient, and the weight and bias
     gradients come out of one native pass in fp32 (``native/weight_grad_bf16.c``) where
     autocast rounds the weight gradient to bf16, casts it back and sums the bias in a
-    pass of its own. In the step, alternating with autocast's modules on a Zen 4 VM
-    (AVX512-BF16; ``benchmarks/step_ab.py``): config A faster in 27 of 34 rounds
-    (medians 21.8-25.2 ms against 22.7-26.4), B in 10 of 12 (91.9-93.2 against 93.3-97.3)."""
+    pass of its own. On an AMX CPU the weight gradients run on oneDNN's tiles instead
+    (``gemm.native_bf16_wgrad``), rounded to bf16 as autocast's are. In the step,
+    alternating with autocast's modules (``benchmarks/step_ab.py``): on a Zen 4 VM
+    (AVX512-BF16) config A faster in 27 of 34 rounds (medians 21.8-25.2 ms against
+    22.7-26.4), B in 10 of 12 (91.9-93.2 against 93.3-97.3); on an Intel Xeon VM with
+    AMX, A in 3 of 4 (11.97 against 12.41 ms)."""
 
     @staticmethod
     def forward(ctx, x, final_relu, *params):
@@ -191,16 +195,15 @@ class _FusedMLPBF16(torch.autograd.Function):
 
 def fused_bf16_applies(x: torch.Tensor) -> bool:
     """Whether an MLP's forward on ``x`` runs :class:`_FusedMLPBF16`: a CPU tensor under
-    bf16 autocast, oneDNN there, and bf16 instructions (AVX512-BF16, which AMX CPUs
-    have) for the native weight gradients - elsewhere (AVX2, where bf16 GEMMs are
-    emulated through fp32 ones) autocast's modules run."""
+    bf16 autocast, oneDNN there, and bf16 instructions (AVX512-BF16 or AMX) - elsewhere
+    (AVX2, where bf16 GEMMs are emulated through fp32 ones) autocast's modules run."""
     return (
         x.device.type == "cpu"
         and torch.is_autocast_enabled("cpu")
         and torch.get_autocast_dtype("cpu") == torch.bfloat16
         and gemm.ONEDNN_LINEAR is not None
         and gemm.USE_FUSED_BF16
-        and gemm.native_bf16_wgrad()
+        and gemm.bf16_instructions()
     )
 
 
