@@ -18,6 +18,7 @@ setup(
                 "src/recscale/native/sparse_update.c",
                 "src/recscale/native/weight_grad.c",
                 "src/recscale/native/weight_grad_bf16.c",
+                "src/recscale/native/weight_grad_amx.c",
                 "src/recscale/native/narrow_layer.c",
                 "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/logit.c",

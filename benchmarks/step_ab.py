@@ -11,6 +11,8 @@ Switches (on = what recscale runs):
 
     bf16_node   modules/mlp.py's _FusedMLPBF16 against autocast's nn.Linear modules
                 (gemm.USE_FUSED_BF16; runs train.precision=bf16, on CPUs with AVX512-BF16 or AMX)
+    amx_wgrad   the bf16 node's weight gradients on AMX tiles (native/weight_grad_amx.c)
+                against oneDNN's bf16 GEMM (gemm.USE_AMX_WGRAD; bf16, on CPUs with AMX)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
 
@@ -41,6 +43,10 @@ def _bf16_node(on: bool) -> None:
     gemm.USE_FUSED_BF16 = on
 
 
+def _amx_wgrad(on: bool) -> None:
+    gemm.USE_AMX_WGRAD = on
+
+
 def _dot_stream(on: bool) -> None:
     stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
     if not hasattr(_dot_stream, "default"):
@@ -48,7 +54,11 @@ def _dot_stream(on: bool) -> None:
     stream.value = _dot_stream.default if on else 1 << 62  # type: ignore[attr-defined]
 
 
-SWITCHES: dict[str, Callable[[bool], None]] = {"bf16_node": _bf16_node, "dot_stream": _dot_stream}
+SWITCHES: dict[str, Callable[[bool], None]] = {
+    "bf16_node": _bf16_node,
+    "amx_wgrad": _amx_wgrad,
+    "dot_stream": _dot_stream,
+}
 
 
 def main() -> None:
@@ -61,6 +71,10 @@ def main() -> None:
     if args.switch == "bf16_node":
         if not gemm.bf16_instructions():
             raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
+        overrides = [*overrides, "--train.precision=bf16"]
+    if args.switch == "amx_wgrad":
+        if not gemm.amx_wgrad():
+            raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
         overrides = [*overrides, "--train.precision=bf16"]
     if args.switch == "dot_stream" and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")

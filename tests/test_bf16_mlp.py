@@ -9,7 +9,7 @@ import torch
 from helpers import assert_resume_identical, weight_grad_on_two_threads, wgrad_operands
 
 from recscale import native
-from recscale.modules import gemm
+from recscale.modules import gemm, gemm_amx
 from recscale.modules.mlp import MLP, fused_bf16_applies
 
 BF16 = torch.bfloat16
@@ -18,7 +18,7 @@ BF16 = torch.bfloat16
 @pytest.fixture(autouse=True)
 def _kernel_on_amx_too(monkeypatch):
     """An AMX CPU has AVX512-BF16 too: its kernel is held to the same references there."""
-    monkeypatch.setattr(gemm, "AMX_WGRAD_ONEDNN", False)
+    monkeypatch.setattr(gemm, "_BF16_KERNEL_ON_AMX", True)
 
 
 def _needs_native_bf16() -> None:
@@ -81,23 +81,25 @@ def test_bf16_weight_grad_without_the_kernel_is_fp32_too(monkeypatch):
     torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-2, atol=5e-2)
 
 
-def test_amx_cpus_take_oneDNN_for_bf16_weight_gradients(monkeypatch):
-    """The rule of which bf16 weight gradient runs: the native kernel on AVX512-BF16
-    without AMX; on AMX oneDNN's tile GEMM (6-7x faster), and the bf16 node runs on both;
-    without bf16 instructions neither."""
-    cases = {
-        native.CPU_AVX2 | native.CPU_AVX512F | native.CPU_AVX512_BF16: (True, True),
-        native.CPU_AVX2 | native.CPU_AVX512F | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16: (
-            False,
-            True,
-        ),
-        native.CPU_AVX2 | native.CPU_AVX512F: (False, False),
-        0: (False, False),  # no library
-    }
-    monkeypatch.setattr(gemm, "AMX_WGRAD_ONEDNN", True)
-    for features, (kernel, node) in cases.items():
+def test_which_bf16_weight_gradient_runs(monkeypatch):
+    """The rule: the AVX512-BF16 kernel on a CPU with it and no AMX; on an AMX CPU the
+    tiles (our kernel where the OS grants them, else oneDNN's GEMM), never vdpbf16ps (a
+    sixth of their rate); the bf16 node wherever there are bf16 instructions."""
+    avx512 = native.CPU_AVX2 | native.CPU_AVX512F
+    amx = avx512 | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16
+    cases = [  # features, tiles granted -> (AVX512-BF16 kernel, AMX kernel, node)
+        (avx512 | native.CPU_AVX512_BF16, False, (True, False, True)),
+        (amx, True, (False, True, True)),
+        (amx, False, (False, False, True)),
+        (avx512, False, (False, False, False)),
+        (0, False, (False, False, False)),  # no library
+    ]
+    monkeypatch.setattr(gemm, "_BF16_KERNEL_ON_AMX", False)
+    for features, granted, want in cases:
         monkeypatch.setattr(native, "cpu_features", lambda f=features: f)
-        assert (gemm.native_bf16_wgrad(), gemm.bf16_instructions()) == (kernel, node)
+        monkeypatch.setattr(gemm_amx, "ready", lambda g=granted: g)
+        got = (gemm.native_bf16_wgrad(), gemm.amx_wgrad(), gemm.bf16_instructions())
+        assert got == want, (features, granted)
 
 
 def _emulate(x, weights, biases, final_relu, upstream, round_grads=False):
@@ -144,17 +146,23 @@ def _emulate(x, weights, biases, final_relu, upstream, round_grads=False):
         (29, [16], True, True),  # one layer
     ],
 )
-@pytest.mark.parametrize("wgrad", ["native", "onednn"])
+@pytest.mark.parametrize("wgrad", ["native", "amx", "onednn"])
 def test_bf16_mlp_node_matches_a_float64_emulation_of_its_rounding(
     in_dim, widths, final_relu, input_grad, wgrad, monkeypatch
 ):
     """Forward and backward of the bf16 node against float64 with the same bf16 rounding
-    points: agreement to fp32 sums. autocast's modules, which round the weight gradients
-    to bf16, sit further from it. With oneDNN's weight gradients (what an AMX CPU runs)
-    the node's gradients are the emulation's rounded to bf16, to a unit in the last place
-    where fp32 sums in another order round the other way."""
+    points: agreement to fp32 sums, from the AVX512-BF16 kernel or the AMX one. autocast's
+    modules, which round the weight gradients to bf16, sit further from it. With oneDNN's
+    weight gradients (an AMX CPU's for small layers) the node's gradients are the
+    emulation's rounded to bf16, to a unit in the last place where fp32 sums in another
+    order round the other way."""
     if wgrad == "native":
         _needs_native_bf16()
+    elif wgrad == "amx":
+        monkeypatch.setattr(gemm, "_BF16_KERNEL_ON_AMX", False)
+        monkeypatch.setattr(gemm, "_AMX_MIN_WEIGHTS", 0)  # every layer on the tiles
+        if not gemm.amx_wgrad():
+            pytest.skip(f"no AMX tiles here: {native.status()}")
     elif not gemm.bf16_instructions():
         pytest.skip(f"no AVX512-BF16 or AMX here: {native.status()}")
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from recscale import native
+from recscale.modules import gemm_amx
 
 
 def _onednn_ops():
@@ -46,8 +47,9 @@ USE_NATIVE_LOGIT = True
 USE_NATIVE_NARROW_WGRAD = True  # the narrow first layer's kernels: weight gradient,
 USE_NATIVE_NARROW_FORWARD = True  # forward
 USE_FUSED_BF16 = True  # modules/mlp.py's bf16 node (off: autocast's modules)
-# bf16 weight gradients on an AMX CPU through oneDNN (tests set False to reach the kernel)
-AMX_WGRAD_ONEDNN = True
+# bf16 weight gradients on an AMX CPU: native/weight_grad_amx.c (off: oneDNN's GEMM)
+USE_AMX_WGRAD = True
+_BF16_KERNEL_ON_AMX = False  # tests: the AVX512-BF16 kernel on an AMX CPU as well
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
 _WGRAD_MIN_OUT = 6
@@ -56,6 +58,12 @@ _WGRAD_TILE = 6  # rows of dw per register tile (MR in native/weight_grad.c)
 # half to a pool thread costs ~0.1 ms on a 2-core VM (64 -> 16: 0.18 ms on two threads,
 # 0.09 on one).
 _WGRAD_MIN_MACS = 1 << 24
+_AMX_MIN_MACS = 1 << 26  # the same for the AMX kernel, ~4x faster a core
+# Layers with fewer weights leave bf16 weight gradients to oneDNN on an AMX CPU: there
+# its one pass matches or beats our two (pack, then multiply; on 2 threads at batch 2048,
+# oneDNN / ours: 256 -> 512 0.97, 368 -> 512 1.01, 256 -> 1024 0.99, 512 -> 768 1.38,
+# 480 -> 1024 1.55, 1024 -> 1024 1.44; 13 -> 512 0.79, a logit 0.53)
+_AMX_MIN_WEIGHTS = 1 << 18
 _WGRAD_KC = 64  # samples per packed block (KC in native/weight_grad.c)
 # Which of native/weight_grad.c's kernels runs: 0 the widest the CPU has (AVX-512, else
 # AVX2), 1 AVX2, 2 AVX-512. Tests set 1 to reach the AVX2 kernel on AVX-512 CPUs.
@@ -112,17 +120,22 @@ def _native_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
+def amx_wgrad() -> bool:
+    """Whether bf16 weight gradients run on AMX tiles here (``native/weight_grad_amx.c``:
+    fp32 results; 6-7x faster than the AVX512-BF16 kernel's ``vdpbf16ps`` on an AMX CPU,
+    and than oneDNN's bf16 GEMM, which rounds them to bf16, 1.3x on config B's layers)."""
+    return USE_NATIVE_WGRAD and USE_AMX_WGRAD and not _BF16_KERNEL_ON_AMX and gemm_amx.ready()
+
+
 def native_bf16_wgrad() -> bool:
-    """Whether bf16 weight gradients run natively here (``native/weight_grad_bf16.c``:
-    the library loaded on a CPU with AVX512-BF16 and no AMX). On an AMX CPU oneDNN's tile
-    GEMM (``torch.mm``) runs them 6-7x faster than the kernel's ``vdpbf16ps`` (config B's
-    1024 -> 1024 over 2048 samples: 2.9 ms against 20.4 on a 2-vCPU Intel Xeon VM)
-    and rounds them to bf16 on the way out, as autocast's modules do."""
+    """Whether bf16 weight gradients run on the AVX512-BF16 kernel here
+    (``native/weight_grad_bf16.c``: the library loaded on a CPU with AVX512-BF16 and no
+    AMX; an AMX CPU runs them on its tiles, through our kernel or oneDNN's GEMM)."""
     features = native.cpu_features()
     return (
         USE_NATIVE_WGRAD
         and bool(features & native.CPU_AVX512_BF16)
-        and not (AMX_WGRAD_ONEDNN and features & native.CPU_AMX_BF16)
+        and (_BF16_KERNEL_ON_AMX or not features & native.CPU_AMX_BF16)
     )
 
 
@@ -132,9 +145,8 @@ def bf16_instructions() -> bool:
     return bool(native.cpu_features() & (native.CPU_AVX512_BF16 | native.CPU_AMX_BF16))
 
 
-def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
-    # any number of outputs: a logit's (256 -> 1) takes 0.05 ms more than torch's GEMV,
-    # whose result is rounded to bf16, and its gradient comes out in fp32 like the rest
+def _bf16_cpu_rows(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """What the bf16 kernels read: 2-D bf16 CPU tensors with contiguous rows, as many."""
     return (
         all(
             t.device.type == "cpu"
@@ -144,8 +156,13 @@ def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
             for t in (g, x)
         )
         and g.shape[0] == x.shape[0]
-        and native_bf16_wgrad()
     )
+
+
+def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    # any number of outputs: a logit's (256 -> 1) takes 0.05 ms more than torch's GEMV,
+    # whose result is rounded to bf16, and its gradient comes out in fp32 like the rest
+    return _bf16_cpu_rows(g, x) and native_bf16_wgrad()
 
 
 def weight_grad(
@@ -163,6 +180,17 @@ def weight_grad(
     # transpose it (MKL: 0.83 -> 0.45 ms; the kernel on one thread: 0.66-0.70 -> 0.49-0.51)
     narrow = x.device.type == "cpu" and x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]
     bf16 = g.dtype == torch.bfloat16
+    if (
+        bf16
+        and g.shape[1] * x.shape[1] >= _AMX_MIN_WEIGHTS
+        and _bf16_cpu_rows(g, x)
+        and amx_wgrad()
+    ):
+        macs = g.shape[0] * g.shape[1] * x.shape[1]
+        threads = torch.get_num_threads() if macs >= _AMX_MIN_MACS else 1
+        done = gemm_amx.weight_grad(g, x, bias_grad, threads)
+        if done is not None:
+            return done
     if not (_native_bf16_wgrad_applies(g, x) if bf16 else _native_wgrad_applies(g, x)):
         dw = torch.mm(x.t(), g).t().contiguous() if narrow else torch.mm(g.t(), x)
         if bf16:
