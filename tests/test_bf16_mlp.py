@@ -236,3 +236,25 @@ def test_a_bf16_run_resumes_bitwise(tmp_path):
     of the weight gradient is even where partial sums are added); on a CPU without
     AVX512-BF16 the same for autocast's modules."""
     assert_resume_identical(tmp_path, ["--train.precision=bf16"])
+
+
+def test_bench_names_the_bf16_mlp_path(monkeypatch):
+    """``recscale bench`` says what ran the MLPs under bf16: the node and its weight
+    gradients' kernel, or autocast's modules (without bf16 instructions, and on a
+    GPU)."""
+    from recscale.modules.mlp import bf16_mlp_path
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(gemm, "_BF16_KERNEL_ON_AMX", False)
+    avx512 = native.CPU_AVX2 | native.CPU_AVX512F
+    for features, granted, want in [
+        (avx512 | native.CPU_AVX512_BF16, False, "bf16 node, weight gradients on vdpbf16ps"),
+        (avx512 | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16, True, "on AMX tiles from"),
+        (avx512 | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16, False, "on oneDNN"),
+        (avx512, False, "autocast's modules"),
+    ]:
+        monkeypatch.setattr(native, "cpu_features", lambda f=features: f)
+        monkeypatch.setattr(gemm_amx, "ready", lambda g=granted: g)
+        if gemm.ONEDNN_LINEAR is not None:
+            assert want in bf16_mlp_path(cpu)
+    assert bf16_mlp_path(torch.device("meta")) == "autocast's modules"

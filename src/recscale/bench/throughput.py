@@ -39,6 +39,7 @@ from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.row_io import io_uring_available
 from recscale.embedding.storage import DeviceStorage
+from recscale.modules.mlp import bf16_mlp_path
 from recscale.native.team import team_status
 from recscale.planner.from_config import batch_ids_per_table
 from recscale.train.cache_prefetch import (
@@ -334,6 +335,7 @@ def run_throughput(
         "native": native.status(),
         "native_threads": team_status(native.library()),
         "bf16_hardware": bf16_hardware(device),
+        "bf16_mlp": bf16_mlp_path(device),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
@@ -356,6 +358,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             f"{r['device_name'] if r['device'] != 'cpu' else str(r['threads']) + ' threads'} "
             f"({r['precision']}"
             + (f", bf16 on {r['bf16_hardware']}" if r["precision"] == "bf16" else "")
+            + (f": {r['bf16_mlp']}" if r["precision"] == "bf16" and r.get("bf16_mlp") else "")
             + (f", {r['row_precision']} rows" if r.get("row_precision", "fp32") != "fp32" else "")
             + f"); stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "

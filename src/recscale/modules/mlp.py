@@ -207,6 +207,20 @@ def fused_bf16_applies(x: torch.Tensor) -> bool:
     )
 
 
+def bf16_mlp_path(device: torch.device) -> str:
+    """What runs an MLP under bf16 autocast on ``device``, in words (``recscale bench``
+    says it): the bf16 node and where its weight gradients go, or autocast's modules."""
+    cpu_node = device.type == "cpu" and gemm.ONEDNN_LINEAR is not None and gemm.USE_FUSED_BF16
+    if not (cpu_node and gemm.bf16_instructions()):
+        return "autocast's modules"
+    if gemm.amx_wgrad():
+        weights = gemm._AMX_MIN_WEIGHTS
+        return f"bf16 node, weight gradients on AMX tiles from {weights:,} weights, oneDNN below"
+    if gemm.native_bf16_wgrad():
+        return "bf16 node, weight gradients on vdpbf16ps"
+    return "bf16 node, weight gradients on oneDNN"
+
+
 class MLP(nn.Module):
     def __init__(
         self,
