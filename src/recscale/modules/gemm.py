@@ -15,9 +15,10 @@ kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first laye
 512) its forward (:func:`narrow_forward`) and a weight gradient that applies the layer's
 ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). bf16 weight gradients
 on a CPU with AVX512-BF16 run ``native/weight_grad_bf16.c`` (fp32 results, the bias
-gradient on the way: the MLPs' bf16 node) unless the CPU has AMX, whose tile GEMMs in
-oneDNN run them faster; anything else other than fp32 CPU tensors (CUDA, bf16
-elsewhere) goes to torch's own ops.
+gradient on the way: the MLPs' bf16 node) unless the CPU has AMX: there large layers run
+``native/weight_grad_amx.c`` on the tiles (fp32 results; :mod:`gemm_amx`) and small ones
+oneDNN's bf16 GEMM; anything else other than fp32 CPU tensors (CUDA, bf16 elsewhere)
+goes to torch's own ops.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Three paths with the same parameters (``layers``, so checkpoints don't care whic
   also under bf16 autocast on CUDA and on CPUs that emulate bf16);
 - :class:`_FusedMLPBF16` under bf16 autocast on a CPU with AVX512-BF16 or AMX: bf16
   GEMMs chained in one node, fp32 weight and bias gradients from a native pass (on AMX
-  from oneDNN's tile GEMM, rounded to bf16 on the way out);
+  the tiles': our kernel for large layers, oneDNN's, rounded to bf16, for small ones);
 - :class:`_FusedMLP`, one autograd node for the whole stack, with the same GEMMs but a
   hand-written backward that (measured on config A, batch 2048):
 
@@ -143,8 +143,9 @@ class _FusedMLPBF16(torch.autograd.Function):
     bf16 first), the ReLU mask in place in the input gradient, and the weight and bias
     gradients come out of one native pass in fp32 (``native/weight_grad_bf16.c``) where
     autocast rounds the weight gradient to bf16, casts it back and sums the bias in a
-    pass of its own. On an AMX CPU the weight gradients run on oneDNN's tiles instead
-    (``gemm.native_bf16_wgrad``), rounded to bf16 as autocast's are. In the step,
+    pass of its own. On an AMX CPU the weight gradients run on the tiles instead: our
+    kernel's fp32 ones for layers of 2^18 weights or more (``gemm.amx_wgrad``), oneDNN's,
+    rounded to bf16 as autocast's are, for smaller ones. In the step,
     alternating with autocast's modules (``benchmarks/step_ab.py``): on a Zen 4 VM
     (AVX512-BF16) config A faster in 27 of 34 rounds (medians 21.8-25.2 ms against
     22.7-26.4), B in 10 of 12 (91.9-93.2 against 93.3-97.3); on an Intel Xeon VM with

@@ -182,7 +182,7 @@ RS_PACK static void pack_b(const uint16_t *x, int64_t ldx, int64_t n, int64_t ba
 int recscale_wgrad_amx_pack(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx,
                             uint16_t *a, uint16_t *b, float *sums, int64_t sums_of_x, int64_t m,
                             int64_t n, int64_t batch, int64_t mt, int64_t lo, int64_t hi) {
-    if (!(recscale_cpu_features() & RS_CPU_AVX512F)) return -1;
+    if (!recscale_amx_ready()) return -1; /* an AMX CPU has the AVX-512 BW/VL packing needs */
     const int64_t steps = (batch + 31) / 32;
     float *sums_a = sums_of_x ? NULL : sums, *sums_b = sums_of_x ? sums : NULL;
     for (int64_t k = lo; k < hi; ++k) { /* the part's sums start at zero */
