@@ -63,7 +63,8 @@ _AMX_MIN_MACS = 1 << 26  # the same for the AMX kernel, ~4x faster a core
 # Layers with fewer weights leave bf16 weight gradients to oneDNN on an AMX CPU: there
 # its one pass matches or beats our two (pack, then multiply; on 2 threads at batch 2048,
 # oneDNN / ours: 256 -> 512 0.97, 368 -> 512 1.01, 256 -> 1024 0.99, 512 -> 768 1.38,
-# 480 -> 1024 1.55, 1024 -> 1024 1.44; 13 -> 512 0.79, a logit 0.53)
+# 480 -> 1024 1.55, 1024 -> 1024 1.44; 13 -> 512 0.79, a logit 0.53); at 2^17, with A's
+# 368 -> 512 and 512 -> 256 on the kernel, A's bf16 step was level (12.70 against 12.78 ms)
 _AMX_MIN_WEIGHTS = 1 << 18
 _WGRAD_KC = 64  # samples per packed block (KC in native/weight_grad.c)
 # Which of native/weight_grad.c's kernels runs: 0 the widest the CPU has (AVX-512, else

@@ -50,8 +50,7 @@ def weight_grad(
     a = torch.empty(mt * steps * _TILE, dtype=torch.bfloat16)
     b = torch.empty(nt * steps * _TILE, dtype=torch.bfloat16)
     sums = torch.empty(16 * max(mt, nt)) if bias_grad else None
-    direct = not swap and rows == 16 * mt and cols == 16 * nt
-    c = torch.empty(m, n) if direct else torch.empty(16 * mt, 16 * nt)
+    c = torch.empty(rows, cols)
     s_ptr = sums.data_ptr() if sums is not None else None
     f_ptr, s2_ptr, a_ptr, b_ptr = first.data_ptr(), second.data_ptr(), a.data_ptr(), b.data_ptr()
 
@@ -62,7 +61,7 @@ def weight_grad(
         )  # fmt: skip
 
     def multiply(_p: int, lo: int, hi: int) -> tuple:  # pairs of A's tile rows [lo, hi)
-        return (a_ptr, b_ptr, c.data_ptr(), c.stride(0), nt, batch, lo, hi)
+        return (a_ptr, b_ptr, c.data_ptr(), cols, rows, cols, batch, lo, hi)
 
     for kernel, n_items, args in (
         ("recscale_wgrad_amx_pack", (mt + nt) // 2, pack),
@@ -72,8 +71,5 @@ def weight_grad(
             native.parallel_call(lib, kernel, n_items, args, threads, key=(kernel, m, n, batch))
         ):
             return None
-    if swap:
-        dw = c[:rows, :cols].t().contiguous()
-    else:
-        dw = c if direct else c[:rows, :cols].contiguous()
+    dw = c.t().contiguous() if swap else c
     return dw, (sums[:m] if sums is not None else None)

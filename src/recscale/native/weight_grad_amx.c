@@ -26,8 +26,9 @@
  * recscale_wgrad_amx_pack packs pairs of tiles [lo, hi) of the (mt + nt) / 2 (A's, then
  * B's; a pair reads 64-byte lines whole) and sums the columns of g (or of x:
  * sums_of_x); recscale_wgrad_amx_gemm then multiplies the pairs of A's tile rows
- * [lo, hi) into C [16 mt, 16 nt] (row stride ldc). Each element of C is one thread's,
- * summed in a fixed order: the same bits however the parts split.
+ * [lo, hi) into C [rows, cols] (row stride ldc; the blocks that cross its edge through a
+ * scratch block). Each element of C is one thread's, summed in a fixed order: the same
+ * bits however the parts split.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
@@ -216,11 +217,59 @@ RS_AMX static void load_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-RS_AMX int recscale_wgrad_amx_gemm(const uint16_t *a, const uint16_t *b, float *c, int64_t ldc,
-                            int64_t nt, int64_t batch, int64_t lo, int64_t hi) {
-    if (!recscale_amx_ready()) return -1;
-    const int64_t steps = (batch + 31) / 32;
+/* C's 2 x 2 block of tiles at rows 16 t, columns 16 u over steps [s0, s1): from zero or
+ * from C (`load`), stored back to C - through `tmp` where the block crosses C's edge. */
+RS_AMX static inline void block(const uint16_t *a, const uint16_t *b, float *c, int64_t ldc,
+                                int64_t rows, int64_t cols, int64_t steps, int64_t t,
+                                int64_t u, int64_t s0, int64_t s1, int load, float *tmp) {
     const int64_t cs = ldc * (int64_t)sizeof(float);
+    float *c00 = c + 16 * t * ldc + 16 * u, *c10 = c00 + 16 * ldc;
+    const int edge = 16 * t + 32 > rows || 16 * u + 32 > cols;
+    if (load) { /* never at an edge: edge blocks take all their steps at once */
+        _tile_loadd(0, c00, cs);
+        _tile_loadd(1, c00 + 16, cs);
+        _tile_loadd(2, c10, cs);
+        _tile_loadd(3, c10 + 16, cs);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint16_t *a0 = a + t * steps * TILE, *a1 = a0 + steps * TILE;
+    const uint16_t *b0 = b + u * steps * TILE, *b1 = b0 + steps * TILE;
+    for (int64_t s = s0; s < s1; ++s) {
+        _tile_loadd(4, a0 + s * TILE, 64);
+        _tile_loadd(5, a1 + s * TILE, 64);
+        _tile_loadd(6, b0 + s * TILE, 64);
+        _tile_loadd(7, b1 + s * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    if (!edge) {
+        _tile_stored(0, c00, cs);
+        _tile_stored(1, c00 + 16, cs);
+        _tile_stored(2, c10, cs);
+        _tile_stored(3, c10 + 16, cs);
+        return;
+    }
+    _tile_stored(0, tmp, 128); /* tmp: the block's 32 x 32, row stride 32 floats */
+    _tile_stored(1, tmp + 16, 128);
+    _tile_stored(2, tmp + 16 * 32, 128);
+    _tile_stored(3, tmp + 16 * 32 + 16, 128);
+    const int64_t nr = rows - 16 * t < 32 ? rows - 16 * t : 32;
+    const int64_t nc = cols - 16 * u < 32 ? cols - 16 * u : 32;
+    for (int64_t r = 0; r < nr; ++r) memcpy(c00 + r * ldc, tmp + 32 * r, (size_t)nc * sizeof(float));
+}
+
+RS_AMX int recscale_wgrad_amx_gemm(const uint16_t *a, const uint16_t *b, float *c, int64_t ldc,
+                                   int64_t rows, int64_t cols, int64_t batch, int64_t lo,
+                                   int64_t hi) {
+    if (!recscale_amx_ready()) return -1;
+    const int64_t steps = (batch + 31) / 32, nt = 2 * ((cols + 31) / 32);
+    float tmp[32 * 32];
     load_tile_config();
     for (int64_t s0 = 0; s0 < steps; s0 += K_BLOCK) {
         const int64_t s1 = s0 + K_BLOCK < steps ? s0 + K_BLOCK : steps;
@@ -229,34 +278,10 @@ RS_AMX int recscale_wgrad_amx_gemm(const uint16_t *a, const uint16_t *b, float *
             for (int64_t u = 0; u < nt; u += 2)
                 for (int64_t p = p0; p < p1; ++p) {
                     const int64_t t = 2 * p;
-                    float *c00 = c + 16 * t * ldc + 16 * u, *c10 = c00 + 16 * ldc;
-                    if (s0 == 0) {
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                    } else {
-                        _tile_loadd(0, c00, cs);
-                        _tile_loadd(1, c00 + 16, cs);
-                        _tile_loadd(2, c10, cs);
-                        _tile_loadd(3, c10 + 16, cs);
-                    }
-                    const uint16_t *a0 = a + t * steps * TILE, *a1 = a0 + steps * TILE;
-                    const uint16_t *b0 = b + u * steps * TILE, *b1 = b0 + steps * TILE;
-                    for (int64_t s = s0; s < s1; ++s) {
-                        _tile_loadd(4, a0 + s * TILE, 64);
-                        _tile_loadd(5, a1 + s * TILE, 64);
-                        _tile_loadd(6, b0 + s * TILE, 64);
-                        _tile_loadd(7, b1 + s * TILE, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                    _tile_stored(0, c00, cs);
-                    _tile_stored(1, c00 + 16, cs);
-                    _tile_stored(2, c10, cs);
-                    _tile_stored(3, c10 + 16, cs);
+                    if (16 * t + 32 <= rows && 16 * u + 32 <= cols)
+                        block(a, b, c, ldc, rows, cols, steps, t, u, s0, s1, s0 > 0, tmp);
+                    else if (s0 == 0) /* an edge block: every step now, C written once */
+                        block(a, b, c, ldc, rows, cols, steps, t, u, 0, steps, 0, tmp);
                 }
         }
     }
@@ -278,8 +303,9 @@ int recscale_wgrad_amx_pack(const uint16_t *g, int64_t ldg, const uint16_t *x, i
 }
 
 int recscale_wgrad_amx_gemm(const uint16_t *a, const uint16_t *b, float *c, int64_t ldc,
-                            int64_t nt, int64_t batch, int64_t lo, int64_t hi) {
-    (void)a, (void)b, (void)c, (void)ldc, (void)nt, (void)batch, (void)lo, (void)hi;
+                            int64_t rows, int64_t cols, int64_t batch, int64_t lo, int64_t hi) {
+    (void)a, (void)b, (void)c, (void)ldc, (void)rows, (void)cols, (void)batch, (void)lo;
+    (void)hi;
     return -1;
 }
 
