@@ -68,13 +68,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per side a round")
     args, overrides = ap.parse_known_args()
-    if args.switch == "bf16_node":
-        if not gemm.bf16_instructions():
-            raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
-        overrides = [*overrides, "--train.precision=bf16"]
-    if args.switch == "amx_wgrad":
-        if not gemm.amx_wgrad():
-            raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
+    if args.switch == "bf16_node" and not gemm.bf16_instructions():
+        raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
+    if args.switch == "amx_wgrad" and not gemm.amx_wgrad():
+        raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
+    if args.switch in ("bf16_node", "amx_wgrad"):  # both switch a part of the bf16 step
         overrides = [*overrides, "--train.precision=bf16"]
     if args.switch == "dot_stream" and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")

@@ -11,6 +11,8 @@ bf16 GEMM takes 2.9 ms and gives bf16, the AVX512-BF16 kernel 20.4 ms."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from recscale import native
@@ -18,9 +20,10 @@ from recscale import native
 _TILE = 512  # bf16 elements in a packed 16 x 32 tile
 
 
+@functools.lru_cache(maxsize=1)
 def ready() -> bool:
     """Whether the kernel runs here: the library loaded, AMX-BF16, and Linux's grant of
-    the tile state to this process."""
+    the tile state to this process (asked once: the weight gradients ask every layer)."""
     lib = native.library()
     return (
         lib is not None

@@ -217,6 +217,11 @@ RS_AMX static void load_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* Whether C's 2 x 2 block of tiles at rows 16 t, columns 16 u crosses its edge. */
+static inline int crosses_edge(int64_t t, int64_t u, int64_t rows, int64_t cols) {
+    return 16 * t + 32 > rows || 16 * u + 32 > cols;
+}
+
 /* C's 2 x 2 block of tiles at rows 16 t, columns 16 u over steps [s0, s1): from zero or
  * from C (`load`), stored back to C - through `tmp` where the block crosses C's edge. */
 RS_AMX static inline void block(const uint16_t *a, const uint16_t *b, float *c, int64_t ldc,
@@ -224,7 +229,7 @@ RS_AMX static inline void block(const uint16_t *a, const uint16_t *b, float *c, 
                                 int64_t u, int64_t s0, int64_t s1, int load, float *tmp) {
     const int64_t cs = ldc * (int64_t)sizeof(float);
     float *c00 = c + 16 * t * ldc + 16 * u, *c10 = c00 + 16 * ldc;
-    const int edge = 16 * t + 32 > rows || 16 * u + 32 > cols;
+    const int edge = crosses_edge(t, u, rows, cols);
     if (load) { /* never at an edge: edge blocks take all their steps at once */
         _tile_loadd(0, c00, cs);
         _tile_loadd(1, c00 + 16, cs);
@@ -278,7 +283,7 @@ RS_AMX int recscale_wgrad_amx_gemm(const uint16_t *a, const uint16_t *b, float *
             for (int64_t u = 0; u < nt; u += 2)
                 for (int64_t p = p0; p < p1; ++p) {
                     const int64_t t = 2 * p;
-                    if (16 * t + 32 <= rows && 16 * u + 32 <= cols)
+                    if (!crosses_edge(t, u, rows, cols))
                         block(a, b, c, ldc, rows, cols, steps, t, u, s0, s1, s0 > 0, tmp);
                     else if (s0 == 0) /* an edge block: every step now, C written once */
                         block(a, b, c, ldc, rows, cols, steps, t, u, 0, steps, 0, tmp);
