@@ -19,6 +19,7 @@ setup(
                 "src/recscale/native/weight_grad.c",
                 "src/recscale/native/weight_grad_bf16.c",
                 "src/recscale/native/weight_grad_amx.c",
+                "src/recscale/native/input_grad_amx.c",
                 "src/recscale/native/narrow_layer.c",
                 "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/logit.c",
@@ -33,6 +34,7 @@ setup(
             # headers: a change to one rebuilds the extension (and ships them in an sdist)
             depends=[
                 "src/recscale/native/recscale_native.h",
+                "src/recscale/native/amx_tiles.h",
                 "src/recscale/native/row_format.h",
                 "src/recscale/native/weight_grad_driver.h",
                 "src/recscale/native/weight_grad_tile.h",

@@ -13,6 +13,9 @@ Switches (on = what recscale runs):
                 (gemm.USE_FUSED_BF16; runs train.precision=bf16, on CPUs with AVX512-BF16 or AMX)
     amx_wgrad   the bf16 node's weight gradients on AMX tiles (native/weight_grad_amx.c)
                 against oneDNN's bf16 GEMM (gemm.USE_AMX_WGRAD; bf16, on CPUs with AMX)
+    amx_igrad   the bf16 node's input gradients on AMX tiles with the ReLU mask as they are
+                stored (native/input_grad_amx.c) against oneDNN's GEMM and threshold_backward
+                (gemm.USE_AMX_IGRAD; bf16, on CPUs with AMX)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
 
@@ -47,6 +50,10 @@ def _amx_wgrad(on: bool) -> None:
     gemm.USE_AMX_WGRAD = on
 
 
+def _amx_igrad(on: bool) -> None:
+    gemm.USE_AMX_IGRAD = on
+
+
 def _dot_stream(on: bool) -> None:
     stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
     if not hasattr(_dot_stream, "default"):
@@ -57,6 +64,7 @@ def _dot_stream(on: bool) -> None:
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "bf16_node": _bf16_node,
     "amx_wgrad": _amx_wgrad,
+    "amx_igrad": _amx_igrad,
     "dot_stream": _dot_stream,
 }
 
@@ -70,9 +78,9 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     if args.switch == "bf16_node" and not gemm.bf16_instructions():
         raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
-    if args.switch == "amx_wgrad" and not gemm.amx_wgrad():
+    if args.switch in ("amx_wgrad", "amx_igrad") and not gemm.amx_wgrad():
         raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
-    if args.switch in ("bf16_node", "amx_wgrad"):  # both switch a part of the bf16 step
+    if args.switch in ("bf16_node", "amx_wgrad", "amx_igrad"):  # parts of the bf16 step
         overrides = [*overrides, "--train.precision=bf16"]
     if args.switch == "dot_stream" and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")

@@ -185,12 +185,13 @@ class _FusedMLPBF16(torch.autograd.Function):
                 grads[2 * li], grads[2 * li + 1] = gemm.weight_grad(g, x, bias_grad=need_b)
             elif need_b:
                 grads[2 * li + 1] = g.sum(0, dtype=torch.float32)
-            if li > 0:
-                g_in = g * w if w.shape[0] == 1 else torch.mm(g, w)  # K = 1: an outer product
-                # x = relu(previous layer): mask in place (g_in is our own fresh tensor)
+            if li > 0 and w.shape[0] == 1:  # K = 1: an outer product, masked in place
+                g_in = g * w
                 g = torch.ops.aten.threshold_backward.grad_input(g_in, x, 0.0, grad_input=g_in)
+            elif li > 0:  # x = relu(previous layer): its mask applied to g . w
+                g = gemm.input_grad(g, w, x, torch.bfloat16)
             elif ctx.needs_input_grad[0]:
-                grad_x = torch.mm(g, w).to(ctx.x_dtype)
+                grad_x = gemm.input_grad(g, w, None, ctx.x_dtype)
         return (grad_x, None, *grads)
 
 

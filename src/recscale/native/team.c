@@ -51,7 +51,7 @@ int recscale_team_init(const char *path) {
 
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
        K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, K_UNIQUE_PROBE, K_WEIGHT_GRAD_BF16,
-       K_WGRAD_AMX_PACK, K_WGRAD_AMX_GEMM, N_KERNELS };
+       K_WGRAD_AMX_PACK, K_WGRAD_AMX_GEMM, K_IGRAD_AMX_PACK, K_IGRAD_AMX, N_KERNELS };
 static const char *const kernel_names[N_KERNELS] = {
     [K_LOOKUP] = "recscale_pooled_lookup",
     [K_SPARSE_UPDATE] = "recscale_sparse_update",
@@ -65,6 +65,8 @@ static const char *const kernel_names[N_KERNELS] = {
     [K_WEIGHT_GRAD_BF16] = "recscale_weight_grad_bf16",
     [K_WGRAD_AMX_PACK] = "recscale_wgrad_amx_pack",
     [K_WGRAD_AMX_GEMM] = "recscale_wgrad_amx_gemm",
+    [K_IGRAD_AMX_PACK] = "recscale_igrad_amx_pack",
+    [K_IGRAD_AMX] = "recscale_igrad_amx",
 };
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
@@ -98,6 +100,11 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
                                        I(10), I(11), I(12), I(13));
     case K_WGRAD_AMX_GEMM:
         return recscale_wgrad_amx_gemm(P(0), P(1), P(2), I(3), I(4), I(5), I(6), I(7), I(8));
+    case K_IGRAD_AMX_PACK:
+        return recscale_igrad_amx_pack(P(0), I(1), I(2), I(3), P(4), I(5), I(6));
+    case K_IGRAD_AMX:
+        return recscale_igrad_amx(P(0), I(1), P(2), P(3), I(4), P(5), I(6), I(7), I(8), I(9), I(10),
+                                  I(11), I(12));
     case K_NARROW_WGRAD:
         return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
                                            I(9), I(10), I(11));

@@ -34,20 +34,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "recscale_native.h"
 
-/* AMX intrinsics: GCC 11, clang 12; an older compiler builds the declining stubs below */
-#if defined(__x86_64__) && defined(__linux__) &&                                    \
-    ((defined(__clang__) && __clang_major__ >= 12) ||                                \
-     (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11))
-#include <immintrin.h>
+#ifdef RS_HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define RS_PACK __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define RS_AMX __attribute__((target("amx-tile,amx-bf16")))
-
-enum { TILE = 512 };  /* bf16 elements in one 16 x 32 tile */
 /* The product's blocks: K_BLOCK steps (2048 samples) of M_BLOCK pairs of A's tile rows
  * (256 outputs; 1 MiB) stay in the L2 while every pair of B's tiles passes them, and C
  * stays in the tiles for a whole block. (Config B's 1024 -> 1024 over 2048 samples on
@@ -63,47 +56,6 @@ int recscale_amx_ready(void) {
     ready = (recscale_cpu_features() & RS_CPU_AMX_BF16) &&
             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return ready;
-}
-
-/* 32 bf16 of `row` from column c0 (those at or past `cols` zero), or zeros. */
-RS_PACK static inline __m512i load32(const uint16_t *row, int64_t c0, int64_t cols) {
-    if (!row || c0 >= cols) return _mm512_setzero_si512();
-    const int64_t left = cols - c0;
-    const __mmask32 mask = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
-    return _mm512_maskz_loadu_epi16(mask, row + c0);
-}
-
-/* The 32-bit pairs (a[c], b[c]) in order: c = 0..15 in *p0, c = 16..31 in *p1. */
-RS_PACK static inline void pairs32(__m512i a, __m512i b, __m512i *p0, __m512i *p1) {
-    const __m512i lo = _mm512_unpacklo_epi16(a, b); /* 128-bit lane L: c 8 L .. 8 L + 3 */
-    const __m512i hi = _mm512_unpackhi_epi16(a, b); /* c 8 L + 4 .. 8 L + 7 */
-    *p0 = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
-    *p1 = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
-}
-
-/* fp32 sums += the 16 bf16 of v */
-RS_PACK static inline __m512 add_bf16(__m512 sums, __m256i v) {
-    return _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
-}
-
-/* acc[h] (+ acc[2 + h]): the sums of columns 16 h .. 16 h + 15 of 32, over rows va, vb */
-RS_PACK static inline void add_pair(__m512 acc[4], __m512i va, __m512i vb) {
-    acc[0] = add_bf16(acc[0], _mm512_castsi512_si256(va));
-    acc[1] = add_bf16(acc[1], _mm512_extracti64x4_epi64(va, 1));
-    acc[2] = add_bf16(acc[2], _mm512_castsi512_si256(vb));
-    acc[3] = add_bf16(acc[3], _mm512_extracti64x4_epi64(vb, 1));
-}
-
-/* sums[16 t ..] += the column sums add_pair gathered, those before `cols` */
-RS_PACK static inline void add_sums(const __m512 acc[4], float *sums, int64_t t, int64_t cols) {
-    for (int h = 0; h < 2; ++h) {
-        const int64_t left = cols - 16 * (t + h);
-        if (left <= 0) break;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        float *dst = sums + 16 * (t + h);
-        _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst),
-                                                       _mm512_add_ps(acc[h], acc[2 + h])));
-    }
 }
 
 /* r[i][j] -> r[j][i] for 16 x 16 32-bit elements */
@@ -132,11 +84,6 @@ RS_PACK static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* Sample b's row of src, or NULL past the batch (its values read as zeros). */
-static inline const uint16_t *sample(const uint16_t *src, int64_t ld, int64_t b, int64_t batch) {
-    return b < batch ? src + b * ld : NULL;
-}
-
 /* Step s (samples 32 s .. 32 s + 31) of A's tiles t and t + 1 (t even); with `sums`,
  * the step's sums of g's columns 16 t .. 16 t + 31 added to them. */
 RS_PACK static void pack_a(const uint16_t *g, int64_t ldg, int64_t m, int64_t batch, int64_t steps,
@@ -161,25 +108,6 @@ RS_PACK static void pack_a(const uint16_t *g, int64_t ldg, int64_t m, int64_t ba
     if (sums) add_sums(acc, sums, t, m);
 }
 
-/* Step s of B's tiles u and u + 1 (u even); with `sums`, as pack_a's for x's columns. */
-RS_PACK static void pack_b(const uint16_t *x, int64_t ldx, int64_t n, int64_t batch, int64_t steps,
-                           int64_t u, int64_t s, uint16_t *bp, float *sums) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    uint16_t *tile0 = bp + (u * steps + s) * TILE, *tile1 = tile0 + steps * TILE;
-    for (int q = 0; q < 16; ++q) {
-        const int64_t b = 32 * s + 2 * q;
-        const __m512i va = load32(sample(x, ldx, b, batch), 16 * u, n);
-        const __m512i vb = load32(sample(x, ldx, b + 1, batch), 16 * u, n);
-        if (sums) add_pair(acc, va, vb);
-        __m512i p0, p1;
-        pairs32(va, vb, &p0, &p1);
-        _mm512_storeu_si512(tile0 + 32 * q, p0);
-        _mm512_storeu_si512(tile1 + 32 * q, p1);
-    }
-    if (sums) add_sums(acc, sums, u, n);
-}
-
 int recscale_wgrad_amx_pack(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx,
                             uint16_t *a, uint16_t *b, float *sums, int64_t sums_of_x, int64_t m,
                             int64_t n, int64_t batch, int64_t mt, int64_t lo, int64_t hi) {
@@ -200,21 +128,6 @@ int recscale_wgrad_amx_pack(const uint16_t *g, int64_t ldg, const uint16_t *x, i
                 pack_b(x, ldx, n, batch, steps, 2 * k - mt, s, b, sums_b);
         }
     return 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* C tiles 0-3 (a 2 x 2 block), A tiles 4-5, B tiles 6-7: all 16 rows of 64 bytes */
-RS_AMX static void load_tile_config(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
 }
 
 /* Whether C's 2 x 2 block of tiles at rows 16 t, columns 16 u crosses its edge. */

@@ -1,0 +1,136 @@
+"""bf16 input gradients on AMX tiles with the ReLU mask applied as they are stored
+(``native/input_grad_amx.c``) against float64 and torch's ``threshold_backward``, and
+the rule of which layers take them. The kernel's tests run on a CPU with AMX-BF16 (and
+skip elsewhere); the rule and the path without the kernel are checked on any host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recscale import native
+from recscale.modules import gemm, gemm_amx
+
+BF16 = torch.bfloat16
+
+
+def _needs_amx() -> None:
+    if not gemm_amx.ready():
+        pytest.skip(f"no AMX tiles here: {native.status()}")
+
+
+def _operands(batch: int, k: int, n: int, strided: bool):
+    """``g [batch, k]``, ``w [k, n]`` and a ReLU output ``x [batch, n]`` holding every
+    kind of value the mask sees: zeros of both signs, negatives, NaN of both signs, inf."""
+    gen = torch.Generator().manual_seed(batch + k + n)
+    pad = 5 if strided else 0
+    g = torch.randn(batch, k + pad, generator=gen).to(BF16)[:, pad:]
+    w = torch.randn(k, n, generator=gen).to(BF16)
+    x = torch.randn(batch, n + 2 * pad, generator=gen).to(BF16)[:, :n]
+    specials = torch.tensor(
+        [0.0, -0.0, -1.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-38],
+        dtype=BF16,
+    )
+    flat = torch.randint(0, batch * n, (min(batch * n, 64),), generator=gen)
+    rows, cols = flat // n, flat % n
+    x[rows, cols] = specials[torch.arange(len(flat)) % len(specials)]
+    return g, w, x
+
+
+@pytest.mark.parametrize(
+    "batch,k,n,strided",
+    [
+        (1, 32, 1, False),  # one sample: 31 zero rows in its block; one column
+        (33, 64, 17, True),  # two blocks, the second with one sample; an edge column tile
+        (64, 32, 32, False),  # whole blocks, one pair of column tiles
+        (77, 96, 40, True),  # odd batch, three steps of k, a half pair of column tiles
+        (300, 512, 368, False),  # config A's top input gradient shape, smaller batch
+        (130, 320, 100, True),  # three chunks of k (K_CHUNK = 8 steps) with a short last
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
+    batch, k, n, strided, threads
+):
+    """fp32 out: g . w against float64 to fp32 sums (each bf16 product is exact). bf16 out:
+    exactly the fp32 result rounded to bf16 (to nearest even, as torch rounds) and then
+    masked as ``threshold_backward`` masks it (zero where x <= 0; a NaN keeps its
+    gradient), which is also torch's own masked result to within a bf16 rounding."""
+    _needs_amx()
+    g, w, x = _operands(batch, k, n, strided)
+    f32 = gemm_amx.input_grad(g, w, None, torch.float32, threads)
+    assert f32.dtype == torch.float32 and f32.shape == (batch, n)
+    want = g.double() @ w.double()
+    torch.testing.assert_close(f32.double(), want, rtol=1e-5, atol=1e-5 * k)
+    got = gemm_amx.input_grad(g, w, x, BF16, threads)
+    assert got.dtype == BF16 and got.shape == (batch, n) and got.is_contiguous()
+    masked = torch.ops.aten.threshold_backward(f32.to(BF16), x, 0.0)
+    assert torch.equal(got.view(torch.int16), masked.view(torch.int16))
+    f32_masked = gemm_amx.input_grad(g, w, x, torch.float32, threads)
+    assert torch.equal(f32_masked, torch.ops.aten.threshold_backward(f32, x.float(), 0.0))
+    plain = gemm_amx.input_grad(g, w, None, BF16, threads)
+    assert torch.equal(plain.view(torch.int16), f32.to(BF16).view(torch.int16))
+
+
+def test_amx_input_grad_gives_the_same_bits_on_any_split():
+    """Each output is one thread's, summed in a fixed order: one thread and two agree
+    bit for bit."""
+    _needs_amx()
+    g, w, x = _operands(1000, 256, 200, False)
+    one = gemm_amx.input_grad(g, w, x, BF16, 1)
+    two = gemm_amx.input_grad(g, w, x, BF16, 2)
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+
+
+def test_amx_input_grad_of_no_samples_is_empty():
+    _needs_amx()
+    g, w, _ = _operands(1, 64, 48, False)
+    out = gemm_amx.input_grad(g[:0], w, None, torch.float32, 2)
+    assert out.shape == (0, 48)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_input_grad_agrees_with_or_without_the_kernel(kernel, monkeypatch):
+    """``gemm.input_grad`` on the kernel (where AMX is) and on torch's GEMM and mask (any
+    host): the same masked product to a bf16 rounding, fp32 when asked."""
+    monkeypatch.setattr(gemm, "USE_AMX_IGRAD", kernel)
+    monkeypatch.setattr(gemm, "_AMX_IGRAD_MIN_MACS", 0)
+    g, w, x = _operands(70, 64, 50, True)
+    want = (g.double() @ w.double()).where(~(x <= 0), torch.zeros((), dtype=torch.float64))
+    got = gemm.input_grad(g, w, x, BF16)
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    got32 = gemm.input_grad(g, w, None, torch.float32)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), g.double() @ w.double(), rtol=1e-2, atol=1e-2)
+
+
+def test_which_input_gradient_runs(monkeypatch):
+    """The kernel takes bf16 layers with 32 | out, at least 2^22 multiply-adds and fewer
+    than 2^18 weights; the rest (and every layer without AMX) run torch's GEMM and mask.
+    The kernel stood in for by a recorder, so the rule is checked on any host."""
+    calls = []
+
+    def recorder(g, w, mask, out_dtype, threads):
+        calls.append((tuple(w.shape), mask is not None, out_dtype, threads))
+        return torch.zeros(g.shape[0], w.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(gemm_amx, "input_grad", recorder)
+    monkeypatch.setattr(gemm_amx, "ready", lambda: True)
+    monkeypatch.setattr(gemm, "USE_AMX_IGRAD", True)
+
+    def runs_kernel(batch, k, n, dtype=BF16, out_dtype=BF16):
+        calls.clear()
+        g = torch.zeros(batch, k, dtype=dtype)
+        w = torch.zeros(k, n, dtype=dtype)
+        gemm.input_grad(g, w, torch.zeros(batch, n, dtype=dtype), out_dtype)
+        return bool(calls)
+
+    assert runs_kernel(2048, 256, 512)  # config A's 512 -> 256: 2^28 multiply-adds
+    assert runs_kernel(2048, 512, 368, out_dtype=torch.float32)  # A's first top layer
+    assert not runs_kernel(2048, 16, 64)  # 32 does not divide out (64 -> 16)
+    assert not runs_kernel(2048, 1024, 1024)  # 2^20 weights: oneDNN is faster there
+    assert not runs_kernel(77, 64, 40)  # 2^17.6 multiply-adds: torch's is faster
+    assert not runs_kernel(2048, 256, 512, dtype=torch.float32)  # fp32 has its own GEMMs
+    monkeypatch.setattr(gemm_amx, "ready", lambda: False)
+    assert not runs_kernel(2048, 256, 512)  # no AMX here
