@@ -5,6 +5,8 @@ skip elsewhere); the rule and the path without the kernel are checked on any hos
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -49,14 +51,18 @@ def _operands(batch: int, k: int, n: int, strided: bool):
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("round_only", [0, 1])
 def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
-    batch, k, n, strided, threads
+    batch, k, n, strided, threads, round_only, monkeypatch
 ):
     """fp32 out: g . w against float64 to fp32 sums (each bf16 product is exact). bf16 out:
     exactly the fp32 result rounded to bf16 (to nearest even, as torch rounds) and then
     masked as ``threshold_backward`` masks it (zero where x <= 0; a NaN keeps its
-    gradient), which is also torch's own masked result to within a bf16 rounding."""
+    gradient), which is also torch's own masked result to within a bf16 rounding. Both
+    conversions: vcvtne2ps2bf16 and the integer rounding of CPUs without AVX512-BF16."""
     _needs_amx()
+    hook = ctypes.c_int.in_dll(native.library(), "recscale_igrad_round_only")
+    monkeypatch.setattr(hook, "value", round_only)
     g, w, x = _operands(batch, k, n, strided)
     f32 = gemm_amx.input_grad(g, w, None, torch.float32, threads)
     assert f32.dtype == torch.float32 and f32.shape == (batch, n)
@@ -106,8 +112,8 @@ def test_input_grad_agrees_with_or_without_the_kernel(kernel, monkeypatch):
 
 
 def test_which_input_gradient_runs(monkeypatch):
-    """The kernel takes bf16 layers with 32 | out, at least 2^22 multiply-adds and fewer
-    than 2^18 weights; the rest (and every layer without AMX) run torch's GEMM and mask.
+    """The kernel takes bf16 layers with 32 | out, at least 2^22 multiply-adds and at most
+    2^19 weights; the rest (and every layer without AMX) run torch's GEMM and mask.
     The kernel stood in for by a recorder, so the rule is checked on any host."""
     calls = []
 
@@ -129,6 +135,7 @@ def test_which_input_gradient_runs(monkeypatch):
     assert runs_kernel(2048, 256, 512)  # config A's 512 -> 256: 2^28 multiply-adds
     assert runs_kernel(2048, 512, 368, out_dtype=torch.float32)  # A's first top layer
     assert not runs_kernel(2048, 16, 64)  # 32 does not divide out (64 -> 16)
+    assert runs_kernel(2048, 512, 1024)  # config B's 1024 -> 512: 2^19 weights
     assert not runs_kernel(2048, 1024, 1024)  # 2^20 weights: oneDNN is faster there
     assert not runs_kernel(77, 64, 40)  # 2^17.6 multiply-adds: torch's is faster
     assert not runs_kernel(2048, 256, 512, dtype=torch.float32)  # fp32 has its own GEMMs

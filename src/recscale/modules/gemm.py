@@ -54,10 +54,11 @@ USE_AMX_WGRAD = True
 # native/input_grad_amx.c (off: oneDNN's GEMM, then threshold_backward)
 USE_AMX_IGRAD = True
 # It runs from 2^22 multiply-adds (77 samples, a 40 -> 64 layer: ours 0.036 ms, torch's
-# 0.024) to layers of 2^18 weights (in config B's bf16 step, ours / torch's: 256 -> 128
-# 0.33 / 0.46 ms, 512 -> 256 0.69 / 0.71, 1024 -> 512 1.57 / 1.50, 1024 -> 1024 2.85 / 2.15)
+# 0.024) to layers of 2^19 weights (in config B's bf16 step, ours / torch's GEMM and mask:
+# 256 -> 128 0.28 / 0.38 ms, 512 -> 256 0.57 / 0.76, 1024 -> 512 1.23 / 1.66, 480 -> 1024
+# 1.12 / 1.09, 1024 -> 1024 2.74 / 2.22: its tile loop runs at ~35% of the tiles' peak)
 _AMX_IGRAD_MIN_MACS = 1 << 22
-_AMX_IGRAD_MAX_WEIGHTS = 1 << 18
+_AMX_IGRAD_MAX_WEIGHTS = 1 << 19
 _BF16_KERNEL_ON_AMX = False  # tests: the AVX512-BF16 kernel on an AMX CPU as well
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
 # Fewer outputs than one 6-row tile of the kernel (the logit layer): MKL's GEMV is faster.
@@ -231,7 +232,7 @@ def input_grad(
         USE_AMX_IGRAD
         and k % 32 == 0
         and macs >= _AMX_IGRAD_MIN_MACS
-        and k * n < _AMX_IGRAD_MAX_WEIGHTS
+        and k * n <= _AMX_IGRAD_MAX_WEIGHTS
         and out_dtype in (torch.bfloat16, torch.float32)
         and _bf16_cpu_rows(g, g)
         and w.is_contiguous()

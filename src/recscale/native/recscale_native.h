@@ -137,9 +137,11 @@ __attribute__((visibility("hidden"))) void recscale_tile_scratch_free(float *zer
                                                                       const float **rows,
                                                                       int64_t *start);
 
-/* Test hooks (set through ctypes): which kernel width runs, when stores stream. */
+/* Test hooks (set through ctypes): which kernel width runs, when stores stream, how
+ * fp32 becomes bf16. */
 extern int recscale_dot_wide;                 /* dot_interaction.c */
 extern int recscale_narrow_isa;               /* narrow_layer.c */
 extern int64_t recscale_dot_stream_bytes;     /* dot_interaction_avx512.c */
+extern int recscale_igrad_round_only;         /* input_grad_amx.c: 1 = no vcvtne2ps2bf16 */
 
 #endif
