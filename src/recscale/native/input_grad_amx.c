@@ -66,7 +66,8 @@ RS_PACK static inline __mmask32 kept(__m512i x) {
            _mm512_cmpgt_epi16_mask(mag, _mm512_set1_epi16(0x7F80));
 }
 
-/* Rows [0, nr) of a 32 x 32 fp32 block (row stride ld) to out at column c0 (< n):
+/* Rows [0, nr) of a 32 x 32 fp32 block (its 4 tiles of 16 x 16 one after another, in
+ * row-major order of tiles) to out at column c0 (< n):
  * masked, columns past n left alone; `to32` converts a row's 32 values to bf16. One
  * body for two targets: with AVX512-BF16 (every AMX CPU so far) one vcvtne2ps2bf16 a
  * row, else the rounding in integer steps (2 threads, 512 -> 256 over 2048 samples:
@@ -75,7 +76,8 @@ RS_PACK static inline __mmask32 kept(__m512i x) {
     const int64_t left = n - c0;                                                          \
     const __mmask32 cols = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1); \
     for (int64_t r = 0; r < nr; ++r) {                                                    \
-        const __m512 v0 = _mm512_loadu_ps(tmp + ld * r), v1 = _mm512_loadu_ps(tmp + ld * r + 16); \
+        const float *row = tmp + (r / 16) * 512 + (r % 16) * 16; /* tile (r / 16, 0)'s */ \
+        const __m512 v0 = _mm512_load_ps(row), v1 = _mm512_load_ps(row + 256);           \
         const __mmask32 on = mask ? kept(_mm512_maskz_loadu_epi16(cols, mask + r * ldm + c0)) \
                                   : (__mmask32)0xFFFFFFFFu;                               \
         if (out_f32) {                                                                    \
@@ -101,14 +103,14 @@ cvt32(__m512 v0, __m512 v1) {
     return (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* v0's values in the low half */
 }
 
-RS_PACK static void store_block(const float *tmp, int64_t ld, int64_t nr, int64_t c0, int64_t n,
+RS_PACK static void store_block(const float *tmp, int64_t nr, int64_t c0, int64_t n,
                                 const uint16_t *mask, int64_t ldm, void *out, int64_t ldo,
                                 int64_t out_f32) {
     STORE_BLOCK_BODY(round32)
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void
-store_block_cvt(const float *tmp, int64_t ld, int64_t nr, int64_t c0, int64_t n,
+store_block_cvt(const float *tmp, int64_t nr, int64_t c0, int64_t n,
                 const uint16_t *mask, int64_t ldm, void *out, int64_t ldo, int64_t out_f32) {
     STORE_BLOCK_BODY(cvt32)
 }
@@ -128,26 +130,25 @@ RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_
 
 /* The block's A tiles (ab) times every column tile of wp, stored. k runs in chunks of
  * K_CHUNK steps (16 KiB of A) across all the column tiles, the sums of a chunk left in
- * `acc` [32][ldacc] for the next (on 2 threads at batch 2048, without chunks / with:
+ * `acc` for the next as whole tiles of 1 KiB (on 2 threads at batch 2048, without chunks / with:
  * a 368 -> 512 layer 0.57 / 0.52 ms, 1024 -> 1024 2.88 / 2.70). */
 RS_AMX static void row_block(const uint16_t *ab, const uint16_t *wp, int64_t steps, int64_t nt,
                              int64_t nr, int64_t n, const uint16_t *mask, int64_t ldm, void *out,
-                             int64_t ldo, int64_t out_f32, float *acc, int64_t ldacc, int cvt) {
-    const int64_t cs = ldacc * (int64_t)sizeof(float);
+                             int64_t ldo, int64_t out_f32, float *acc, int cvt) {
     for (int64_t s0 = 0; s0 < steps; s0 += K_CHUNK) {
         const int64_t s1 = s0 + K_CHUNK < steps ? s0 + K_CHUNK : steps;
         for (int64_t u = 0; u < nt; u += 2) {
-            float *c0 = acc + 16 * u, *c1 = c0 + 16 * ldacc;
+            float *c = acc + 512 * u; /* the block's 4 tiles, 1 KiB each */
             if (s0 == 0) {
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
             } else {
-                _tile_loadd(0, c0, cs);
-                _tile_loadd(1, c0 + 16, cs);
-                _tile_loadd(2, c1, cs);
-                _tile_loadd(3, c1 + 16, cs);
+                _tile_loadd(0, c, 64);
+                _tile_loadd(1, c + 256, 64);
+                _tile_loadd(2, c + 512, 64);
+                _tile_loadd(3, c + 768, 64);
             }
             const uint16_t *b0 = wp + u * steps * TILE, *b1 = b0 + steps * TILE;
             for (int64_t s = s0; s < s1; ++s) {
@@ -160,15 +161,15 @@ RS_AMX static void row_block(const uint16_t *ab, const uint16_t *wp, int64_t ste
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            _tile_stored(0, c0, cs);
-            _tile_stored(1, c0 + 16, cs);
-            _tile_stored(2, c1, cs);
-            _tile_stored(3, c1 + 16, cs);
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + 256, 64);
+            _tile_stored(2, c + 512, 64);
+            _tile_stored(3, c + 768, 64);
             if (s1 < steps) continue;
             if (cvt)
-                store_block_cvt(c0, ldacc, nr, 16 * u, n, mask, ldm, out, ldo, out_f32);
+                store_block_cvt(c, nr, 16 * u, n, mask, ldm, out, ldo, out_f32);
             else
-                store_block(c0, ldacc, nr, 16 * u, n, mask, ldm, out, ldo, out_f32);
+                store_block(c, nr, 16 * u, n, mask, ldm, out, ldo, out_f32);
         }
     }
 }
@@ -180,10 +181,9 @@ RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp
     if (!recscale_amx_ready()) return -1;
     if (k % 32 != 0) return -2;
     const int64_t steps = k / 32, nt = 2 * ((n + 31) / 32);
-    const int64_t ldacc = 16 * nt;
     const int cvt = !recscale_igrad_round_only && (recscale_cpu_features() & RS_CPU_AVX512_BF16);
     uint16_t *ab = aligned_alloc(64, (size_t)(2 * steps * TILE) * sizeof(uint16_t));
-    float *acc = aligned_alloc(64, (size_t)(32 * ldacc) * sizeof(float));
+    float *acc = aligned_alloc(64, (size_t)(512 * nt) * sizeof(float));
     if (!ab || !acc) {
         free(ab);
         free(acc);
@@ -195,7 +195,7 @@ RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp
         copy_rows(g, ldg, b0, nr, steps, ab);
         const uint16_t *m = mask ? mask + b0 * ldm : NULL;
         void *o = out_f32 ? (void *)((float *)out + b0 * ldo) : (void *)((uint16_t *)out + b0 * ldo);
-        row_block(ab, wp, steps, nt, nr, n, m, ldm, o, ldo, out_f32, acc, ldacc, cvt);
+        row_block(ab, wp, steps, nt, nr, n, m, ldm, o, ldo, out_f32, acc, cvt);
     }
     _tile_release();
     free(ab);
