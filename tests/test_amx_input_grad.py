@@ -64,49 +64,57 @@ def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
     hook = ctypes.c_int.in_dll(native.library(), "recscale_igrad_round_only")
     monkeypatch.setattr(hook, "value", round_only)
     g, w, x = _operands(batch, k, n, strided)
-    f32 = gemm_amx.input_grad(g, w, None, torch.float32, threads)
-    assert f32.dtype == torch.float32 and f32.shape == (batch, n)
+    f32, none = gemm_amx.input_grad(g, w, None, torch.float32, threads)
+    assert f32.dtype == torch.float32 and f32.shape == (batch, n) and none is None
     want = g.double() @ w.double()
     torch.testing.assert_close(f32.double(), want, rtol=1e-5, atol=1e-5 * k)
-    got = gemm_amx.input_grad(g, w, x, BF16, threads)
+    got, db = gemm_amx.input_grad(g, w, x, BF16, threads, bias_grad=True)
     assert got.dtype == BF16 and got.shape == (batch, n) and got.is_contiguous()
     masked = torch.ops.aten.threshold_backward(f32.to(BF16), x, 0.0)
     assert torch.equal(got.view(torch.int16), masked.view(torch.int16))
-    f32_masked = gemm_amx.input_grad(g, w, x, torch.float32, threads)
+    assert db.dtype == torch.float32 and db.shape == (k,)  # the bias gradient, in fp32
+    torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-5, atol=1e-5 * batch)
+    f32_masked, _ = gemm_amx.input_grad(g, w, x, torch.float32, threads)
     assert torch.equal(f32_masked, torch.ops.aten.threshold_backward(f32, x.float(), 0.0))
-    plain = gemm_amx.input_grad(g, w, None, BF16, threads)
+    plain, _ = gemm_amx.input_grad(g, w, None, BF16, threads)
     assert torch.equal(plain.view(torch.int16), f32.to(BF16).view(torch.int16))
 
 
 def test_amx_input_grad_gives_the_same_bits_on_any_split():
-    """Each output is one thread's, summed in a fixed order: one thread and two agree
-    bit for bit."""
+    """Each output is one thread's, summed in a fixed order, and the bias sums go by
+    blocks of 32 samples: one thread and two agree bit for bit."""
     _needs_amx()
     g, w, x = _operands(1000, 256, 200, False)
-    one = gemm_amx.input_grad(g, w, x, BF16, 1)
-    two = gemm_amx.input_grad(g, w, x, BF16, 2)
+    one, db1 = gemm_amx.input_grad(g, w, x, BF16, 1, bias_grad=True)
+    two, db2 = gemm_amx.input_grad(g, w, x, BF16, 2, bias_grad=True)
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+    assert torch.equal(db1, db2)
 
 
 def test_amx_input_grad_of_no_samples_is_empty():
     _needs_amx()
     g, w, _ = _operands(1, 64, 48, False)
-    out = gemm_amx.input_grad(g[:0], w, None, torch.float32, 2)
-    assert out.shape == (0, 48)
+    out, db = gemm_amx.input_grad(g[:0], w, None, torch.float32, 2, bias_grad=True)
+    assert out.shape == (0, 48) and torch.equal(db, torch.zeros(64))
 
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_input_grad_agrees_with_or_without_the_kernel(kernel, monkeypatch):
     """``gemm.input_grad`` on the kernel (where AMX is) and on torch's GEMM and mask (any
-    host): the same masked product to a bf16 rounding, fp32 when asked."""
+    host): the same masked product to a bf16 rounding, fp32 when asked; the bias gradient
+    from the kernel's pass, else None (the caller sums)."""
     monkeypatch.setattr(gemm, "USE_AMX_IGRAD", kernel)
     monkeypatch.setattr(gemm, "_AMX_IGRAD_MIN_MACS", 0)
     g, w, x = _operands(70, 64, 50, True)
     want = (g.double() @ w.double()).where(~(x <= 0), torch.zeros((), dtype=torch.float64))
-    got = gemm.input_grad(g, w, x, BF16)
+    got, db = gemm.input_grad(g, w, x, BF16, bias_grad=True)
     assert got.dtype == BF16
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
-    got32 = gemm.input_grad(g, w, None, torch.float32)
+    if kernel and gemm_amx.ready():
+        torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-5, atol=1e-4)
+    else:
+        assert db is None
+    got32, _ = gemm.input_grad(g, w, None, torch.float32)
     assert got32.dtype == torch.float32
     torch.testing.assert_close(got32.double(), g.double() @ w.double(), rtol=1e-2, atol=1e-2)
 
@@ -117,9 +125,9 @@ def test_which_input_gradient_runs(monkeypatch):
     The kernel stood in for by a recorder, so the rule is checked on any host."""
     calls = []
 
-    def recorder(g, w, mask, out_dtype, threads):
+    def recorder(g, w, mask, out_dtype, threads, bias_grad):
         calls.append((tuple(w.shape), mask is not None, out_dtype, threads))
-        return torch.zeros(g.shape[0], w.shape[1], dtype=out_dtype)
+        return torch.zeros(g.shape[0], w.shape[1], dtype=out_dtype), None
 
     monkeypatch.setattr(gemm_amx, "input_grad", recorder)
     monkeypatch.setattr(gemm_amx, "ready", lambda: True)

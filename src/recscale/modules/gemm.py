@@ -217,15 +217,21 @@ def weight_grad(
 
 
 def input_grad(
-    g: torch.Tensor, w: torch.Tensor, relu_of: torch.Tensor | None, out_dtype: torch.dtype
-) -> torch.Tensor:
+    g: torch.Tensor,
+    w: torch.Tensor,
+    relu_of: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A dense layer's input gradient ``g [B, out] . w [out, in]`` as a fresh ``[B, in]``
     tensor of ``out_dtype``, zero where ``relu_of`` (the layer's input, a ReLU's output;
-    None for none) is <= 0, as ``threshold_backward`` masks it.
+    None for none) is <= 0, as ``threshold_backward`` masks it; and with ``bias_grad``
+    the layer's bias gradient ``g.sum(0)`` in fp32 where the pass gives it on the way,
+    else None (the caller then sums ``g`` itself).
 
     bf16 on an AMX CPU: one pass of ``native/input_grad_amx.c`` (the mask and the cast to
-    ``out_dtype`` as the product is stored; 32 | out); else torch's GEMM, the mask in
-    place and the cast."""
+    ``out_dtype`` as the product is stored, the bias sums as ``g`` is read; 32 | out);
+    else torch's GEMM, the mask in place and the cast."""
     k, n = w.shape
     macs = g.shape[0] * k * n
     if (
@@ -241,13 +247,13 @@ def input_grad(
         and gemm_amx.ready()
     ):
         threads = torch.get_num_threads() if macs >= _AMX_MIN_MACS >> 2 else 1
-        out = gemm_amx.input_grad(g, w, relu_of, out_dtype, threads)
-        if out is not None:
-            return out
+        done = gemm_amx.input_grad(g, w, relu_of, out_dtype, threads, bias_grad)
+        if done is not None:
+            return done
     g_in = torch.mm(g, w)
     if relu_of is not None:  # g_in is our own fresh tensor: masked in place
         torch.ops.aten.threshold_backward.grad_input(g_in, relu_of, 0.0, grad_input=g_in)
-    return g_in.to(out_dtype)
+    return g_in.to(out_dtype), None
 
 
 def _native_at_b(

@@ -84,35 +84,40 @@ def input_grad(
     mask: torch.Tensor | None,
     out_dtype: torch.dtype,
     threads: int,
-) -> torch.Tensor | None:
-    """``g [B, k] . w [k, n]`` (bf16, ``k`` a multiple of 32, rows contiguous, any row
-    stride), zero where ``mask [B, n]`` (bf16; the ReLU output below the layer) is not
-    > 0, as a fresh ``[B, n]`` tensor of ``out_dtype`` (bf16, rounded to nearest even,
-    or fp32); None when the kernel declined (no AMX grant)."""
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(g [B, k] . w [k, n], g.sum(0) or None)``: the product (bf16 operands, ``k`` a
+    multiple of 32, rows contiguous, any row stride) zero where ``mask [B, n]`` (bf16; the
+    ReLU output below the layer) is <= 0, as a fresh ``[B, n]`` tensor of ``out_dtype``
+    (bf16, rounded to nearest even, or fp32); with ``bias_grad`` the column sums of ``g``
+    in fp32 (each block of 32 samples summed in order, then the blocks: the same bits on
+    any split). None when the kernel declined (no AMX grant)."""
     lib = native.library()
     batch, k = g.shape
     n = w.shape[1]
     out = torch.empty(batch, n, dtype=out_dtype)
     if batch == 0:
-        return out
-    steps, nt = k // 32, 2 * -(-n // 32)
+        return out, (torch.zeros(k) if bias_grad else None)
+    steps, nt, blocks = k // 32, 2 * -(-n // 32), -(-batch // 32)
     wp = torch.empty(nt * steps * _TILE, dtype=torch.bfloat16)
+    sums = torch.empty(blocks, k) if bias_grad else None
     m_ptr, m_ld = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
     g_ptr, w_ptr, wp_ptr, o_ptr = g.data_ptr(), w.data_ptr(), wp.data_ptr(), out.data_ptr()
+    s_ptr = sums.data_ptr() if sums is not None else None
     f32 = int(out_dtype == torch.float32)
 
     def pack(_p: int, lo: int, hi: int) -> tuple:  # pairs of W's column tiles [lo, hi)
         return (w_ptr, w.stride(0), k, n, wp_ptr, lo, hi)
 
     def multiply(_p: int, lo: int, hi: int) -> tuple:  # blocks of 32 samples [lo, hi)
-        return (g_ptr, g.stride(0), wp_ptr, m_ptr, m_ld, o_ptr, n, f32, batch, k, n, lo, hi)
+        return (g_ptr, g.stride(0), wp_ptr, m_ptr, m_ld, o_ptr, n, f32, s_ptr, batch, k, n, lo, hi)
 
     for kernel, n_items, args in (
         ("recscale_igrad_amx_pack", nt // 2, pack),
-        ("recscale_igrad_amx", -(-batch // 32), multiply),
+        ("recscale_igrad_amx", blocks, multiply),
     ):
         if any(
             native.parallel_call(lib, kernel, n_items, args, threads, key=(kernel, k, n, batch))
         ):
             return None
-    return out
+    return out, (sums.sum(0) if sums is not None else None)

@@ -24,7 +24,9 @@
  * over 2048 samples, 2 threads: 2.7 against 2.2 ms).
  *
  * recscale_igrad_amx_pack packs the pairs of W's tiles [lo, hi) of nt / 2;
- * recscale_igrad_amx multiplies the blocks of 32 samples [lo, hi). Each output is one
+ * recscale_igrad_amx multiplies the blocks of 32 samples [lo, hi), and with `sums`
+ * writes each block p's column sums of g (the layer's bias gradient, in parts) to
+ * sums[p k, p k + k). Each output is one
  * thread's, summed in a fixed order: the same bits however the parts split.
  */
 #include <stdint.h>
@@ -116,15 +118,25 @@ store_block_cvt(const float *tmp, int64_t nr, int64_t c0, int64_t n,
 }
 
 /* Samples [b0, b0 + nr) of g as A tiles, zeros past nr (so the last block needs no
- * other path): tile (s, h) at ab + (2 s + h) 512 holds samples b0 + 16 h .., k 32 s ... */
+ * other path): tile (s, h) at ab + (2 s + h) 512 holds samples b0 + 16 h .., k 32 s ...
+ * With `sums`, the block's column sums of g in fp32 (sums[0, k)), in sample order. */
 RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_t nr, int64_t steps,
-                              uint16_t *ab) {
-    for (int64_t r = 0; r < 32; ++r) {
-        const uint16_t *row = r < nr ? g + (b0 + r) * ldg : NULL;
-        uint16_t *dst = ab + (r / 16) * TILE + 32 * (r % 16);
-        for (int64_t s = 0; s < steps; ++s)
-            _mm512_store_si512(dst + 2 * s * TILE,
-                               row ? _mm512_loadu_si512(row + 32 * s) : _mm512_setzero_si512());
+                              uint16_t *ab, float *sums) {
+    for (int64_t s = 0; s < steps; ++s) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        for (int64_t r = 0; r < 32; ++r) {
+            const __m512i v = r < nr ? _mm512_loadu_si512(g + (b0 + r) * ldg + 32 * s)
+                                     : _mm512_setzero_si512();
+            _mm512_store_si512(ab + (2 * s + r / 16) * TILE + 32 * (r % 16), v);
+            if (sums) {
+                lo = add_bf16(lo, _mm512_castsi512_si256(v));
+                hi = add_bf16(hi, _mm512_extracti64x4_epi64(v, 1));
+            }
+        }
+        if (sums) {
+            _mm512_storeu_ps(sums + 32 * s, lo);
+            _mm512_storeu_ps(sums + 32 * s + 16, hi);
+        }
     }
 }
 
@@ -176,8 +188,8 @@ RS_AMX static void row_block(const uint16_t *ab, const uint16_t *wp, int64_t ste
 
 RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp,
                               const uint16_t *mask, int64_t ldm, void *out, int64_t ldo,
-                              int64_t out_f32, int64_t batch, int64_t k, int64_t n, int64_t lo,
-                              int64_t hi) {
+                              int64_t out_f32, float *sums, int64_t batch, int64_t k, int64_t n,
+                              int64_t lo, int64_t hi) {
     if (!recscale_amx_ready()) return -1;
     if (k % 32 != 0) return -2;
     const int64_t steps = k / 32, nt = 2 * ((n + 31) / 32);
@@ -192,7 +204,7 @@ RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp
     load_tile_config();
     for (int64_t p = lo; p < hi; ++p) {
         const int64_t b0 = 32 * p, nr = batch - b0 < 32 ? batch - b0 : 32;
-        copy_rows(g, ldg, b0, nr, steps, ab);
+        copy_rows(g, ldg, b0, nr, steps, ab, sums ? sums + p * k : NULL);
         const uint16_t *m = mask ? mask + b0 * ldm : NULL;
         void *o = out_f32 ? (void *)((float *)out + b0 * ldo) : (void *)((uint16_t *)out + b0 * ldo);
         row_block(ab, wp, steps, nt, nr, n, m, ldm, o, ldo, out_f32, acc, cvt);
@@ -212,9 +224,10 @@ int recscale_igrad_amx_pack(const uint16_t *w, int64_t ldw, int64_t k, int64_t n
 }
 
 int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp, const uint16_t *mask,
-                       int64_t ldm, void *out, int64_t ldo, int64_t out_f32, int64_t batch,
-                       int64_t k, int64_t n, int64_t lo, int64_t hi) {
+                       int64_t ldm, void *out, int64_t ldo, int64_t out_f32, float *sums,
+                       int64_t batch, int64_t k, int64_t n, int64_t lo, int64_t hi) {
     (void)g, (void)ldg, (void)wp, (void)mask, (void)ldm, (void)out, (void)ldo, (void)out_f32;
+    (void)sums;
     (void)batch, (void)k, (void)n, (void)lo, (void)hi;
     return -1;
 }
