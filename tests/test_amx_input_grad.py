@@ -64,19 +64,32 @@ def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
     hook = ctypes.c_int.in_dll(native.library(), "recscale_igrad_round_only")
     monkeypatch.setattr(hook, "value", round_only)
     g, w, x = _operands(batch, k, n, strided)
-    f32, none = gemm_amx.input_grad(g, w, None, torch.float32, threads)
-    assert f32.dtype == torch.float32 and f32.shape == (batch, n) and none is None
+    f32, none, no_dw = gemm_amx.input_grad(g, w, None, torch.float32, threads)
+    assert f32.dtype == torch.float32 and f32.shape == (batch, n) and none is no_dw is None
     want = g.double() @ w.double()
     torch.testing.assert_close(f32.double(), want, rtol=1e-5, atol=1e-5 * k)
-    got, db = gemm_amx.input_grad(g, w, x, BF16, threads, bias_grad=True)
+    got, db, dw = gemm_amx.input_grad(g, w, x, BF16, threads, bias_grad=True, x=x)
     assert got.dtype == BF16 and got.shape == (batch, n) and got.is_contiguous()
     masked = torch.ops.aten.threshold_backward(f32.to(BF16), x, 0.0)
     assert torch.equal(got.view(torch.int16), masked.view(torch.int16))
     assert db.dtype == torch.float32 and db.shape == (k,)  # the bias gradient, in fp32
     torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-5, atol=1e-5 * batch)
-    f32_masked, _ = gemm_amx.input_grad(g, w, x, torch.float32, threads)
+    # the weight gradient from the same pass: the AMX weight-gradient kernel's own bits
+    assert dw.dtype == torch.float32 and dw.shape == (k, n)
+    dw_alone, _ = gemm_amx.weight_grad(g, x, False, threads)
+    assert torch.equal(dw.view(torch.int32), dw_alone.view(torch.int32))  # NaN columns too
+    want_dw = g.double().t() @ x.double().nan_to_num(posinf=0.0, neginf=0.0)
+    finite = x.isfinite().all(0)  # a column holding NaN or inf has a non-finite gradient
+    torch.testing.assert_close(
+        dw.double()[:, finite], want_dw[:, finite], rtol=1e-5, atol=1e-5 * (batch + 1)
+    )
+    # an input without a mask (an MLP's first layer): its weight gradient all the same
+    f32_alone, _, dw_no_mask = gemm_amx.input_grad(g, w, None, torch.float32, threads, x=x)
+    assert torch.equal(f32_alone, f32)
+    assert torch.equal(dw_no_mask.view(torch.int32), dw_alone.view(torch.int32))
+    f32_masked, _, _ = gemm_amx.input_grad(g, w, x, torch.float32, threads)
     assert torch.equal(f32_masked, torch.ops.aten.threshold_backward(f32, x.float(), 0.0))
-    plain, _ = gemm_amx.input_grad(g, w, None, BF16, threads)
+    plain, _, _ = gemm_amx.input_grad(g, w, None, BF16, threads)
     assert torch.equal(plain.view(torch.int16), f32.to(BF16).view(torch.int16))
 
 
@@ -85,17 +98,19 @@ def test_amx_input_grad_gives_the_same_bits_on_any_split():
     blocks of 32 samples: one thread and two agree bit for bit."""
     _needs_amx()
     g, w, x = _operands(1000, 256, 200, False)
-    one, db1 = gemm_amx.input_grad(g, w, x, BF16, 1, bias_grad=True)
-    two, db2 = gemm_amx.input_grad(g, w, x, BF16, 2, bias_grad=True)
+    one, db1, dw1 = gemm_amx.input_grad(g, w, x, BF16, 1, bias_grad=True, x=x)
+    two, db2, dw2 = gemm_amx.input_grad(g, w, x, BF16, 2, bias_grad=True, x=x)
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
-    assert torch.equal(db1, db2)
+    assert torch.equal(db1, db2) and torch.equal(dw1.view(torch.int32), dw2.view(torch.int32))
 
 
 def test_amx_input_grad_of_no_samples_is_empty():
     _needs_amx()
     g, w, _ = _operands(1, 64, 48, False)
-    out, db = gemm_amx.input_grad(g[:0], w, None, torch.float32, 2, bias_grad=True)
+    x = torch.zeros(0, 48, dtype=BF16)
+    out, db, dw = gemm_amx.input_grad(g[:0], w, x, torch.float32, 2, True, x)
     assert out.shape == (0, 48) and torch.equal(db, torch.zeros(64))
+    assert torch.equal(dw, torch.zeros(64, 48))
 
 
 @pytest.mark.parametrize("kernel", [True, False])
@@ -107,14 +122,17 @@ def test_input_grad_agrees_with_or_without_the_kernel(kernel, monkeypatch):
     monkeypatch.setattr(gemm, "_AMX_IGRAD_MIN_MACS", 0)
     g, w, x = _operands(70, 64, 50, True)
     want = (g.double() @ w.double()).where(~(x <= 0), torch.zeros((), dtype=torch.float64))
-    got, db = gemm.input_grad(g, w, x, BF16, bias_grad=True)
+    got, db, dw = gemm.input_grad(g, w, x, BF16, bias_grad=True, x=x)
     assert got.dtype == BF16
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
     if kernel and gemm_amx.ready():
         torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-5, atol=1e-4)
+        assert torch.equal(
+            dw.view(torch.int32), gemm_amx.weight_grad(g, x, False, 1)[0].view(torch.int32)
+        )
     else:
-        assert db is None
-    got32, _ = gemm.input_grad(g, w, None, torch.float32)
+        assert db is None and dw is None
+    got32, _, _ = gemm.input_grad(g, w, None, torch.float32)
     assert got32.dtype == torch.float32
     torch.testing.assert_close(got32.double(), g.double() @ w.double(), rtol=1e-2, atol=1e-2)
 
@@ -125,9 +143,9 @@ def test_which_input_gradient_runs(monkeypatch):
     The kernel stood in for by a recorder, so the rule is checked on any host."""
     calls = []
 
-    def recorder(g, w, mask, out_dtype, threads, bias_grad):
+    def recorder(g, w, mask, out_dtype, threads, bias_grad, x):
         calls.append((tuple(w.shape), mask is not None, out_dtype, threads))
-        return torch.zeros(g.shape[0], w.shape[1], dtype=out_dtype), None
+        return torch.zeros(g.shape[0], w.shape[1], dtype=out_dtype), None, None
 
     monkeypatch.setattr(gemm_amx, "input_grad", recorder)
     monkeypatch.setattr(gemm_amx, "ready", lambda: True)

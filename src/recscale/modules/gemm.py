@@ -222,15 +222,18 @@ def input_grad(
     relu_of: torch.Tensor | None,
     out_dtype: torch.dtype,
     bias_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A dense layer's input gradient ``g [B, out] . w [out, in]`` as a fresh ``[B, in]``
     tensor of ``out_dtype``, zero where ``relu_of`` (the layer's input, a ReLU's output;
-    None for none) is <= 0, as ``threshold_backward`` masks it; and with ``bias_grad``
-    the layer's bias gradient ``g.sum(0)`` in fp32 where the pass gives it on the way,
-    else None (the caller then sums ``g`` itself).
+    None for none) is <= 0, as ``threshold_backward`` masks it; with ``bias_grad`` the
+    layer's bias gradient ``g.sum(0)`` and with ``x`` (the layer's input) its weight
+    gradient ``g^T x`` (fp32) where the pass gives them on the way, else None (the
+    caller then computes them itself).
 
     bf16 on an AMX CPU: one pass of ``native/input_grad_amx.c`` (the mask and the cast to
-    ``out_dtype`` as the product is stored, the bias sums as ``g`` is read; 32 | out);
+    ``out_dtype`` as the product is stored, the bias sums as ``g`` is read, ``g`` and the
+    mask packed as the AMX weight gradient's tiles, whose multiply follows; 32 | out);
     else torch's GEMM, the mask in place and the cast."""
     k, n = w.shape
     macs = g.shape[0] * k * n
@@ -247,13 +250,16 @@ def input_grad(
         and gemm_amx.ready()
     ):
         threads = torch.get_num_threads() if macs >= _AMX_MIN_MACS >> 2 else 1
-        done = gemm_amx.input_grad(g, w, relu_of, out_dtype, threads, bias_grad)
+        fuse = x is not None and _bf16_cpu_rows(g, x) and amx_wgrad()
+        done = gemm_amx.input_grad(
+            g, w, relu_of, out_dtype, threads, bias_grad, x if fuse else None
+        )
         if done is not None:
             return done
     g_in = torch.mm(g, w)
     if relu_of is not None:  # g_in is our own fresh tensor: masked in place
         torch.ops.aten.threshold_backward.grad_input(g_in, relu_of, 0.0, grad_input=g_in)
-    return g_in.to(out_dtype), None
+    return g_in.to(out_dtype), None, None
 
 
 def _native_at_b(

@@ -85,39 +85,60 @@ def input_grad(
     out_dtype: torch.dtype,
     threads: int,
     bias_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(g [B, k] . w [k, n], g.sum(0) or None)``: the product (bf16 operands, ``k`` a
-    multiple of 32, rows contiguous, any row stride) zero where ``mask [B, n]`` (bf16; the
-    ReLU output below the layer) is <= 0, as a fresh ``[B, n]`` tensor of ``out_dtype``
-    (bf16, rounded to nearest even, or fp32); with ``bias_grad`` the column sums of ``g``
-    in fp32 (each block of 32 samples summed in order, then the blocks: the same bits on
-    any split). None when the kernel declined (no AMX grant)."""
+    x: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """``(g [B, k] . w [k, n], g.sum(0) or None, g^T x or None)``: the product (bf16
+    operands, ``k`` a multiple of 32, rows contiguous, any row stride) zero where
+    ``mask [B, n]`` (bf16; the ReLU output below the layer) is <= 0, as a fresh
+    ``[B, n]`` tensor of ``out_dtype`` (bf16, rounded to nearest even, or fp32); with
+    ``bias_grad`` the column sums of ``g`` in fp32 (each block of 32 samples summed in
+    order, then the blocks: the same bits on any split); with ``x`` (bf16 ``[B, n]``,
+    the layer's input: the mask's tensor where there is one) the layer's weight
+    gradient ``g^T x [k, n]`` in fp32 - the pass packs ``g`` and ``x`` as the
+    weight-gradient kernel's tiles, whose multiply then takes them: the same bits as
+    :func:`weight_grad`. None when the kernel declined (no AMX grant)."""
     lib = native.library()
     batch, k = g.shape
     n = w.shape[1]
     out = torch.empty(batch, n, dtype=out_dtype)
+    wgrad = x is not None
     if batch == 0:
-        return out, (torch.zeros(k) if bias_grad else None)
+        return out, (torch.zeros(k) if bias_grad else None), (torch.zeros(k, n) if wgrad else None)
     steps, nt, blocks = k // 32, 2 * -(-n // 32), -(-batch // 32)
     wp = torch.empty(nt * steps * _TILE, dtype=torch.bfloat16)
     sums = torch.empty(blocks, k) if bias_grad else None
+    # the weight gradient's tiles: g^T (k / 16 of them a step), x in pairs of samples
+    wa = torch.empty(k // 16 * blocks * _TILE, dtype=torch.bfloat16) if wgrad else None
+    wb = torch.empty(nt * blocks * _TILE, dtype=torch.bfloat16) if wgrad else None
+    dw = torch.empty(k, n) if wgrad else None
     m_ptr, m_ld = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
     g_ptr, w_ptr, wp_ptr, o_ptr = g.data_ptr(), w.data_ptr(), wp.data_ptr(), out.data_ptr()
     s_ptr = sums.data_ptr() if sums is not None else None
+    wa_ptr, wb_ptr = (wa.data_ptr(), wb.data_ptr()) if wa is not None else (None, None)
+    x_ptr, x_ld = (x.data_ptr(), x.stride(0)) if x is not None else (None, 0)
     f32 = int(out_dtype == torch.float32)
 
     def pack(_p: int, lo: int, hi: int) -> tuple:  # pairs of W's column tiles [lo, hi)
         return (w_ptr, w.stride(0), k, n, wp_ptr, lo, hi)
 
     def multiply(_p: int, lo: int, hi: int) -> tuple:  # blocks of 32 samples [lo, hi)
-        return (g_ptr, g.stride(0), wp_ptr, m_ptr, m_ld, o_ptr, n, f32, s_ptr, batch, k, n, lo, hi)
+        return (
+            g_ptr, g.stride(0), wp_ptr, m_ptr, m_ld, o_ptr, n, f32, s_ptr, x_ptr, x_ld, wa_ptr,
+            wb_ptr, batch, k, n, lo, hi,
+        )  # fmt: skip
 
-    for kernel, n_items, args in (
+    def weights(_p: int, lo: int, hi: int) -> tuple:  # pairs of dw's tile rows [lo, hi)
+        return (wa_ptr, wb_ptr, dw.data_ptr(), n, k, n, batch, lo, hi)
+
+    calls = [
         ("recscale_igrad_amx_pack", nt // 2, pack),
         ("recscale_igrad_amx", blocks, multiply),
-    ):
+    ]
+    if wgrad:
+        calls.append(("recscale_wgrad_amx_gemm", k // 32, weights))
+    for kernel, n_items, args in calls:
         if any(
             native.parallel_call(lib, kernel, n_items, args, threads, key=(kernel, k, n, batch))
         ):
             return None
-    return out, (sums.sum(0) if sums is not None else None)
+    return out, (sums.sum(0) if sums is not None else None), dw

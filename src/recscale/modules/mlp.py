@@ -181,22 +181,26 @@ class _FusedMLPBF16(torch.autograd.Function):
         for li in range(n - 1, -1, -1):
             x, w = acts[li], weights[li]
             need_w, need_b = ctx.needs_input_grad[2 + 2 * li], ctx.needs_input_grad[3 + 2 * li]
-            # the input gradient first: where it runs on AMX tiles its pass over g also
-            # gives the bias gradient, which the weight gradient's pass then skips
-            g_in = db = None
+            # the input gradient first: where it runs on AMX tiles its pass over g and x
+            # also gives the bias and weight gradients
+            g_in = db = dw = None
             if li > 0 and w.shape[0] == 1:  # K = 1: an outer product, masked in place
                 g_in = g * w
                 torch.ops.aten.threshold_backward.grad_input(g_in, x, 0.0, grad_input=g_in)
             elif li > 0:  # x = relu(previous layer): its mask applied to g . w
-                g_in, db = gemm.input_grad(g, w, x, torch.bfloat16, bias_grad=need_b)
+                g_in, db, dw = gemm.input_grad(
+                    g, w, x, torch.bfloat16, need_b, x if need_w else None
+                )
             elif ctx.needs_input_grad[0]:
-                grad_x, db = gemm.input_grad(g, w, None, ctx.x_dtype, bias_grad=need_b)
-            if need_w:  # fp32 [o, i] = g^T x (and the bias gradient), in one pass
+                grad_x, db, dw = gemm.input_grad(
+                    g, w, None, ctx.x_dtype, need_b, x if need_w else None
+                )
+            if need_w and dw is None:  # fp32 [o, i] = g^T x (and the bias gradient)
                 dw, db_w = gemm.weight_grad(g, x, bias_grad=need_b and db is None)
-                grads[2 * li], db = dw, db if db is not None else db_w
+                db = db if db is not None else db_w
             elif need_b and db is None:
                 db = g.sum(0, dtype=torch.float32)
-            grads[2 * li + 1] = db
+            grads[2 * li], grads[2 * li + 1] = dw, db
             g = g_in
         return (grad_x, None, *grads)
 

@@ -45,6 +45,32 @@ RS_PACK static inline void pairs32(__m512i a, __m512i b, __m512i *p0, __m512i *p
 }
 
 
+/* r[i][j] -> r[j][i] for 16 x 16 32-bit elements */
+RS_PACK static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4 i + c], 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3 */
+    for (int i = 0; i < 4; ++i) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i x01 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i x23 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i y01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i y23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+        r[c] = _mm512_shuffle_i32x4(x01, y01, _MM_SHUFFLE(2, 0, 2, 0));
+        r[4 + c] = _mm512_shuffle_i32x4(x01, y01, _MM_SHUFFLE(3, 1, 3, 1));
+        r[8 + c] = _mm512_shuffle_i32x4(x23, y23, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + c] = _mm512_shuffle_i32x4(x23, y23, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
 /* fp32 sums += the 16 bf16 of v */
 RS_PACK static inline __m512 add_bf16(__m512 sums, __m256i v) {
     return _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));

@@ -23,10 +23,15 @@
  * torch's mask up to 2^19 weights (the caller's rule) and loses beyond (1024 -> 1024
  * over 2048 samples, 2 threads: 2.7 against 2.2 ms).
  *
+ * The layer's other gradients come from the same pass. With `sums`, each block p's
+ * column sums of g (the bias gradient, in parts) go to sums[p k, p k + k). With `wa` and
+ * `wb`, g and the layer's input x [batch, n] (which is the mask's tensor where there is
+ * a mask) are packed as the weight gradient's tiles (weight_grad_amx.c's A and B, step p
+ * for block p) while they are in registers, and recscale_wgrad_amx_gemm then multiplies
+ * them: the same bits as that kernel's own packing, without its pass over g and x.
+ *
  * recscale_igrad_amx_pack packs the pairs of W's tiles [lo, hi) of nt / 2;
- * recscale_igrad_amx multiplies the blocks of 32 samples [lo, hi), and with `sums`
- * writes each block p's column sums of g (the layer's bias gradient, in parts) to
- * sums[p k, p k + k). Each output is one
+ * recscale_igrad_amx runs the blocks of 32 samples [lo, hi). Each output is one
  * thread's, summed in a fixed order: the same bits however the parts split.
  */
 #include <stdint.h>
@@ -77,22 +82,33 @@ RS_PACK static inline __mmask32 kept(__m512i x) {
 #define STORE_BLOCK_BODY(to32)                                                              \
     const int64_t left = n - c0;                                                          \
     const __mmask32 cols = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1); \
-    for (int64_t r = 0; r < nr; ++r) {                                                    \
-        const float *row = tmp + (r / 16) * 512 + (r % 16) * 16; /* tile (r / 16, 0)'s */ \
-        const __m512 v0 = _mm512_load_ps(row), v1 = _mm512_load_ps(row + 256);           \
-        const __mmask32 on = mask ? kept(_mm512_maskz_loadu_epi16(cols, mask + r * ldm + c0)) \
-                                  : (__mmask32)0xFFFFFFFFu;                               \
-        if (out_f32) {                                                                    \
-            float *dst = (float *)out + r * ldo + c0;                                     \
-            _mm512_mask_storeu_ps(dst, (__mmask16)(cols & on), v0);                       \
-            _mm512_mask_storeu_ps(dst + 16, (__mmask16)((cols & on) >> 16), v1);          \
-            if (~on & cols) { /* zeros where the mask is off */                          \
-                _mm512_mask_storeu_ps(dst, (__mmask16)(cols & ~on), _mm512_setzero_ps()); \
-                _mm512_mask_storeu_ps(dst + 16, (__mmask16)((cols & ~on) >> 16), _mm512_setzero_ps()); \
+    for (int64_t q = 0; q < 16; ++q) {                                                    \
+        __m512i xr[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};                 \
+        for (int64_t r = 2 * q; r < 2 * q + 2 && r < nr; ++r) {                            \
+            const float *row = tmp + (r / 16) * 512 + (r % 16) * 16; /* tile (r / 16, 0)'s */ \
+            const __m512 v0 = _mm512_load_ps(row), v1 = _mm512_load_ps(row + 256);       \
+            const __m512i xm = mask ? _mm512_maskz_loadu_epi16(cols, mask + r * ldm + c0)  \
+                                    : _mm512_setzero_si512();                             \
+            const __mmask32 on = mask ? kept(xm) : (__mmask32)0xFFFFFFFFu;                \
+            if (wb) xr[r - 2 * q] = wx == mask ? xm : _mm512_maskz_loadu_epi16(cols, wx + r * ldx + c0); \
+            if (out_f32) {                                                                \
+                float *dst = (float *)out + r * ldo + c0;                                 \
+                _mm512_mask_storeu_ps(dst, (__mmask16)(cols & on), v0);                   \
+                _mm512_mask_storeu_ps(dst + 16, (__mmask16)((cols & on) >> 16), v1);      \
+                if (~on & cols) { /* zeros where the mask is off */                      \
+                    _mm512_mask_storeu_ps(dst, (__mmask16)(cols & ~on), _mm512_setzero_ps()); \
+                    _mm512_mask_storeu_ps(dst + 16, (__mmask16)((cols & ~on) >> 16), _mm512_setzero_ps()); \
+                }                                                                         \
+            } else {                                                                      \
+                _mm512_mask_storeu_epi16((uint16_t *)out + r * ldo + c0, cols,           \
+                                         _mm512_maskz_mov_epi16(on, to32(v0, v1)));       \
             }                                                                             \
-        } else {                                                                          \
-            _mm512_mask_storeu_epi16((uint16_t *)out + r * ldo + c0, cols,               \
-                                     _mm512_maskz_mov_epi16(on, to32(v0, v1)));           \
+        }                                                                                 \
+        if (wb) { /* x's two rows interleaved: row q of its B tiles c0 / 16, + 1 */       \
+            __m512i p0, p1;                                                               \
+            pairs32(xr[0], xr[1], &p0, &p1);                                              \
+            _mm512_storeu_si512(wb + 32 * q, p0);                                         \
+            _mm512_storeu_si512(wb + wsteps * TILE + 32 * q, p1);                         \
         }                                                                                 \
     }
 
@@ -107,35 +123,52 @@ cvt32(__m512 v0, __m512 v1) {
 
 RS_PACK static void store_block(const float *tmp, int64_t nr, int64_t c0, int64_t n,
                                 const uint16_t *mask, int64_t ldm, void *out, int64_t ldo,
-                                int64_t out_f32) {
+                                int64_t out_f32, const uint16_t *wx, int64_t ldx, uint16_t *wb,
+                                int64_t wsteps) {
     STORE_BLOCK_BODY(round32)
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void
 store_block_cvt(const float *tmp, int64_t nr, int64_t c0, int64_t n,
-                const uint16_t *mask, int64_t ldm, void *out, int64_t ldo, int64_t out_f32) {
+                const uint16_t *mask, int64_t ldm, void *out, int64_t ldo, int64_t out_f32,
+                const uint16_t *wx, int64_t ldx, uint16_t *wb, int64_t wsteps) {
     STORE_BLOCK_BODY(cvt32)
 }
 
 /* Samples [b0, b0 + nr) of g as A tiles, zeros past nr (so the last block needs no
  * other path): tile (s, h) at ab + (2 s + h) 512 holds samples b0 + 16 h .., k 32 s ...
- * With `sums`, the block's column sums of g in fp32 (sums[0, k)), in sample order. */
+ * With `sums`, the block's column sums of g in fp32 (sums[0, k)), in sample order. With
+ * `wa`, the same values as the weight gradient's A tiles (weight_grad_amx.c: g
+ * transposed, tile (t, p) at wa + (t S + p) 512 for S = wsteps, p this block's step). */
 RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_t nr, int64_t steps,
-                              uint16_t *ab, float *sums) {
+                              uint16_t *ab, float *sums, uint16_t *wa, int64_t wsteps) {
     for (int64_t s = 0; s < steps; ++s) {
-        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-        for (int64_t r = 0; r < 32; ++r) {
-            const __m512i v = r < nr ? _mm512_loadu_si512(g + (b0 + r) * ldg + 32 * s)
-                                     : _mm512_setzero_si512();
-            _mm512_store_si512(ab + (2 * s + r / 16) * TILE + 32 * (r % 16), v);
-            if (sums) {
-                lo = add_bf16(lo, _mm512_castsi512_si256(v));
-                hi = add_bf16(hi, _mm512_extracti64x4_epi64(v, 1));
-            }
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        __m512i r0[16], r1[16];
+        for (int64_t q = 0; q < 16; ++q) {
+            const int64_t r = 2 * q;
+            const __m512i va = r < nr ? _mm512_loadu_si512(g + (b0 + r) * ldg + 32 * s)
+                                      : _mm512_setzero_si512();
+            const __m512i vb = r + 1 < nr ? _mm512_loadu_si512(g + (b0 + r + 1) * ldg + 32 * s)
+                                          : _mm512_setzero_si512();
+            _mm512_store_si512(ab + (2 * s + r / 16) * TILE + 32 * (r % 16), va);
+            _mm512_store_si512(ab + (2 * s + r / 16) * TILE + 32 * (r % 16 + 1), vb);
+            if (sums) add_pair(acc, va, vb);
+            if (wa) pairs32(va, vb, &r0[q], &r1[q]);
         }
         if (sums) {
-            _mm512_storeu_ps(sums + 32 * s, lo);
-            _mm512_storeu_ps(sums + 32 * s + 16, hi);
+            _mm512_storeu_ps(sums + 32 * s, _mm512_add_ps(acc[0], acc[2]));
+            _mm512_storeu_ps(sums + 32 * s + 16, _mm512_add_ps(acc[1], acc[3]));
+        }
+        if (wa) {
+            transpose16(r0);
+            transpose16(r1);
+            uint16_t *tile0 = wa + 2 * s * wsteps * TILE, *tile1 = tile0 + wsteps * TILE;
+            for (int i = 0; i < 16; ++i) {
+                _mm512_storeu_si512(tile0 + 32 * i, r0[i]);
+                _mm512_storeu_si512(tile1 + 32 * i, r1[i]);
+            }
         }
     }
 }
@@ -146,7 +179,9 @@ RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_
  * a 368 -> 512 layer 0.57 / 0.52 ms, 1024 -> 1024 2.88 / 2.70). */
 RS_AMX static void row_block(const uint16_t *ab, const uint16_t *wp, int64_t steps, int64_t nt,
                              int64_t nr, int64_t n, const uint16_t *mask, int64_t ldm, void *out,
-                             int64_t ldo, int64_t out_f32, float *acc, int cvt) {
+                             int64_t ldo, int64_t out_f32, float *acc, int cvt,
+                             const uint16_t *wx, int64_t ldx, uint16_t *wb,
+                             int64_t wsteps) {
     for (int64_t s0 = 0; s0 < steps; s0 += K_CHUNK) {
         const int64_t s1 = s0 + K_CHUNK < steps ? s0 + K_CHUNK : steps;
         for (int64_t u = 0; u < nt; u += 2) {
@@ -178,20 +213,23 @@ RS_AMX static void row_block(const uint16_t *ab, const uint16_t *wp, int64_t ste
             _tile_stored(2, c + 512, 64);
             _tile_stored(3, c + 768, 64);
             if (s1 < steps) continue;
+            uint16_t *wbu = wb ? wb + u * wsteps * TILE : NULL;
             if (cvt)
-                store_block_cvt(c, nr, 16 * u, n, mask, ldm, out, ldo, out_f32);
+                store_block_cvt(c, nr, 16 * u, n, mask, ldm, out, ldo, out_f32, wx, ldx, wbu, wsteps);
             else
-                store_block(c, nr, 16 * u, n, mask, ldm, out, ldo, out_f32);
+                store_block(c, nr, 16 * u, n, mask, ldm, out, ldo, out_f32, wx, ldx, wbu, wsteps);
         }
     }
 }
 
 RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp,
                               const uint16_t *mask, int64_t ldm, void *out, int64_t ldo,
-                              int64_t out_f32, float *sums, int64_t batch, int64_t k, int64_t n,
+                              int64_t out_f32, float *sums, const uint16_t *x, int64_t ldx,
+                              uint16_t *wa, uint16_t *wb, int64_t batch, int64_t k, int64_t n,
                               int64_t lo, int64_t hi) {
     if (!recscale_amx_ready()) return -1;
-    if (k % 32 != 0) return -2;
+    if (k % 32 != 0 || (wb && !x)) return -2;
+    const int64_t wsteps = (batch + 31) / 32;
     const int64_t steps = k / 32, nt = 2 * ((n + 31) / 32);
     const int cvt = !recscale_igrad_round_only && (recscale_cpu_features() & RS_CPU_AVX512_BF16);
     uint16_t *ab = aligned_alloc(64, (size_t)(2 * steps * TILE) * sizeof(uint16_t));
@@ -204,10 +242,13 @@ RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp
     load_tile_config();
     for (int64_t p = lo; p < hi; ++p) {
         const int64_t b0 = 32 * p, nr = batch - b0 < 32 ? batch - b0 : 32;
-        copy_rows(g, ldg, b0, nr, steps, ab, sums ? sums + p * k : NULL);
+        copy_rows(g, ldg, b0, nr, steps, ab, sums ? sums + p * k : NULL, wa ? wa + p * TILE : NULL,
+                  wsteps);
         const uint16_t *m = mask ? mask + b0 * ldm : NULL;
         void *o = out_f32 ? (void *)((float *)out + b0 * ldo) : (void *)((uint16_t *)out + b0 * ldo);
-        row_block(ab, wp, steps, nt, nr, n, m, ldm, o, ldo, out_f32, acc, cvt);
+        const uint16_t *xb = x ? x + b0 * ldx : NULL;
+        row_block(ab, wp, steps, nt, nr, n, m, ldm, o, ldo, out_f32, acc, cvt, xb, ldx, wb ? wb + p * TILE : NULL,
+                  wsteps);
     }
     _tile_release();
     free(ab);
@@ -225,9 +266,10 @@ int recscale_igrad_amx_pack(const uint16_t *w, int64_t ldw, int64_t k, int64_t n
 
 int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp, const uint16_t *mask,
                        int64_t ldm, void *out, int64_t ldo, int64_t out_f32, float *sums,
-                       int64_t batch, int64_t k, int64_t n, int64_t lo, int64_t hi) {
+                       const uint16_t *x, int64_t ldx, uint16_t *wa, uint16_t *wb, int64_t batch,
+                       int64_t k, int64_t n, int64_t lo, int64_t hi) {
     (void)g, (void)ldg, (void)wp, (void)mask, (void)ldm, (void)out, (void)ldo, (void)out_f32;
-    (void)sums;
+    (void)sums, (void)x, (void)ldx, (void)wa, (void)wb;
     (void)batch, (void)k, (void)n, (void)lo, (void)hi;
     return -1;
 }

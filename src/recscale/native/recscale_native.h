@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 29
+#define RECSCALE_NATIVE_ABI 30
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -62,7 +62,8 @@ int recscale_igrad_amx_pack(const uint16_t *w, int64_t ldw, int64_t k, int64_t n
                             int64_t lo, int64_t hi);
 int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp, const uint16_t *mask,
                        int64_t ldm, void *out, int64_t ldo, int64_t out_f32, float *sums,
-                       int64_t batch, int64_t k, int64_t n, int64_t lo, int64_t hi);
+                       const uint16_t *x, int64_t ldx, uint16_t *wa, uint16_t *wb, int64_t batch,
+                       int64_t k, int64_t n, int64_t lo, int64_t hi);
 int recscale_narrow_weight_grad(const float *g, int64_t ldg, const float *mask, int64_t ldm,
                                 const float *x, int64_t ldx, float *dw, int64_t lddw, float *db,
                                 int64_t out, int64_t in, int64_t batch);

@@ -103,8 +103,8 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_IGRAD_AMX_PACK:
         return recscale_igrad_amx_pack(P(0), I(1), I(2), I(3), P(4), I(5), I(6));
     case K_IGRAD_AMX:
-        return recscale_igrad_amx(P(0), I(1), P(2), P(3), I(4), P(5), I(6), I(7), P(8), I(9), I(10),
-                                  I(11), I(12), I(13));
+        return recscale_igrad_amx(P(0), I(1), P(2), P(3), I(4), P(5), I(6), I(7), P(8), P(9), I(10),
+                                  P(11), P(12), I(13), I(14), I(15), I(16), I(17));
     case K_NARROW_WGRAD:
         return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
                                            I(9), I(10), I(11));

@@ -58,31 +58,6 @@ int recscale_amx_ready(void) {
     return ready;
 }
 
-/* r[i][j] -> r[j][i] for 16 x 16 32-bit elements */
-RS_PACK static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    /* u[4 i + c], 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3 */
-    for (int i = 0; i < 4; ++i) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {
-        const __m512i x01 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i x23 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512i y01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i y23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
-        r[c] = _mm512_shuffle_i32x4(x01, y01, _MM_SHUFFLE(2, 0, 2, 0));
-        r[4 + c] = _mm512_shuffle_i32x4(x01, y01, _MM_SHUFFLE(3, 1, 3, 1));
-        r[8 + c] = _mm512_shuffle_i32x4(x23, y23, _MM_SHUFFLE(2, 0, 2, 0));
-        r[12 + c] = _mm512_shuffle_i32x4(x23, y23, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
 
 /* Step s (samples 32 s .. 32 s + 31) of A's tiles t and t + 1 (t even); with `sums`,
  * the step's sums of g's columns 16 t .. 16 t + 31 added to them. */
