@@ -251,6 +251,7 @@ def test_bench_names_the_bf16_mlp_path(monkeypatch):
     avx512 = native.CPU_AVX2 | native.CPU_AVX512F
     for features, granted, want in [
         (avx512 | native.CPU_AVX512_BF16, False, "bf16 node, weight gradients on vdpbf16ps"),
+        (avx512 | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16, True, "input gradients (with"),
         (avx512 | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16, True, "on AMX tiles from"),
         (avx512 | native.CPU_AVX512_BF16 | native.CPU_AMX_BF16, False, "on oneDNN"),
         (avx512, False, "autocast's modules"),

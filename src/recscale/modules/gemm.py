@@ -15,10 +15,12 @@ kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first laye
 512) its forward (:func:`narrow_forward`) and a weight gradient that applies the layer's
 ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). bf16 weight gradients
 on a CPU with AVX512-BF16 run ``native/weight_grad_bf16.c`` (fp32 results, the bias
-gradient on the way: the MLPs' bf16 node) unless the CPU has AMX: there large layers run
-``native/weight_grad_amx.c`` on the tiles (fp32 results; :mod:`gemm_amx`) and small ones
-oneDNN's bf16 GEMM; anything else other than fp32 CPU tensors (CUDA, bf16 elsewhere)
-goes to torch's own ops.
+gradient on the way: the MLPs' bf16 node) unless the CPU has AMX: there
+:func:`input_grad` runs ``native/input_grad_amx.c`` (the ReLU mask, the bias and the
+weight gradient's packing in its one pass; :mod:`gemm_amx`), the other large layers'
+weight gradients ``native/weight_grad_amx.c`` (fp32 results) and small ones oneDNN's
+bf16 GEMM; anything else other than fp32 CPU tensors (CUDA, bf16 elsewhere) goes to
+torch's own ops.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ USE_AMX_IGRAD = True
 # 256 -> 128 0.28 / 0.38 ms, 512 -> 256 0.57 / 0.76, 1024 -> 512 1.23 / 1.66, 480 -> 1024
 # 1.12 / 1.09, 1024 -> 1024 2.74 / 2.22: its tile loop runs at ~35% of the tiles' peak)
 _AMX_IGRAD_MIN_MACS = 1 << 22
+# ... and with them the layer's weight gradient: g and x packed as its tiles on the way
+USE_AMX_FUSED_WGRAD = True
 _AMX_IGRAD_MAX_WEIGHTS = 1 << 19
 _BF16_KERNEL_ON_AMX = False  # tests: the AVX512-BF16 kernel on an AMX CPU as well
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
@@ -250,7 +254,7 @@ def input_grad(
         and gemm_amx.ready()
     ):
         threads = torch.get_num_threads() if macs >= _AMX_MIN_MACS >> 2 else 1
-        fuse = x is not None and _bf16_cpu_rows(g, x) and amx_wgrad()
+        fuse = USE_AMX_FUSED_WGRAD and x is not None and _bf16_cpu_rows(g, x) and amx_wgrad()
         done = gemm_amx.input_grad(
             g, w, relu_of, out_dtype, threads, bias_grad, x if fuse else None
         )

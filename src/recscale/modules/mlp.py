@@ -143,13 +143,19 @@ class _FusedMLPBF16(torch.autograd.Function):
     bf16 first), the ReLU mask in place in the input gradient, and the weight and bias
     gradients come out of one native pass in fp32 (``native/weight_grad_bf16.c``) where
     autocast rounds the weight gradient to bf16, casts it back and sums the bias in a
-    pass of its own. On an AMX CPU the weight gradients run on the tiles instead: our
-    kernel's fp32 ones for layers of 2^18 weights or more (``gemm.amx_wgrad``), oneDNN's,
-    rounded to bf16 as autocast's are, for smaller ones. In the step,
+    pass of its own. On an AMX CPU the gradients run on the tiles instead. A layer whose
+    input gradient our tile kernel takes (``gemm.input_grad``: 32 | out, up to 2^19
+    weights) gets all three from its one pass over ``g`` and the layer's input: the
+    input gradient masked as it is stored, the bias sums, and ``g`` and the input
+    packed for the weight gradient's tile multiply. Other layers' weight gradients are
+    our kernel's fp32 ones from 2^18 weights (``gemm.amx_wgrad``), oneDNN's, rounded to
+    bf16 as autocast's are, below. In the step,
     alternating with autocast's modules (``benchmarks/step_ab.py``): on a Zen 4 VM
     (AVX512-BF16) config A faster in 27 of 34 rounds (medians 21.8-25.2 ms against
     22.7-26.4), B in 10 of 12 (91.9-93.2 against 93.3-97.3); on an Intel Xeon VM with
-    AMX, A in 3 of 4 (11.97 against 12.41 ms)."""
+    AMX, A in 3 of 4 (11.97 against 12.41 ms); there, the tile kernel's input gradients
+    (and with them the other two) against oneDNN's GEMMs and torch's mask: A 13.92
+    against 15.46 ms, 8 of 8 (``--switch amx_igrad``)."""
 
     @staticmethod
     def forward(ctx, x, final_relu, *params):
@@ -227,7 +233,16 @@ def bf16_mlp_path(device: torch.device) -> str:
         return "autocast's modules"
     if gemm.amx_wgrad():
         weights = gemm._AMX_MIN_WEIGHTS
-        return f"bf16 node, weight gradients on AMX tiles from {weights:,} weights, oneDNN below"
+        igrad = (
+            f"input gradients (with the layer's bias and weight gradients) on AMX tiles up to "
+            f"{gemm._AMX_IGRAD_MAX_WEIGHTS:,} weights, "
+            if gemm.USE_AMX_IGRAD
+            else ""
+        )
+        return (
+            f"bf16 node, {igrad}other weight gradients on AMX tiles from {weights:,} "
+            "weights, oneDNN below"
+        )
     if gemm.native_bf16_wgrad():
         return "bf16 node, weight gradients on vdpbf16ps"
     return "bf16 node, weight gradients on oneDNN"
