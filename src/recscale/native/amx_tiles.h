@@ -142,5 +142,19 @@ RS_AMX static inline void load_tile_config(void) {
 }
 
 
+/* One step of a 2 x 2 block of C tiles (0-3): C[i][j] += A_i . B_j for A tiles a0, a1
+ * (loaded into tiles 4, 5) and B tiles b0, b1 (6, 7), each 1 KiB with 64-byte rows. */
+RS_AMX static inline void step_2x2(const uint16_t *a0, const uint16_t *a1, const uint16_t *b0,
+                                   const uint16_t *b1) {
+    _tile_loadd(4, a0, 64);
+    _tile_loadd(5, a1, 64);
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
 #endif /* the compiler has the AMX intrinsics */
 #endif

@@ -200,16 +200,8 @@ RS_AMX static void row_block(const uint16_t *ab, const uint16_t *wp, int64_t ste
                 _tile_loadd(3, c + 768, 64);
             }
             const uint16_t *b0 = wp + u * steps * TILE, *b1 = b0 + steps * TILE;
-            for (int64_t s = s0; s < s1; ++s) {
-                _tile_loadd(4, ab + 2 * s * TILE, 64);
-                _tile_loadd(5, ab + (2 * s + 1) * TILE, 64);
-                _tile_loadd(6, b0 + s * TILE, 64);
-                _tile_loadd(7, b1 + s * TILE, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            for (int64_t s = s0; s < s1; ++s)
+                step_2x2(ab + 2 * s * TILE, ab + (2 * s + 1) * TILE, b0 + s * TILE, b1 + s * TILE);
             _tile_stored(0, c, 64);
             _tile_stored(1, c + 256, 64);
             _tile_stored(2, c + 512, 64);

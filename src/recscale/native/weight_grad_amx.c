@@ -131,16 +131,8 @@ RS_AMX static inline void block(const uint16_t *a, const uint16_t *b, float *c, 
     }
     const uint16_t *a0 = a + t * steps * TILE, *a1 = a0 + steps * TILE;
     const uint16_t *b0 = b + u * steps * TILE, *b1 = b0 + steps * TILE;
-    for (int64_t s = s0; s < s1; ++s) {
-        _tile_loadd(4, a0 + s * TILE, 64);
-        _tile_loadd(5, a1 + s * TILE, 64);
-        _tile_loadd(6, b0 + s * TILE, 64);
-        _tile_loadd(7, b1 + s * TILE, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
+    for (int64_t s = s0; s < s1; ++s)
+        step_2x2(a0 + s * TILE, a1 + s * TILE, b0 + s * TILE, b1 + s * TILE);
     if (!edge) {
         _tile_stored(0, c00, cs);
         _tile_stored(1, c00 + 16, cs);
