@@ -55,13 +55,14 @@ USE_AMX_WGRAD = True
 # bf16 input gradients on an AMX CPU, the ReLU mask applied as they are stored:
 # native/input_grad_amx.c (off: oneDNN's GEMM, then threshold_backward)
 USE_AMX_IGRAD = True
-# It runs from 2^22 multiply-adds (77 samples, a 40 -> 64 layer: ours 0.036 ms, torch's
-# 0.024) to layers of 2^19 weights (in config B's bf16 step, ours / torch's GEMM and mask:
-# 256 -> 128 0.28 / 0.38 ms, 512 -> 256 0.57 / 0.76, 1024 -> 512 1.23 / 1.66, 480 -> 1024
-# 1.12 / 1.09, 1024 -> 1024 2.74 / 2.22: its tile loop runs at ~35% of the tiles' peak)
-_AMX_IGRAD_MIN_MACS = 1 << 22
 # ... and with them the layer's weight gradient: g and x packed as its tiles on the way
 USE_AMX_FUSED_WGRAD = True
+# The kernel runs from 2^22 multiply-adds (77 samples, a 40 -> 64 layer: ours 0.036 ms,
+# torch's 0.024) to layers of 2^19 weights (in config B's bf16 step, ours / torch's GEMM
+# and mask: 256 -> 128 0.28 / 0.38 ms, 512 -> 256 0.57 / 0.76, 1024 -> 512 1.23 / 1.66,
+# 480 -> 1024 1.12 / 1.09, 1024 -> 1024 2.74 / 2.22: its tile loop runs at ~35% of the
+# tiles' peak; with the weight gradient's packing, 1024 -> 1024 7.3 against 3.5 + 3.5)
+_AMX_IGRAD_MIN_MACS = 1 << 22
 _AMX_IGRAD_MAX_WEIGHTS = 1 << 19
 _BF16_KERNEL_ON_AMX = False  # tests: the AVX512-BF16 kernel on an AMX CPU as well
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
@@ -236,8 +237,8 @@ def input_grad(
     caller then computes them itself).
 
     bf16 on an AMX CPU: one pass of ``native/input_grad_amx.c`` (the mask and the cast to
-    ``out_dtype`` as the product is stored, the bias sums as ``g`` is read, ``g`` and the
-    mask packed as the AMX weight gradient's tiles, whose multiply follows; 32 | out);
+    ``out_dtype`` as the product is stored, the bias sums as ``g`` is read, ``g`` and
+    ``x`` packed as the AMX weight gradient's tiles, whose multiply follows; 32 | out);
     else torch's GEMM, the mask in place and the cast."""
     k, n = w.shape
     macs = g.shape[0] * k * n
