@@ -48,6 +48,9 @@ def _operands(batch: int, k: int, n: int, strided: bool):
         (77, 96, 40, True),  # odd batch, three steps of k, a half pair of column tiles
         (300, 512, 368, False),  # config A's top input gradient shape, smaller batch
         (130, 320, 100, True),  # three chunks of k (K_CHUNK = 8 steps) with a short last
+        (70, 1, 256, True),  # a logit layer's input gradient: k = 1, padded to 32
+        (77, 16, 64, False),  # k = 16: half a step
+        (40, 45, 33, True),  # k past one step by 13
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
@@ -119,7 +122,6 @@ def test_input_grad_agrees_with_or_without_the_kernel(kernel, monkeypatch):
     host): the same masked product to a bf16 rounding, fp32 when asked; the bias gradient
     from the kernel's pass, else None (the caller sums)."""
     monkeypatch.setattr(gemm, "USE_AMX_IGRAD", kernel)
-    monkeypatch.setattr(gemm, "_AMX_IGRAD_MIN_MACS", 0)
     g, w, x = _operands(70, 64, 50, True)
     want = (g.double() @ w.double()).where(~(x <= 0), torch.zeros((), dtype=torch.float64))
     got, db, dw = gemm.input_grad(g, w, x, BF16, bias_grad=True, x=x)
@@ -138,8 +140,9 @@ def test_input_grad_agrees_with_or_without_the_kernel(kernel, monkeypatch):
 
 
 def test_which_input_gradient_runs(monkeypatch):
-    """The kernel takes bf16 layers with 32 | out, at least 2^22 multiply-adds and at most
-    2^19 weights; the rest (and every layer without AMX) run torch's GEMM and mask.
+    """The kernel takes bf16 layers of more than one output (a logit's stays on torch's
+    outer product) and at most 2^19 weights; the rest (and every layer without AMX) run
+    torch's GEMM and mask.
     The kernel stood in for by a recorder, so the rule is checked on any host."""
     calls = []
 
@@ -158,12 +161,13 @@ def test_which_input_gradient_runs(monkeypatch):
         gemm.input_grad(g, w, torch.zeros(batch, n, dtype=dtype), out_dtype)
         return bool(calls)
 
-    assert runs_kernel(2048, 256, 512)  # config A's 512 -> 256: 2^28 multiply-adds
+    assert runs_kernel(2048, 256, 512)  # config A's 512 -> 256
     assert runs_kernel(2048, 512, 368, out_dtype=torch.float32)  # A's first top layer
-    assert not runs_kernel(2048, 16, 64)  # 32 does not divide out (64 -> 16)
+    assert runs_kernel(2048, 16, 64)  # 64 -> 16: half a step of k
+    assert runs_kernel(77, 64, 40)  # a small batch
+    assert not runs_kernel(2048, 1, 256)  # a logit's (256 -> 1)
     assert runs_kernel(2048, 512, 1024)  # config B's 1024 -> 512: 2^19 weights
     assert not runs_kernel(2048, 1024, 1024)  # 2^20 weights: oneDNN is faster there
-    assert not runs_kernel(77, 64, 40)  # 2^17.6 multiply-adds: torch's is faster
     assert not runs_kernel(2048, 256, 512, dtype=torch.float32)  # fp32 has its own GEMMs
     monkeypatch.setattr(gemm_amx, "ready", lambda: False)
     assert not runs_kernel(2048, 256, 512)  # no AMX here

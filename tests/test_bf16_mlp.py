@@ -144,7 +144,7 @@ def _emulate(x, weights, biases, final_relu, upstream, round_grads=False):
         (13, [64, 32, 16], True, False),  # a bottom MLP: narrow input, ReLU at the end
         (40, [48, 24, 1], False, True),  # a top MLP ending in a logit, its input's gradient
         (29, [16], True, True),  # one layer
-        (40, [64, 32, 1], False, True),  # input gradients on AMX tiles (32 | out): fp32, masked
+        (40, [64, 32, 1], False, True),  # AMX input gradients, whole steps of k: fp32, masked
     ],
 )
 @pytest.mark.parametrize("wgrad", ["native", "amx", "onednn"])
@@ -162,7 +162,6 @@ def test_bf16_mlp_node_matches_a_float64_emulation_of_its_rounding(
     elif wgrad == "amx":
         monkeypatch.setattr(gemm, "_BF16_KERNEL_ON_AMX", False)
         monkeypatch.setattr(gemm, "_AMX_MIN_WEIGHTS", 0)  # every layer on the tiles
-        monkeypatch.setattr(gemm, "_AMX_IGRAD_MIN_MACS", 0)  # input gradients too (32 | out)
         if not gemm.amx_wgrad():
             pytest.skip(f"no AMX tiles here: {native.status()}")
     elif not gemm.bf16_instructions():

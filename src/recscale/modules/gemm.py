@@ -57,12 +57,14 @@ USE_AMX_WGRAD = True
 USE_AMX_IGRAD = True
 # ... and with them the layer's weight gradient: g and x packed as its tiles on the way
 USE_AMX_FUSED_WGRAD = True
-# The kernel runs from 2^22 multiply-adds (77 samples, a 40 -> 64 layer: ours 0.036 ms,
-# torch's 0.024) to layers of 2^19 weights (in config B's bf16 step, ours / torch's GEMM
-# and mask: 256 -> 128 0.28 / 0.38 ms, 512 -> 256 0.57 / 0.76, 1024 -> 512 1.23 / 1.66,
-# 480 -> 1024 1.12 / 1.09, 1024 -> 1024 2.74 / 2.22: its tile loop runs at ~35% of the
-# tiles' peak; with the weight gradient's packing, 1024 -> 1024 7.3 against 3.5 + 3.5)
-_AMX_IGRAD_MIN_MACS = 1 << 22
+# The kernel runs for layers of more than one output (a logit's k = 1 pads to 32 in the
+# tiles, and torch's outer product is as fast: 2048 samples, 256 inputs, with the weight
+# gradient: 0.21 against 0.22 ms; 64 -> 16 0.095 against 0.054, 77 samples 40 -> 64
+# 0.058 against 0.023) up to 2^19 weights (in config B's bf16 step, the input gradient
+# alone, ours / torch's GEMM and mask: 256 -> 128 0.28 / 0.38 ms, 512 -> 256 0.57 / 0.76,
+# 1024 -> 512 1.23 / 1.66, 480 -> 1024 1.12 / 1.09, 1024 -> 1024 2.74 / 2.22: its tile
+# loop runs at ~35% of the tiles' peak; with the weight gradient's packing, 1024 -> 1024
+# 7.3 against 3.5 + 3.5)
 _AMX_IGRAD_MAX_WEIGHTS = 1 << 19
 _BF16_KERNEL_ON_AMX = False  # tests: the AVX512-BF16 kernel on an AMX CPU as well
 _NARROW_MAX_IN = 13  # NARROW_MAX_IN in native/narrow_layer.c
@@ -238,14 +240,13 @@ def input_grad(
 
     bf16 on an AMX CPU: one pass of ``native/input_grad_amx.c`` (the mask and the cast to
     ``out_dtype`` as the product is stored, the bias sums as ``g`` is read, ``g`` and
-    ``x`` packed as the AMX weight gradient's tiles, whose multiply follows; 32 | out);
+    ``x`` packed as the AMX weight gradient's tiles, whose multiply follows);
     else torch's GEMM, the mask in place and the cast."""
     k, n = w.shape
     macs = g.shape[0] * k * n
     if (
         USE_AMX_IGRAD
-        and k % 32 == 0
-        and macs >= _AMX_IGRAD_MIN_MACS
+        and 1 < k
         and k * n <= _AMX_IGRAD_MAX_WEIGHTS
         and out_dtype in (torch.bfloat16, torch.float32)
         and _bf16_cpu_rows(g, g)
@@ -261,7 +262,7 @@ def input_grad(
         )
         if done is not None:
             return done
-    g_in = torch.mm(g, w)
+    g_in = g * w if k == 1 else torch.mm(g, w)  # k = 1 (a logit's): an outer product
     if relu_of is not None:  # g_in is our own fresh tensor: masked in place
         torch.ops.aten.threshold_backward.grad_input(g_in, relu_of, 0.0, grad_input=g_in)
     return g_in.to(out_dtype), None, None

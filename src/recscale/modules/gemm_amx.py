@@ -88,7 +88,7 @@ def input_grad(
     x: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """``(g [B, k] . w [k, n], g.sum(0) or None, g^T x or None)``: the product (bf16
-    operands, ``k`` a multiple of 32, rows contiguous, any row stride) zero where
+    operands, rows contiguous, any row stride) zero where
     ``mask [B, n]`` (bf16; the ReLU output below the layer) is <= 0, as a fresh
     ``[B, n]`` tensor of ``out_dtype`` (bf16, rounded to nearest even, or fp32); with
     ``bias_grad`` the column sums of ``g`` in fp32 (each block of 32 samples summed in
@@ -104,11 +104,11 @@ def input_grad(
     wgrad = x is not None
     if batch == 0:
         return out, (torch.zeros(k) if bias_grad else None), (torch.zeros(k, n) if wgrad else None)
-    steps, nt, blocks = k // 32, 2 * -(-n // 32), -(-batch // 32)
+    steps, nt, blocks = -(-k // 32), 2 * -(-n // 32), -(-batch // 32)
     wp = torch.empty(nt * steps * _TILE, dtype=torch.bfloat16)
     sums = torch.empty(blocks, k) if bias_grad else None
-    # the weight gradient's tiles: g^T (k / 16 of them a step), x in pairs of samples
-    wa = torch.empty(k // 16 * blocks * _TILE, dtype=torch.bfloat16) if wgrad else None
+    # the weight gradient's tiles: g^T (2 ceil(k / 32) of them a step), x in pairs of samples
+    wa = torch.empty(2 * steps * blocks * _TILE, dtype=torch.bfloat16) if wgrad else None
     wb = torch.empty(nt * blocks * _TILE, dtype=torch.bfloat16) if wgrad else None
     dw = torch.empty(k, n) if wgrad else None
     m_ptr, m_ld = (mask.data_ptr(), mask.stride(0)) if mask is not None else (None, 0)
@@ -135,7 +135,7 @@ def input_grad(
         ("recscale_igrad_amx", blocks, multiply),
     ]
     if wgrad:
-        calls.append(("recscale_wgrad_amx_gemm", k // 32, weights))
+        calls.append(("recscale_wgrad_amx_gemm", steps, weights))
     for kernel, n_items, args in calls:
         if any(
             native.parallel_call(lib, kernel, n_items, args, threads, key=(kernel, k, n, batch))

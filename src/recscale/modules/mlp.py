@@ -190,10 +190,7 @@ class _FusedMLPBF16(torch.autograd.Function):
             # the input gradient first: where it runs on AMX tiles its pass over g and x
             # also gives the bias and weight gradients
             g_in = db = dw = None
-            if li > 0 and w.shape[0] == 1:  # K = 1: an outer product, masked in place
-                g_in = g * w
-                torch.ops.aten.threshold_backward.grad_input(g_in, x, 0.0, grad_input=g_in)
-            elif li > 0:  # x = relu(previous layer): its mask applied to g . w
+            if li > 0:  # x = relu(previous layer): its mask applied to g . w
                 g_in, db, dw = gemm.input_grad(
                     g, w, x, torch.bfloat16, need_b, x if need_w else None
                 )

@@ -10,10 +10,10 @@
  * layer's input gradient can be stored in fp32 (no cast after it).
  *
  * Layouts. W is packed once a call into VNNI B tiles (amx_tiles.h; its rows are the
- * products' slow axis k): tile (u, s) at wp + (u S + s) 512 for S = k / 32 steps and nt
- * (even) tiles of 16 columns. Each block of 32 samples of g is copied into A tiles
- * (16 samples x 32 of k; k a multiple of 32, which the caller checks; samples past the
- * batch zeros). A 2 x 2 block of C tiles (32 samples x 32 columns) sums every step in
+ * products' slow axis k): tile (u, s) at wp + (u S + s) 512 for S = ceil(k / 32) steps
+ * and nt (even) tiles of 16 columns. Each block of 32 samples of g is copied into A tiles
+ * (16 samples x 32 of k; samples past the batch and k past its end zeros, so any k
+ * works - a logit's k = 1 too). A 2 x 2 block of C tiles (32 samples x 32 columns) sums every step in
  * the tiles (in chunks of K_CHUNK steps), then goes through fp32 scratch tiles: rounded
  * to bf16 (to nearest even, as torch rounds finite values) or kept in fp32, zero where
  * mask <= 0 (as threshold_backward: a NaN in mask keeps its gradient), columns past n
@@ -142,26 +142,29 @@ store_block_cvt(const float *tmp, int64_t nr, int64_t c0, int64_t n,
  * With `sums`, the block's column sums of g in fp32 (sums[0, k)), in sample order. With
  * `wa`, the same values as the weight gradient's A tiles (weight_grad_amx.c: g
  * transposed, tile (t, p) at wa + (t S + p) 512 for S = wsteps, p this block's step). */
-RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_t nr, int64_t steps,
-                              uint16_t *ab, float *sums, uint16_t *wa, int64_t wsteps) {
+RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_t nr, int64_t k,
+                              int64_t steps, uint16_t *ab, float *sums, uint16_t *wa,
+                              int64_t wsteps) {
     for (int64_t s = 0; s < steps; ++s) {
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                          _mm512_setzero_ps()};
         __m512i r0[16], r1[16];
         for (int64_t q = 0; q < 16; ++q) {
             const int64_t r = 2 * q;
-            const __m512i va = r < nr ? _mm512_loadu_si512(g + (b0 + r) * ldg + 32 * s)
-                                      : _mm512_setzero_si512();
-            const __m512i vb = r + 1 < nr ? _mm512_loadu_si512(g + (b0 + r + 1) * ldg + 32 * s)
+            const __m512i va = r < nr ? load32(g + (b0 + r) * ldg, 32 * s, k) : _mm512_setzero_si512();
+            const __m512i vb = r + 1 < nr ? load32(g + (b0 + r + 1) * ldg, 32 * s, k)
                                           : _mm512_setzero_si512();
             _mm512_store_si512(ab + (2 * s + r / 16) * TILE + 32 * (r % 16), va);
             _mm512_store_si512(ab + (2 * s + r / 16) * TILE + 32 * (r % 16 + 1), vb);
             if (sums) add_pair(acc, va, vb);
             if (wa) pairs32(va, vb, &r0[q], &r1[q]);
         }
-        if (sums) {
-            _mm512_storeu_ps(sums + 32 * s, _mm512_add_ps(acc[0], acc[2]));
-            _mm512_storeu_ps(sums + 32 * s + 16, _mm512_add_ps(acc[1], acc[3]));
+        if (sums) { /* columns 32 s .. of k */
+            const int64_t left = k - 32 * s;
+            const __mmask32 cols = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+            _mm512_mask_storeu_ps(sums + 32 * s, (__mmask16)cols, _mm512_add_ps(acc[0], acc[2]));
+            _mm512_mask_storeu_ps(sums + 32 * s + 16, (__mmask16)(cols >> 16),
+                                  _mm512_add_ps(acc[1], acc[3]));
         }
         if (wa) {
             transpose16(r0);
@@ -222,9 +225,9 @@ RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp
                               uint16_t *wa, uint16_t *wb, int64_t batch, int64_t k, int64_t n,
                               int64_t lo, int64_t hi) {
     if (!recscale_amx_ready()) return -1;
-    if (k % 32 != 0 || (wb && !x)) return -2;
+    if (wb && !x) return -2;
     const int64_t wsteps = (batch + 31) / 32;
-    const int64_t steps = k / 32, nt = 2 * ((n + 31) / 32);
+    const int64_t steps = (k + 31) / 32, nt = 2 * ((n + 31) / 32);
     const int cvt = !recscale_igrad_round_only && (recscale_cpu_features() & RS_CPU_AVX512_BF16);
     uint16_t *ab = aligned_alloc(64, (size_t)(2 * steps * TILE) * sizeof(uint16_t));
     float *acc = aligned_alloc(64, (size_t)(512 * nt) * sizeof(float));
@@ -236,8 +239,8 @@ RS_AMX int recscale_igrad_amx(const uint16_t *g, int64_t ldg, const uint16_t *wp
     load_tile_config();
     for (int64_t p = lo; p < hi; ++p) {
         const int64_t b0 = 32 * p, nr = batch - b0 < 32 ? batch - b0 : 32;
-        copy_rows(g, ldg, b0, nr, steps, ab, sums ? sums + p * k : NULL, wa ? wa + p * TILE : NULL,
-                  wsteps);
+        copy_rows(g, ldg, b0, nr, k, steps, ab, sums ? sums + p * k : NULL,
+                  wa ? wa + p * TILE : NULL, wsteps);
         const uint16_t *m = mask ? mask + b0 * ldm : NULL;
         void *o = out_f32 ? (void *)((float *)out + b0 * ldo) : (void *)((uint16_t *)out + b0 * ldo);
         const uint16_t *xb = x ? x + b0 * ldx : NULL;
