@@ -184,3 +184,14 @@ def weight_grad_on_two_threads(g: torch.Tensor, x: torch.Tensor, bias_grad: bool
         return gemm.weight_grad(g, x, bias_grad=bias_grad)
     finally:
         torch.set_num_threads(threads)
+
+
+def needs_amx() -> None:
+    """Skip the calling test where the AMX kernels do not run (no AMX-BF16 or no grant)."""
+    import pytest
+
+    from recscale import native
+    from recscale.modules import gemm_amx
+
+    if not gemm_amx.ready():
+        pytest.skip(f"no AMX tiles here: {native.status()}")

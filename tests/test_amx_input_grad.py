@@ -9,16 +9,12 @@ import ctypes
 
 import pytest
 import torch
+from helpers import needs_amx
 
 from recscale import native
 from recscale.modules import gemm, gemm_amx
 
 BF16 = torch.bfloat16
-
-
-def _needs_amx() -> None:
-    if not gemm_amx.ready():
-        pytest.skip(f"no AMX tiles here: {native.status()}")
 
 
 def _operands(batch: int, k: int, n: int, strided: bool):
@@ -63,7 +59,7 @@ def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
     masked as ``threshold_backward`` masks it (zero where x <= 0; a NaN keeps its
     gradient), which is also torch's own masked result to within a bf16 rounding. Both
     conversions: vcvtne2ps2bf16 and the integer rounding of CPUs without AVX512-BF16."""
-    _needs_amx()
+    needs_amx()
     hook = ctypes.c_int.in_dll(native.library(), "recscale_igrad_round_only")
     monkeypatch.setattr(hook, "value", round_only)
     g, w, x = _operands(batch, k, n, strided)
@@ -99,7 +95,7 @@ def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
 def test_amx_input_grad_gives_the_same_bits_on_any_split():
     """Each output is one thread's, summed in a fixed order, and the bias sums go by
     blocks of 32 samples: one thread and two agree bit for bit."""
-    _needs_amx()
+    needs_amx()
     g, w, x = _operands(1000, 256, 200, False)
     one, db1, dw1 = gemm_amx.input_grad(g, w, x, BF16, 1, bias_grad=True, x=x)
     two, db2, dw2 = gemm_amx.input_grad(g, w, x, BF16, 2, bias_grad=True, x=x)
@@ -108,7 +104,7 @@ def test_amx_input_grad_gives_the_same_bits_on_any_split():
 
 
 def test_amx_input_grad_of_no_samples_is_empty():
-    _needs_amx()
+    needs_amx()
     g, w, _ = _operands(1, 64, 48, False)
     x = torch.zeros(0, 48, dtype=BF16)
     out, db, dw = gemm_amx.input_grad(g[:0], w, x, torch.float32, 2, True, x)

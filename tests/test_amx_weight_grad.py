@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import wgrad_operands
+from helpers import needs_amx, wgrad_operands
 
 from recscale import native
 from recscale.modules import gemm, gemm_amx
 
 BF16 = torch.bfloat16
-
-
-def _needs_amx() -> None:
-    if not gemm_amx.ready():
-        pytest.skip(f"no AMX tiles here: {native.status()}")
 
 
 @pytest.mark.parametrize("bias_grad", [True, False])
@@ -41,7 +36,7 @@ def test_amx_weight_grad_is_the_fp32_sum_of_exact_products(
     """dW = g^T x and db = g.sum(0) of bf16 operands, in fp32: each product of two bf16
     values is exact, so against float64 only the fp32 sums differ (edge tiles and steps,
     padding, strided rows, the narrow swap, one and two threads)."""
-    _needs_amx()
+    needs_amx()
     g, x = wgrad_operands(batch, out, inp, strided, BF16)
     dw, db = gemm_amx.weight_grad(g, x, bias_grad, threads)
     assert dw.dtype == torch.float32 and dw.shape == (out, inp) and dw.is_contiguous()
@@ -59,14 +54,14 @@ def test_amx_weight_grad_is_the_fp32_sum_of_exact_products(
 def test_amx_weight_grad_gives_the_same_bits_on_any_split():
     """Each result is one thread's, summed in sample order: one thread and two agree
     bit for bit (a run resumes bitwise whatever the team's split)."""
-    _needs_amx()
+    needs_amx()
     g, x = wgrad_operands(700, 96, 160, True, BF16)
     one, two = gemm_amx.weight_grad(g, x, True, 1), gemm_amx.weight_grad(g, x, True, 2)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
 def test_no_samples_give_zero_gradients():
-    _needs_amx()
+    needs_amx()
     g, x = torch.zeros(0, 40, dtype=BF16), torch.zeros(0, 20, dtype=BF16)
     dw, db = gemm_amx.weight_grad(g, x, True, 2)
     assert torch.equal(dw, torch.zeros(40, 20)) and torch.equal(db, torch.zeros(40))

@@ -249,14 +249,13 @@ def input_grad(
         and 1 < k
         and k * n <= _AMX_IGRAD_MAX_WEIGHTS
         and out_dtype in (torch.bfloat16, torch.float32)
-        and _bf16_cpu_rows(g, g)
+        and all(_bf16_cpu_rows(g, t) for t in (g, relu_of, x) if t is not None)
         and w.is_contiguous()
         and w.dtype == torch.bfloat16
-        and (relu_of is None or _bf16_cpu_rows(g, relu_of))
         and gemm_amx.ready()
     ):
         threads = torch.get_num_threads() if macs >= _AMX_MIN_MACS >> 2 else 1
-        fuse = USE_AMX_FUSED_WGRAD and x is not None and _bf16_cpu_rows(g, x) and amx_wgrad()
+        fuse = USE_AMX_FUSED_WGRAD and x is not None and amx_wgrad()
         done = gemm_amx.input_grad(
             g, w, relu_of, out_dtype, threads, bias_grad, x if fuse else None
         )

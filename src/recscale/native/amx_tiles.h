@@ -71,6 +71,19 @@ RS_PACK static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* The A tiles of g transposed from pairs32's output for 16 pairs of samples: r0 (columns
+ * 0-15) becomes tile0's 16 rows, r1 (columns 16-31) tile1's - row c holds column c's 32
+ * samples in order. */
+RS_PACK static inline void store_transposed(__m512i r0[16], __m512i r1[16], uint16_t *tile0,
+                                            uint16_t *tile1) {
+    transpose16(r0);
+    transpose16(r1);
+    for (int i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(tile0 + 32 * i, r0[i]);
+        _mm512_storeu_si512(tile1 + 32 * i, r1[i]);
+    }
+}
+
 /* fp32 sums += the 16 bf16 of v */
 RS_PACK static inline __m512 add_bf16(__m512 sums, __m256i v) {
     return _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));

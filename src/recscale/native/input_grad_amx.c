@@ -166,15 +166,7 @@ RS_PACK static void copy_rows(const uint16_t *g, int64_t ldg, int64_t b0, int64_
             _mm512_mask_storeu_ps(sums + 32 * s + 16, (__mmask16)(cols >> 16),
                                   _mm512_add_ps(acc[1], acc[3]));
         }
-        if (wa) {
-            transpose16(r0);
-            transpose16(r1);
-            uint16_t *tile0 = wa + 2 * s * wsteps * TILE, *tile1 = tile0 + wsteps * TILE;
-            for (int i = 0; i < 16; ++i) {
-                _mm512_storeu_si512(tile0 + 32 * i, r0[i]);
-                _mm512_storeu_si512(tile1 + 32 * i, r1[i]);
-            }
-        }
+        if (wa) store_transposed(r0, r1, wa + 2 * s * wsteps * TILE, wa + (2 * s + 1) * wsteps * TILE);
     }
 }
 

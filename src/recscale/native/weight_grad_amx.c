@@ -73,13 +73,8 @@ RS_PACK static void pack_a(const uint16_t *g, int64_t ldg, int64_t m, int64_t ba
         if (sums) add_pair(acc, va, vb);
         pairs32(va, vb, &r0[q], &r1[q]);
     }
-    transpose16(r0);
-    transpose16(r1);
-    uint16_t *tile0 = a + (t * steps + s) * TILE, *tile1 = tile0 + steps * TILE;
-    for (int i = 0; i < 16; ++i) {
-        _mm512_storeu_si512(tile0 + 32 * i, r0[i]);
-        _mm512_storeu_si512(tile1 + 32 * i, r1[i]);
-    }
+    uint16_t *tile0 = a + (t * steps + s) * TILE;
+    store_transposed(r0, r1, tile0, tile0 + steps * TILE);
     if (sums) add_sums(acc, sums, t, m);
 }
 
