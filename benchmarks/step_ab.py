@@ -16,6 +16,12 @@ Switches (on = what recscale runs):
     amx_igrad   the bf16 node's input gradients on AMX tiles with the ReLU mask as they are
                 stored (native/input_grad_amx.c) against oneDNN's GEMM and threshold_backward
                 (gemm.USE_AMX_IGRAD; bf16, on CPUs with AMX)
+    small_bf16  the bf16 node's logit backward and narrow first-layer weight gradient in one
+                native pass each (native/small_layers_bf16.c) against torch's ops
+                (small_layers_bf16.USE; bf16, on CPUs with AVX512-BF16)
+    dot_bf16    the native dot interaction's row written in bf16 for the bf16 top MLP and its
+                gradient read in bf16 (native/dot_interaction_bf16.c) against an fp32 row
+                (dot_interaction_cpu.USE_BF16_EDGES; bf16, on CPUs with AVX512-BF16)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
 
@@ -35,7 +41,7 @@ from collections.abc import Callable
 from recscale import native
 from recscale.config import load_config
 from recscale.distributed import DistContext
-from recscale.modules import gemm
+from recscale.modules import dot_interaction_cpu, gemm, small_layers_bf16
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
@@ -54,6 +60,14 @@ def _amx_igrad(on: bool) -> None:
     gemm.USE_AMX_IGRAD = on
 
 
+def _small_bf16(on: bool) -> None:
+    small_layers_bf16.USE = on
+
+
+def _dot_bf16(on: bool) -> None:
+    dot_interaction_cpu.USE_BF16_EDGES = on
+
+
 def _dot_stream(on: bool) -> None:
     stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
     if not hasattr(_dot_stream, "default"):
@@ -65,6 +79,8 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "bf16_node": _bf16_node,
     "amx_wgrad": _amx_wgrad,
     "amx_igrad": _amx_igrad,
+    "small_bf16": _small_bf16,
+    "dot_bf16": _dot_bf16,
     "dot_stream": _dot_stream,
 }
 
@@ -80,7 +96,10 @@ def main() -> None:
         raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
     if args.switch in ("amx_wgrad", "amx_igrad") and not gemm.amx_wgrad():
         raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
-    if args.switch in ("bf16_node", "amx_wgrad", "amx_igrad"):  # parts of the bf16 step
+    bf16_kernels = ("small_bf16", "dot_bf16")
+    if args.switch in bf16_kernels and not native.cpu_features() & native.CPU_AVX512_BF16:
+        raise SystemExit(f"the AVX512-BF16 kernels do not run here: {native.status()}")
+    if args.switch in ("bf16_node", "amx_wgrad", "amx_igrad", *bf16_kernels):  # the bf16 step
         overrides = [*overrides, "--train.precision=bf16"]
     if args.switch == "dot_stream" and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")

@@ -40,3 +40,26 @@ def sigint_handled():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(params=["wide", "wide-streamed", "tiles", "avx2"])
+def wide_interaction(request):
+    """Every native interaction path for d >= 64: the AVX-512 tiles
+    (native/dot_interaction_avx512.c, where the CPU has AVX-512; "streamed": its
+    backward's non-temporal stores, which large batches take, at any size), the AVX2
+    forward tiles (2 x 4 rows; the backward then takes the AVX2 kernel) and the AVX2
+    pair kernels."""
+    import ctypes
+
+    from recscale import native
+
+    if request.param.startswith("wide") and not native.has_avx512():
+        pytest.skip(f"AVX-512 interaction kernels: {native.status()}")
+    flag = ctypes.c_int.in_dll(native.library(), "recscale_dot_wide")
+    stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
+    saved = flag.value, stream.value
+    flag.value = {"wide": 1, "wide-streamed": 1, "tiles": 2, "avx2": 0}[request.param]
+    if request.param == "wide-streamed":
+        stream.value = 0
+    yield request.param
+    flag.value, stream.value = saved

@@ -106,10 +106,15 @@ class NativeDotInteraction(torch.autograd.Function):
     batch split over threads. ``emb`` is ``[B, F*D]`` or ``[B, F, D]`` with any strides
     (``pooled_by_feature``: sample-major from the native lookup, a feature-major view
     from the torch one); its gradient comes back with the same shape and strides, which
-    the embedding backward takes without a copy."""
+    the embedding backward takes without a copy.
+
+    ``out_bf16`` (a bf16 top MLP next, on a CPU with AVX512-BF16: see
+    :func:`bf16_edges_available`): the output row in bf16 - the fp32 sums rounded as
+    torch casts them - and its gradient read in bf16 (``native/dot_interaction_bf16.c``),
+    so neither side makes an fp32 copy of the row."""
 
     @staticmethod
-    def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim):
+    def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim, out_bf16=False):
         lib = native.library()
         b = emb.shape[0]
         emb3 = emb.view(b, num_features, dim) if emb.dim() == 2 else emb
@@ -118,14 +123,15 @@ class NativeDotInteraction(torch.autograd.Function):
         dense = dense.contiguous() if dense is not None else None
         has_dense = dense is not None
         k = num_features + int(has_dense)
-        out = torch.empty(b, out_dim, dtype=emb.dtype)
+        out = torch.empty(b, out_dim, dtype=torch.bfloat16 if out_bf16 else emb.dtype)
         d_ptr = dense.data_ptr() if has_dense else 0
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *emb3.stride()[:2])
 
         def part(_p: int, lo: int, hi: int) -> tuple:
             return (d_ptr, emb3.data_ptr(), out.data_ptr(), lo, hi, *args)
 
-        _check(native.parallel_call(lib, "recscale_dot_forward", b, part, torch.get_num_threads()))
+        kernel = "recscale_dot_forward_bf16" if out_bf16 else "recscale_dot_forward"
+        _check(native.parallel_call(lib, kernel, b, part, torch.get_num_threads()))
         ctx.save_for_backward(dense, emb3)
         ctx.shape = (num_features, dim, self_interaction, out_dim, emb.shape)
         return out
@@ -138,6 +144,10 @@ class NativeDotInteraction(torch.autograd.Function):
         has_dense = dense is not None
         b = emb3.shape[0]
         g = grad_out.contiguous()
+        # a bf16 row's gradient comes in bf16 (read as it is); any other in fp32
+        bf16 = g.dtype == torch.bfloat16 and bf16_edges_available()
+        g = g if bf16 or g.dtype == torch.float32 else g.float()
+        kernel = "recscale_dot_backward_bf16" if bf16 else "recscale_dot_backward"
         grad_emb = torch.empty_like(emb3)  # keeps emb3's strides (a dense permutation)
         grad_dense = torch.empty_like(dense) if has_dense else None
         d_ptr = dense.data_ptr() if has_dense else 0
@@ -158,14 +168,23 @@ class NativeDotInteraction(torch.autograd.Function):
                 *args,
             )
 
-        _check(native.parallel_call(lib, "recscale_dot_backward", b, part, torch.get_num_threads()))
-        return grad_dense, grad_emb.view(emb_shape), None, None, None, None
+        _check(native.parallel_call(lib, kernel, b, part, torch.get_num_threads()))
+        return grad_dense, grad_emb.view(emb_shape), None, None, None, None, None
 
 
 def _check(rcs: list[int]) -> None:
     for rc in rcs:
         if rc != 0:
             raise RuntimeError(f"native dot interaction kernel failed (code {rc})")
+
+
+USE_BF16_EDGES = True  # False: an fp32 output row under bf16 (benchmarks/step_ab.py)
+
+
+def bf16_edges_available() -> bool:
+    """Whether :class:`NativeDotInteraction` can write its row in bf16 here (the library
+    on a CPU with AVX512-BF16)."""
+    return USE_BF16_EDGES and bool(native.cpu_features() & native.CPU_AVX512_BF16)
 
 
 def supported(t: torch.Tensor) -> bool:

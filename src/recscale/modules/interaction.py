@@ -102,24 +102,24 @@ class DotInteraction(nn.Module):
         if pooled_BX.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # bf16 on a CPU: the products here are a few % of the step's FLOPs, and
             # torch's bf16 bmm + gather took 9.7 ms of config B's 36.5 ms forward on an
-            # AVX512-BF16 host; the fp32 fused kernel (its output cast once by the top
-            # MLP's first GEMM) is faster and exact in fp32
+            # AVX512-BF16 host; the fp32 fused kernel is faster and exact in fp32, and
+            # on AVX512-BF16 the native one writes its row in bf16 for the top MLP
+            # (rounded as the MLP's cast would round it) and reads its gradient in bf16
             with torch.autocast("cpu", enabled=False):
                 d = dense_BD.float() if dense_BD is not None else None
-                return self._interact(d, pooled_BX.float())
+                return self._interact(d, pooled_BX.float(), bf16_out=True)
         return self._interact(dense_BD, pooled_BX)
 
-    def _interact(self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor) -> torch.Tensor:
+    def _interact(
+        self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor, bf16_out: bool = False
+    ) -> torch.Tensor:
         fused = self._fused(pooled_BX)
         if fused is not None:
-            return fused.apply(
-                dense_BD,
-                pooled_BX,
-                self.num_features,
-                self.dim,
-                self.self_interaction,
-                self.out_dim,
-            )
+            args = (self.num_features, self.dim, self.self_interaction, self.out_dim)
+            if fused is dot_interaction_cpu.NativeDotInteraction:
+                bf16_out = bf16_out and dot_interaction_cpu.bf16_edges_available()
+                return fused.apply(dense_BD, pooled_BX, *args, bf16_out)
+            return fused.apply(dense_BD, pooled_BX, *args)
         b = pooled_BX.shape[0]
         emb_BFD = pooled_BX.reshape(b, self.num_features, self.dim)
         rows = [dense_BD.unsqueeze(1)] if self.has_dense else []

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import nn
 
-from recscale.modules import gemm
+from recscale.modules import gemm, small_layers_bf16
 
 
 def _saved(ctx, grad_out: torch.Tensor) -> tuple:
@@ -187,6 +187,11 @@ class _FusedMLPBF16(torch.autograd.Function):
         for li in range(n - 1, -1, -1):
             x, w = acts[li], weights[li]
             need_w, need_b = ctx.needs_input_grad[2 + 2 * li], ctx.needs_input_grad[3 + 2 * li]
+            if li > 0 and small_layers_bf16.logit_applies(x, w):
+                # a logit (n -> 1) below a ReLU: its three gradients in one pass over x
+                g, dw, db = small_layers_bf16.logit_backward(x, w, g, mask=True, input_grad=True)
+                grads[2 * li], grads[2 * li + 1] = dw if need_w else None, db if need_b else None
+                continue
             # the input gradient first: where it runs on AMX tiles its pass over g and x
             # also gives the bias and weight gradients
             g_in = db = dw = None
@@ -198,7 +203,11 @@ class _FusedMLPBF16(torch.autograd.Function):
                 grad_x, db, dw = gemm.input_grad(
                     g, w, None, ctx.x_dtype, need_b, x if need_w else None
                 )
-            if need_w and dw is None:  # fp32 [o, i] = g^T x (and the bias gradient)
+            if need_w and dw is None and small_layers_bf16.narrow_applies(g, x):
+                # a narrow first layer (13 -> 512): dw and db in one pass over g
+                dw, db_w = small_layers_bf16.narrow_weight_grad(g, x, need_b and db is None)
+                db = db if db is not None else db_w
+            elif need_w and dw is None:  # fp32 [o, i] = g^T x (and the bias gradient)
                 dw, db_w = gemm.weight_grad(g, x, bias_grad=need_b and db is None)
                 db = db if db is not None else db_w
             elif need_b and db is None:
@@ -228,6 +237,12 @@ def bf16_mlp_path(device: torch.device) -> str:
     cpu_node = device.type == "cpu" and gemm.ONEDNN_LINEAR is not None and gemm.USE_FUSED_BF16
     if not (cpu_node and gemm.bf16_instructions()):
         return "autocast's modules"
+    small = "; logit and narrow first layer on vdpbf16ps" if small_layers_bf16.available() else ""
+    return _bf16_gradients_path() + small
+
+
+def _bf16_gradients_path() -> str:
+    """Where the bf16 node's input and weight gradients run, in words."""
     if gemm.amx_wgrad():
         weights = gemm._AMX_MIN_WEIGHTS
         igrad = (

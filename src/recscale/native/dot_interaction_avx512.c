@@ -30,6 +30,10 @@
  * the sparse update reads them, and a plain store first reads each line it writes
  * (write-allocate): streamed, B's bf16 step 93.0 -> 91.4 ms (docs/performance.md). */
 int64_t recscale_dot_stream_bytes = (int64_t)8 << 20;
+/* The samples whose rows the caller's whole part writes, when it calls the backward in
+ * blocks (dot_interaction_bf16.c): the streaming test is of the part, not the block.
+ * 0: the call's own range. */
+_Thread_local int64_t rs_dot_part_samples = 0;
 
 
 /* Share `part` of `parts` of the 64-byte lines of a sample's embedding rows (row f at
@@ -179,7 +183,8 @@ backward_wide(const float *dense, const float *emb, const float *g, float *grad_
               int64_t gsf, float *G, int64_t kp, const float **rows, float **dst) {
     const int64_t first = e0 * d, lines = (k - e0) * (d / 16), ngroups = kp / 4;
     const int64_t steps = ngroups * ((d + 63) / 64);
-    const int stream = (b1 - b0) * k * d * (int64_t)sizeof(float) >= recscale_dot_stream_bytes;
+    const int64_t part = rs_dot_part_samples > 0 ? rs_dot_part_samples : b1 - b0;
+    const int stream = part * k * d * (int64_t)sizeof(float) >= recscale_dot_stream_bytes;
     for (int64_t b = b0; b < b1; ++b) {
         const float *gb = g + b * width;
         if (e0) {

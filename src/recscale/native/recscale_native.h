@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 30
+#define RECSCALE_NATIVE_ABI 31
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -76,6 +76,25 @@ void recscale_logit_backward(const float *h, int64_t ldh, const float *w, const 
                              float *dw, float *db, float *dh, int64_t lddh, int64_t batch,
                              int64_t n, int mask);
 
+int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uint16_t *w,
+                                 const uint16_t *dz, float *dwp, float *dbp, uint16_t *dh,
+                                 int64_t lddh, int64_t batch, int64_t n, int64_t mask, int64_t lo,
+                                 int64_t hi);
+int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx,
+                               float *dw, float *db, int64_t out, int64_t in, int64_t batch,
+                               int64_t lo, int64_t hi);
+
+int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *out16, int64_t b0,
+                              int64_t b1, int64_t k, int64_t d, int64_t has_dense,
+                              int64_t self_interaction, int64_t width, int64_t dense_stride,
+                              int64_t emb_sample_stride, int64_t emb_feature_stride);
+int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint16_t *grad16,
+                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                               int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
+                               int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
+                               int64_t emb_feature_stride, int64_t grad_sample_stride,
+                               int64_t grad_feature_stride);
+
 int recscale_team_init(const char *path);
 int64_t recscale_team_kernel_id(const char *name);
 int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_t *ints,
@@ -131,6 +150,7 @@ int recscale_dot_backward_wide(const float *dense, const float *emb, const float
                                float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
                                int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
                                int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf);
+extern _Thread_local int64_t rs_dot_part_samples; /* dot_interaction_avx512.c */
 __attribute__((visibility("hidden"))) int recscale_tile_scratch(int64_t k, int64_t d, float **zero,
                                                                 const float ***rows,
                                                                 int64_t **start);

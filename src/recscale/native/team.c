@@ -51,7 +51,8 @@ int recscale_team_init(const char *path) {
 
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
        K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, K_UNIQUE_PROBE, K_WEIGHT_GRAD_BF16,
-       K_WGRAD_AMX_PACK, K_WGRAD_AMX_GEMM, K_IGRAD_AMX_PACK, K_IGRAD_AMX, N_KERNELS };
+       K_WGRAD_AMX_PACK, K_WGRAD_AMX_GEMM, K_IGRAD_AMX_PACK, K_IGRAD_AMX, K_LOGIT_BWD_BF16,
+       K_NARROW_WGRAD_BF16, K_DOT_FORWARD_BF16, K_DOT_BACKWARD_BF16, N_KERNELS };
 static const char *const kernel_names[N_KERNELS] = {
     [K_LOOKUP] = "recscale_pooled_lookup",
     [K_SPARSE_UPDATE] = "recscale_sparse_update",
@@ -67,6 +68,10 @@ static const char *const kernel_names[N_KERNELS] = {
     [K_WGRAD_AMX_GEMM] = "recscale_wgrad_amx_gemm",
     [K_IGRAD_AMX_PACK] = "recscale_igrad_amx_pack",
     [K_IGRAD_AMX] = "recscale_igrad_amx",
+    [K_LOGIT_BWD_BF16] = "recscale_logit_backward_bf16",
+    [K_NARROW_WGRAD_BF16] = "recscale_narrow_wgrad_bf16",
+    [K_DOT_FORWARD_BF16] = "recscale_dot_forward_bf16",
+    [K_DOT_BACKWARD_BF16] = "recscale_dot_backward_bf16",
 };
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
@@ -105,6 +110,12 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_IGRAD_AMX:
         return recscale_igrad_amx(P(0), I(1), P(2), P(3), I(4), P(5), I(6), I(7), P(8), P(9), I(10),
                                   P(11), P(12), I(13), I(14), I(15), I(16), I(17));
+    case K_LOGIT_BWD_BF16:
+        return recscale_logit_backward_bf16(P(0), I(1), P(2), P(3), P(4), P(5), P(6), I(7), I(8),
+                                            I(9), I(10), I(11), I(12));
+    case K_NARROW_WGRAD_BF16:
+        return recscale_narrow_wgrad_bf16(P(0), I(1), P(2), I(3), P(4), P(5), I(6), I(7), I(8),
+                                          I(9), I(10));
     case K_NARROW_WGRAD:
         return recscale_narrow_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8),
                                            I(9), I(10), I(11));
@@ -114,6 +125,12 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_DOT_FORWARD:
         return recscale_dot_forward(P(0), P(1), P(2), I(3), I(4), I(5), I(6), I(7), I(8), I(9),
                                     I(10), I(11), I(12));
+    case K_DOT_FORWARD_BF16:
+        return recscale_dot_forward_bf16(P(0), P(1), P(2), I(3), I(4), I(5), I(6), I(7), I(8),
+                                         I(9), I(10), I(11), I(12));
+    case K_DOT_BACKWARD_BF16:
+        return recscale_dot_backward_bf16(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8),
+                                          I(9), I(10), I(11), I(12), I(13), I(14), I(15), I(16));
     case K_DOT_BACKWARD:
         return recscale_dot_backward(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8), I(9),
                                      I(10), I(11), I(12), I(13), I(14), I(15), I(16));

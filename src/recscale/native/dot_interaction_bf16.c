@@ -1,0 +1,126 @@
+/*
+ * The dot interaction's bf16 edges (dot_interaction.c's contract, AVX512-BF16 CPUs): the
+ * forward's output row written in bf16 and the backward's incoming gradient read in
+ * bf16, for a bf16 top MLP on either side. T (the bottom MLP's output and the pooled
+ * embeddings) and every sum stay fp32.
+ *
+ *     forward   out16[b] = bf16(out[b])    rounded to nearest even as torch casts fp32
+ *                                          to bf16 (a NaN stays a NaN: 0x7FC0)
+ *     backward  the fp32 kernel's results for g[b] = float(g16[b])  (exact)
+ *
+ * Both run the fp32 kernels over blocks of BLOCK samples into (or out of) a scratch
+ * block of fp32 rows that stays in the core's cache. Why: the fp32 output row of
+ * config A's interaction ([2048, 368], 3 MiB) was written, read back by the top MLP's
+ * cast to bf16 and written again as 1.5 MiB; its gradient came back as fp32 from the
+ * top MLP's first layer. On a 2-vCPU VM each pass over a few MiB of activation costs
+ * 0.1-0.2 ms.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "recscale_native.h"
+
+enum { BLOCK = 32 }; /* samples a scratch block: 32 x 480 fp32 = 60 KiB for config B */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define RS_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* n fp32 -> bf16, to nearest even; NaN -> 0x7FC0 */
+RS_BF static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+        _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/* n bf16 -> fp32 (exact) */
+RS_BF static void to_fp32(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i));
+        _mm512_mask_storeu_ps(dst + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+}
+
+static int ready(void) {
+    return (recscale_cpu_features() & RS_CPU_AVX512_BF16) != 0;
+}
+
+/* recscale_dot_forward's arguments; out16 [b, width] bf16 (row stride width) */
+int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *out16, int64_t b0,
+                              int64_t b1, int64_t k, int64_t d, int64_t has_dense,
+                              int64_t self_interaction, int64_t width, int64_t dense_stride,
+                              int64_t emb_sample_stride, int64_t emb_feature_stride) {
+    if (!ready()) return -1;
+    float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
+    if (!rows) return -2;
+    int rc = 0;
+    for (int64_t c0 = b0; c0 < b1 && rc == 0; c0 += BLOCK) {
+        const int64_t n = b1 - c0 < BLOCK ? b1 - c0 : BLOCK;
+        rc = recscale_dot_forward(has_dense ? dense + c0 * dense_stride : dense,
+                                  emb + c0 * emb_sample_stride, rows, 0, n, k, d, has_dense,
+                                  self_interaction, width, dense_stride, emb_sample_stride,
+                                  emb_feature_stride);
+        if (rc == 0) to_bf16(rows, out16 + c0 * width, n * width);
+    }
+    free(rows);
+    return rc;
+}
+
+/* recscale_dot_backward's arguments; grad16 [b, width] bf16 (row stride width) */
+int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint16_t *grad16,
+                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                               int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
+                               int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
+                               int64_t emb_feature_stride, int64_t grad_sample_stride,
+                               int64_t grad_feature_stride) {
+    if (!ready()) return -1;
+    float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
+    if (!rows) return -2;
+    int rc = 0;
+    rs_dot_part_samples = b1 - b0; /* the stores stream as for the whole part */
+    for (int64_t c0 = b0; c0 < b1 && rc == 0; c0 += BLOCK) {
+        const int64_t n = b1 - c0 < BLOCK ? b1 - c0 : BLOCK;
+        to_fp32(grad16 + c0 * width, rows, n * width);
+        rc = recscale_dot_backward(has_dense ? dense + c0 * dense_stride : dense,
+                                   emb + c0 * emb_sample_stride, rows,
+                                   has_dense ? grad_dense + c0 * d : grad_dense,
+                                   grad_emb + c0 * grad_sample_stride, 0, n, k, d, has_dense,
+                                   self_interaction, width, dense_stride, emb_sample_stride,
+                                   emb_feature_stride, grad_sample_stride, grad_feature_stride);
+    }
+    rs_dot_part_samples = 0;
+    free(rows);
+    return rc;
+}
+
+#else /* not x86-64: the library does not load there (recscale_cpu_features) */
+int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *out16, int64_t b0,
+                              int64_t b1, int64_t k, int64_t d, int64_t has_dense,
+                              int64_t self_interaction, int64_t width, int64_t dense_stride,
+                              int64_t emb_sample_stride, int64_t emb_feature_stride) {
+    (void)dense, (void)emb, (void)out16, (void)b0, (void)b1, (void)k, (void)d, (void)has_dense;
+    (void)self_interaction, (void)width, (void)dense_stride, (void)emb_sample_stride;
+    (void)emb_feature_stride;
+    return -1;
+}
+int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint16_t *grad16,
+                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                               int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
+                               int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
+                               int64_t emb_feature_stride, int64_t grad_sample_stride,
+                               int64_t grad_feature_stride) {
+    (void)dense, (void)emb, (void)grad16, (void)grad_dense, (void)grad_emb, (void)b0, (void)b1;
+    (void)k, (void)d, (void)has_dense, (void)self_interaction, (void)width, (void)dense_stride;
+    (void)emb_sample_stride, (void)emb_feature_stride, (void)grad_sample_stride;
+    (void)grad_feature_stride;
+    return -1;
+}
+#endif

@@ -1,0 +1,118 @@
+"""The native dot interaction's bf16 edges (``native/dot_interaction_bf16.c``): its row
+written in bf16 is the fp32 kernel's row rounded as torch casts it, and its backward
+from a bf16 gradient gives the fp32 kernel's gradients for that gradient widened - bit
+for bit, on every kernel path, over blocks of samples and threads. Skips on a CPU
+without AVX512-BF16 (where the bf16 step keeps an fp32 row)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from recscale import native
+from recscale.modules import dot_interaction_cpu
+from recscale.modules.dot_interaction_cpu import NativeDotInteraction
+from recscale.modules.interaction import DotInteraction
+
+BF16 = torch.bfloat16
+
+
+def _needs_bf16_edges() -> None:
+    if not dot_interaction_cpu.bf16_edges_available():
+        pytest.skip(f"no AVX512-BF16 here: {native.status()}")
+
+
+def _run(dense0, emb0, num_f, dim, self_interaction, out_dim, bf16, upstream):
+    dense = dense0.clone().requires_grad_(True) if dense0 is not None else None
+    emb = emb0.clone().requires_grad_(True)
+    out = NativeDotInteraction.apply(dense, emb, num_f, dim, self_interaction, out_dim, bf16)
+    out.backward(upstream if bf16 else upstream.float())
+    return out.detach(), emb.grad, dense.grad if dense is not None else None
+
+
+_DIMS = [(16, 26), (8, 3), (80, 6), (128, 4)]  # config A's; short; a 64 + 16 block; B's D
+
+
+@pytest.mark.parametrize(
+    "dim,num_f,wide_interaction",
+    [(d, f, "avx2") for d, f in _DIMS]
+    + [(d, f, kind) for d, f in _DIMS if d >= 64 for kind in ("wide", "wide-streamed", "tiles")],
+    indirect=["wide_interaction"],
+)
+@pytest.mark.parametrize("has_dense", [True, False])
+@pytest.mark.parametrize("self_interaction", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_row_and_gradient_are_the_fp32_kernels_bit_for_bit(
+    dim, num_f, has_dense, self_interaction, threads, wide_interaction
+):
+    _needs_bf16_edges()
+    b = 77  # blocks of 32 samples: two whole and a short one (per thread too)
+    gen = torch.Generator().manual_seed(dim * num_f + has_dense)
+    dense = torch.randn(b, dim, generator=gen) if has_dense else None
+    emb = torch.randn(b, num_f * dim, generator=gen)
+    emb[3, :dim] = float("nan")  # a NaN row: the bf16 row holds torch's NaN
+    inter = DotInteraction(num_f, dim, has_dense, self_interaction)
+    upstream = torch.randn(b, inter.out_dim, generator=gen).to(BF16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        args = (num_f, dim, self_interaction, inter.out_dim)
+        out32, emb32, dense32 = _run(dense, emb, *args, False, upstream)
+        out16, emb16, dense16 = _run(dense, emb, *args, True, upstream)
+    finally:
+        torch.set_num_threads(before)
+    assert out16.dtype == BF16 and out16.shape == out32.shape
+    want = out32.to(BF16)
+    nan = torch.isnan(want)  # torch's NaN bits differ by path: NaN for NaN
+    assert nan.any() and torch.equal(torch.isnan(out16), nan)
+    assert torch.equal(out16[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert emb16.dtype == torch.float32
+    assert torch.equal(emb16.view(torch.int32), emb32.view(torch.int32))
+    if has_dense:
+        assert torch.equal(dense16.view(torch.int32), dense32.view(torch.int32))
+
+
+def test_part_sized_streaming_holds_when_the_part_runs_in_blocks():
+    """The backward streams its stores by the size of the caller's part, not of the
+    block of 32 samples it hands the fp32 kernel: with a threshold between the two the
+    results stay the fp32 kernel's."""
+    _needs_bf16_edges()
+    if not native.has_avx512():
+        pytest.skip(f"AVX-512 interaction kernels: {native.status()}")
+    lib = native.library()
+    stream = ctypes.c_int64.in_dll(lib, "recscale_dot_stream_bytes")
+    saved = stream.value
+    b, num_f, dim = 200, 4, 128
+    stream.value = 64 * (num_f + 1) * dim * 4  # more than a block's rows, less than a part's
+    try:
+        gen = torch.Generator().manual_seed(0)
+        dense, emb = torch.randn(b, dim, generator=gen), torch.randn(b, num_f * dim, generator=gen)
+        out_dim = DotInteraction(num_f, dim, True).out_dim
+        upstream = torch.randn(b, out_dim, generator=gen).to(BF16)
+        args = (num_f, dim, False, out_dim)
+        want = _run(dense, emb, *args, False, upstream)
+        got = _run(dense, emb, *args, True, upstream)
+    finally:
+        stream.value = saved
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_the_interaction_writes_bf16_under_cpu_autocast(monkeypatch):
+    """Under CPU bf16 autocast the native interaction hands the top MLP a bf16 row (where
+    the CPU has AVX512-BF16), or an fp32 one with the switch off; either way its
+    gradients reach the embeddings and the bottom MLP's output in their own dtypes."""
+    _needs_bf16_edges()
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(40, 16, generator=gen).to(BF16).requires_grad_(True)
+    emb = torch.randn(40, 26 * 16, generator=gen).requires_grad_(True)
+    inter = DotInteraction(26, 16, True)
+    for on, dtype in ((True, BF16), (False, torch.float32)):
+        monkeypatch.setattr(dot_interaction_cpu, "USE_BF16_EDGES", on)
+        with torch.autocast("cpu", dtype=BF16):
+            out = inter(dense, emb)
+        assert out.dtype == dtype
+        out.float().sum().backward()
+        assert dense.grad.dtype == BF16 and emb.grad.dtype == torch.float32
+        dense.grad = emb.grad = None
