@@ -37,6 +37,7 @@ setup(
             depends=[
                 "src/recscale/native/recscale_native.h",
                 "src/recscale/native/amx_tiles.h",
+                "src/recscale/native/bf16_bits.h",
                 "src/recscale/native/row_format.h",
                 "src/recscale/native/weight_grad_driver.h",
                 "src/recscale/native/weight_grad_tile.h",

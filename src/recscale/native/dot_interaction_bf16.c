@@ -18,46 +18,41 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16_bits.h"
 #include "recscale_native.h"
 
 enum { BLOCK = 32 }; /* samples a scratch block: 32 x 480 fp32 = 60 KiB for config B */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
+#define RS_DOT_BF16_X86 1
 
-#define RS_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-/* n fp32 -> bf16, to nearest even; NaN -> 0x7FC0 */
-RS_BF static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
+/* n fp32 -> bf16 (bf16_bits.h's rounding) */
+RS_BF16_BITS static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-        _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(r));
+        _mm256_mask_storeu_epi16(dst + i, m, rs_bf16_round16(_mm512_maskz_loadu_ps(m, src + i)));
     }
 }
 
 /* n bf16 -> fp32 (exact) */
-RS_BF static void to_fp32(const uint16_t *src, float *dst, int64_t n) {
+RS_BF16_BITS static void to_fp32(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i));
-        _mm512_mask_storeu_ps(dst + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        _mm512_mask_storeu_ps(dst + i, m, rs_bf16_widen16(_mm256_maskz_loadu_epi16(m, src + i)));
     }
 }
 
 static int ready(void) {
     return (recscale_cpu_features() & RS_CPU_AVX512_BF16) != 0;
 }
+#endif
 
 /* recscale_dot_forward's arguments; out16 [b, width] bf16 (row stride width) */
 int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *out16, int64_t b0,
                               int64_t b1, int64_t k, int64_t d, int64_t has_dense,
                               int64_t self_interaction, int64_t width, int64_t dense_stride,
                               int64_t emb_sample_stride, int64_t emb_feature_stride) {
+#ifdef RS_DOT_BF16_X86
     if (!ready()) return -1;
     float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
     if (!rows) return -2;
@@ -72,6 +67,12 @@ int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *ou
     }
     free(rows);
     return rc;
+#else
+    (void)dense, (void)emb, (void)out16, (void)b0, (void)b1, (void)k, (void)d, (void)has_dense;
+    (void)self_interaction, (void)width, (void)dense_stride, (void)emb_sample_stride;
+    (void)emb_feature_stride;
+    return -1;
+#endif
 }
 
 /* recscale_dot_backward's arguments; grad16 [b, width] bf16 (row stride width) */
@@ -81,6 +82,7 @@ int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint1
                                int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
                                int64_t emb_feature_stride, int64_t grad_sample_stride,
                                int64_t grad_feature_stride) {
+#ifdef RS_DOT_BF16_X86
     if (!ready()) return -1;
     float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
     if (!rows) return -2;
@@ -99,28 +101,11 @@ int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint1
     rs_dot_part_samples = 0;
     free(rows);
     return rc;
-}
-
-#else /* not x86-64: the library does not load there (recscale_cpu_features) */
-int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *out16, int64_t b0,
-                              int64_t b1, int64_t k, int64_t d, int64_t has_dense,
-                              int64_t self_interaction, int64_t width, int64_t dense_stride,
-                              int64_t emb_sample_stride, int64_t emb_feature_stride) {
-    (void)dense, (void)emb, (void)out16, (void)b0, (void)b1, (void)k, (void)d, (void)has_dense;
-    (void)self_interaction, (void)width, (void)dense_stride, (void)emb_sample_stride;
-    (void)emb_feature_stride;
-    return -1;
-}
-int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint16_t *grad16,
-                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
-                               int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
-                               int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
-                               int64_t emb_feature_stride, int64_t grad_sample_stride,
-                               int64_t grad_feature_stride) {
+#else
     (void)dense, (void)emb, (void)grad16, (void)grad_dense, (void)grad_emb, (void)b0, (void)b1;
     (void)k, (void)d, (void)has_dense, (void)self_interaction, (void)width, (void)dense_stride;
     (void)emb_sample_stride, (void)emb_feature_stride, (void)grad_sample_stride;
     (void)grad_feature_stride;
     return -1;
-}
 #endif
+}

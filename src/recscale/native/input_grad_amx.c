@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "bf16_bits.h"
 #include "recscale_native.h"
 
 int recscale_igrad_round_only = 0;
@@ -55,15 +56,6 @@ int recscale_igrad_amx_pack(const uint16_t *w, int64_t ldw, int64_t k, int64_t n
     for (int64_t s = 0; s < steps; ++s)
         for (int64_t p = lo; p < hi; ++p) pack_b(w, ldw, n, k, steps, 2 * p, s, wp, NULL);
     return 0;
-}
-
-/* 16 fp32 -> 16 bf16, rounded to nearest even; NaN stays a (quiet) NaN */
-RS_PACK static inline __m256i to_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 /* Which of 32 bf16 of x keep their gradient: all but x <= 0, as threshold_backward
@@ -115,7 +107,7 @@ RS_PACK static inline __mmask32 kept(__m512i x) {
     }
 
 RS_PACK static inline __m512i round32(__m512 v0, __m512 v1) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(v0)), to_bf16(v1), 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(rs_bf16_round16(v0)), rs_bf16_round16(v1), 1);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline __m512i

@@ -29,38 +29,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16_bits.h"
 #include "recscale_native.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
 #define RS_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define RS_SMALL_X86 1
 
 enum { LOGIT_BLOCK = 64, NARROW_IN = 13 }; /* NARROW_IN: inputs a register pass holds */
 
 static int ready(void) {
     return (recscale_cpu_features() & RS_CPU_AVX512_BF16) != 0;
-}
-
-/* 16 bf16 (as 16-bit words) -> fp32 */
-RS_BF static inline __m512 widen(__m256i v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-/* 16 fp32 -> bf16, to nearest even; NaN -> 0x7FC0 (c10::BFloat16's scalar rule) */
-RS_BF static inline __m256i narrow(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* which of 16 bf16 of h keep their gradient: all but h <= 0 (h > 0 as int16, or NaN) */
-RS_BF static inline __mmask16 kept(__m256i h) {
-    const __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7FFF));
-    return _mm256_cmpgt_epi16_mask(h, _mm256_setzero_si256()) |
-           _mm256_cmpgt_epi16_mask(mag, _mm256_set1_epi16(0x7F80));
 }
 
 static inline float bf16_to_float(uint16_t v) {
@@ -69,55 +50,6 @@ static inline float bf16_to_float(uint16_t v) {
         float f;
     } c = {(uint32_t)v << 16};
     return c.f;
-}
-
-/* Blocks [lo, hi) of LOGIT_BLOCK samples: block p's dw sums to dwp[p n, p n + n), its db
- * to dbp[p]; dh for its samples (NULL: not wanted). mask: zero dh where h <= 0. The
- * columns run in chunks of 256, whose sums stay in 16 registers through the block. */
-RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uint16_t *w,
-                                       const uint16_t *dz, float *dwp, float *dbp, uint16_t *dh,
-                                       int64_t lddh, int64_t batch, int64_t n, int64_t mask,
-                                       int64_t lo, int64_t hi) {
-    if (!ready()) return -1;
-    for (int64_t p = lo; p < hi; ++p) {
-        const int64_t b0 = p * LOGIT_BLOCK;
-        const int64_t b1 = b0 + LOGIT_BLOCK < batch ? b0 + LOGIT_BLOCK : batch;
-        float bsum = 0.0f;
-        for (int64_t b = b0; b < b1; ++b) bsum += bf16_to_float(dz[b]);
-        dbp[p] = bsum;
-        for (int64_t c0 = 0; c0 < n; c0 += 256) {
-            const int64_t left = n - c0;
-            const int nq = left >= 256 ? 16 : (int)((left + 15) / 16);
-            __m512 acc[16];
-            for (int q = 0; q < 16; ++q) acc[q] = _mm512_setzero_ps();
-            for (int64_t b = b0; b < b1; ++b) {
-                const __m512 gv = _mm512_set1_ps(bf16_to_float(dz[b]));
-                const uint16_t *hb = h + b * ldh + c0;
-                uint16_t *db_row = dh ? dh + b * lddh + c0 : NULL;
-#pragma GCC unroll 16
-                for (int q = 0; q < 16; ++q) {
-                    if (q >= nq) break;
-                    const int64_t r = left - 16 * q;
-                    const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
-                    const __m256i hv = _mm256_maskz_loadu_epi16(m, hb + 16 * q);
-                    acc[q] = _mm512_fmadd_ps(gv, widen(hv), acc[q]);
-                    if (db_row) {
-                        const __m256i wv = _mm256_maskz_loadu_epi16(m, w + c0 + 16 * q);
-                        const __m256i d = narrow(_mm512_mul_ps(gv, widen(wv)));
-                        const __mmask16 keep = mask ? (__mmask16)(m & kept(hv)) : m;
-                        _mm256_mask_storeu_epi16(db_row + 16 * q, m, _mm256_maskz_mov_epi16(keep, d));
-                    }
-                }
-            }
-            float *dw = dwp + p * n + c0;
-            for (int q = 0; q < nq; ++q) {
-                const int64_t r = left - 16 * q;
-                const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
-                _mm512_mask_storeu_ps(dw + 16 * q, m, acc[q]);
-            }
-        }
-    }
-    return 0;
 }
 
 /* Lane j = a[j] | b[j] << 16, j < 16 (b NULL: zero): two samples' values of 16 outputs */
@@ -173,11 +105,71 @@ static inline __mmask16 lanes(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
+#else /* not x86-64: the library does not load there (recscale_cpu_features) */
+#define RS_BF
+#endif
+
+/* Blocks [lo, hi) of LOGIT_BLOCK samples: block p's dw sums to dwp[p n, p n + n), its db
+ * to dbp[p]; dh for its samples (NULL: not wanted). mask: zero dh where h <= 0. The
+ * columns run in chunks of 256, whose sums stay in 16 registers through the block. */
+RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uint16_t *w,
+                                       const uint16_t *dz, float *dwp, float *dbp, uint16_t *dh,
+                                       int64_t lddh, int64_t batch, int64_t n, int64_t mask,
+                                       int64_t lo, int64_t hi) {
+#ifdef RS_SMALL_X86
+    if (!ready()) return -1;
+    for (int64_t p = lo; p < hi; ++p) {
+        const int64_t b0 = p * LOGIT_BLOCK;
+        const int64_t b1 = b0 + LOGIT_BLOCK < batch ? b0 + LOGIT_BLOCK : batch;
+        float bsum = 0.0f;
+        for (int64_t b = b0; b < b1; ++b) bsum += bf16_to_float(dz[b]);
+        dbp[p] = bsum;
+        for (int64_t c0 = 0; c0 < n; c0 += 256) {
+            const int64_t left = n - c0;
+            const int nq = left >= 256 ? 16 : (int)((left + 15) / 16);
+            __m512 acc[16];
+            for (int q = 0; q < 16; ++q) acc[q] = _mm512_setzero_ps();
+            for (int64_t b = b0; b < b1; ++b) {
+                const __m512 gv = _mm512_set1_ps(bf16_to_float(dz[b]));
+                const uint16_t *hb = h + b * ldh + c0;
+                uint16_t *db_row = dh ? dh + b * lddh + c0 : NULL;
+#pragma GCC unroll 16
+                for (int q = 0; q < 16; ++q) {
+                    if (q >= nq) break;
+                    const int64_t r = left - 16 * q;
+                    const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
+                    const __m256i hv = _mm256_maskz_loadu_epi16(m, hb + 16 * q);
+                    acc[q] = _mm512_fmadd_ps(gv, rs_bf16_widen16(hv), acc[q]);
+                    if (db_row) {
+                        const __m256i wv = _mm256_maskz_loadu_epi16(m, w + c0 + 16 * q);
+                        const __m256i d = rs_bf16_round16(_mm512_mul_ps(gv, rs_bf16_widen16(wv)));
+                        const __mmask16 keep = mask ? (__mmask16)(m & rs_bf16_kept16(hv)) : m;
+                        _mm256_mask_storeu_epi16(db_row + 16 * q, m, _mm256_maskz_mov_epi16(keep, d));
+                    }
+                }
+            }
+            float *dw = dwp + p * n + c0;
+            for (int q = 0; q < nq; ++q) {
+                const int64_t r = left - 16 * q;
+                const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
+                _mm512_mask_storeu_ps(dw + 16 * q, m, acc[q]);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)h, (void)ldh, (void)w, (void)dz, (void)dwp, (void)dbp, (void)dh, (void)lddh;
+    (void)batch, (void)n, (void)mask, (void)lo, (void)hi;
+    return -1;
+#endif
+}
+
 /* Outputs in blocks of 32 [lo, hi): dw [out, in] fp32 (rows of in), db [out] (NULL: not
  * wanted). x is first packed in pairs of samples (a call's copy: 2 B x in a sample). */
 RS_BF int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x,
                                      int64_t ldx, float *dw, float *db, int64_t out, int64_t in,
                                      int64_t batch, int64_t lo, int64_t hi) {
+#ifdef RS_SMALL_X86
     if (!ready()) return -1;
     const int64_t pairs = (batch + 1) / 2;
     uint32_t *xp = malloc((size_t)(pairs * in) * sizeof(uint32_t));
@@ -197,22 +189,9 @@ RS_BF int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint1
     }
     free(xp);
     return 0;
-}
-
-#else /* not x86-64: the library does not load there (recscale_cpu_features) */
-int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uint16_t *w,
-                                 const uint16_t *dz, float *dwp, float *dbp, uint16_t *dh,
-                                 int64_t lddh, int64_t batch, int64_t n, int64_t mask, int64_t lo,
-                                 int64_t hi) {
-    (void)h, (void)ldh, (void)w, (void)dz, (void)dwp, (void)dbp, (void)dh, (void)lddh;
-    (void)batch, (void)n, (void)mask, (void)lo, (void)hi;
-    return -1;
-}
-int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x, int64_t ldx,
-                               float *dw, float *db, int64_t out, int64_t in, int64_t batch,
-                               int64_t lo, int64_t hi) {
+#else
     (void)g, (void)ldg, (void)x, (void)ldx, (void)dw, (void)db, (void)out, (void)in;
     (void)batch, (void)lo, (void)hi;
     return -1;
-}
 #endif
+}
