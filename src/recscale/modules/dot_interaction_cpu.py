@@ -108,13 +108,13 @@ class NativeDotInteraction(torch.autograd.Function):
     from the torch one); its gradient comes back with the same shape and strides, which
     the embedding backward takes without a copy.
 
-    ``out_bf16`` (a bf16 top MLP next, on a CPU with AVX512-BF16: see
+    ``bf16_out`` (a bf16 top MLP next, on a CPU with AVX512-BF16: see
     :func:`bf16_edges_available`): the output row in bf16 - the fp32 sums rounded as
     torch casts them - and its gradient read in bf16 (``native/dot_interaction_bf16.c``),
     so neither side makes an fp32 copy of the row."""
 
     @staticmethod
-    def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim, out_bf16=False):
+    def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim, bf16_out=False):
         lib = native.library()
         b = emb.shape[0]
         emb3 = emb.view(b, num_features, dim) if emb.dim() == 2 else emb
@@ -123,14 +123,14 @@ class NativeDotInteraction(torch.autograd.Function):
         dense = dense.contiguous() if dense is not None else None
         has_dense = dense is not None
         k = num_features + int(has_dense)
-        out = torch.empty(b, out_dim, dtype=torch.bfloat16 if out_bf16 else emb.dtype)
+        out = torch.empty(b, out_dim, dtype=torch.bfloat16 if bf16_out else emb.dtype)
         d_ptr = dense.data_ptr() if has_dense else 0
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *emb3.stride()[:2])
 
         def part(_p: int, lo: int, hi: int) -> tuple:
             return (d_ptr, emb3.data_ptr(), out.data_ptr(), lo, hi, *args)
 
-        kernel = "recscale_dot_forward_bf16" if out_bf16 else "recscale_dot_forward"
+        kernel = "recscale_dot_forward_bf16" if bf16_out else "recscale_dot_forward"
         _check(native.parallel_call(lib, kernel, b, part, torch.get_num_threads()))
         ctx.save_for_backward(dense, emb3)
         ctx.shape = (num_features, dim, self_interaction, out_dim, emb.shape)

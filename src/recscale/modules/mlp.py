@@ -149,7 +149,9 @@ class _FusedMLPBF16(torch.autograd.Function):
     input gradient masked as it is stored, the bias sums, and ``g`` and the input
     packed for the weight gradient's tile multiply. Other layers' weight gradients are
     our kernel's fp32 ones from 2^18 weights (``gemm.amx_wgrad``), oneDNN's, rounded to
-    bf16 as autocast's are, below. In the step,
+    bf16 as autocast's are, below. On any AVX512-BF16 CPU a logit below a ReLU and a
+    narrow first layer (13 -> 512) take one pass each of ``small_layers_bf16`` (fp32
+    gradients). In the step,
     alternating with autocast's modules (``benchmarks/step_ab.py``): on a Zen 4 VM
     (AVX512-BF16) config A faster in 27 of 34 rounds (medians 21.8-25.2 ms against
     22.7-26.4), B in 10 of 12 (91.9-93.2 against 93.3-97.3); on an Intel Xeon VM with

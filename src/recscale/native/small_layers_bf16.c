@@ -132,7 +132,7 @@ RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uin
             for (int64_t b = b0; b < b1; ++b) {
                 const __m512 gv = _mm512_set1_ps(bf16_to_float(dz[b]));
                 const uint16_t *hb = h + b * ldh + c0;
-                uint16_t *db_row = dh ? dh + b * lddh + c0 : NULL;
+                uint16_t *dh_row = dh ? dh + b * lddh + c0 : NULL;
 #pragma GCC unroll 16
                 for (int q = 0; q < 16; ++q) {
                     if (q >= nq) break;
@@ -140,11 +140,11 @@ RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uin
                     const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
                     const __m256i hv = _mm256_maskz_loadu_epi16(m, hb + 16 * q);
                     acc[q] = _mm512_fmadd_ps(gv, rs_bf16_widen16(hv), acc[q]);
-                    if (db_row) {
+                    if (dh_row) {
                         const __m256i wv = _mm256_maskz_loadu_epi16(m, w + c0 + 16 * q);
                         const __m256i d = rs_bf16_round16(_mm512_mul_ps(gv, rs_bf16_widen16(wv)));
                         const __mmask16 keep = mask ? (__mmask16)(m & rs_bf16_kept16(hv)) : m;
-                        _mm256_mask_storeu_epi16(db_row + 16 * q, m, _mm256_maskz_mov_epi16(keep, d));
+                        _mm256_mask_storeu_epi16(dh_row + 16 * q, m, _mm256_maskz_mov_epi16(keep, d));
                     }
                 }
             }
