@@ -163,7 +163,7 @@ def bf16_instructions() -> bool:
     return bool(native.cpu_features() & (native.CPU_AVX512_BF16 | native.CPU_AMX_BF16))
 
 
-def _bf16_cpu_rows(g: torch.Tensor, x: torch.Tensor) -> bool:
+def bf16_cpu_rows(g: torch.Tensor, x: torch.Tensor) -> bool:
     """What the bf16 kernels read: 2-D bf16 CPU tensors with contiguous rows, as many."""
     return (
         all(
@@ -180,7 +180,14 @@ def _bf16_cpu_rows(g: torch.Tensor, x: torch.Tensor) -> bool:
 def _native_bf16_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
     # any number of outputs: a logit's (256 -> 1) takes 0.05 ms more than torch's GEMV,
     # whose result is rounded to bf16, and its gradient comes out in fp32 like the rest
-    return _bf16_cpu_rows(g, x) and native_bf16_wgrad()
+    return bf16_cpu_rows(g, x) and native_bf16_wgrad()
+
+
+def narrow_layer(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a layer ``x [B, in] -> g [B, out]`` has a narrow input (13 -> 512): at
+    most 32 inputs and a quarter of its outputs - too few to fill a kernel's lanes along
+    ``in``, so the weight-gradient kernels run along ``out``."""
+    return x.shape[1] <= 32 and 4 * x.shape[1] <= g.shape[1]
 
 
 def weight_grad(
@@ -196,14 +203,9 @@ def weight_grad(
     # a narrow input (13 -> 512) on a CPU: its 13 columns would fill 13 of the kernel's 16
     # lanes and leave it load-bound, so both CPU paths compute x^T g [in, out] and
     # transpose it (MKL: 0.83 -> 0.45 ms; the kernel on one thread: 0.66-0.70 -> 0.49-0.51)
-    narrow = x.device.type == "cpu" and x.shape[1] <= 32 and x.shape[1] * 4 <= g.shape[1]
+    narrow = x.device.type == "cpu" and narrow_layer(g, x)
     bf16 = g.dtype == torch.bfloat16
-    if (
-        bf16
-        and g.shape[1] * x.shape[1] >= _AMX_MIN_WEIGHTS
-        and _bf16_cpu_rows(g, x)
-        and amx_wgrad()
-    ):
+    if bf16 and g.shape[1] * x.shape[1] >= _AMX_MIN_WEIGHTS and bf16_cpu_rows(g, x) and amx_wgrad():
         macs = g.shape[0] * g.shape[1] * x.shape[1]
         threads = torch.get_num_threads() if macs >= _AMX_MIN_MACS else 1
         done = gemm_amx.weight_grad(g, x, bias_grad, threads)
@@ -249,7 +251,7 @@ def input_grad(
         and 1 < k
         and k * n <= _AMX_IGRAD_MAX_WEIGHTS
         and out_dtype in (torch.bfloat16, torch.float32)
-        and all(_bf16_cpu_rows(g, t) for t in (g, relu_of, x) if t is not None)
+        and all(bf16_cpu_rows(g, t) for t in (g, relu_of, x) if t is not None)
         and w.is_contiguous()
         and w.dtype == torch.bfloat16
         and gemm_amx.ready()

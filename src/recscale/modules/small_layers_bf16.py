@@ -12,19 +12,11 @@ from __future__ import annotations
 import torch
 
 from recscale import native
+from recscale.modules import gemm
 
 LOGIT_BLOCK = 64  # samples a partial sum of the logit's dw (small_layers_bf16.c)
-NARROW_MAX_IN = 32  # inputs of a "narrow" first layer (as gemm.weight_grad's rule)
 USE = True  # False: torch's paths (tests; benchmarks/step_ab.py --switch small_bf16)
 _MIN_PARALLEL = 1 << 20  # multiply-adds below which one thread runs a call
-
-
-def _rows(*ts: torch.Tensor) -> bool:
-    """bf16 2-D CPU tensors with contiguous rows."""
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
-        for t in ts
-    )
 
 
 def available() -> bool:
@@ -39,7 +31,8 @@ def logit_applies(h: torch.Tensor, w: torch.Tensor) -> bool:
         and w.dim() == 2
         and w.shape[0] == 1
         and w.is_contiguous()
-        and _rows(h, w)
+        and gemm.bf16_cpu_rows(h, h)
+        and gemm.bf16_cpu_rows(w, w)
         and h.shape[1] == w.shape[1]
     )
 
@@ -77,14 +70,8 @@ def logit_backward(
 
 def narrow_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether :func:`narrow_weight_grad` runs for a layer ``x [B, in] -> g [B, out]``:
-    a narrow input (``in <= 32`` and at most a quarter of ``out``)."""
-    return (
-        available()
-        and _rows(g, x)
-        and g.shape[0] == x.shape[0]
-        and x.shape[1] <= NARROW_MAX_IN
-        and 4 * x.shape[1] <= g.shape[1]
-    )
+    bf16 rows of a narrow input (``gemm.narrow_layer``)."""
+    return available() and gemm.bf16_cpu_rows(g, x) and gemm.narrow_layer(g, x)
 
 
 def narrow_weight_grad(

@@ -8,9 +8,13 @@
  *   rs_bf16_widen16   16 bf16 -> 16 fp32, exact
  *   rs_bf16_kept16    which of 16 bf16 a ReLU's gradient keeps, as threshold_backward:
  *                     all but x <= 0 (x > 0 as int16, or a NaN: magnitude past +inf's)
+ *   rs_lanes16        the mask of the first min(left, 16) of 16 lanes (none for left <= 0)
+ *   rs_bf16_ready     whether the CPU runs the bf16 kernels (AVX512-BF16)
  */
 #ifndef RECSCALE_BF16_BITS_H
 #define RECSCALE_BF16_BITS_H
+
+#include "recscale_native.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -33,6 +37,14 @@ RS_BF16_BITS static inline __mmask16 rs_bf16_kept16(__m256i x) {
     const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF));
     return _mm256_cmpgt_epi16_mask(x, _mm256_setzero_si256()) |
            _mm256_cmpgt_epi16_mask(mag, _mm256_set1_epi16(0x7F80));
+}
+
+static inline __mmask16 rs_lanes16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+static inline int rs_bf16_ready(void) {
+    return (recscale_cpu_features() & RS_CPU_AVX512_BF16) != 0;
 }
 
 #endif

@@ -29,7 +29,7 @@ enum { BLOCK = 32 }; /* samples a scratch block: 32 x 480 fp32 = 60 KiB for conf
 /* n fp32 -> bf16 (bf16_bits.h's rounding) */
 RS_BF16_BITS static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 m = rs_lanes16(n - i);
         _mm256_mask_storeu_epi16(dst + i, m, rs_bf16_round16(_mm512_maskz_loadu_ps(m, src + i)));
     }
 }
@@ -37,13 +37,9 @@ RS_BF16_BITS static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
 /* n bf16 -> fp32 (exact) */
 RS_BF16_BITS static void to_fp32(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 m = rs_lanes16(n - i);
         _mm512_mask_storeu_ps(dst + i, m, rs_bf16_widen16(_mm256_maskz_loadu_epi16(m, src + i)));
     }
-}
-
-static int ready(void) {
-    return (recscale_cpu_features() & RS_CPU_AVX512_BF16) != 0;
 }
 #endif
 
@@ -53,7 +49,7 @@ int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *ou
                               int64_t self_interaction, int64_t width, int64_t dense_stride,
                               int64_t emb_sample_stride, int64_t emb_feature_stride) {
 #ifdef RS_DOT_BF16_X86
-    if (!ready()) return -1;
+    if (!rs_bf16_ready()) return -1;
     float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
     if (!rows) return -2;
     int rc = 0;
@@ -83,7 +79,7 @@ int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint1
                                int64_t emb_feature_stride, int64_t grad_sample_stride,
                                int64_t grad_feature_stride) {
 #ifdef RS_DOT_BF16_X86
-    if (!ready()) return -1;
+    if (!rs_bf16_ready()) return -1;
     float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
     if (!rows) return -2;
     int rc = 0;

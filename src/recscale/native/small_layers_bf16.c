@@ -40,10 +40,6 @@
 
 enum { LOGIT_BLOCK = 64, NARROW_IN = 13 }; /* NARROW_IN: inputs a register pass holds */
 
-static int ready(void) {
-    return (recscale_cpu_features() & RS_CPU_AVX512_BF16) != 0;
-}
-
 static inline float bf16_to_float(uint16_t v) {
     union {
         uint32_t u;
@@ -101,10 +97,6 @@ narrow_block(const uint16_t *g, int64_t ldg, const uint32_t *xp, float *dw, floa
     }
 }
 
-static inline __mmask16 lanes(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-}
-
 #else /* not x86-64: the library does not load there (recscale_cpu_features) */
 #define RS_BF
 #endif
@@ -117,7 +109,7 @@ RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uin
                                        int64_t lddh, int64_t batch, int64_t n, int64_t mask,
                                        int64_t lo, int64_t hi) {
 #ifdef RS_SMALL_X86
-    if (!ready()) return -1;
+    if (!rs_bf16_ready()) return -1;
     for (int64_t p = lo; p < hi; ++p) {
         const int64_t b0 = p * LOGIT_BLOCK;
         const int64_t b1 = b0 + LOGIT_BLOCK < batch ? b0 + LOGIT_BLOCK : batch;
@@ -136,8 +128,7 @@ RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uin
 #pragma GCC unroll 16
                 for (int q = 0; q < 16; ++q) {
                     if (q >= nq) break;
-                    const int64_t r = left - 16 * q;
-                    const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
+                    const __mmask16 m = rs_lanes16(left - 16 * q);
                     const __m256i hv = _mm256_maskz_loadu_epi16(m, hb + 16 * q);
                     acc[q] = _mm512_fmadd_ps(gv, rs_bf16_widen16(hv), acc[q]);
                     if (dh_row) {
@@ -149,11 +140,7 @@ RS_BF int recscale_logit_backward_bf16(const uint16_t *h, int64_t ldh, const uin
                 }
             }
             float *dw = dwp + p * n + c0;
-            for (int q = 0; q < nq; ++q) {
-                const int64_t r = left - 16 * q;
-                const __mmask16 m = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1);
-                _mm512_mask_storeu_ps(dw + 16 * q, m, acc[q]);
-            }
+            for (int q = 0; q < nq; ++q) _mm512_mask_storeu_ps(dw + 16 * q, rs_lanes16(left - 16 * q), acc[q]);
         }
     }
     return 0;
@@ -170,7 +157,7 @@ RS_BF int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint1
                                      int64_t ldx, float *dw, float *db, int64_t out, int64_t in,
                                      int64_t batch, int64_t lo, int64_t hi) {
 #ifdef RS_SMALL_X86
-    if (!ready()) return -1;
+    if (!rs_bf16_ready()) return -1;
     const int64_t pairs = (batch + 1) / 2;
     uint32_t *xp = malloc((size_t)(pairs * in) * sizeof(uint32_t));
     if (!xp) return -3;
@@ -181,7 +168,7 @@ RS_BF int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint1
     }
     for (int64_t t = lo; t < hi; ++t) {
         const int64_t o0 = 32 * t;
-        const __mmask16 m0 = lanes(out - o0), m1 = lanes(out - o0 - 16);
+        const __mmask16 m0 = rs_lanes16(out - o0), m1 = rs_lanes16(out - o0 - 16);
         for (int64_t i0 = 0; i0 < in; i0 += NARROW_IN) {
             const int ni = in - i0 < NARROW_IN ? (int)(in - i0) : NARROW_IN;
             narrow_block(g, ldg, xp, dw, i0 == 0 ? db : NULL, in, batch, o0, m0, m1, i0, ni);
