@@ -22,6 +22,10 @@ Switches (on = what recscale runs):
     dot_bf16    the native dot interaction's row written in bf16 for the bf16 top MLP and its
                 gradient read in bf16 (native/dot_interaction_bf16.c) against an fp32 row
                 (dot_interaction_cpu.USE_BF16_EDGES; bf16, on CPUs with AVX512-BF16)
+    pooled_bf16 the native lookup's sums written in bf16 for the dot interaction, which
+                reads them (and the bottom MLP's row) in bf16 and gives their gradients in
+                bf16 to the fused update, against fp32 pooled vectors and gradients
+                (dot_interaction_cpu.USE_BF16_POOLED; bf16, on CPUs with AVX512-BF16)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
 
@@ -68,6 +72,10 @@ def _dot_bf16(on: bool) -> None:
     dot_interaction_cpu.USE_BF16_EDGES = on
 
 
+def _pooled_bf16(on: bool) -> None:
+    dot_interaction_cpu.USE_BF16_POOLED = on
+
+
 def _dot_stream(on: bool) -> None:
     stream = ctypes.c_int64.in_dll(native.library(), "recscale_dot_stream_bytes")
     if not hasattr(_dot_stream, "default"):
@@ -81,6 +89,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "amx_igrad": _amx_igrad,
     "small_bf16": _small_bf16,
     "dot_bf16": _dot_bf16,
+    "pooled_bf16": _pooled_bf16,
     "dot_stream": _dot_stream,
 }
 
@@ -96,7 +105,7 @@ def main() -> None:
         raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
     if args.switch in ("amx_wgrad", "amx_igrad") and not gemm.amx_wgrad():
         raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
-    bf16_kernels = ("small_bf16", "dot_bf16")
+    bf16_kernels = ("small_bf16", "dot_bf16", "pooled_bf16")
     if args.switch in bf16_kernels and not native.cpu_features() & native.CPU_AVX512_BF16:
         raise SystemExit(f"the AVX512-BF16 kernels do not run here: {native.status()}")
     if args.switch in ("bf16_node", "amx_wgrad", "amx_igrad", *bf16_kernels):  # the bf16 step

@@ -116,3 +116,118 @@ def test_the_interaction_writes_bf16_under_cpu_autocast(monkeypatch):
         out.float().sum().backward()
         assert dense.grad.dtype == BF16 and emb.grad.dtype == torch.float32
         dense.grad = emb.grad = None
+
+
+def _needs_bf16_pooled(dim: int) -> None:
+    _needs_bf16_edges()
+    if not dot_interaction_cpu.bf16_pooled_available(dim):
+        pytest.skip(f"bf16 pooled vectors of dim {dim} are not read here: {native.status()}")
+
+
+@pytest.mark.parametrize("dim,num_f", [(128, 4), (64, 26), (96, 3)])
+@pytest.mark.parametrize("has_dense", [True, False])
+@pytest.mark.parametrize("self_interaction", [False, True])
+@pytest.mark.parametrize("feature_major", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_pooled_vectors_are_the_fp32_kernels_on_them_widened(
+    dim, num_f, has_dense, self_interaction, feature_major, threads
+):
+    """T in bf16 (the lookup's bf16 sums, the bf16 bottom MLP's row): the row is the fp32
+    kernel's on T widened, rounded as torch casts it; T's gradients are the fp32
+    kernel's rounded to bf16 - bit for bit, in T's own layout (a feature-major view too),
+    over blocks of samples and threads."""
+    _needs_bf16_pooled(dim)
+    b = 77
+    gen = torch.Generator().manual_seed(dim + num_f + has_dense)
+    dense = torch.randn(b, dim, generator=gen).to(BF16) if has_dense else None
+    emb = torch.randn(num_f, b, dim, generator=gen).to(BF16).transpose(0, 1)
+    emb = emb if feature_major else emb.contiguous()  # [B, F, D], either layout
+    emb[3, 0] = float("nan")
+    inter = DotInteraction(num_f, dim, has_dense, self_interaction)
+    upstream = torch.randn(b, inter.out_dim, generator=gen).to(BF16)
+    args = (num_f, dim, self_interaction, inter.out_dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide = (dense.float() if has_dense else None, emb.float().reshape(b, num_f * dim))
+        out32, emb32, dense32 = _run(*wide, *args, True, upstream)
+        out16, emb16, dense16 = _run(dense, emb, *args, True, upstream)
+    finally:
+        torch.set_num_threads(before)
+    assert out16.dtype == BF16 and emb16.dtype == BF16
+    assert emb16.shape == emb.shape and emb16.stride() == emb.stride()
+    nan = torch.isnan(out32)
+    assert nan.any() and torch.equal(torch.isnan(out16), nan)
+    assert torch.equal(out16[~nan].view(torch.int16), out32[~nan].view(torch.int16))
+    want = emb32.view(b, num_f, dim).to(BF16)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(emb16), nan)
+    assert torch.equal(emb16[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    if has_dense:
+        want = dense32.to(BF16)
+        nan = torch.isnan(want)
+        assert dense16.dtype == BF16 and torch.equal(torch.isnan(dense16), nan)
+        assert torch.equal(dense16[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_the_interaction_takes_bf16_pooled_vectors_under_cpu_autocast(monkeypatch):
+    """Under CPU bf16 autocast the interaction says it reads bf16 pooled vectors (B's D =
+    128), reads them so and gives them a bf16 gradient; with the switch off, or for a D
+    the tiles do not take (16), it says no, and bf16 vectors handed to it anyway are
+    widened (fp32 kernel, fp32 gradient after autograd's cast back)."""
+    _needs_bf16_pooled(128)
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(40, 128, generator=gen).to(BF16).requires_grad_(True)
+    emb = torch.randn(40, 6, 128, generator=gen).to(BF16).requires_grad_(True)
+    inter = DotInteraction(6, 128, True)
+    assert not inter.takes_bf16_pooled(torch.device("cpu"))  # no autocast
+    with torch.autocast("cpu", dtype=BF16):
+        assert inter.takes_bf16_pooled(torch.device("cpu"))
+        assert not DotInteraction(6, 16, True).takes_bf16_pooled(torch.device("cpu"))
+        out = inter(dense, emb)
+    assert out.dtype == BF16
+    out.float().sum().backward()
+    assert emb.grad.dtype == BF16 and dense.grad.dtype == BF16
+    want = emb.grad.clone()
+    emb.grad = dense.grad = None
+    monkeypatch.setattr(dot_interaction_cpu, "USE_BF16_POOLED", False)
+    with torch.autocast("cpu", dtype=BF16):
+        assert not inter.takes_bf16_pooled(torch.device("cpu"))
+        out = inter(dense, emb)
+    out.float().sum().backward()
+    assert emb.grad.dtype == BF16  # autograd casts the fp32 kernel's gradient back
+    assert torch.equal(emb.grad, want)  # the same sums, rounded once either way
+
+
+def test_a_bf16_run_pools_in_bf16_and_learns_as_with_fp32_pools(monkeypatch):
+    """A bf16 run whose interaction reads bf16 pooled vectors (dim 64) has the lookup
+    write them so every step, and reaches the AUC of the same run with fp32 pooled
+    vectors (the sums and their gradient rounded as autocast's bmm would round them)."""
+    _needs_bf16_pooled(64)
+    from recscale.config import load_config
+    from recscale.modules import embedding_bag_collection as ebc_mod
+    from recscale.train.run import train
+
+    seen: list[bool] = []
+    real = ebc_mod.native_pooled_lookup
+
+    def spy(*args, **kw):
+        seen.append(bool(args[7] if len(args) > 7 else kw.get("bf16_out", False)))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ebc_mod, "native_pooled_lookup", spy)
+    over = [
+        "--train.progress=false",
+        "--train.precision=bf16",
+        "--model.embedding_dim=64",
+        "--model.bottom_mlp=[32,64]",
+        "--train.steps=150",
+    ]
+    quiet = {"echo": lambda *_: None}
+    with_bf16 = train(load_config("debug", over), None, **quiet)
+    trained = list(seen)
+    seen.clear()
+    monkeypatch.setattr(dot_interaction_cpu, "USE_BF16_POOLED", False)
+    with_fp32 = train(load_config("debug", over), None, **quiet)
+    assert trained.count(True) >= 150 and not any(seen)
+    assert abs(with_bf16["auc"] - with_fp32["auc"]) <= 0.005, (with_bf16["auc"], with_fp32["auc"])

@@ -198,3 +198,98 @@ def test_a_split_run_resumes_on_another_tier(tmp_path):
         load_config("debug", base + ssd), tmp_path / "cut", resume=tmp_path / "cut", **QUIET
     )
     assert resumed["auc"] == whole["auc"] and resumed["logloss"] == whole["logloss"]
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "split_bf16"])
+@pytest.mark.parametrize("d", [8, 16, 128])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_lookups_bf16_sums_are_its_fp32_sums_rounded(precision, d, weighted):
+    """``native_pooled_lookup(bf16_out=True)`` (a bf16 interaction's input): the fp32 sums
+    of the same pass, rounded to nearest even as torch casts them - a NaN row's sum too -
+    with the same rows and bags."""
+    from recscale.embedding.lookup import native_pooled_lookup
+    from recscale.embedding.low_precision import device_rows
+
+    g = torch.Generator().manual_seed(d + weighted)
+    num_f, b, n_rows = 3, 37, 50
+    storage = device_rows(num_f * n_rows, d, SparseSGD(0.1), precision, kernel="native")
+    storage.write_rows(torch.arange(num_f * n_rows), torch.randn(num_f * n_rows, d, generator=g))
+    if precision == "fp32":
+        storage.write_rows(torch.tensor([7]), torch.full((1, d), float("nan")))
+    table = storage.native_lookup_table()
+    lengths = torch.randint(0, 4, (num_f * b,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.randint(0, n_rows, (int(offsets[-1]),), generator=g)
+    values[0] = 7  # feature 0's row 7 (NaN in fp32)
+    psw = torch.rand(values.shape[0], generator=g) if weighted else None
+    row_offset, sizes = torch.arange(num_f) * n_rows, torch.full((num_f,), n_rows)
+    args = (table, values, offsets, b, row_offset, sizes, psw)
+    p32, rows32, bags32 = native_pooled_lookup(*args)
+    p16, rows16, bags16 = native_pooled_lookup(*args, bf16_out=True)
+    assert p16.dtype == torch.bfloat16 and p16.shape == p32.shape
+    assert torch.equal(rows16, rows32) and torch.equal(bags16, bags32)
+    want = p32.to(torch.bfloat16)
+    nan = torch.isnan(want)
+    assert nan.any() == (precision == "fp32")
+    assert torch.equal(torch.isnan(p16), nan)
+    assert torch.equal(p16[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built")
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: SparseSGD(0.5), lambda: SparseRowwiseAdagrad(0.1), lambda: SparseAdam(0.01)],
+    ids=["sgd", "rowwise_adagrad", "adam"],
+)
+@pytest.mark.parametrize("precision", ["fp32", "split_bf16", "bf16"])
+@pytest.mark.parametrize("d", [8, 24, 128])
+def test_a_bf16_pooled_gradient_updates_as_its_widened_fp32_does(make_opt, precision, d):
+    """The fused update reads a bf16 pooled gradient (a bf16 interaction's) as it is: the
+    rows and state equal those updated from the same gradient widened to fp32, bit for
+    bit, duplicates included; a storage whose update runs elsewhere (numba, torch) gets
+    it widened by the lookup's backward."""
+    from recscale.embedding.low_precision import device_rows
+
+    g = torch.Generator().manual_seed(d)
+    n, bags = 64, 48
+    stores = [device_rows(n, d, make_opt(), precision, kernel="native") for _ in range(2)]
+    init = torch.randn(n, d, generator=g) * 0.1
+    for st in stores:
+        st.write_rows(torch.arange(n), init)
+        assert st.takes_bf16_gradients()
+    for _ in range(3):
+        rows = torch.randint(0, 12, (bags,), generator=g)
+        bag_of_id, segments = torch.arange(bags), torch.tensor([0, bags])
+        grad = torch.randn(bags, d, generator=g).to(torch.bfloat16)
+        stores[0].apply_pooled_gradients(rows, segments, bag_of_id, None, grad)
+        stores[1].apply_pooled_gradients(rows, segments, bag_of_id, None, grad.float())
+    every = torch.arange(n)
+    assert torch.equal(stores[0].read_rows(every), stores[1].read_rows(every))
+    for name, t in stores[0].read_state(every).items():
+        assert torch.equal(t, stores[1].read_state(every)[name]), name
+    assert not DeviceStorage(n, d, make_opt(), kernel="torch").takes_bf16_gradients()
+
+
+def test_the_lookups_backward_widens_a_bf16_gradient_for_an_update_that_reads_fp32():
+    """A bf16 pooled output's gradient reaches a storage whose update takes fp32 only
+    (the torch kernel) widened: the update equals one from the fp32 gradient."""
+    from recscale.embedding.lookup import pooled_lookup
+
+    g = torch.Generator().manual_seed(1)
+    n, d, bags = 30, 16, 20
+    stores = [DeviceStorage(n, d, SparseRowwiseAdagrad(0.1), kernel="torch") for _ in range(2)]
+    init = torch.randn(n, d, generator=g)
+    for st in stores:
+        st.write_rows(torch.arange(n), init)
+    rows = torch.randint(0, n, (bags,), generator=g)
+    bag_of_id, segments = torch.arange(bags), torch.tensor([0, bags])
+    offsets = torch.arange(bags + 1)
+    grad = torch.randn(bags, d, generator=g).to(torch.bfloat16)
+    placeholder = torch.zeros(0, requires_grad=True)
+    pooled = init[rows].to(torch.bfloat16)  # as the native lookup hands it over
+    out = pooled_lookup(stores[0], placeholder, rows, offsets, bag_of_id, segments, None, pooled)
+    out.backward(grad)
+    stores[1].apply_pooled_gradients(rows, segments, bag_of_id, None, grad.float())
+    every = torch.arange(n)
+    assert torch.equal(stores[0].read_rows(every), stores[1].read_rows(every))

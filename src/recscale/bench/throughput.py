@@ -39,6 +39,7 @@ from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.row_io import io_uring_available
 from recscale.embedding.storage import DeviceStorage
+from recscale.modules.interaction import DotInteraction
 from recscale.modules.mlp import bf16_mlp_path
 from recscale.native.team import team_status
 from recscale.planner.from_config import batch_ids_per_table
@@ -100,6 +101,16 @@ class _SparseTimer:
                 self.spans.append((t, clock.mark()))
 
             storage.apply_pooled_gradients = timed
+
+
+def bf16_pooled(model, device: torch.device) -> bool:
+    """Whether a bf16 step of ``model`` pools its embeddings in bf16 for the interaction
+    (``DotInteraction.takes_bf16_pooled``)."""
+    inter = getattr(model, "interaction", None)
+    if not isinstance(inter, DotInteraction):
+        return False
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        return inter.takes_bf16_pooled(device)
 
 
 def peak_rss_bytes() -> int:
@@ -336,6 +347,7 @@ def run_throughput(
         "native_threads": team_status(native.library()),
         "bf16_hardware": bf16_hardware(device),
         "bf16_mlp": bf16_mlp_path(device),
+        "bf16_pooled": precision == "bf16" and bf16_pooled(model, device),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
@@ -360,6 +372,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             + (f", bf16 on {r['bf16_hardware']}" if r["precision"] == "bf16" else "")
             + (f": {r['bf16_mlp']}" if r["precision"] == "bf16" and r.get("bf16_mlp") else "")
             + (f", {r['row_precision']} rows" if r.get("row_precision", "fp32") != "fp32" else "")
+            + (", pooled vectors in bf16" if r.get("bf16_pooled") else "")
             + f"); stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "

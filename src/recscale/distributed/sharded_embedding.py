@@ -312,13 +312,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return self.compute(local.values, local.offsets, local.batch_size, local.weights)
         return self._distributed(local, values, offsets, batch_size, weights)
 
-    def pooled_by_feature(self, values, offsets, batch_size, weights=None) -> torch.Tensor:
+    def pooled_by_feature(
+        self, values, offsets, batch_size, weights=None, bf16: bool = False
+    ) -> torch.Tensor:
         """``[B, F, D]`` like the unsharded collection's (the identity layout: its very
-        output, without copies; else a view of ``[B, F*D]``)."""
+        output, without copies, in bf16 where ``bf16`` asks and it can; else a view of
+        ``[B, F*D]``, fp32)."""
         local = self._local_batch(values, offsets, batch_size, weights)
         if self.identity:
             return self.compute.pooled_by_feature(
-                local.values, local.offsets, local.batch_size, local.weights
+                local.values, local.offsets, local.batch_size, local.weights, bf16
             )
         out = self._distributed(local, values, offsets, batch_size, weights)
         return out.view(batch_size, self.num_features, -1)

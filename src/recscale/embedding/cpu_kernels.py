@@ -185,6 +185,7 @@ def fused_update_cpu(
             f"the fused CPU update of {weight.dtype} rows needs the native kernels "
             f"({native.status()})"
         )
+    grad_pooled = grad_pooled.float()  # a bf16 gradient (a bf16 consumer's): the C pass widens it
     empty = np.zeros((1, 1), np.float32)
     s1, s2 = ([state[n].numpy() for n in fp.state_names] + [empty, empty])[:2]
     # The kernel is typed once for 2-D state: row-wise Adagrad's [R] accumulator goes in as [R, 1].
@@ -236,7 +237,7 @@ def _native_update(
     states = [state[n] for n in names] + [None, None]
     rows, bag_of_id = rows.to(torch.int64).contiguous(), bag_of_id.to(torch.int64).contiguous()
     seg = segments.to(torch.int64).contiguous()
-    grad = grad.contiguous()
+    grad = grad.contiguous() if grad.dtype in (torch.float32, torch.bfloat16) else grad.float()
     psw = psw.to(torch.float32).contiguous() if psw is not None else None
     ptr = [t.data_ptr() if t is not None else None for t in (states[0], states[1])]
     args = (
@@ -262,6 +263,7 @@ def _native_update(
         native.ROW_SPLIT if low is not None else native.ROW_FORMATS[weight.dtype],
         step,
         low.data_ptr() if low is not None else None,
+        int(grad.dtype == torch.bfloat16),
     )
     # Split the segments over threads by id count (multi-hot features differ in length):
     # a part's share of the ids [lo, hi) takes the segments that start in it.

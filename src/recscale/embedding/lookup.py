@@ -40,6 +40,8 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_pooled):
         rows, bag_of_id, segments, psw = ctx.saved_tensors
+        if grad_pooled.dtype != torch.float32 and not ctx.storage.takes_bf16_gradients():
+            grad_pooled = grad_pooled.float()  # a bf16 pooled output's gradient
         # A storage with ``always_apply`` (a replica that all-reduces) joins every step.
         if rows.numel() > 0 or ctx.storage.always_apply:
             ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
@@ -82,19 +84,22 @@ def native_pooled_lookup(
     row_offset: torch.Tensor,
     table_sizes: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
+    bf16_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | int:
     """Id checks, global rows, ``bag_of_id`` and the sum-pooled ``[B*F, D]`` (sample-major:
     row ``b*F + f``, and ``bag_of_id`` indexes those rows) in one C pass per feature
     (``native/embedding_lookup.c``, features split over threads), from feature-major
     jagged ``values``/``offsets``. Returns ``(pooled, rows, bag_of_id)``, or the index of
-    the first id outside its table (the caller raises)."""
+    the first id outside its table (the caller raises). ``bf16_out``: ``pooled`` in bf16,
+    each fp32 sum rounded to nearest even (for a bf16 consumer: half the bytes)."""
     values = values.to(torch.int64).contiguous()
     rows = torch.empty(values.shape[0], dtype=torch.int64)
     bag_of_id = torch.empty(values.shape[0], dtype=torch.int64)
-    # fp32 always. A table of no rows (a row-wise shard that got none) has no data
-    # pointer, so the pass only checks ids: its bags are empty, their sums zeros.
+    # A table of no rows (a row-wise shard that got none) has no data pointer, so the
+    # pass only checks ids: its bags are empty, their sums zeros.
     alloc = torch.zeros if table.numel() == 0 else torch.empty
-    pooled = alloc(row_offset.shape[0] * batch_size, table.shape[1])
+    dtype = torch.bfloat16 if bf16_out else torch.float32
+    pooled = alloc(row_offset.shape[0] * batch_size, table.shape[1], dtype=dtype)
     bad = _native_pass(
         table,
         values,
@@ -187,6 +192,7 @@ def _native_pass(
         rows.data_ptr(),
         bag_of_id.data_ptr(),
         native.ROW_FORMATS[table.dtype] if table is not None else 0,
+        int(pooled is not None and pooled.dtype == torch.bfloat16),
     )
 
     def part(_p: int, f0: int, f1: int) -> tuple:

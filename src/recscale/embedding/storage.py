@@ -203,6 +203,11 @@ class RowStorage(nn.Module, ABC):
         unique, summed = merge_duplicate_rows(rows, grad_ids)
         self.apply_gradients(unique, summed)
 
+    def takes_bf16_gradients(self) -> bool:
+        """Whether :meth:`apply_pooled_gradients` reads a bf16 ``grad_pooled`` as it is
+        (else the caller widens it to fp32 first)."""
+        return False
+
     @abstractmethod
     def apply_gradients(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """One optimizer step on unique ``rows`` with their merged gradients ``[U, dim]``."""
@@ -282,6 +287,10 @@ class DeviceStorage(RowStorage):
     def backward_kernel(self) -> str:
         """Which kernel runs the fused backward (see ``embedding/kernels.py``)."""
         return kernels.choose_once(self, self.kernel, "backward", self.weight, self.dim)
+
+    def takes_bf16_gradients(self) -> bool:
+        # the C update widens a bf16 gradient as it reads it (native/sparse_update.c)
+        return self.backward_kernel() == "native"
 
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):

@@ -114,10 +114,13 @@ class DLRM(nn.Module):
 
     def embed(self, batch: Batch) -> torch.Tensor:
         """The pooled embeddings in the layout the interaction takes: ``[B, F, D]`` for
-        the dot interaction (no copy, see ``pooled_by_feature``), else ``[B, sum D_f]``."""
+        the dot interaction (no copy, see ``pooled_by_feature``; bf16 where it takes
+        them so), else ``[B, sum D_f]``."""
         args = (batch.values, batch.offsets, batch.batch_size, batch.weights)
         if isinstance(self.interaction, DotInteraction):
-            return self.embeddings.pooled_by_feature(*args)
+            # bf16 sums where the interaction reads them so (CPU, bf16 autocast)
+            bf16 = self.interaction.takes_bf16_pooled(batch.values.device)
+            return self.embeddings.pooled_by_feature(*args, bf16=bf16)
         return self.embeddings(*args)
 
     def forward(self, batch: Batch, mark=None, check_finite: bool = False) -> torch.Tensor:

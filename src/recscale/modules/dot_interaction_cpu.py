@@ -111,7 +111,10 @@ class NativeDotInteraction(torch.autograd.Function):
     ``bf16_out`` (a bf16 top MLP next, on a CPU with AVX512-BF16: see
     :func:`bf16_edges_available`): the output row in bf16 - the fp32 sums rounded as
     torch casts them - and its gradient read in bf16 (``native/dot_interaction_bf16.c``),
-    so neither side makes an fp32 copy of the row."""
+    so neither side makes an fp32 copy of the row. ``dense`` and ``emb`` in bf16 (the
+    native lookup's bf16 sums, see :func:`bf16_pooled_available`; ``bf16_out`` then too):
+    the products in fp32 on them widened exactly, and their gradients written in bf16
+    (``dim`` as :func:`bf16_pooled_available` says)."""
 
     @staticmethod
     def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim, bf16_out=False):
@@ -123,9 +126,13 @@ class NativeDotInteraction(torch.autograd.Function):
         dense = dense.contiguous() if dense is not None else None
         has_dense = dense is not None
         k = num_features + int(has_dense)
+        in_bf16 = emb.dtype == torch.bfloat16
+        if in_bf16 and (dense is not None and dense.dtype != torch.bfloat16 or not bf16_out):
+            raise ValueError("bf16 pooled vectors need a bf16 dense row and a bf16 output")
         out = torch.empty(b, out_dim, dtype=torch.bfloat16 if bf16_out else emb.dtype)
         d_ptr = dense.data_ptr() if has_dense else 0
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *emb3.stride()[:2])
+        args = (*args, int(in_bf16)) if bf16_out else args
 
         def part(_p: int, lo: int, hi: int) -> tuple:
             return (d_ptr, emb3.data_ptr(), out.data_ptr(), lo, hi, *args)
@@ -144,9 +151,10 @@ class NativeDotInteraction(torch.autograd.Function):
         has_dense = dense is not None
         b = emb3.shape[0]
         g = grad_out.contiguous()
+        in_bf16 = emb3.dtype == torch.bfloat16  # T in bf16: its gradients too
         # a bf16 row's gradient comes in bf16 (read as it is); any other in fp32
-        bf16 = g.dtype == torch.bfloat16 and bf16_edges_available()
-        g = g if bf16 or g.dtype == torch.float32 else g.float()
+        bf16 = in_bf16 or (g.dtype == torch.bfloat16 and bf16_edges_available())
+        g = g.to(torch.bfloat16) if bf16 else g.float()
         kernel = "recscale_dot_backward_bf16" if bf16 else "recscale_dot_backward"
         grad_emb = torch.empty_like(emb3)  # keeps emb3's strides (a dense permutation)
         grad_dense = torch.empty_like(dense) if has_dense else None
@@ -155,6 +163,7 @@ class NativeDotInteraction(torch.autograd.Function):
         k = num_features + int(has_dense)
         strides = (*emb3.stride()[:2], *grad_emb.stride()[:2])
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *strides)
+        args = (*args, int(in_bf16)) if bf16 else args
 
         def part(_p: int, lo: int, hi: int) -> tuple:
             return (
@@ -179,12 +188,20 @@ def _check(rcs: list[int]) -> None:
 
 
 USE_BF16_EDGES = True  # False: an fp32 output row under bf16 (benchmarks/step_ab.py)
+USE_BF16_POOLED = True  # False: fp32 pooled vectors into the bf16 edges (step_ab.py)
 
 
 def bf16_edges_available() -> bool:
     """Whether :class:`NativeDotInteraction` can write its row in bf16 here (the library
     on a CPU with AVX512-BF16)."""
     return USE_BF16_EDGES and bool(native.cpu_features() & native.CPU_AVX512_BF16)
+
+
+def bf16_pooled_available(dim: int) -> bool:
+    """Whether :class:`NativeDotInteraction` can take the pooled vectors (and the dense
+    row) of ``dim`` in bf16 here, and give their gradients in bf16: the bf16 edges and
+    the AVX-512 tiles, which read bf16 rows (``dim`` a multiple of 16, at least 64)."""
+    return USE_BF16_POOLED and dim % 16 == 0 and dim >= 64 and bf16_edges_available()
 
 
 def supported(t: torch.Tensor) -> bool:

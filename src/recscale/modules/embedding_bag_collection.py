@@ -410,17 +410,20 @@ class EmbeddingBagCollection(nn.Module):
         offsets: torch.Tensor,
         batch_size: int,
         weights: torch.Tensor | None = None,
+        bf16: bool = False,
     ) -> torch.Tensor:
         """Pooled ``[B, F, D]`` (all tables of one dim D), without copies where possible:
         the native lookup writes it sample-major (contiguous); the torch path's one-group
         lookup is feature-major, returned as a ``[B, F, D]`` view of ``[F, B, D]`` (strides
         ``(D, B*D, 1)``). The dot interaction reads either layout in place and hands back
-        its gradient in the same layout."""
-        pooled = self._pooled(values, offsets, batch_size, weights)
+        its gradient in the same layout. ``bf16`` (a bf16 consumer): where the native
+        lookup runs over the table itself it writes bf16 sums (rounded to nearest even),
+        and their gradient comes back in bf16; elsewhere the result is fp32."""
+        pooled = self._pooled(values, offsets, batch_size, weights, bf16)
         return pooled if pooled.dim() == 3 else pooled.view(batch_size, self.num_features, -1)
 
     def _native_pooled(
-        self, storage: RowStorage, values, offsets, b: int, weights
+        self, storage: RowStorage, values, offsets, b: int, weights, bf16: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(pooled [B*F, D] sample-major, rows, bag_of_id)`` by the native pass where
         the storage allows it: over its table, or - training on a cache in host memory -
@@ -429,7 +432,7 @@ class EmbeddingBagCollection(nn.Module):
         table = storage.native_lookup_table()
         if table is not None:
             done = native_pooled_lookup(
-                table, values, offsets, b, self.feature_row_offset, self.table_sizes, weights
+                table, values, offsets, b, self.feature_row_offset, self.table_sizes, weights, bf16
             )
             return None if isinstance(done, int) else done
         if not (torch.is_grad_enabled() and self.placeholder.requires_grad):
@@ -445,12 +448,12 @@ class EmbeddingBagCollection(nn.Module):
         pooled = native_pool_slots(cache, slot_ids, offsets, b, self.num_features, weights)
         return pooled, rows, bag_of_id
 
-    def _pooled(self, values, offsets, batch_size, weights) -> torch.Tensor:
+    def _pooled(self, values, offsets, batch_size, weights, bf16: bool = False) -> torch.Tensor:
         """``[B, F, D]`` (one group; see ``pooled_by_feature``) or ``[B, sum_f D_f]``."""
         num_f, b = self.num_features, batch_size
         if len(self.groups) == 1 and self.pooling == "sum" and values.device.type == "cpu":
             group = self.groups[0]
-            done = self._native_pooled(group.storage, values, offsets, b, weights)
+            done = self._native_pooled(group.storage, values, offsets, b, weights, bf16)
             if done is not None:  # else the path below runs (and raises on a bad id)
                 pooled, rows, bag_of_id = done
                 pooled = pooled_lookup(

@@ -98,14 +98,34 @@ class DotInteraction(nn.Module):
             return dot_interaction_cpu.FusedDotInteraction
         return None
 
+    def takes_bf16_pooled(self, device: torch.device) -> bool:
+        """Whether the pooled vectors may come in bf16 (``pooled_by_feature(bf16=True)``):
+        under bf16 autocast on a CPU whose native kernel reads them so
+        (``dot_interaction_cpu.bf16_pooled_available``)."""
+        if device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+            return False
+        if torch.get_autocast_dtype("cpu") != torch.bfloat16:
+            return False
+        if not dot_interaction_cpu.bf16_pooled_available(self.dim):
+            return False
+        probe = torch.empty(0, device=device)  # fp32: what the row's kernel is chosen on
+        return kernels.choose_once(self, self.kernel, "interaction", probe, self.dim) == "native"
+
     def forward(self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor) -> torch.Tensor:
         if pooled_BX.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # bf16 on a CPU: the products here are a few % of the step's FLOPs, and
             # torch's bf16 bmm + gather took 9.7 ms of config B's 36.5 ms forward on an
             # AVX512-BF16 host; the fp32 fused kernel is faster and exact in fp32, and
             # on AVX512-BF16 the native one writes its row in bf16 for the top MLP
-            # (rounded as the MLP's cast would round it) and reads its gradient in bf16
+            # (rounded as the MLP's cast would round it) and reads its gradient in bf16 -
+            # and takes bf16 pooled vectors (the sums rounded as autocast's bmm would
+            # round them), giving their gradient in bf16 as autocast's would
+            bf16_in = pooled_BX.dtype == torch.bfloat16 and self.takes_bf16_pooled(pooled_BX.device)
             with torch.autocast("cpu", enabled=False):
+                if bf16_in:
+                    d = dense_BD.to(torch.bfloat16) if dense_BD is not None else None
+                    args = (self.num_features, self.dim, self.self_interaction, self.out_dim)
+                    return dot_interaction_cpu.NativeDotInteraction.apply(d, pooled_BX, *args, True)
                 d = dense_BD.float() if dense_BD is not None else None
                 return self._interact(d, pooled_BX.float(), bf16_out=True)
         return self._interact(dense_BD, pooled_BX)

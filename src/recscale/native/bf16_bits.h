@@ -1,7 +1,7 @@
 /*
  * The bf16 <-> fp32 conversions the bf16 kernels share (input_grad_amx.c,
- * small_layers_bf16.c, dot_interaction_bf16.c), in AVX-512 F/BW/VL (callers compiled for
- * a wider target inline them):
+ * small_layers_bf16.c, dot_interaction_bf16.c, dot_interaction_avx512.c), in AVX-512 F
+ * (the two conversions) and F/BW/VL (callers compiled for a wider target inline them):
  *
  *   rs_bf16_round16   16 fp32 -> 16 bf16, rounded to nearest even as torch rounds a
  *                     finite value; a NaN stays a NaN (0x7FC0)
@@ -20,8 +20,9 @@
 #include <immintrin.h>
 
 #define RS_BF16_BITS __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define RS_BF16_F __attribute__((target("avx512f")))
 
-RS_BF16_BITS static inline __m256i rs_bf16_round16(__m512 v) {
+RS_BF16_F static inline __m256i rs_bf16_round16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
@@ -29,7 +30,7 @@ RS_BF16_BITS static inline __m256i rs_bf16_round16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-RS_BF16_BITS static inline __m512 rs_bf16_widen16(__m256i v) {
+RS_BF16_F static inline __m512 rs_bf16_widen16(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 

@@ -367,7 +367,7 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
     if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 x 4 tiles of pairs */
         const int rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
                                                  self_interaction ? 0 : 1, width, dense_stride,
-                                                 emb_sample_stride, emb_feature_stride);
+                                                 emb_sample_stride, emb_feature_stride, 0);
         if (rc != -1) return rc;
     }
     if (recscale_dot_wide && d >= 64) /* without AVX-512 (or asked for): 2 x 4 AVX2 tiles */
@@ -400,7 +400,7 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
         const int rc = recscale_dot_backward_wide(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
             self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
-            emb_feature_stride, grad_sample_stride, grad_feature_stride);
+            emb_feature_stride, grad_sample_stride, grad_feature_stride, 0);
         if (rc != -1) return rc;
     }
     float *t = (float *)malloc((size_t)(k * d + k * k) * sizeof(float));

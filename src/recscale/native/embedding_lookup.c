@@ -12,6 +12,9 @@
  *     rows[n] = values[n] + row_offset[f];  bag_of_id[n] = o = b * F + f;
  *     out[o] = sum_n weight[rows[n]] * psw[n]     (psw = 1 when NULL)
  *
+ * (out_bf16: out is bf16, each sum rounded to nearest even as torch casts fp32 to bf16 -
+ * a bf16 consumer's input at half the bytes; the sums themselves stay fp32)
+ *
  * so out is sample-major [B, F, d]: what the dot interaction reads (a sample's vectors
  * contiguous) and, viewed as [B, F * d], what the MLP path takes -- no transpose copy.
  * bag_of_id indexes out's rows, so the gradient of out ([B * F, d]) goes to the fused
@@ -54,8 +57,8 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *row, 
 RS_INLINE int64_t feature(const void *restrict weight, const int wt, const int64_t d,
                           const int64_t *restrict values, const int64_t *restrict offsets,
                           int64_t b, int64_t f, int64_t nf, int64_t row_offset, int64_t table_size,
-                          const float *restrict psw, float *restrict out, int64_t *restrict rows,
-                          int64_t *restrict bag_of_id) {
+                          const float *restrict psw, void *restrict out, const int out_bf16,
+                          int64_t *restrict rows, int64_t *restrict bag_of_id) {
     const int64_t lo = offsets[f * b], hi = offsets[(f + 1) * b];
     const char *rows_at = (const char *)weight;
     const int64_t row_bytes = d * rs_value_bytes(wt);
@@ -84,7 +87,13 @@ RS_INLINE int64_t feature(const void *restrict weight, const int wt, const int64
                     acc[c / 8] = _mm256_add_ps(rs_load8(w, c, wt), acc[c / 8]);
             }
         }
-        for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(out + o * d + c, acc[c / 8]);
+        if (out_bf16)
+            for (int64_t c = 0; c < d; c += 8)
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + o * d + c),
+                                 rs_bf16_nearest8(acc[c / 8]));
+        else
+            for (int64_t c = 0; c < d; c += 8)
+                _mm256_storeu_ps((float *)out + o * d + c, acc[c / 8]);
     }
     return -1;
 }
@@ -95,10 +104,11 @@ RS_INLINE int64_t features_of(const void *weight, const int wt, int64_t d,
                                    const int64_t *values,
                                 const int64_t *offsets, int64_t b, int64_t nf, int64_t f0,
                                 int64_t f1, const int64_t *row_offset, const int64_t *table_size,
-                                const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
+                                const float *psw, void *out, const int out_bf16, int64_t *rows,
+                                int64_t *bag_of_id) {
 #define RS_FEATURE(D) \
     feature(weight, wt, D, values, offsets, b, f, nf, row_offset[f], table_size[f], psw, out, \
-            rows, bag_of_id)
+            out_bf16, rows, bag_of_id)
     for (int64_t f = f0; f < f1; ++f) {
         int64_t bad;
         switch (d) {
@@ -118,10 +128,11 @@ RS_INLINE int64_t features_of(const void *weight, const int wt, int64_t d,
 RS_AVX2 static int64_t features(const void *weight, int64_t wt, int64_t d, const int64_t *values,
                                 const int64_t *offsets, int64_t b, int64_t nf, int64_t f0,
                                 int64_t f1, const int64_t *row_offset, const int64_t *table_size,
-                                const float *psw, float *out, int64_t *rows, int64_t *bag_of_id) {
+                                const float *psw, void *out, int out_bf16, int64_t *rows,
+                                int64_t *bag_of_id) {
 #define RS_FORMAT(WT) \
     features_of(weight, WT, d, values, offsets, b, nf, f0, f1, row_offset, table_size, psw, out, \
-                rows, bag_of_id)
+                out_bf16, rows, bag_of_id)
     switch (wt) {
     case RS_F16: return RS_FORMAT(RS_F16);
     case RS_BF16: return RS_FORMAT(RS_BF16);
@@ -156,20 +167,20 @@ int64_t recscale_pooled_lookup(const void *weight, int64_t dim, const int64_t *v
                                const int64_t *offsets, int64_t batch_size, int64_t num_features,
                                int64_t f0, int64_t f1,
                                const int64_t *row_offset, const int64_t *table_size,
-                               const float *psw, float *out, int64_t *rows, int64_t *bag_of_id,
-                               int64_t wt) {
+                               const float *psw, void *out, int64_t *rows, int64_t *bag_of_id,
+                               int64_t wt, int64_t out_bf16) {
     if (!weight)
         return ids_only(values, offsets, batch_size, num_features, f0, f1, row_offset, table_size,
                         rows, bag_of_id);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (dim <= 0 || dim % 8 != 0 || dim > 128 || wt < RS_F32 || wt > RS_BF16) return -2;
     return features(weight, wt, dim, values, offsets, batch_size, num_features, f0, f1, row_offset,
-                    table_size, psw, out, rows, bag_of_id);
+                    table_size, psw, out, out_bf16 != 0, rows, bag_of_id);
 #else
     (void)weight, (void)dim, (void)values, (void)offsets, (void)batch_size, (void)num_features;
     (void)f0, (void)f1;
     (void)row_offset, (void)table_size, (void)psw, (void)out, (void)rows, (void)bag_of_id;
-    (void)wt;
+    (void)wt, (void)out_bf16;
     return -2;
 #endif
 }

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 31
+#define RECSCALE_NATIVE_ABI 32
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -28,14 +28,14 @@ int recscale_cpu_features(void);
 int64_t recscale_pooled_lookup(const void *weight, int64_t dim, const int64_t *values,
                                const int64_t *offsets, int64_t batch_size, int64_t num_features,
                                int64_t f0, int64_t f1, const int64_t *row_offset,
-                               const int64_t *table_size, const float *psw, float *out,
-                               int64_t *rows, int64_t *bag_of_id, int64_t wt);
+                               const int64_t *table_size, const float *psw, void *out,
+                               int64_t *rows, int64_t *bag_of_id, int64_t wt, int64_t out_bf16);
 int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state1, float *state2,
                            const int64_t *rows, const int64_t *seg_starts, int64_t s0, int64_t s1,
-                           const int64_t *bag_of_id, const float *psw, const float *grad,
+                           const int64_t *bag_of_id, const float *psw, const void *grad,
                            int64_t grad_stride, float lr, float eps, float beta1, float beta2,
                            float step_size, uint8_t *dirty, int64_t wt, int64_t step,
-                           uint16_t *low);
+                           uint16_t *low, int64_t grad_bf16);
 int recscale_dot_forward(const float *dense, const float *emb, float *out, int64_t b0, int64_t b1,
                          int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
                          int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
@@ -84,16 +84,17 @@ int recscale_narrow_wgrad_bf16(const uint16_t *g, int64_t ldg, const uint16_t *x
                                float *dw, float *db, int64_t out, int64_t in, int64_t batch,
                                int64_t lo, int64_t hi);
 
-int recscale_dot_forward_bf16(const float *dense, const float *emb, uint16_t *out16, int64_t b0,
+int recscale_dot_forward_bf16(const void *dense, const void *emb, uint16_t *out16, int64_t b0,
                               int64_t b1, int64_t k, int64_t d, int64_t has_dense,
                               int64_t self_interaction, int64_t width, int64_t dense_stride,
-                              int64_t emb_sample_stride, int64_t emb_feature_stride);
-int recscale_dot_backward_bf16(const float *dense, const float *emb, const uint16_t *grad16,
-                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                              int64_t emb_sample_stride, int64_t emb_feature_stride,
+                              int64_t in_bf16);
+int recscale_dot_backward_bf16(const void *dense, const void *emb, const uint16_t *grad16,
+                               void *grad_dense, void *grad_emb, int64_t b0, int64_t b1,
                                int64_t k, int64_t d, int64_t has_dense, int64_t self_interaction,
                                int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
                                int64_t emb_feature_stride, int64_t grad_sample_stride,
-                               int64_t grad_feature_stride);
+                               int64_t grad_feature_stride, int64_t in_bf16);
 
 int recscale_team_init(const char *path);
 int64_t recscale_team_kernel_id(const char *name);
@@ -143,13 +144,15 @@ void recscale_cache_clear(int32_t *slot_of_row, int64_t *row_of_slot, double *sc
 /* Between the C files only. */
 int rs_uring_rw(int fd, int write, int64_t n, const int64_t *off, char *const *ptr,
                 const int64_t *len, int64_t depth);
-int recscale_dot_forward_wide(const float *dense, const float *emb, float *out, int64_t b0,
+/* bf: T (dense, emb) and, in the backward, its gradients bf16 */
+int recscale_dot_forward_wide(const void *dense, const void *emb, float *out, int64_t b0,
                               int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
-                              int64_t width, int64_t dsb, int64_t esb, int64_t esf);
-int recscale_dot_backward_wide(const float *dense, const float *emb, const float *g,
-                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                              int64_t width, int64_t dsb, int64_t esb, int64_t esf, int64_t bf);
+int recscale_dot_backward_wide(const void *dense, const void *emb, const float *g,
+                               void *grad_dense, void *grad_emb, int64_t b0, int64_t b1,
                                int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
-                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf);
+                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
+                               int64_t bf);
 extern _Thread_local int64_t rs_dot_part_samples; /* dot_interaction_avx512.c */
 __attribute__((visibility("hidden"))) int recscale_tile_scratch(int64_t k, int64_t d, float **zero,
                                                                 const float ***rows,

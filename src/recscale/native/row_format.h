@@ -44,6 +44,20 @@ RS_ROW_INLINE __m256 rs_load8(const void *base, int64_t i, const int wt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* 8 fp32 -> 8 bf16 rounded to nearest even, as torch casts a finite value (a NaN becomes
+ * 0x7FC0, as there): bf16_bits.h's rs_bf16_round16 in AVX2, for kernels of this target. */
+RS_ROW_INLINE __m128i rs_bf16_nearest8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    /* 32 -> 16 bits: packus within each 128-bit lane, then lanes' low halves together */
+    const __m256i p = _mm256_packus_epi32(r, r);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+}
+
 /* splitmix64's finalizer over (row, step): 32 bits a row. */
 static inline uint32_t rs_row_hash(uint64_t step, uint64_t row) {
     uint64_t z = row * 0x9E3779B97F4A7C15ull + step * 0xBF58476D1CE4E5B9ull;

@@ -19,7 +19,8 @@
  * stored back with stochastic rounding whose noise hashes (step, row, column).
  *
  * Layouts (row-major): weight [R, d] (fp32, fp16 or bf16); fp32 Adagrad state1 [R];
- * Adam state1/state2 [R, d]; grad_pooled [num_bags, d] with row stride `grad_stride`; rows, seg_starts,
+ * Adam state1/state2 [R, d]; grad_pooled [num_bags, d] (fp32, or bf16 with grad_bf16: a bf16
+ * consumer's gradient, each value widened exactly) with row stride `grad_stride`; rows, seg_starts,
  * bag_of_id int64; dirty uint8 [R] or NULL.
  *
  * Why C: the numba kernel's loops over d = 16 stay scalar (too short for the loop
@@ -52,6 +53,14 @@ RS_INLINE void axpy(float *restrict acc, const float *restrict g, float w, const
                                                   _mm256_loadu_ps(acc + c)));
 }
 
+/* acc += w * g for a bf16 gradient row (widened exactly) */
+RS_INLINE void axpy_bf16(float *restrict acc, const uint16_t *restrict g, float w, const int64_t d) {
+    const __m256 wv = _mm256_set1_ps(w);
+    for (int64_t c = 0; c < d; c += 8)
+        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(rs_load8(g, c, RS_BF16), wv,
+                                                  _mm256_loadu_ps(acc + c)));
+}
+
 RS_INLINE float sum_sq(const float *restrict a, const int64_t d) {
     __m256 s = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; c += 8) {
@@ -76,12 +85,14 @@ typedef struct {
     void *weight;
     float *state1, *state2;
     const int64_t *rows, *seg_starts, *bag_of_id;
-    const float *psw, *grad;
+    const float *psw;
+    const void *grad; /* fp32, or bf16 with grad_bf16 */
     int64_t grad_stride;
     float lr, eps, beta1, beta2, step_size;
     uint8_t *dirty;
     int64_t step;  /* the stochastic rounding's noise (16-bit rows) */
     uint16_t *low; /* RS_SPLIT: the values' low 16 bits, beside the bf16 high halves */
+    int grad_bf16; /* the pooled gradient in bf16 (a bf16 consumer's): widened as read */
 } Args;
 
 /* Scratch for one segment of up to n ids: hash keys/slots (cap = 2^k >= 2n), the unique
@@ -246,7 +257,11 @@ RS_INLINE void segment(const Args *a, int64_t s, const int64_t d, const int wt, 
             ++u;
         }
         const float w = a->psw ? a->psw[lo + k] : 1.0f;
-        axpy(sc->acc + sc->slot[h] * d, a->grad + a->bag_of_id[lo + k] * a->grad_stride, w, d);
+        const int64_t at = a->bag_of_id[lo + k] * a->grad_stride;
+        if (a->grad_bf16)
+            axpy_bf16(sc->acc + sc->slot[h] * d, (const uint16_t *)a->grad + at, w, d);
+        else
+            axpy(sc->acc + sc->slot[h] * d, (const float *)a->grad + at, w, d);
     }
     for (int64_t j = 0; j < u && j < RS_AHEAD; ++j) prefetch_row(a, sc->uniq[j], d, wt);
     if (a->kind == RS_ADAGRAD) adagrad_scales(a, sc->uniq, sc->acc, u, sc->scale, d);
@@ -309,10 +324,10 @@ RS_AVX2 static void segments(const Args *a, int64_t s0, int64_t s1, int64_t d, i
  * format, a 16-bit row wider than 128), -2 when out of memory. */
 int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state1, float *state2,
                            const int64_t *rows, const int64_t *seg_starts, int64_t s0, int64_t s1,
-                           const int64_t *bag_of_id, const float *psw, const float *grad,
+                           const int64_t *bag_of_id, const float *psw, const void *grad,
                            int64_t grad_stride, float lr, float eps, float beta1, float beta2,
                            float step_size, uint8_t *dirty, int64_t wt, int64_t step,
-                           uint16_t *low) {
+                           uint16_t *low, int64_t grad_bf16) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (dim <= 0 || dim % 8 != 0 || kind < RS_SGD || kind > RS_ADAM) return -1;
     if (wt < RS_F32 || wt > RS_SPLIT || (wt != RS_F32 && dim > 128)) return -1;
@@ -337,7 +352,8 @@ int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state
         rc = -2;
     } else {
         const Args a = {(int)kind, weight, state1, state2, rows, seg_starts, bag_of_id, psw, grad,
-                        grad_stride, lr, eps, beta1, beta2, step_size, dirty, step, low};
+                        grad_stride, lr, eps, beta1, beta2, step_size, dirty, step, low,
+                        grad_bf16 != 0};
         segments(&a, s0, s1, dim, wt, &sc);
     }
     free(sc.keys);
@@ -350,7 +366,7 @@ int recscale_sparse_update(int64_t kind, void *weight, int64_t dim, float *state
     (void)kind, (void)weight, (void)dim, (void)state1, (void)state2, (void)rows, (void)seg_starts;
     (void)s0, (void)s1, (void)bag_of_id, (void)psw, (void)grad, (void)grad_stride, (void)lr;
     (void)eps, (void)beta1, (void)beta2, (void)step_size, (void)dirty, (void)wt, (void)step;
-    (void)low;
+    (void)low, (void)grad_bf16;
     return -1;
 #endif
 }

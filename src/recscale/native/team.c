@@ -89,11 +89,11 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     switch (kernel) {
     case K_LOOKUP:
         return recscale_pooled_lookup(P(0), I(1), P(2), P(3), I(4), I(5), I(6), I(7), P(8), P(9),
-                                      P(10), P(11), P(12), P(13), I(14));
+                                      P(10), P(11), P(12), P(13), I(14), I(15));
     case K_SPARSE_UPDATE:
         return recscale_sparse_update(I(0), P(1), I(2), P(3), P(4), P(5), P(6), I(7), I(8), P(9),
                                       P(10), P(11), I(12), F(13), F(14), F(15), F(16), F(17),
-                                      P(18), I(19), I(20), P(21));
+                                      P(18), I(19), I(20), P(21), I(22));
     case K_WEIGHT_GRAD:
         return recscale_weight_grad(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), I(8), I(9),
                                     I(10), I(11));
@@ -127,10 +127,11 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
                                     I(10), I(11), I(12));
     case K_DOT_FORWARD_BF16:
         return recscale_dot_forward_bf16(P(0), P(1), P(2), I(3), I(4), I(5), I(6), I(7), I(8),
-                                         I(9), I(10), I(11), I(12));
+                                         I(9), I(10), I(11), I(12), I(13));
     case K_DOT_BACKWARD_BF16:
         return recscale_dot_backward_bf16(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8),
-                                          I(9), I(10), I(11), I(12), I(13), I(14), I(15), I(16));
+                                          I(9), I(10), I(11), I(12), I(13), I(14), I(15), I(16),
+                                          I(17));
     case K_DOT_BACKWARD:
         return recscale_dot_backward(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8), I(9),
                                      I(10), I(11), I(12), I(13), I(14), I(15), I(16));
