@@ -271,14 +271,27 @@ def test_a_bf16_pooled_gradient_updates_as_its_widened_fp32_does(make_opt, preci
     assert not DeviceStorage(n, d, make_opt(), kernel="torch").takes_bf16_gradients()
 
 
-def test_the_lookups_backward_widens_a_bf16_gradient_for_an_update_that_reads_fp32():
+def _torch_kernel_rows(n, d):
+    return DeviceStorage(n, d, SparseRowwiseAdagrad(0.1), kernel="torch")
+
+
+def _replicated_rows(n, d):  # a replicated table's storage (world size 1, no group)
+    from recscale.distributed.sharded_embedding import all_reduced_storage
+
+    return all_reduced_storage(n, d, SparseRowwiseAdagrad(0.1), "fp32", None, "native", None, 1)
+
+
+@pytest.mark.parametrize("make", [_torch_kernel_rows, _replicated_rows], ids=["torch", "replica"])
+def test_the_lookups_backward_widens_a_bf16_gradient_for_an_update_that_reads_fp32(make):
     """A bf16 pooled output's gradient reaches a storage whose update takes fp32 only
-    (the torch kernel) widened: the update equals one from the fp32 gradient."""
+    (the torch kernel; a replica, whose merge before its all-reduce sums in the
+    gradient's dtype) widened: the update equals one from the fp32 gradient."""
     from recscale.embedding.lookup import pooled_lookup
 
     g = torch.Generator().manual_seed(1)
     n, d, bags = 30, 16, 20
-    stores = [DeviceStorage(n, d, SparseRowwiseAdagrad(0.1), kernel="torch") for _ in range(2)]
+    stores = [make(n, d) for _ in range(2)]
+    assert not stores[0].takes_bf16_gradients()
     init = torch.randn(n, d, generator=g)
     for st in stores:
         st.write_rows(torch.arange(n), init)

@@ -70,6 +70,9 @@ class _AllReduced:
     group: object
     world_size: int
 
+    def takes_bf16_gradients(self) -> bool:
+        return False  # its merge below sums in the gradient's dtype: fp32 only
+
     @torch.no_grad()
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
         grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
