@@ -231,3 +231,18 @@ def test_a_bf16_run_pools_in_bf16_and_learns_as_with_fp32_pools(monkeypatch):
     with_fp32 = train(load_config("debug", over), None, **quiet)
     assert trained.count(True) >= 150 and not any(seen)
     assert abs(with_bf16["auc"] - with_fp32["auc"]) <= 0.005, (with_bf16["auc"], with_fp32["auc"])
+
+
+def test_rows_of_mixed_dtypes_are_refused_not_read_past_their_end():
+    """The kernels read both row sets at one width: a bf16 dense row beside fp32
+    embeddings (or fp16 rows) is a clear error, never a read of half-sized rows as fp32."""
+    if native.library() is None:
+        pytest.skip(native.status())
+    dense = torch.randn(8, 16).to(BF16)
+    emb = torch.randn(8, 3 * 16)
+    with pytest.raises(ValueError, match="one dtype"):
+        NativeDotInteraction.apply(dense, emb, 3, 16, False, 24, False)
+    with pytest.raises(ValueError, match="one dtype"):
+        NativeDotInteraction.apply(None, emb.half(), 3, 16, False, 8, False)
+    with pytest.raises(ValueError, match="bf16 output"):
+        NativeDotInteraction.apply(dense, emb.to(BF16), 3, 16, False, 24, False)

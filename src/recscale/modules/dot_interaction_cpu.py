@@ -127,8 +127,15 @@ class NativeDotInteraction(torch.autograd.Function):
         has_dense = dense is not None
         k = num_features + int(has_dense)
         in_bf16 = emb.dtype == torch.bfloat16
-        if in_bf16 and (dense is not None and dense.dtype != torch.bfloat16 or not bf16_out):
-            raise ValueError("bf16 pooled vectors need a bf16 dense row and a bf16 output")
+        if emb.dtype not in (torch.float32, torch.bfloat16) or (
+            has_dense and dense.dtype != emb.dtype
+        ):
+            raise ValueError(
+                f"the native dot interaction takes fp32 or bf16 rows of one dtype, got "
+                f"{emb.dtype} embeddings and {dense.dtype if has_dense else 'no'} dense rows"
+            )
+        if in_bf16 and not bf16_out:
+            raise ValueError("bf16 pooled vectors need a bf16 output row")
         out = torch.empty(b, out_dim, dtype=torch.bfloat16 if bf16_out else emb.dtype)
         d_ptr = dense.data_ptr() if has_dense else 0
         args = (k, dim, int(has_dense), int(self_interaction), out_dim, dim, *emb3.stride()[:2])
