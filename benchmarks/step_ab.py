@@ -52,28 +52,13 @@ from recscale.train.parallel import build
 from recscale.train.step import backward_and_step, forward_loss, setup_process, start_steps
 
 
-def _bf16_node(on: bool) -> None:
-    gemm.USE_FUSED_BF16 = on
+def _flag(module: object, name: str) -> Callable[[bool], None]:
+    """A switch that is a module-level flag."""
 
+    def flip(on: bool) -> None:
+        setattr(module, name, on)
 
-def _amx_wgrad(on: bool) -> None:
-    gemm.USE_AMX_WGRAD = on
-
-
-def _amx_igrad(on: bool) -> None:
-    gemm.USE_AMX_IGRAD = on
-
-
-def _small_bf16(on: bool) -> None:
-    small_layers_bf16.USE = on
-
-
-def _dot_bf16(on: bool) -> None:
-    dot_interaction_cpu.USE_BF16_EDGES = on
-
-
-def _pooled_bf16(on: bool) -> None:
-    dot_interaction_cpu.USE_BF16_POOLED = on
+    return flip
 
 
 def _dot_stream(on: bool) -> None:
@@ -84,12 +69,12 @@ def _dot_stream(on: bool) -> None:
 
 
 SWITCHES: dict[str, Callable[[bool], None]] = {
-    "bf16_node": _bf16_node,
-    "amx_wgrad": _amx_wgrad,
-    "amx_igrad": _amx_igrad,
-    "small_bf16": _small_bf16,
-    "dot_bf16": _dot_bf16,
-    "pooled_bf16": _pooled_bf16,
+    "bf16_node": _flag(gemm, "USE_FUSED_BF16"),
+    "amx_wgrad": _flag(gemm, "USE_AMX_WGRAD"),
+    "amx_igrad": _flag(gemm, "USE_AMX_IGRAD"),
+    "small_bf16": _flag(small_layers_bf16, "USE"),
+    "dot_bf16": _flag(dot_interaction_cpu, "USE_BF16_EDGES"),
+    "pooled_bf16": _flag(dot_interaction_cpu, "USE_BF16_POOLED"),
     "dot_stream": _dot_stream,
 }
 

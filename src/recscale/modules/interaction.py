@@ -55,6 +55,9 @@ class SymmetricGram(torch.autograd.Function):
         return torch.bmm(s_BKK, t_BKD)  # under CUDA autocast, in its dtype (as forward's)
 
 
+_CPU_FP32 = torch.empty(0)  # what takes_bf16_pooled asks the kernel choice about
+
+
 class DotInteraction(nn.Module):
     """DLRM's dot interaction: pairwise dot products of the F(+1) vectors.
 
@@ -108,8 +111,9 @@ class DotInteraction(nn.Module):
             return False
         if not dot_interaction_cpu.bf16_pooled_available(self.dim):
             return False
-        probe = torch.empty(0, device=device)  # fp32: what the row's kernel is chosen on
-        return kernels.choose_once(self, self.kernel, "interaction", probe, self.dim) == "native"
+        # the kernel the fp32 row takes (chosen once per device and dtype)
+        kernel = kernels.choose_once(self, self.kernel, "interaction", _CPU_FP32, self.dim)
+        return kernel == "native"
 
     def forward(self, dense_BD: torch.Tensor | None, pooled_BX: torch.Tensor) -> torch.Tensor:
         if pooled_BX.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
