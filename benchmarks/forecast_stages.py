@@ -23,6 +23,7 @@ DIR/forecast_stages.csv (default DIR: docs/).
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,8 @@ def compare(points: list[Measured] = MEASURED) -> list[dict]:
             for g, (bench, fc) in GROUPS.items()
         }
         groups["step"] = (m.step_ms, f.step_ms)
+        # each bench stage against the forecast's timeline of it (device and host)
+        groups.update({f"bench {k}": (m.stage_ms[k], f.bench_stage_ms[k]) for k in STAGE_KEYS})
         for g, (measured, predicted) in groups.items():
             rows.append(
                 {
@@ -166,6 +169,16 @@ def main() -> None:
             f"{r['point']:<28} {r['stage']:<18} {r['measured_ms']:>9.3f} "
             f"{r['forecast_ms']:>9.3f} {r['forecast_over_measured']:>6.2f}"
             + (note if r["stage"] == "step" else "")
+        )
+    bench = [r for r in rows if r["stage"].startswith("bench ")]
+    for name, part in (
+        ("A (the host weights' fit)", [r for r in bench if r["point"].startswith("A ")]),
+        ("B, DLE's model, DCNv2 (held out)", [r for r in bench if not r["point"].startswith("A ")]),
+    ):
+        errors = sorted(abs(r["forecast_over_measured"] - 1) for r in part)
+        print(
+            f"bench stages, {name}: median |error| {statistics.median(errors):.1%}, "
+            f"worst {errors[-1]:.1%} over {len(errors)}"
         )
     write_csv(rows, Path(args.out) / "forecast_stages.csv")
 

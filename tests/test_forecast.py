@@ -510,7 +510,7 @@ def test_the_validation_forecasts_every_published_point_from_its_sources():
 def test_the_stage_check_pairs_every_bench_stage_with_its_forecast_stages():
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from forecast_stages import GROUPS, MEASURED, compare
+        from forecast_stages import GROUPS, MEASURED, STAGE_KEYS, compare
     finally:
         sys.path.remove(str(BENCHMARKS))
     # every bench stage and every device stage of a one-GPU forecast is in one group
@@ -519,7 +519,8 @@ def test_the_stage_check_pairs_every_bench_stage_with_its_forecast_stages():
     device = {k for _, f in GROUPS.values() for k in f}
     assert device | {"host", "all_to_all", "all_reduce"} == set(STAGES)
     rows = compare()
-    assert len(rows) == len(MEASURED) * (len(GROUPS) + 1)
+    # the groups, the step, and each bench stage against the forecast's timeline of it
+    assert len(rows) == len(MEASURED) * (len(GROUPS) + 1 + len(STAGE_KEYS))
     for m in MEASURED:  # the stages (means) add up to the step (the bench's median rate)
         assert sum(m.stage_ms.values()) == pytest.approx(m.step_ms, rel=0.03) and m.source
     for r in rows:

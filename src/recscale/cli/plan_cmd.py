@@ -364,6 +364,10 @@ def _forecast(cfg, args) -> int:
             "between the step's waits",
         }[f.host_mode]
         print(f"host: {f.host_ops} framework ops a step at {EAGER_OP_S * 1e6:.1f} us each ({how})")
+    print(
+        "bench stages (what `recscale bench throughput` times, ms): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in f.bench_stage_ms.items())
+    )
     if hours is not None:
         print(f"time to train {args.train_samples:,.0f} samples: {hours:.2f} h")
     return 0

@@ -51,6 +51,7 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.perfmodel.devices import DeviceSpec
 from recscale.perfmodel.step_kernels import (
+    BENCH_STAGES,
     COLLECTIVES,
     CPU,
     EFFICIENCY,
@@ -68,6 +69,7 @@ from recscale.planner.plan import PlanError
 from recscale.planner.types import ShardingPlan, TableInfo, TablePlacement
 
 __all__ = [
+    "BENCH_STAGES",
     "CPU",
     "EFFICIENCY",
     "GPU",
@@ -96,6 +98,7 @@ EAGER_OP_S = 25.3e-6
 # step's order: the tables' update, then the dense optimizer
 WAIT_ORDER = ("embedding_update", "dense_optimizer")
 AFTER_WAIT = {"embedding_update": WAIT_ORDER, "dense_optimizer": WAIT_ORDER[1:]}
+BENCH_WAIT = {"embedding_update": "sparse", "dense_optimizer": "dense_opt"}
 
 
 @dataclass
@@ -114,6 +117,9 @@ class Forecast:
     plan: ShardingPlan | None = field(default=None, repr=False)
     host_ops: int = 0  # framework ops the host dispatches a step (GPU, eager systems)
     host_mode: str = ""  # how they meet the device's time (System.host)
+    # what `recscale bench throughput` times on the device's stream, stage by stage
+    # (BENCH_STAGES): device and host time through the step's waits (_bench_timeline)
+    bench_stage_ms: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -122,6 +128,7 @@ class Forecast:
             "precision": self.precision,
             "system": self.system,
             "predicted_stage_ms": self.stage_ms,
+            "predicted_bench_stage_ms": self.bench_stage_ms,
             "predicted_step_ms": self.step_ms,
             "predicted_samples_per_s": self.samples_per_s,
             "predicted_memory_bytes_per_device": self.memory_bytes,
@@ -207,6 +214,7 @@ def forecast(
         host_ops = round(kernels * system.host_ops_per_kernel)
     step = sum(stages.values())
     table_mem = max(plan.memory_per_rank) if any(plan.memory_per_rank) else 0
+    bench = _bench_timeline(dense, emb, stages, system, precision, dev.kind == "gpu")
     return Forecast(
         dev.name,
         w,
@@ -222,6 +230,7 @@ def forecast(
         plan,
         host_ops,
         system.host if host_ops else "",
+        {k: v * 1e3 for k, v in bench.items()},
     )
 
 
@@ -253,6 +262,62 @@ def _exposed_host(
     return max(0.0, host - host_after - (device - device_after)) + max(
         0.0, host_after - device_after
     )
+
+
+def _bench_timeline(
+    dense: StepKernels, emb: StepKernels, stages: dict, system: System, precision: str, gpu: bool
+) -> dict[str, float]:
+    """The stage times ``recscale bench throughput`` reads from events on the device's
+    stream (lookup, forward, backward, sparse, dense_opt), seconds.
+
+    Each stage's device time is its kernels' (the all-to-all half in the lookup, half in
+    the backward with the all-reduce); on a GPU an eager system's host issues a stage's
+    kernels at its own pace - a kernel of stage ``s`` costs the host ``weight_s x``
+    ``host_ops_per_kernel x`` the op time (``System.host_stage_weights``) - and the
+    device reaches a stage's end event when both have done their part::
+
+        e_s = max(e_{s-1} + device_s, host time when the host records it)
+
+    At a wait (the step's start; ``System.wait_before``; GradScaler's under fp16) the
+    host first waits for the device. A stage that reads values back after its first
+    kernel (``System.serial_stages``: recscale's update, after the sort of its ids) has
+    the host wait for that kernel before it launches the stage's last kernel; the
+    device runs the rest while the host goes on. ``serial``: host and
+    device time add; ``graph`` (or a CPU, whose host is the device): the device's times
+    alone. Where the host binds
+    (recscale's A and B on an H200), each stage is its host time; where the device
+    does, its kernels'."""
+    device = {k: dense.bench[k] + emb.bench[k] for k in BENCH_STAGES}
+    device["lookup"] += stages["all_to_all"] / 2
+    device["backward"] += stages["all_to_all"] / 2 + stages["all_reduce"]
+    if not gpu or system.host == "graph" or not system.host_ops_per_kernel:
+        return device
+    op = EAGER_OP_S if system.host_op_s is None else system.host_op_s
+    weights = dict(zip(BENCH_STAGES, system.host_stage_weights or (1.0,) * len(BENCH_STAGES)))
+    kernels = {k: dense.bench_kernels[k] + emb.bench_kernels[k] for k in BENCH_STAGES}
+    host = {k: kernels[k] * weights[k] * system.host_ops_per_kernel * op for k in BENCH_STAGES}
+    waits = {BENCH_WAIT[system.wait_before]} if system.wait_before else set()
+    if system.scaler_waits and precision == "fp16":
+        waits.add("sparse" if system.embedding_update == "sparse_add" else "dense_opt")
+    out: dict[str, float] = {}
+    h = e = 0.0  # the host's clock and the device's last stage event
+    for k in BENCH_STAGES:
+        if system.host == "serial":
+            out[k] = device[k] + host[k]
+            continue
+        if k in waits:
+            h = max(h, e)
+        if k in system.serial_stages and kernels[k]:
+            first = dense.bench_first[k] or emb.bench_first[k]
+            last_launch = host[k] / kernels[k]
+            read_back = max(h, e) + host[k] - last_launch + first
+            h = read_back + last_launch
+            end = max(h, read_back + device[k] - first)
+        else:
+            h += host[k]
+            end = max(e + device[k], h)
+        out[k], e = end - e, end
+    return out
 
 
 def hybrid_plan(tables: list[TableInfo], w: int) -> ShardingPlan:

@@ -28,6 +28,16 @@ STAGES = (
     "host",
 )
 COLLECTIVES = ("all_to_all", "all_reduce")
+# The stages ``recscale bench throughput`` times on a device's stream, in a step's order:
+# the lookup, the dense model's forward and backward, the tables' update, the dense
+# optimizer. A kernel of the embedding or optimizer stages belongs to its own; the dense
+# model's to the phase its caller names (``StepKernels.phase``).
+BENCH_STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
+_BENCH_OF = {
+    "embedding_forward": "lookup",
+    "embedding_update": "sparse",
+    "dense_optimizer": "dense_opt",
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,11 @@ class StepKernels:
         self.bw = dev.memory_gbps * 1e9
         self.stages: dict[str, float] = {s: 0.0 for s in STAGES}
         self.stage_kernels: dict[str, int] = dict.fromkeys(STAGES, 0)
+        # the same kernels by bench stage (BENCH_STAGES): seconds and counts
+        self.bench: dict[str, float] = dict.fromkeys(BENCH_STAGES, 0.0)
+        self.bench_kernels: dict[str, int] = dict.fromkeys(BENCH_STAGES, 0)
+        self.bench_first: dict[str, float] = dict.fromkeys(BENCH_STAGES, 0.0)  # its first kernel's
+        self.phase = "forward"  # the dense model's kernels: "forward" or "backward"
         self.a2a = self.ar = 0.0  # bytes this rank sends: all-to-all, all-reduce (tables)
 
     @property
@@ -83,17 +98,36 @@ class StepKernels:
             self.stages[k] += v
         for k, v in other.stage_kernels.items():
             self.stage_kernels[k] += v
+        for k in BENCH_STAGES:
+            self.bench[k] += other.bench[k]
+            self.bench_kernels[k] += other.bench_kernels[k]
+            self.bench_first[k] = self.bench_first[k] or other.bench_first[k]
         self.a2a += other.a2a
         self.ar += other.ar
 
-    def kernel(self, stage: str, seconds: float) -> None:
-        """One kernel of ``stage`` taking ``seconds`` plus the fixed cost of a kernel."""
-        self.stages[stage] += seconds + self.eff.kernel_s
+    def kernel(self, stage: str, seconds: float, forward_share: float | None = None) -> None:
+        """One kernel of ``stage`` taking ``seconds`` plus the fixed cost of a kernel;
+        ``forward_share``: a dense kernel whose work is that share forward, the rest
+        backward (counted as a backward kernel)."""
+        t = seconds + self.eff.kernel_s
+        self.stages[stage] += t
         self.stage_kernels[stage] += 1
+        bench = _BENCH_OF.get(stage, self.phase)
+        if forward_share is not None and bench in ("forward", "backward"):
+            self.bench["forward"] += t * forward_share
+            self.bench["backward"] += t * (1.0 - forward_share)
+            bench = "backward"
+        else:
+            self.bench[bench] += t
+        if not self.bench_kernels[bench]:
+            self.bench_first[bench] = t
+        self.bench_kernels[bench] += 1
 
-    def stream(self, stage: str, nbytes: float, share: float = 1.0) -> None:
+    def stream(
+        self, stage: str, nbytes: float, share: float = 1.0, forward_share: float | None = None
+    ) -> None:
         """A kernel moving ``nbytes`` at the streaming rate (``share`` of it)."""
-        self.kernel(stage, nbytes / (self.bw * self.eff.stream * share))
+        self.kernel(stage, nbytes / (self.bw * self.eff.stream * share), forward_share)
 
     def gemm(self, stage: str, m: int, n: int, k: int) -> None:
         """One GEMM C[m, n] = A[m, k] B[k, n] by tiles and waves: the main loops (the
@@ -144,9 +178,11 @@ def _mlp(
     for i, n in enumerate(widths):
         act = relu and not (i == len(widths) - 1 and n == 1)
         out = b * n * s.act
+        s.phase = "forward"
         s.gemm("mlp_gemm", b, n, k)
         if act and sysm.epilogue != "fused":
             s.stream("mlp_elementwise", 2 * out)  # (bias +) ReLU: read, write
+        s.phase = "backward"
         if i > 0 or first_dgrad:
             s.gemm("mlp_gemm", b, k, n)  # data gradient
         s.gemm("mlp_gemm", k, n, b)  # weight gradient
@@ -158,6 +194,7 @@ def _mlp(
             s.stream("mlp_elementwise", (3 if act else 1) * out)
         params += k * n + n
         k = n
+    s.phase = "forward"
     return params
 
 
@@ -191,6 +228,7 @@ def dense_side(
             if sysm.concat_features:
                 s.stream("interaction", 2 * x, s.eff.stack)  # the features stacked by a copy
             s.batched("interaction", 2.0 * b * k * k * d, x + b * width * s.act)
+            s.phase = "backward"
             s.batched("interaction", 4.0 * b * k * k * d, 2 * x + b * width * s.act)
         else:
             # rows padded as modules/interaction.gram_row_multiple pads them
@@ -202,6 +240,7 @@ def dense_side(
             # Z = T T^T: the GEMM loads T as both operands, two streams of its tiles
             s.batched("interaction", 2.0 * b * kp * kp * d, 2 * x + z, aligned)
             s.stream("interaction", z + 2 * b * width * s.act)  # triangle gather + concat
+            s.phase = "backward"
             s.stream("interaction", z + b * width * s.act)  # its gradient scattered
             if sysm.gram == "padded":
                 s.stream("interaction", 3 * z)  # dZ + dZ^T
@@ -219,14 +258,17 @@ def dense_side(
             params += _mlp(s, sysm, b, width, [m.dcn_rank], True, relu=False)
             params += _mlp(s, sysm, b, m.dcn_rank, [width], True, relu=False)
             passes = 4 if sysm.epilogue == "fused" else 12  # x0 * y + x and its gradients
-            s.stream("interaction", passes * b * width * s.act)
+            s.stream("interaction", passes * b * width * s.act, forward_share=1 / 3)
             acts += 2 * width + m.dcn_rank
         acts += width
     else:
         width = emb + dense
-        s.stream("interaction", 4 * b * width * s.act)
+        s.stream("interaction", 4 * b * width * s.act, forward_share=0.5)
         acts += width
+    s.phase = "forward"
     params += _mlp(s, sysm, b, width, m.top_mlp, True)
-    for _ in range(3):  # sigmoid BCE forward, backward, mean
+    for phase in ("forward", "backward", "forward"):  # sigmoid BCE forward, backward, mean
+        s.phase = phase
         s.stream("loss", 4 * b * 4)
+    s.phase = "forward"
     return params, acts

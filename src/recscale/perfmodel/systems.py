@@ -64,6 +64,12 @@ class System:
     # fp16 under torch's GradScaler: its step reads found_inf back (.item()), a wait
     # mid-step, so host and device time add whatever ``host`` says
     scaler_waits: bool = False
+    # the host time of a kernel in each bench stage (step_kernels.BENCH_STAGES: lookup,
+    # forward, backward, sparse, dense_opt) against the step's mean, which
+    # host_ops_per_kernel x host_op_s prices (None: the same in every stage)
+    host_stage_weights: tuple[float, ...] | None = None
+    # bench stages that read a value back after their first kernel, before their last
+    serial_stages: tuple[str, ...] = ()
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -89,6 +95,17 @@ class System:
 # wait - and the fused update's two read-backs (the distinct ids' count, the largest
 # row count) after the backward. So the host's time hides behind the device's in the
 # forward and backward, and again in the update and the optimizer, each apart.
+# A kernel's host time differs by stage (host_stage_weights): the lookup's and the
+# update's few kernels carry Python bookkeeping and read-backs (6 and 6 ops a kernel,
+# count_host_ops.py --stages), the forward's run through modules and autocast, the
+# backward's through autograd's C++ engine, the optimizer's one fused update through
+# torch.optim's Python. Learned from config A at batch 16,384 in TF32 on three H200
+# boxes (trees f2be6a5, ce18e55, ec9e6b3; host-bound, so a stage's event time is its
+# host time, the update's 0.04 ms of device work aside): the stages' shares of the
+# step 0.150-0.155, 0.258-0.286, 0.397-0.418, 0.113-0.126, 0.048-0.049 over 3, 18, 31,
+# 3 and 1 of the forecast's 56 kernels. The update reads back twice after sorting its
+# ids, before its fused kernel (serial_stages). Config B, DLE's model and DCNv2 are held out
+# (benchmarks/forecast_stages.py, docs/perfmodel.md).
 RECSCALE = System(
     "recscale",
     gram="padded",
@@ -96,6 +113,8 @@ RECSCALE = System(
     host="overlap",
     host_ops_per_kernel=195 / 56,
     wait_before="embedding_update",
+    host_stage_weights=(2.87, 0.85, 0.74, 2.22, 2.74),
+    serial_stages=("sparse",),
     note="eager PyTorch: unfused epilogues, bmm interaction, fp32 tables and wire",
 )
 
