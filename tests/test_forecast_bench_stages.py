@@ -156,3 +156,16 @@ def test_plan_prints_and_carries_the_bench_stages(tmp_path):
     line = next(ln for ln in text.stdout.splitlines() if ln.startswith("bench stages"))
     for k in BENCH_STAGES:
         assert f"{k} {data['predicted_bench_stage_ms'][k]:.3f}" in line
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"host_stage_weights": (1.0, 1.0)},
+        {"host_stage_weights": (1.0, 1.0, 0.0, 1.0, 1.0)},
+        {"serial_stages": ("update",)},
+    ],
+)
+def test_a_system_with_bench_fields_that_do_not_fit_is_refused(field):
+    with pytest.raises(ValueError, match="System.(host_stage_weights|serial_stages)"):
+        replace(RECSCALE, **field)

@@ -51,7 +51,6 @@ from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.perfmodel.devices import DeviceSpec
 from recscale.perfmodel.step_kernels import (
-    BENCH_STAGES,
     COLLECTIVES,
     CPU,
     EFFICIENCY,
@@ -62,7 +61,7 @@ from recscale.perfmodel.step_kernels import (
     bottom_mlp,
     dense_side,
 )
-from recscale.perfmodel.systems import RECSCALE, System
+from recscale.perfmodel.systems import BENCH_STAGES, RECSCALE, System
 from recscale.planner.costs import ALL_TO_ALL_CALLS, ID_BYTES, CostLaws, placement_work
 from recscale.planner.from_config import plan_for, table_infos
 from recscale.planner.plan import PlanError
@@ -282,11 +281,10 @@ def _bench_timeline(
     host first waits for the device. A stage that reads values back after its first
     kernel (``System.serial_stages``: recscale's update, after the sort of its ids) has
     the host wait for that kernel before it launches the stage's last kernel; the
-    device runs the rest while the host goes on. ``serial``: host and
-    device time add; ``graph`` (or a CPU, whose host is the device): the device's times
-    alone. Where the host binds
-    (recscale's A and B on an H200), each stage is its host time; where the device
-    does, its kernels'."""
+    device runs the rest while the host goes on. ``serial``: host and device time add;
+    ``graph`` (or a CPU, whose host is the device): the device's times alone. Where the
+    host binds (recscale's A and B on an H200) each stage is its host time; where the
+    device does, its kernels'."""
     device = {k: dense.bench[k] + emb.bench[k] for k in BENCH_STAGES}
     device["lookup"] += stages["all_to_all"] / 2
     device["backward"] += stages["all_to_all"] / 2 + stages["all_reduce"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from recscale.config.schema import Config
 from recscale.modules.interaction_padding import PAD_MULTIPLE, gram_multiple
 from recscale.perfmodel.devices import DeviceSpec
-from recscale.perfmodel.systems import System
+from recscale.perfmodel.systems import BENCH_STAGES, System
 
 STAGES = (
     "mlp_gemm",
@@ -28,11 +28,8 @@ STAGES = (
     "host",
 )
 COLLECTIVES = ("all_to_all", "all_reduce")
-# The stages ``recscale bench throughput`` times on a device's stream, in a step's order:
-# the lookup, the dense model's forward and backward, the tables' update, the dense
-# optimizer. A kernel of the embedding or optimizer stages belongs to its own; the dense
-# model's to the phase its caller names (``StepKernels.phase``).
-BENCH_STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
+# A kernel's bench stage (systems.BENCH_STAGES): an embedding or optimizer kernel's is
+# its own stage's; the dense model's is the phase its caller names (StepKernels.phase).
 _BENCH_OF = {
     "embedding_forward": "lookup",
     "embedding_update": "sparse",

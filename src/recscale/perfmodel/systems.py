@@ -24,6 +24,10 @@ UPDATES = ("fused", "sparse_add")
 HOSTS = ("serial", "overlap", "graph")
 GRAMS = ("autograd", "padded")
 WAITS = ("", "embedding_update", "dense_optimizer")
+# The stages ``recscale bench throughput`` times on a device's stream, in a step's order:
+# the lookup, the dense model's forward and backward, the tables' update, the dense
+# optimizer (``step_kernels.StepKernels.bench``).
+BENCH_STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,19 @@ class System:
         ):
             if value not in allowed:
                 raise ValueError(f"System.{key}: {value!r} is not one of {', '.join(allowed)}")
+        weights = self.host_stage_weights
+        if weights is not None and (
+            len(weights) != len(BENCH_STAGES) or not all(w > 0 for w in weights)
+        ):
+            raise ValueError(
+                f"System.host_stage_weights: one positive weight a bench stage "
+                f"({', '.join(BENCH_STAGES)}), got {weights!r}"
+            )
+        for stage in self.serial_stages:
+            if stage not in BENCH_STAGES:
+                raise ValueError(
+                    f"System.serial_stages: {stage!r} is not one of {', '.join(BENCH_STAGES)}"
+                )
 
 
 # recscale on a GPU: eager PyTorch (separate ReLU / dReLU / bias-grad kernels, a bmm
@@ -104,8 +121,8 @@ class System:
 # host time, the update's 0.04 ms of device work aside): the stages' shares of the
 # step 0.150-0.155, 0.258-0.286, 0.397-0.418, 0.113-0.126, 0.048-0.049 over 3, 18, 31,
 # 3 and 1 of the forecast's 56 kernels. The update reads back twice after sorting its
-# ids, before its fused kernel (serial_stages). Config B, DLE's model and DCNv2 are held out
-# (benchmarks/forecast_stages.py, docs/perfmodel.md).
+# ids, before its fused kernel (serial_stages). Config B, DLE's model and DCNv2 are
+# held out (benchmarks/forecast_stages.py, docs/perfmodel.md).
 RECSCALE = System(
     "recscale",
     gram="padded",
