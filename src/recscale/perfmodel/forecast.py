@@ -248,11 +248,7 @@ def _exposed_host(
     device = sum(stages.values())
     if system.host == "serial":
         return host
-    waits = [system.wait_before] if system.wait_before else []
-    if system.scaler_waits and precision == "fp16":
-        waits.append(
-            "embedding_update" if system.embedding_update == "sparse_add" else "dense_optimizer"
-        )
+    waits = _mid_step_waits(system, precision)
     if not waits:
         return max(0.0, host - device)
     after = AFTER_WAIT[min(waits, key=WAIT_ORDER.index)]
@@ -261,6 +257,18 @@ def _exposed_host(
     return max(0.0, host - host_after - (device - device_after)) + max(
         0.0, host_after - device_after
     )
+
+
+def _mid_step_waits(system: System, precision: str) -> list[str]:
+    """The stages (of WAIT_ORDER) at whose start the step waits on the device: the
+    system's read-back (``wait_before``), and under fp16 GradScaler's found_inf before
+    the step's update of a sparse gradient or else the optimizer's."""
+    waits = [system.wait_before] if system.wait_before else []
+    if system.scaler_waits and precision == "fp16":
+        waits.append(
+            "embedding_update" if system.embedding_update == "sparse_add" else "dense_optimizer"
+        )
+    return waits
 
 
 def _bench_timeline(
@@ -294,9 +302,7 @@ def _bench_timeline(
     weights = dict(zip(BENCH_STAGES, system.host_stage_weights or (1.0,) * len(BENCH_STAGES)))
     kernels = {k: dense.bench_kernels[k] + emb.bench_kernels[k] for k in BENCH_STAGES}
     host = {k: kernels[k] * weights[k] * system.host_ops_per_kernel * op for k in BENCH_STAGES}
-    waits = {BENCH_WAIT[system.wait_before]} if system.wait_before else set()
-    if system.scaler_waits and precision == "fp16":
-        waits.add("sparse" if system.embedding_update == "sparse_add" else "dense_opt")
+    waits = {BENCH_WAIT[k] for k in _mid_step_waits(system, precision)}
     out: dict[str, float] = {}
     h = e = 0.0  # the host's clock and the device's last stage event
     for k in BENCH_STAGES:
