@@ -45,19 +45,13 @@
 #define RS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define RS_INLINE RS_AVX2 static inline __attribute__((always_inline))
 
-/* acc[0 .. d) += g[0 .. d) * w (d a multiple of 8) */
-RS_INLINE void axpy(float *restrict acc, const float *restrict g, float w, const int64_t d) {
+/* acc[0 .. d) += g[0 .. d) * w (d a multiple of 8) for a gradient row of format gwt
+ * (RS_F32, or RS_BF16 widened exactly; a constant at each call) */
+RS_INLINE void axpy(float *restrict acc, const void *restrict g, float w, const int64_t d,
+                    const int gwt) {
     const __m256 wv = _mm256_set1_ps(w);
     for (int64_t c = 0; c < d; c += 8)
-        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(_mm256_loadu_ps(g + c), wv,
-                                                  _mm256_loadu_ps(acc + c)));
-}
-
-/* acc += w * g for a bf16 gradient row (widened exactly) */
-RS_INLINE void axpy_bf16(float *restrict acc, const uint16_t *restrict g, float w, const int64_t d) {
-    const __m256 wv = _mm256_set1_ps(w);
-    for (int64_t c = 0; c < d; c += 8)
-        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(rs_load8(g, c, RS_BF16), wv,
+        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(rs_load8(g, c, gwt), wv,
                                                   _mm256_loadu_ps(acc + c)));
 }
 
@@ -259,9 +253,9 @@ RS_INLINE void segment(const Args *a, int64_t s, const int64_t d, const int wt, 
         const float w = a->psw ? a->psw[lo + k] : 1.0f;
         const int64_t at = a->bag_of_id[lo + k] * a->grad_stride;
         if (a->grad_bf16)
-            axpy_bf16(sc->acc + sc->slot[h] * d, (const uint16_t *)a->grad + at, w, d);
+            axpy(sc->acc + sc->slot[h] * d, (const uint16_t *)a->grad + at, w, d, RS_BF16);
         else
-            axpy(sc->acc + sc->slot[h] * d, (const float *)a->grad + at, w, d);
+            axpy(sc->acc + sc->slot[h] * d, (const float *)a->grad + at, w, d, RS_F32);
     }
     for (int64_t j = 0; j < u && j < RS_AHEAD; ++j) prefetch_row(a, sc->uniq[j], d, wt);
     if (a->kind == RS_ADAGRAD) adagrad_scales(a, sc->uniq, sc->acc, u, sc->scale, d);
