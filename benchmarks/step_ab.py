@@ -28,6 +28,8 @@ Switches (on = what recscale runs):
                 (dot_interaction_cpu.USE_BF16_POOLED; bf16, on CPUs with AVX512-BF16)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
+    dot_narrow  the dot interaction of d = 16 or 32 on AVX-512 (native/dot_interaction_narrow.c)
+                against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
 
 Each round times ``--steps`` steps on and as many off (one untimed step after each
 switch; the order swapped every round) on the same batches, made once. Prints each
@@ -68,6 +70,11 @@ def _dot_stream(on: bool) -> None:
     stream.value = _dot_stream.default if on else 1 << 62  # type: ignore[attr-defined]
 
 
+def _dot_narrow(on: bool) -> None:
+    # 2 = "the AVX2 tiles": for d < 64 that is the pair kernels (dot_interaction.c)
+    ctypes.c_int.in_dll(native.library(), "recscale_dot_wide").value = 1 if on else 2
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "bf16_node": _flag(gemm, "USE_FUSED_BF16"),
     "amx_wgrad": _flag(gemm, "USE_AMX_WGRAD"),
@@ -76,6 +83,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "dot_bf16": _flag(dot_interaction_cpu, "USE_BF16_EDGES"),
     "pooled_bf16": _flag(dot_interaction_cpu, "USE_BF16_POOLED"),
     "dot_stream": _dot_stream,
+    "dot_narrow": _dot_narrow,
 }
 
 
@@ -95,7 +103,7 @@ def main() -> None:
         raise SystemExit(f"the AVX512-BF16 kernels do not run here: {native.status()}")
     if args.switch in ("bf16_node", "amx_wgrad", "amx_igrad", *bf16_kernels):  # the bf16 step
         overrides = [*overrides, "--train.precision=bf16"]
-    if args.switch == "dot_stream" and not native.has_avx512():
+    if args.switch in ("dot_stream", "dot_narrow") and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")
     cfg = load_config(args.config, overrides)
     device, _ = setup_process(cfg)

@@ -44,7 +44,8 @@ def sigint_handled():
 
 @pytest.fixture(params=["wide", "wide-streamed", "tiles", "avx2"])
 def wide_interaction(request):
-    """Every native interaction path for d >= 64: the AVX-512 tiles
+    """Every native interaction path: for d = 16 and 32 (k <= 32) "wide" is AVX-512's
+    narrow kernels (native/dot_interaction_narrow.c); for d >= 64 the AVX-512 tiles
     (native/dot_interaction_avx512.c, where the CPU has AVX-512; "streamed": its
     backward's non-temporal stores, which large batches take, at any size), the AVX2
     forward tiles (2 x 4 rows; the backward then takes the AVX2 kernel) and the AVX2

@@ -108,13 +108,17 @@ def test_parallel_parts_learns_the_split_that_finishes_together(monkeypatch):
 
 
 _DIMS = [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3), (128, 1)]
+# AVX-512's narrow kernels (d = 16, 32; k <= 32): k = 2, 17 (one row past the first
+# 16), 27 (config A), 32 (the most), and 33 / 41 (past it: the AVX2 kernels)
+_NARROW = [(16, 1), (16, 16), (16, 26), (32, 5), (16, 31), (32, 20), (16, 32), (32, 40)]
 
 
 @needs_native
 @pytest.mark.parametrize(
     "dim,num_f,wide_interaction",
     [(d, f, "avx2") for d, f in _DIMS]
-    + [(d, f, kind) for d, f in _DIMS if d >= 64 for kind in ("wide", "wide-streamed", "tiles")],
+    + [(d, f, kind) for d, f in _DIMS if d >= 64 for kind in ("wide", "wide-streamed", "tiles")]
+    + [(d, f, "wide") for d, f in _NARROW],
     indirect=["wide_interaction"],
 )  # 80: a 64-float block and a 16-float one; 48: below the tiles (d >= 64); 128 x 1 with
 # dense features: k = 2, one tile mostly past k

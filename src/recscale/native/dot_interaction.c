@@ -349,7 +349,8 @@ RS_AVX2 static void backward_range(const float *dense, const float *emb, const f
 }
 #endif
 
-/* 1: d >= 64 (a multiple of 16) runs the AVX-512 tiles of dot_interaction_avx512.c where
+/* 1: d = 16 or 32 with k <= 32 runs dot_interaction_narrow.c where the CPU has AVX-512;
+ * d >= 64 (a multiple of 16) runs the AVX-512 tiles of dot_interaction_avx512.c where
  * the CPU has AVX-512 (config B's d = 128: forward 3.2 -> 1.8 ms, backward 4.8-6.6 ->
  * 3.4-4.8 ms on 2 threads; B's step 167.9 -> 163.9 ms), else the forward in the AVX2
  * tiles above (d >= 64, a multiple of 8). 2: the AVX2 tiles even with AVX-512. 0: the
@@ -364,6 +365,12 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
                          int64_t emb_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
+    if (recscale_dot_wide == 1) { /* d = 16, 32: Gram rows by outer products */
+        const int rc = recscale_dot_forward_narrow(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
+                                                   self_interaction ? 0 : 1, width, dense_stride,
+                                                   emb_sample_stride, emb_feature_stride);
+        if (rc != -1) return rc;
+    }
     if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 x 4 tiles of pairs */
         const int rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
                                                  self_interaction ? 0 : 1, width, dense_stride,
@@ -396,6 +403,13 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
                           int64_t grad_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
+    if (recscale_dot_wide == 1) { /* d = 16, 32: one FMA a coefficient */
+        const int rc = recscale_dot_backward_narrow(
+            dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
+            self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
+            emb_feature_stride, grad_sample_stride, grad_feature_stride);
+        if (rc != -1) return rc;
+    }
     if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 rows x 64 floats a block */
         const int rc = recscale_dot_backward_wide(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,

@@ -1,0 +1,292 @@
+/*
+ * The dot interaction for narrow vectors on AVX-512: d = 16 or 32 and at most 32 vectors
+ * a sample (config A's and the default model's 27 x 16). Same contract as
+ * recscale_dot_forward / recscale_dot_backward in dot_interaction.c, which call these
+ * first; -1 where they do not apply (no AVX-512, another d, k > 32).
+ *
+ * Why: at d = 16 a vector is one AVX-512 register, so a pair's dot product is one FMA and
+ * a horizontal sum; the AVX2 pair kernel's sums (14 shuffles for 8 products, all on the
+ * one shuffle port) set its pace, and its backward spends two 8-float FMAs a coefficient.
+ * Here the forward has no horizontal sums and the backward one FMA a coefficient
+ * (docs/performance.md has the times).
+ *
+ * Forward, per sample. Tt = T's transpose, [d][32] floats on the stack (vectors past k
+ * zero), made by 16 x 16 transposes in registers. Row r of the Gram matrix is
+ *
+ *     G[r] = sum over c of T[r][c] * Tt[c]      (one FMA a (r, c, half of 16 j's))
+ *
+ * with T[r][c] a broadcast memory operand: rows 0-15 over both halves (j < 16, j >= 16),
+ * rows 16-31 over the upper half alone (their pairs have j >= r >= 16). A row's pairs
+ * (j >= r + offset, j < k) leave through two masked stores straight into the output row:
+ *
+ *     out[b][col(r, j)] = G[r][j],   col(r, j) = first + start[r] + j - r - offset
+ *
+ * Backward, per sample: grad_T[r] = sum over j of G[r][j] T[j], each coefficient read in
+ * place from the gradient row g as a broadcast operand - G[r][j] = g[col(min, max)], a
+ * self pair 2 g[col(r, r)] (offset 0) or nothing (offset 1) - in groups of rows that
+ * keep 8 FMA chains apart (8 rows at d = 16, 4 at d = 32), then smaller groups for the
+ * rows left. Row 0 with dense features adds the pass-through gradient g[0 .. d).
+ */
+#include <stdint.h>
+
+#include "recscale_native.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define RS_AVX512 __attribute__((target("avx512f")))
+#define RS_KERNEL RS_AVX512 static inline __attribute__((always_inline))
+
+enum { KMAX = 32 };
+
+/* &o[i] for an index that may fall before the row: only masked-off lanes touch it. */
+static inline float *at(float *o, int64_t i) {
+    return (float *)((uintptr_t)o + (uintptr_t)(i * (int64_t)sizeof(float)));
+}
+
+/* v[0..15] (16 rows of 16 floats) -> their transpose: v[c] lane i = old v[i] lane c. */
+RS_KERNEL void transpose16(__m512 *v) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) { /* a lane: [v_i[e], v_i+1[e], v_i[e+1], v_i+1[e+1]] */
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    __m512 u[16]; /* u[4 g + e], 128-bit lane q: element 4 q + e of rows 4 g .. 4 g + 3 */
+    for (int g = 0; g < 4; ++g) {
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+        u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int e = 0; e < 4; ++e) { /* element 4 q + e of all 16 rows from lane q of 4 u's */
+        const __m512 w0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88); /* lanes 0, 2 */
+        const __m512 w1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD); /* lanes 1, 3 */
+        const __m512 x0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 x1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+        v[e] = _mm512_shuffle_f32x4(w0, x0, 0x88);
+        v[4 + e] = _mm512_shuffle_f32x4(w1, x1, 0x88);
+        v[8 + e] = _mm512_shuffle_f32x4(w0, x0, 0xDD);
+        v[12 + e] = _mm512_shuffle_f32x4(w1, x1, 0xDD);
+    }
+}
+
+/* tt[c][j] = rows[j][c] for c < D, j < 32 (rows past k read as zero). */
+RS_KERNEL void fill_tt(float *tt, const float *const *rows, int64_t k, const int D) {
+    for (int cc = 0; cc < D / 16; ++cc)
+        for (int rb = 0; rb < 2; ++rb) {
+            __m512 v[16];
+            for (int i = 0; i < 16; ++i) {
+                const int64_t r = 16 * rb + i;
+                v[i] = r < k ? _mm512_loadu_ps(rows[r] + 16 * cc) : _mm512_setzero_ps();
+            }
+            transpose16(v);
+            for (int c = 0; c < 16; ++c)
+                _mm512_store_ps(tt + (16 * cc + c) * KMAX + 16 * rb, v[c]);
+        }
+}
+
+/* Rows [r0, r0 + 8) of G (rows past k read the zero row and are not stored); lo: the
+ * lower half of j too. Their pairs to o at col(r, j) = base[r] + j. */
+RS_KERNEL void gram_rows(const float *const *rows, const float *tt, float *o,
+                         const int64_t *base, int64_t k, int64_t r0, const int lo, const int D,
+                         int64_t offset) {
+    __m512 acc[8][2];
+    for (int u = 0; u < 8; ++u) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+    const float *r[8];
+    for (int u = 0; u < 8; ++u) r[u] = rows[r0 + u];
+    for (int c = 0; c < D; ++c) {
+        const __m512 low = _mm512_load_ps(tt + c * KMAX);
+        const __m512 high = _mm512_load_ps(tt + c * KMAX + 16);
+        for (int u = 0; u < 8; ++u) {
+            const __m512 a = _mm512_set1_ps(r[u][c]);
+            if (lo) acc[u][0] = _mm512_fmadd_ps(a, low, acc[u][0]);
+            acc[u][1] = _mm512_fmadd_ps(a, high, acc[u][1]);
+        }
+    }
+    for (int u = 0; u < 8 && r0 + u < k; ++u) {
+        const int64_t i = r0 + u, from = i + offset; /* the row's pairs: j in [from, k) */
+        for (int h = lo ? 0 : 1; h < 2; ++h) {
+            const int64_t a = from > 16 * h ? from - 16 * h : 0, z = k - 16 * h;
+            if (z <= a) continue;
+            const unsigned below_z = z >= 16 ? 0xFFFFu : (1u << z) - 1u;
+            const __mmask16 m = (__mmask16)(below_z & ~((1u << a) - 1u));
+            _mm512_mask_storeu_ps(at(o, base[i] + 16 * h), m, acc[u][h]);
+        }
+    }
+}
+
+RS_KERNEL void forward_narrow(const float *dense, const float *emb, float *out, int64_t b0,
+                              int64_t b1, int64_t k, const int D, int64_t e0, int64_t offset,
+                              int64_t width, int64_t dsb, int64_t esb, int64_t esf) {
+    float tt[KMAX * KMAX] __attribute__((aligned(64)));
+    static const float zero_row[KMAX] __attribute__((aligned(64)));
+    const float *rows[KMAX];
+    int64_t base[KMAX], p = e0 * D;
+    for (int64_t r = 0; r < k; ++r) { /* col(r, j) = base[r] + j */
+        base[r] = p - r - offset;
+        p += k - r - offset;
+    }
+    const int64_t end = p; /* past the last pair */
+    for (int64_t r = k; r < KMAX; ++r) rows[r] = zero_row;
+    for (int64_t b = b0; b < b1; ++b) {
+        float *o = out + b * width;
+        if (e0) rows[0] = dense + b * dsb;
+        for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
+        if (esf != D && b + 1 < b1) /* rows B d floats apart: fetch the next sample's */
+            for (int64_t f = 0; f < k - e0; ++f)
+                _mm_prefetch((const char *)(emb + (b + 1) * esb + f * esf), _MM_HINT_T0);
+        fill_tt(tt, rows, k, D);
+        /* lo a constant at each call: a runtime one kept a branch and a spilled
+         * accumulator in the loop (a store-to-load chain: 2.5x its time) */
+        gram_rows(rows, tt, o, base, k, 0, 1, D, offset);
+        if (k > 8) gram_rows(rows, tt, o, base, k, 8, 1, D, offset);
+        if (k > 16) gram_rows(rows, tt, o, base, k, 16, 0, D, offset);
+        if (k > 24) gram_rows(rows, tt, o, base, k, 24, 0, D, offset);
+        if (e0)
+            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, _mm512_loadu_ps(rows[0] + c));
+        for (int64_t c = end; c < width; c += 16) {
+            const int64_t n = width - c;
+            const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
+            _mm512_mask_storeu_ps(o + c, m, _mm512_setzero_ps());
+        }
+    }
+}
+
+/* Rows [r0, r0 + R) of grad_T (all < k): coefficients from gb at col(min, max). */
+RS_KERNEL void grad_rows(const float *const *rows, const float *gb, const int64_t *base, int64_t k,
+                         int64_t r0, const int R, const int D, int64_t offset, int64_t e0,
+                         float *gd_b, float *ge_b, int64_t gsf) {
+    enum { W_MAX = 2 };
+    const int W = D / 16;
+    __m512 acc[8][W_MAX], tj[W_MAX];
+    for (int u = 0; u < R; ++u)
+        for (int w = 0; w < W; ++w) acc[u][w] = _mm512_setzero_ps();
+#define RS_TERM(u, COEF)                                                                  \
+    {                                                                                     \
+        const __m512 a = _mm512_set1_ps(COEF);                                            \
+        for (int w = 0; w < W; ++w) acc[u][w] = _mm512_fmadd_ps(a, tj[w], acc[u][w]);     \
+    }
+    for (int64_t j = 0; j < r0; ++j) { /* below the group: G[r][j] = g[col(j, r)] */
+        for (int w = 0; w < W; ++w) tj[w] = _mm512_loadu_ps(rows[j] + 16 * w);
+        const float *cp = gb + base[j] + r0;
+        for (int u = 0; u < R; ++u) RS_TERM(u, cp[u])
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < R; ++v) { /* inside: either side of the diagonal, and on it */
+        const int64_t j = r0 + v;
+        for (int w = 0; w < W; ++w) tj[w] = _mm512_loadu_ps(rows[j] + 16 * w);
+#pragma GCC unroll 8
+        for (int u = 0; u < R; ++u) {
+            if (u < v) RS_TERM(u, gb[base[r0 + u] + j])
+            else if (u > v) RS_TERM(u, gb[base[j] + r0 + u])
+            else if (!offset) RS_TERM(u, 2.0f * gb[base[j] + j])
+        }
+    }
+    const float *rp[8];
+    for (int u = 0; u < R; ++u) rp[u] = gb + base[r0 + u];
+    for (int64_t j = r0 + R; j < k; ++j) { /* above: G[r][j] = g[col(r, j)] */
+        for (int w = 0; w < W; ++w) tj[w] = _mm512_loadu_ps(rows[j] + 16 * w);
+        for (int u = 0; u < R; ++u) RS_TERM(u, rp[u][j])
+    }
+#undef RS_TERM
+    for (int u = 0; u < R; ++u) {
+        const int64_t r = r0 + u;
+        for (int w = 0; w < W; ++w) {
+            if (r < e0) /* the dense row: plus its pass-through gradient */
+                _mm512_storeu_ps(gd_b + 16 * w,
+                                 _mm512_add_ps(acc[u][w], _mm512_loadu_ps(gb + 16 * w)));
+            else
+                _mm512_storeu_ps(ge_b + (r - e0) * gsf + 16 * w, acc[u][w]);
+        }
+    }
+}
+
+RS_KERNEL void backward_narrow(const float *dense, const float *emb, const float *g,
+                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                               int64_t k, const int D, int64_t e0, int64_t offset, int64_t width,
+                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
+    const float *rows[KMAX];
+    int64_t base[KMAX], p = e0 * D;
+    for (int64_t r = 0; r < k; ++r) {
+        base[r] = p - r - offset;
+        p += k - r - offset;
+    }
+    const int RB = D == 16 ? 8 : 4; /* 8 FMA chains */
+    for (int64_t b = b0; b < b1; ++b) {
+        const float *gb = g + b * width;
+        if (e0) rows[0] = dense + b * dsb;
+        for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
+        if (esf != D && b + 1 < b1)
+            for (int64_t f = 0; f < k - e0; ++f)
+                _mm_prefetch((const char *)(emb + (b + 1) * esb + f * esf), _MM_HINT_T0);
+        float *gd_b = e0 ? grad_dense + b * D : 0, *ge_b = grad_emb + b * gsb;
+#define RS_GROUP(R) grad_rows(rows, gb, base, k, r0, R, D, offset, e0, gd_b, ge_b, gsf)
+        int64_t r0 = 0;
+        for (; r0 + RB <= k; r0 += RB) {
+            if (RB == 8) RS_GROUP(8);
+            else RS_GROUP(4);
+        }
+        switch (k - r0) { /* the rows left in one group: its chains side by side */
+        case 7: RS_GROUP(7); break;
+        case 6: RS_GROUP(6); break;
+        case 5: RS_GROUP(5); break;
+        case 4: RS_GROUP(4); break;
+        case 3: RS_GROUP(3); break;
+        case 2: RS_GROUP(2); break;
+        case 1: RS_GROUP(1); break;
+        default: break;
+        }
+#undef RS_GROUP
+    }
+}
+
+static int narrow_applies(int64_t k, int64_t d) {
+    return (d == 16 || d == 32) && k >= 1 && k <= KMAX &&
+           (recscale_cpu_features() & RS_CPU_AVX512F);
+}
+
+RS_AVX512 int recscale_dot_forward_narrow(const float *dense, const float *emb, float *out,
+                                          int64_t b0, int64_t b1, int64_t k, int64_t d,
+                                          int64_t e0, int64_t offset, int64_t width, int64_t dsb,
+                                          int64_t esb, int64_t esf) {
+    if (!narrow_applies(k, d)) return -1;
+    if (d == 16) forward_narrow(dense, emb, out, b0, b1, k, 16, e0, offset, width, dsb, esb, esf);
+    else forward_narrow(dense, emb, out, b0, b1, k, 32, e0, offset, width, dsb, esb, esf);
+    return 0;
+}
+
+RS_AVX512 int recscale_dot_backward_narrow(const float *dense, const float *emb, const float *g,
+                                           float *grad_dense, float *grad_emb, int64_t b0,
+                                           int64_t b1, int64_t k, int64_t d, int64_t e0,
+                                           int64_t offset, int64_t width, int64_t dsb,
+                                           int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
+    if (!narrow_applies(k, d)) return -1;
+#define RS_BWD(D)                                                                         \
+    backward_narrow(dense, emb, g, grad_dense, grad_emb, b0, b1, k, D, e0, offset, width, dsb, \
+                    esb, esf, gsb, gsf)
+    if (d == 16) RS_BWD(16);
+    else RS_BWD(32);
+#undef RS_BWD
+    return 0;
+}
+
+#else
+int recscale_dot_forward_narrow(const float *dense, const float *emb, float *out, int64_t b0,
+                                int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
+                                int64_t width, int64_t dsb, int64_t esb, int64_t esf) {
+    (void)dense, (void)emb, (void)out, (void)b0, (void)b1, (void)k, (void)d, (void)e0;
+    (void)offset, (void)width, (void)dsb, (void)esb, (void)esf;
+    return -1;
+}
+int recscale_dot_backward_narrow(const float *dense, const float *emb, const float *g,
+                                 float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+                                 int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
+                                 int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
+    (void)dense, (void)emb, (void)g, (void)grad_dense, (void)grad_emb, (void)b0, (void)b1;
+    (void)k, (void)d, (void)e0, (void)offset, (void)width, (void)dsb, (void)esb, (void)esf;
+    (void)gsb, (void)gsf;
+    return -1;
+}
+#endif
