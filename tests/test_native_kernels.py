@@ -108,8 +108,9 @@ def test_parallel_parts_learns_the_split_that_finishes_together(monkeypatch):
 
 
 _DIMS = [(8, 3), (16, 26), (32, 5), (128, 4), (16, 1), (64, 26), (80, 6), (48, 3), (128, 1)]
-# AVX-512's narrow kernels (d = 16, 32; k <= 32): k = 2, 17 (one row past the first
-# 16), 27 (config A), 32 (the most), and 33 / 41 (past it: the AVX2 kernels)
+# AVX-512's narrow kernels (d = 16, 32; k <= 32). k with dense features (one less
+# without): 2, 17 (a row past the first 16), 27 (config A), 6, 32 (the most), 21, and 33
+# and 41 (past 32: the AVX2 kernels; 32 without dense features)
 _NARROW = [(16, 1), (16, 16), (16, 26), (32, 5), (16, 31), (32, 20), (16, 32), (32, 40)]
 
 

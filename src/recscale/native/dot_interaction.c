@@ -365,16 +365,14 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
                          int64_t emb_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
-    if (recscale_dot_wide == 1) { /* d = 16, 32: Gram rows by outer products */
-        const int rc = recscale_dot_forward_narrow(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
-                                                   self_interaction ? 0 : 1, width, dense_stride,
-                                                   emb_sample_stride, emb_feature_stride);
+    if (recscale_dot_wide == 1) { /* AVX-512: d = 16, 32 Gram rows; d >= 64 4 x 4 tiles */
+        int rc = recscale_dot_forward_narrow(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
+                                             self_interaction ? 0 : 1, width, dense_stride,
+                                             emb_sample_stride, emb_feature_stride);
         if (rc != -1) return rc;
-    }
-    if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 x 4 tiles of pairs */
-        const int rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
-                                                 self_interaction ? 0 : 1, width, dense_stride,
-                                                 emb_sample_stride, emb_feature_stride, 0);
+        rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
+                                       self_interaction ? 0 : 1, width, dense_stride,
+                                       emb_sample_stride, emb_feature_stride, 0);
         if (rc != -1) return rc;
     }
     if (recscale_dot_wide && d >= 64) /* without AVX-512 (or asked for): 2 x 4 AVX2 tiles */
@@ -403,15 +401,13 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
                           int64_t grad_feature_stride) {
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
-    if (recscale_dot_wide == 1) { /* d = 16, 32: one FMA a coefficient */
-        const int rc = recscale_dot_backward_narrow(
+    if (recscale_dot_wide == 1) { /* AVX-512: d = 16, 32 by rows; d >= 64 in blocks */
+        int rc = recscale_dot_backward_narrow(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
             self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
             emb_feature_stride, grad_sample_stride, grad_feature_stride);
         if (rc != -1) return rc;
-    }
-    if (recscale_dot_wide == 1) { /* d >= 64 on AVX-512: 4 rows x 64 floats a block */
-        const int rc = recscale_dot_backward_wide(
+        rc = recscale_dot_backward_wide(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
             self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
             emb_feature_stride, grad_sample_stride, grad_feature_stride, 0);

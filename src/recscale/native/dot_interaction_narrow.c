@@ -44,6 +44,28 @@ static inline float *at(float *o, int64_t i) {
     return (float *)((uintptr_t)o + (uintptr_t)(i * (int64_t)sizeof(float)));
 }
 
+/* base[r] such that col(r, j) = base[r] + j; returns the column past the last pair. */
+static inline int64_t pair_bases(int64_t *base, int64_t k, int64_t first, int64_t offset) {
+    int64_t p = first;
+    for (int64_t r = 0; r < k; ++r) {
+        base[r] = p - r - offset;
+        p += k - r - offset;
+    }
+    return p;
+}
+
+/* Sample b's rows of T into rows[0 .. k); with rows B d floats apart (feature-major), the
+ * next sample's are fetched meanwhile (too many streams for the hardware prefetcher). */
+static inline void sample_rows(const float **rows, const float *dense, const float *emb,
+                               int64_t b, int64_t b1, int64_t k, int64_t d, int64_t e0,
+                               int64_t dsb, int64_t esb, int64_t esf) {
+    if (e0) rows[0] = dense + b * dsb;
+    for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
+    if (esf != d && b + 1 < b1)
+        for (int64_t f = 0; f < k - e0; ++f)
+            _mm_prefetch((const char *)(emb + (b + 1) * esb + f * esf), _MM_HINT_T0);
+}
+
 /* v[0..15] (16 rows of 16 floats) -> their transpose: v[c] lane i = old v[i] lane c. */
 RS_KERNEL void transpose16(__m512 *v) {
     __m512 t[16];
@@ -123,20 +145,12 @@ RS_KERNEL void forward_narrow(const float *dense, const float *emb, float *out, 
     float tt[KMAX * KMAX] __attribute__((aligned(64)));
     static const float zero_row[KMAX] __attribute__((aligned(64)));
     const float *rows[KMAX];
-    int64_t base[KMAX], p = e0 * D;
-    for (int64_t r = 0; r < k; ++r) { /* col(r, j) = base[r] + j */
-        base[r] = p - r - offset;
-        p += k - r - offset;
-    }
-    const int64_t end = p; /* past the last pair */
+    int64_t base[KMAX];
+    const int64_t end = pair_bases(base, k, e0 * D, offset);
     for (int64_t r = k; r < KMAX; ++r) rows[r] = zero_row;
     for (int64_t b = b0; b < b1; ++b) {
         float *o = out + b * width;
-        if (e0) rows[0] = dense + b * dsb;
-        for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
-        if (esf != D && b + 1 < b1) /* rows B d floats apart: fetch the next sample's */
-            for (int64_t f = 0; f < k - e0; ++f)
-                _mm_prefetch((const char *)(emb + (b + 1) * esb + f * esf), _MM_HINT_T0);
+        sample_rows(rows, dense, emb, b, b1, k, D, e0, dsb, esb, esf);
         fill_tt(tt, rows, k, D);
         /* lo a constant at each call: a runtime one kept a branch and a spilled
          * accumulator in the loop (a store-to-load chain: 2.5x its time) */
@@ -208,19 +222,12 @@ RS_KERNEL void backward_narrow(const float *dense, const float *emb, const float
                                int64_t k, const int D, int64_t e0, int64_t offset, int64_t width,
                                int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
     const float *rows[KMAX];
-    int64_t base[KMAX], p = e0 * D;
-    for (int64_t r = 0; r < k; ++r) {
-        base[r] = p - r - offset;
-        p += k - r - offset;
-    }
+    int64_t base[KMAX];
+    pair_bases(base, k, e0 * D, offset);
     const int RB = D == 16 ? 8 : 4; /* 8 FMA chains */
     for (int64_t b = b0; b < b1; ++b) {
         const float *gb = g + b * width;
-        if (e0) rows[0] = dense + b * dsb;
-        for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
-        if (esf != D && b + 1 < b1)
-            for (int64_t f = 0; f < k - e0; ++f)
-                _mm_prefetch((const char *)(emb + (b + 1) * esb + f * esf), _MM_HINT_T0);
+        sample_rows(rows, dense, emb, b, b1, k, D, e0, dsb, esb, esf);
         float *gd_b = e0 ? grad_dense + b * D : 0, *ge_b = grad_emb + b * gsb;
 #define RS_GROUP(R) grad_rows(rows, gb, base, k, r0, R, D, offset, e0, gd_b, ge_b, gsf)
         int64_t r0 = 0;
