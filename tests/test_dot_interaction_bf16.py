@@ -118,13 +118,16 @@ def test_the_interaction_writes_bf16_under_cpu_autocast(monkeypatch):
         dense.grad = emb.grad = None
 
 
-def _needs_bf16_pooled(dim: int) -> None:
+def _needs_bf16_pooled(dim: int, rows: int) -> None:
     _needs_bf16_edges()
-    if not dot_interaction_cpu.bf16_pooled_available(dim):
+    if not dot_interaction_cpu.bf16_pooled_available(dim, rows):
         pytest.skip(f"bf16 pooled vectors of dim {dim} are not read here: {native.status()}")
 
 
-@pytest.mark.parametrize("dim,num_f", [(128, 4), (64, 26), (96, 3)])
+# the tiles (d >= 64) and the narrow kernels (d = 16, 32; 31 features + the dense row: 32)
+@pytest.mark.parametrize(
+    "dim,num_f", [(128, 4), (64, 26), (96, 3), (16, 26), (32, 5), (16, 31), (16, 2)]
+)
 @pytest.mark.parametrize("has_dense", [True, False])
 @pytest.mark.parametrize("self_interaction", [False, True])
 @pytest.mark.parametrize("feature_major", [False, True])
@@ -136,7 +139,7 @@ def test_bf16_pooled_vectors_are_the_fp32_kernels_on_them_widened(
     kernel's on T widened, rounded as torch casts it; T's gradients are the fp32
     kernel's rounded to bf16 - bit for bit, in T's own layout (a feature-major view too),
     over blocks of samples and threads."""
-    _needs_bf16_pooled(dim)
+    _needs_bf16_pooled(dim, num_f + has_dense)
     b = 77
     gen = torch.Generator().manual_seed(dim + num_f + has_dense)
     dense = torch.randn(b, dim, generator=gen).to(BF16) if has_dense else None
@@ -172,10 +175,11 @@ def test_bf16_pooled_vectors_are_the_fp32_kernels_on_them_widened(
 
 def test_the_interaction_takes_bf16_pooled_vectors_under_cpu_autocast(monkeypatch):
     """Under CPU bf16 autocast the interaction says it reads bf16 pooled vectors (B's D =
-    128), reads them so and gives them a bf16 gradient; with the switch off, or for a D
-    the tiles do not take (16), it says no, and bf16 vectors handed to it anyway are
-    widened (fp32 kernel, fp32 gradient after autograd's cast back)."""
-    _needs_bf16_pooled(128)
+    128, A's 16), reads them so and gives them a bf16 gradient; with the switch off, or
+    for a shape no kernel reads so (D = 48; D = 16 with 40 vectors), it says no, and bf16
+    vectors handed to it anyway are widened (fp32 kernel, fp32 gradient after autograd's
+    cast back)."""
+    _needs_bf16_pooled(128, 7)
     gen = torch.Generator().manual_seed(5)
     dense = torch.randn(40, 128, generator=gen).to(BF16).requires_grad_(True)
     emb = torch.randn(40, 6, 128, generator=gen).to(BF16).requires_grad_(True)
@@ -183,7 +187,9 @@ def test_the_interaction_takes_bf16_pooled_vectors_under_cpu_autocast(monkeypatc
     assert not inter.takes_bf16_pooled(torch.device("cpu"))  # no autocast
     with torch.autocast("cpu", dtype=BF16):
         assert inter.takes_bf16_pooled(torch.device("cpu"))
-        assert not DotInteraction(6, 16, True).takes_bf16_pooled(torch.device("cpu"))
+        assert DotInteraction(26, 16, True).takes_bf16_pooled(torch.device("cpu"))
+        assert not DotInteraction(6, 48, True).takes_bf16_pooled(torch.device("cpu"))
+        assert not DotInteraction(40, 16, True).takes_bf16_pooled(torch.device("cpu"))
         out = inter(dense, emb)
     assert out.dtype == BF16
     out.float().sum().backward()
@@ -203,7 +209,7 @@ def test_a_bf16_run_pools_in_bf16_and_learns_as_with_fp32_pools(monkeypatch):
     """A bf16 run whose interaction reads bf16 pooled vectors (dim 64) has the lookup
     write them so every step, and reaches the AUC of the same run with fp32 pooled
     vectors (the sums and their gradient rounded as autocast's bmm would round them)."""
-    _needs_bf16_pooled(64)
+    _needs_bf16_pooled(64, 27)
     from recscale.config import load_config
     from recscale.modules import embedding_bag_collection as ebc_mod
     from recscale.train.run import train

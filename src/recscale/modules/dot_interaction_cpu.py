@@ -114,7 +114,7 @@ class NativeDotInteraction(torch.autograd.Function):
     so neither side makes an fp32 copy of the row. ``dense`` and ``emb`` in bf16 (the
     native lookup's bf16 sums, see :func:`bf16_pooled_available`; ``bf16_out`` then too):
     the products in fp32 on them widened exactly, and their gradients written in bf16
-    (``dim`` as :func:`bf16_pooled_available` says)."""
+    (as :func:`bf16_pooled_available` says)."""
 
     @staticmethod
     def forward(ctx, dense, emb, num_features, dim, self_interaction, out_dim, bf16_out=False):
@@ -204,11 +204,14 @@ def bf16_edges_available() -> bool:
     return USE_BF16_EDGES and bool(native.cpu_features() & native.CPU_AVX512_BF16)
 
 
-def bf16_pooled_available(dim: int) -> bool:
+def bf16_pooled_available(dim: int, rows: int) -> bool:
     """Whether :class:`NativeDotInteraction` can take the pooled vectors (and the dense
-    row) of ``dim`` in bf16 here, and give their gradients in bf16: the bf16 edges and
-    the AVX-512 tiles, which read bf16 rows (``dim`` a multiple of 16, at least 64)."""
-    return USE_BF16_POOLED and dim % 16 == 0 and dim >= 64 and bf16_edges_available()
+    row) of ``dim`` in bf16 here, ``rows`` of them a sample (the features, and the dense
+    row), and give their gradients in bf16: the bf16 edges and a kernel that reads bf16
+    rows - the AVX-512 tiles (``dim`` a multiple of 16, at least 64) or the narrow ones
+    (``dim`` 16 or 32, at most 32 rows)."""
+    kernel_reads = dim >= 64 or (dim in (16, 32) and rows <= 32)
+    return USE_BF16_POOLED and dim % 16 == 0 and kernel_reads and bf16_edges_available()
 
 
 def supported(t: torch.Tensor) -> bool:

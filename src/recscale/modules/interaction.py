@@ -109,7 +109,7 @@ class DotInteraction(nn.Module):
             return False
         if torch.get_autocast_dtype("cpu") != torch.bfloat16:
             return False
-        if not dot_interaction_cpu.bf16_pooled_available(self.dim):
+        if not dot_interaction_cpu.bf16_pooled_available(self.dim, self.num_rows):
             return False
         # the kernel the fp32 row takes (chosen once per device and dtype)
         kernel = kernels.choose_once(self, self.kernel, "interaction", _CPU_FP32, self.dim)

@@ -368,7 +368,7 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
     if (recscale_dot_wide == 1) { /* AVX-512: d = 16, 32 Gram rows; d >= 64 4 x 4 tiles */
         int rc = recscale_dot_forward_narrow(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
                                              self_interaction ? 0 : 1, width, dense_stride,
-                                             emb_sample_stride, emb_feature_stride);
+                                             emb_sample_stride, emb_feature_stride, 0);
         if (rc != -1) return rc;
         rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
                                        self_interaction ? 0 : 1, width, dense_stride,
@@ -405,7 +405,7 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
         int rc = recscale_dot_backward_narrow(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
             self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
-            emb_feature_stride, grad_sample_stride, grad_feature_stride);
+            emb_feature_stride, grad_sample_stride, grad_feature_stride, 0);
         if (rc != -1) return rc;
         rc = recscale_dot_backward_wide(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,

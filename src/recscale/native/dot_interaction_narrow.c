@@ -26,9 +26,15 @@
  * self pair 2 g[col(r, r)] (offset 0) or nothing (offset 1) - in groups of rows that
  * keep 8 FMA chains apart (8 rows at d = 16, 4 at d = 32), then smaller groups for the
  * rows left. Row 0 with dense features adds the pass-through gradient g[0 .. d).
+ *
+ * bf (dot_interaction_bf16.c's bf16 pooled vectors): T's rows are bf16, widened exactly
+ * into a sample's fp32 copy (tw, in L1) that both directions then read as above; the
+ * backward's gradient rows are stored rounded to bf16 as torch casts. Every sum is the
+ * fp32 kernel's on the widened rows, bit for bit.
  */
 #include <stdint.h>
 
+#include "bf16_bits.h"
 #include "recscale_native.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -54,16 +60,34 @@ static inline int64_t pair_bases(int64_t *base, int64_t k, int64_t first, int64_
     return p;
 }
 
-/* Sample b's rows of T into rows[0 .. k); with rows B d floats apart (feature-major), the
- * next sample's are fetched meanwhile (too many streams for the hardware prefetcher). */
-static inline void sample_rows(const float **rows, const float *dense, const float *emb,
-                               int64_t b, int64_t b1, int64_t k, int64_t d, int64_t e0,
-                               int64_t dsb, int64_t esb, int64_t esf) {
-    if (e0) rows[0] = dense + b * dsb;
-    for (int64_t f = 0; f < k - e0; ++f) rows[e0 + f] = emb + b * esb + f * esf;
-    if (esf != d && b + 1 < b1)
+/* Sample b's rows of T into rows[0 .. k): in place (fp32), or widened exactly into tw
+ * ([KMAX][D], bf: bf16 rows). With rows B d values apart (feature-major) the next
+ * sample's are fetched meanwhile (too many streams for the hardware prefetcher). */
+RS_KERNEL void sample_rows(const float **rows, float *tw, const void *dense, const void *emb,
+                           int64_t b, int64_t b1, int64_t k, const int D, int64_t e0, int64_t dsb,
+                           int64_t esb, int64_t esf, const int bf) {
+    const int64_t es = bf ? 2 : 4; /* bytes a value */
+    for (int64_t r = 0; r < k; ++r) {
+        const char *src = r < e0 ? (const char *)dense + b * dsb * es
+                                 : (const char *)emb + (b * esb + (r - e0) * esf) * es;
+        if (!bf) {
+            rows[r] = (const float *)src;
+            continue;
+        }
+        for (int c = 0; c < D; c += 16)
+            _mm512_store_ps(tw + r * D + c,
+                            rs_bf16_widen16(_mm256_loadu_si256((const __m256i *)src + c / 16)));
+        rows[r] = tw + r * D;
+    }
+    if (esf != D && b + 1 < b1)
         for (int64_t f = 0; f < k - e0; ++f)
-            _mm_prefetch((const char *)(emb + (b + 1) * esb + f * esf), _MM_HINT_T0);
+            _mm_prefetch((const char *)emb + ((b + 1) * esb + f * esf) * es, _MM_HINT_T0);
+}
+
+/* 16 gradient values to dst[i ..]: fp32, or rounded to bf16 (bf) as torch rounds. */
+RS_KERNEL void store16(void *dst, int64_t i, __m512 v, const int bf) {
+    if (bf) _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), rs_bf16_round16(v));
+    else _mm512_storeu_ps((float *)dst + i, v);
 }
 
 /* v[0..15] (16 rows of 16 floats) -> their transpose: v[c] lane i = old v[i] lane c. */
@@ -139,10 +163,11 @@ RS_KERNEL void gram_rows(const float *const *rows, const float *tt, float *o,
     }
 }
 
-RS_KERNEL void forward_narrow(const float *dense, const float *emb, float *out, int64_t b0,
+RS_KERNEL void forward_narrow(const void *dense, const void *emb, float *out, int64_t b0,
                               int64_t b1, int64_t k, const int D, int64_t e0, int64_t offset,
-                              int64_t width, int64_t dsb, int64_t esb, int64_t esf) {
+                              int64_t width, int64_t dsb, int64_t esb, int64_t esf, const int bf) {
     float tt[KMAX * KMAX] __attribute__((aligned(64)));
+    float tw[KMAX * KMAX] __attribute__((aligned(64)));
     static const float zero_row[KMAX] __attribute__((aligned(64)));
     const float *rows[KMAX];
     int64_t base[KMAX];
@@ -150,7 +175,7 @@ RS_KERNEL void forward_narrow(const float *dense, const float *emb, float *out, 
     for (int64_t r = k; r < KMAX; ++r) rows[r] = zero_row;
     for (int64_t b = b0; b < b1; ++b) {
         float *o = out + b * width;
-        sample_rows(rows, dense, emb, b, b1, k, D, e0, dsb, esb, esf);
+        sample_rows(rows, tw, dense, emb, b, b1, k, D, e0, dsb, esb, esf, bf);
         fill_tt(tt, rows, k, D);
         /* lo a constant at each call: a runtime one kept a branch and a spilled
          * accumulator in the loop (a store-to-load chain: 2.5x its time) */
@@ -171,7 +196,7 @@ RS_KERNEL void forward_narrow(const float *dense, const float *emb, float *out, 
 /* Rows [r0, r0 + R) of grad_T (all < k): coefficients from gb at col(min, max). */
 RS_KERNEL void grad_rows(const float *const *rows, const float *gb, const int64_t *base, int64_t k,
                          int64_t r0, const int R, const int D, int64_t offset, int64_t e0,
-                         float *gd_b, float *ge_b, int64_t gsf) {
+                         void *gd_b, void *ge_b, int64_t gsf, const int bf) {
     enum { W_MAX = 2 };
     const int W = D / 16;
     __m512 acc[8][W_MAX], tj[W_MAX];
@@ -209,27 +234,30 @@ RS_KERNEL void grad_rows(const float *const *rows, const float *gb, const int64_
         const int64_t r = r0 + u;
         for (int w = 0; w < W; ++w) {
             if (r < e0) /* the dense row: plus its pass-through gradient */
-                _mm512_storeu_ps(gd_b + 16 * w,
-                                 _mm512_add_ps(acc[u][w], _mm512_loadu_ps(gb + 16 * w)));
+                store16(gd_b, 16 * w, _mm512_add_ps(acc[u][w], _mm512_loadu_ps(gb + 16 * w)), bf);
             else
-                _mm512_storeu_ps(ge_b + (r - e0) * gsf + 16 * w, acc[u][w]);
+                store16(ge_b, (r - e0) * gsf + 16 * w, acc[u][w], bf);
         }
     }
 }
 
-RS_KERNEL void backward_narrow(const float *dense, const float *emb, const float *g,
-                               float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+RS_KERNEL void backward_narrow(const void *dense, const void *emb, const float *g,
+                               void *grad_dense, void *grad_emb, int64_t b0, int64_t b1,
                                int64_t k, const int D, int64_t e0, int64_t offset, int64_t width,
-                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
+                               int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
+                               const int bf) {
+    float tw[KMAX * KMAX] __attribute__((aligned(64)));
     const float *rows[KMAX];
     int64_t base[KMAX];
     pair_bases(base, k, e0 * D, offset);
     const int RB = D == 16 ? 8 : 4; /* 8 FMA chains */
+    const int64_t es = bf ? 2 : 4;
     for (int64_t b = b0; b < b1; ++b) {
         const float *gb = g + b * width;
-        sample_rows(rows, dense, emb, b, b1, k, D, e0, dsb, esb, esf);
-        float *gd_b = e0 ? grad_dense + b * D : 0, *ge_b = grad_emb + b * gsb;
-#define RS_GROUP(R) grad_rows(rows, gb, base, k, r0, R, D, offset, e0, gd_b, ge_b, gsf)
+        sample_rows(rows, tw, dense, emb, b, b1, k, D, e0, dsb, esb, esf, bf);
+        void *gd_b = e0 ? (char *)grad_dense + b * D * es : 0;
+        void *ge_b = (char *)grad_emb + b * gsb * es;
+#define RS_GROUP(R) grad_rows(rows, gb, base, k, r0, R, D, offset, e0, gd_b, ge_b, gsf, bf)
         int64_t r0 = 0;
         for (; r0 + RB <= k; r0 += RB) {
             if (RB == 8) RS_GROUP(8);
@@ -254,46 +282,57 @@ static int narrow_applies(int64_t k, int64_t d) {
            (recscale_cpu_features() & RS_CPU_AVX512F);
 }
 
-RS_AVX512 int recscale_dot_forward_narrow(const float *dense, const float *emb, float *out,
+/* bf: dense and emb bf16 (the forward's output stays fp32) */
+RS_AVX512 int recscale_dot_forward_narrow(const void *dense, const void *emb, float *out,
                                           int64_t b0, int64_t b1, int64_t k, int64_t d,
                                           int64_t e0, int64_t offset, int64_t width, int64_t dsb,
-                                          int64_t esb, int64_t esf) {
+                                          int64_t esb, int64_t esf, int64_t bf) {
     if (!narrow_applies(k, d)) return -1;
-    if (d == 16) forward_narrow(dense, emb, out, b0, b1, k, 16, e0, offset, width, dsb, esb, esf);
-    else forward_narrow(dense, emb, out, b0, b1, k, 32, e0, offset, width, dsb, esb, esf);
+#define RS_FWD(D, BF) \
+    forward_narrow(dense, emb, out, b0, b1, k, D, e0, offset, width, dsb, esb, esf, BF)
+    if (d == 16 && bf) RS_FWD(16, 1);
+    else if (d == 16) RS_FWD(16, 0);
+    else if (bf) RS_FWD(32, 1);
+    else RS_FWD(32, 0);
+#undef RS_FWD
     return 0;
 }
 
-RS_AVX512 int recscale_dot_backward_narrow(const float *dense, const float *emb, const float *g,
-                                           float *grad_dense, float *grad_emb, int64_t b0,
+/* bf: dense, emb, grad_dense and grad_emb bf16 (g stays fp32) */
+RS_AVX512 int recscale_dot_backward_narrow(const void *dense, const void *emb, const float *g,
+                                           void *grad_dense, void *grad_emb, int64_t b0,
                                            int64_t b1, int64_t k, int64_t d, int64_t e0,
                                            int64_t offset, int64_t width, int64_t dsb,
-                                           int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
+                                           int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
+                                           int64_t bf) {
     if (!narrow_applies(k, d)) return -1;
-#define RS_BWD(D)                                                                         \
+#define RS_BWD(D, BF)                                                                         \
     backward_narrow(dense, emb, g, grad_dense, grad_emb, b0, b1, k, D, e0, offset, width, dsb, \
-                    esb, esf, gsb, gsf)
-    if (d == 16) RS_BWD(16);
-    else RS_BWD(32);
+                    esb, esf, gsb, gsf, BF)
+    if (d == 16 && bf) RS_BWD(16, 1);
+    else if (d == 16) RS_BWD(16, 0);
+    else if (bf) RS_BWD(32, 1);
+    else RS_BWD(32, 0);
 #undef RS_BWD
     return 0;
 }
 
 #else
-int recscale_dot_forward_narrow(const float *dense, const float *emb, float *out, int64_t b0,
+int recscale_dot_forward_narrow(const void *dense, const void *emb, float *out, int64_t b0,
                                 int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
-                                int64_t width, int64_t dsb, int64_t esb, int64_t esf) {
+                                int64_t width, int64_t dsb, int64_t esb, int64_t esf, int64_t bf) {
     (void)dense, (void)emb, (void)out, (void)b0, (void)b1, (void)k, (void)d, (void)e0;
-    (void)offset, (void)width, (void)dsb, (void)esb, (void)esf;
+    (void)offset, (void)width, (void)dsb, (void)esb, (void)esf, (void)bf;
     return -1;
 }
-int recscale_dot_backward_narrow(const float *dense, const float *emb, const float *g,
-                                 float *grad_dense, float *grad_emb, int64_t b0, int64_t b1,
+int recscale_dot_backward_narrow(const void *dense, const void *emb, const float *g,
+                                 void *grad_dense, void *grad_emb, int64_t b0, int64_t b1,
                                  int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
-                                 int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
+                                 int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
+                                 int64_t bf) {
     (void)dense, (void)emb, (void)g, (void)grad_dense, (void)grad_emb, (void)b0, (void)b1;
     (void)k, (void)d, (void)e0, (void)offset, (void)width, (void)dsb, (void)esb, (void)esf;
-    (void)gsb, (void)gsf;
+    (void)gsb, (void)gsf, (void)bf;
     return -1;
 }
 #endif
