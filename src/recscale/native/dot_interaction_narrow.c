@@ -37,6 +37,7 @@
 #include "bf16_bits.h"
 #include "recscale_native.h"
 
+/* x86-64 only: its callers (dot_interaction.c, dot_interaction_bf16.c) call it there. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
@@ -317,22 +318,4 @@ RS_AVX512 int recscale_dot_backward_narrow(const void *dense, const void *emb, c
     return 0;
 }
 
-#else
-int recscale_dot_forward_narrow(const void *dense, const void *emb, float *out, int64_t b0,
-                                int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
-                                int64_t width, int64_t dsb, int64_t esb, int64_t esf, int64_t bf) {
-    (void)dense, (void)emb, (void)out, (void)b0, (void)b1, (void)k, (void)d, (void)e0;
-    (void)offset, (void)width, (void)dsb, (void)esb, (void)esf, (void)bf;
-    return -1;
-}
-int recscale_dot_backward_narrow(const void *dense, const void *emb, const float *g,
-                                 void *grad_dense, void *grad_emb, int64_t b0, int64_t b1,
-                                 int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
-                                 int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
-                                 int64_t bf) {
-    (void)dense, (void)emb, (void)g, (void)grad_dense, (void)grad_emb, (void)b0, (void)b1;
-    (void)k, (void)d, (void)e0, (void)offset, (void)width, (void)dsb, (void)esb, (void)esf;
-    (void)gsb, (void)gsf, (void)bf;
-    return -1;
-}
 #endif
