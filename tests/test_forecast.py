@@ -23,7 +23,9 @@ from recscale.perfmodel.calibration import Calibration, Law
 from recscale.perfmodel.devices import catalogue, device_spec
 from recscale.perfmodel.forecast import (
     EAGER_OP_S,
+    FOREACH_ADAGRAD_BYTES,
     GPU,
+    OPT_BYTES,
     STAGES,
     StepKernels,
     _exposed_host,
@@ -234,6 +236,35 @@ def test_a_sparse_gradient_update_costs_more_than_the_fused_one_and_amp_unscales
     assert fp16.stage_ms["embedding_update"] - tf32.stage_ms["embedding_update"] == pytest.approx(
         extra * 1e3, rel=1e-6
     )
+
+
+def test_torchs_gpu_adagrad_is_its_foreach_passes_sgd_and_the_cpu_one_pass():
+    """recscale's dense optimizer is torch.optim's: on a GPU Adagrad runs five foreach
+    passes (52 bytes a parameter) where a fused system streams 20; SGD is fused either
+    way (12), and on a CPU torch's fused Adagrad runs (20)."""
+    graph = replace(RECSCALE, host="graph")
+    fused = replace(graph, dense_optimizer="fused")
+    dev, cpu = device_spec("h100-sxm"), device_spec("spr-8480")
+    adagrad = load_config("criteo_multihot_dcnv2", [*_capped_dcnv2(), "--train.batch_size=6912"])
+
+    def opt_ms(cfg, d, system):
+        return forecast(cfg, d, 1, "tf32", system).stage_ms["dense_optimizer"]
+
+    # the same kernel's fixed cost on either side: the streamed time scales with the bytes
+    kernel_ms = GPU.kernel_s * 1e3
+    ratio = (opt_ms(adagrad, dev, graph) - kernel_ms) / (opt_ms(adagrad, dev, fused) - kernel_ms)
+    assert ratio == pytest.approx(FOREACH_ADAGRAD_BYTES / OPT_BYTES["adagrad"])
+    assert opt_ms(adagrad, cpu, graph) == opt_ms(adagrad, cpu, fused)
+    sgd = load_config("A", ["--train.batch_size=16384"])
+    assert opt_ms(sgd, dev, graph) == opt_ms(sgd, dev, fused)
+    with pytest.raises(ValueError, match="System.dense_optimizer"):
+        replace(RECSCALE, dense_optimizer="foreach")
+
+
+def _capped_dcnv2() -> list[str]:
+    """DCNv2's tables at 1/100 of their rows (the dense side, which this prices, is kept)."""
+    sizes = load_config("criteo_multihot_dcnv2").model.table_sizes
+    return [f"--model.table_sizes=[{','.join(str(max(1, n // 100)) for n in sizes)}]"]
 
 
 def test_gradscaler_waits_split_the_host_time_at_the_optimizer():

@@ -81,6 +81,11 @@ __all__ = [
 
 # bytes a parameter moves in the dense optimizer's step (read w, g, state; write w, state)
 OPT_BYTES = {"sgd": 12, "adagrad": 20, "adam": 28}
+# torch's Adagrad on a GPU (``_multi_tensor_adagrad``; no fused CUDA kernel): five foreach
+# passes - the state's addcmul_ (read sum and g, write sum: 12 bytes), sqrt (8), + eps
+# (8), g x -lr (8), and addcdiv_ into the weights (read w, the quotient's two operands,
+# write w: 16)
+FOREACH_ADAGRAD_BYTES = 12 + 8 + 8 + 8 + 16
 OPT_STATE_BYTES = {"sgd": 0, "adagrad": 4, "adam": 8}  # kept a parameter
 # optimizer state per table row: (bytes per row, bytes per column)
 ROW_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
@@ -163,11 +168,16 @@ def forecast(
     shared = params  # data parallel: all-reduced
     bottom = StepKernels(dev, eff, precision)  # hybrid: rank 0's bottom MLP, the global batch
     opt = cfg.optimizer.name
+    opt_bytes = OPT_BYTES[opt]
+    if dev.kind != "cpu" and system.dense_optimizer == "torch" and opt == "adagrad":
+        # their bytes in one streamed kernel: the host prices torch.optim's step as one
+        # (System.host_stage_weights learned it so), and the four more launches are ~us
+        opt_bytes = FOREACH_ADAGRAD_BYTES
     if hybrid and cfg.model.num_dense_features:
         params += bottom_mlp(bottom, cfg, system, cfg.train.batch_size)
         bottom.a2a = 2 * cfg.train.batch_size * cfg.model.bottom_mlp[-1] * 4 * (w - 1) / w
-        bottom.stream("dense_optimizer", (params - shared) * OPT_BYTES[opt])
-    dense.stream("dense_optimizer", shared * OPT_BYTES[opt])
+        bottom.stream("dense_optimizer", (params - shared) * opt_bytes)
+    dense.stream("dense_optimizer", shared * opt_bytes)
     # fp32 weights and gradients, the optimizer's state, bf16/fp16 copies of the weights
     dense_state = params * (8 + OPT_STATE_BYTES[opt] + (2 if dense.act == 2 else 0))
     act_bytes = b * (2 * acts * dense.act + 2 * sum(dims) * 4)

@@ -24,6 +24,7 @@ UPDATES = ("fused", "sparse_add")
 HOSTS = ("serial", "overlap", "graph")
 GRAMS = ("autograd", "padded")
 WAITS = ("", "embedding_update", "dense_optimizer")
+DENSE_OPTIMIZERS = ("fused", "torch")
 # The stages ``recscale bench throughput`` times on a device's stream, in a step's order:
 # the lookup, the dense model's forward and backward, the tables' update, the dense
 # optimizer (``step_kernels.StepKernels.bench``).
@@ -74,6 +75,10 @@ class System:
     host_stage_weights: tuple[float, ...] | None = None
     # bench stages that read a value back after their first kernel, before their last
     serial_stages: tuple[str, ...] = ()
+    # the MLPs' optimizer on a GPU: "fused" - one pass over the parameters; "torch" -
+    # torch.optim as recscale builds it (train/optimizers.py): fused kernels for SGD and
+    # Adam, Adagrad as torch's foreach passes (it has no fused CUDA kernel)
+    dense_optimizer: str = "fused"
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -83,6 +88,7 @@ class System:
             ("host", self.host, HOSTS),
             ("gram", self.gram, GRAMS),
             ("wait_before", self.wait_before, WAITS),
+            ("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS),
         ):
             if value not in allowed:
                 raise ValueError(f"System.{key}: {value!r} is not one of {', '.join(allowed)}")
@@ -132,6 +138,7 @@ RECSCALE = System(
     wait_before="embedding_update",
     host_stage_weights=(2.87, 0.85, 0.74, 2.22, 2.74),
     serial_stages=("sparse",),
+    dense_optimizer="torch",
     note="eager PyTorch: unfused epilogues, bmm interaction, fp32 tables and wire",
 )
 
