@@ -366,13 +366,9 @@ int recscale_dot_forward(const float *dense, const float *emb, float *out, int64
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
     if (recscale_dot_wide == 1) { /* AVX-512: d = 16, 32 Gram rows; d >= 64 4 x 4 tiles */
-        int rc = recscale_dot_forward_narrow(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
-                                             self_interaction ? 0 : 1, width, dense_stride,
-                                             emb_sample_stride, emb_feature_stride, 0);
-        if (rc != -1) return rc;
-        rc = recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0,
-                                       self_interaction ? 0 : 1, width, dense_stride,
-                                       emb_sample_stride, emb_feature_stride, 0);
+        const int rc = recscale_dot_forward_avx512(
+            dense, emb, out, b0, b1, k, d, has_dense ? 1 : 0, self_interaction ? 0 : 1, width,
+            dense_stride, emb_sample_stride, emb_feature_stride, 0);
         if (rc != -1) return rc;
     }
     if (recscale_dot_wide && d >= 64) /* without AVX-512 (or asked for): 2 x 4 AVX2 tiles */
@@ -402,12 +398,7 @@ int recscale_dot_backward(const float *dense, const float *emb, const float *gra
 #ifdef RS_HAVE_X86
     if (d % 8 != 0 || d <= 0) return -1;
     if (recscale_dot_wide == 1) { /* AVX-512: d = 16, 32 by rows; d >= 64 in blocks */
-        int rc = recscale_dot_backward_narrow(
-            dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
-            self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
-            emb_feature_stride, grad_sample_stride, grad_feature_stride, 0);
-        if (rc != -1) return rc;
-        rc = recscale_dot_backward_wide(
+        const int rc = recscale_dot_backward_avx512(
             dense, emb, grad_out, grad_dense, grad_emb, b0, b1, k, d, has_dense ? 1 : 0,
             self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
             emb_feature_stride, grad_sample_stride, grad_feature_stride, 0);

@@ -62,17 +62,13 @@ int recscale_dot_forward_bf16(const void *dense, const void *emb, uint16_t *out1
     int rc = rows ? 0 : -2;
     for (int64_t c0 = b0; c0 < b1 && rc == 0; c0 += BLOCK) {
         const int64_t n = b1 - c0 < BLOCK ? b1 - c0 : BLOCK;
-        if (in_bf16) { /* the narrow (d = 16, 32) or wide kernel reads the bf16 rows in place */
-            const uint16_t *dn = has_dense ? (const uint16_t *)dense + c0 * dense_stride : NULL;
-            const uint16_t *em = (const uint16_t *)emb + c0 * emb_sample_stride;
-            rc = recscale_dot_forward_narrow(dn, em, rows, 0, n, k, d, has_dense != 0,
-                                             self_interaction ? 0 : 1, width, dense_stride,
-                                             emb_sample_stride, emb_feature_stride, 1);
-            if (rc == -1)
-                rc = recscale_dot_forward_wide(dn, em, rows, 0, n, k, d, has_dense != 0,
-                                               self_interaction ? 0 : 1, width, dense_stride,
-                                               emb_sample_stride, emb_feature_stride, 1);
-        } else
+        if (in_bf16) /* the AVX-512 kernels read the bf16 rows in place */
+            rc = recscale_dot_forward_avx512(
+                has_dense ? (const uint16_t *)dense + c0 * dense_stride : NULL,
+                (const uint16_t *)emb + c0 * emb_sample_stride, rows, 0, n, k, d, has_dense != 0,
+                self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
+                emb_feature_stride, 1);
+        else
             rc = recscale_dot_forward(
                 has_dense ? (const float *)dense + c0 * dense_stride : NULL,
                 (const float *)emb + c0 * emb_sample_stride, rows, 0, n, k, d, has_dense,
@@ -105,21 +101,15 @@ int recscale_dot_backward_bf16(const void *dense, const void *emb, const uint16_
     for (int64_t c0 = b0; c0 < b1 && rc == 0; c0 += BLOCK) {
         const int64_t n = b1 - c0 < BLOCK ? b1 - c0 : BLOCK;
         to_fp32(grad16 + c0 * width, rows, n * width);
-        if (in_bf16) { /* the narrow or wide kernel reads T, writes its gradients in bf16 */
-            const uint16_t *dn = has_dense ? (const uint16_t *)dense + c0 * dense_stride : NULL;
-            const uint16_t *em = (const uint16_t *)emb + c0 * emb_sample_stride;
-            uint16_t *gd = has_dense ? (uint16_t *)grad_dense + c0 * d : NULL;
-            uint16_t *ge = (uint16_t *)grad_emb + c0 * grad_sample_stride;
-            rc = recscale_dot_backward_narrow(
-                dn, em, rows, gd, ge, 0, n, k, d, has_dense != 0, self_interaction ? 0 : 1, width,
-                dense_stride, emb_sample_stride, emb_feature_stride, grad_sample_stride,
-                grad_feature_stride, 1);
-            if (rc == -1)
-                rc = recscale_dot_backward_wide(
-                    dn, em, rows, gd, ge, 0, n, k, d, has_dense != 0, self_interaction ? 0 : 1,
-                    width, dense_stride, emb_sample_stride, emb_feature_stride,
-                    grad_sample_stride, grad_feature_stride, 1);
-        } else
+        if (in_bf16) /* the AVX-512 kernels read T and write its gradients in bf16 in place */
+            rc = recscale_dot_backward_avx512(
+                has_dense ? (const uint16_t *)dense + c0 * dense_stride : NULL,
+                (const uint16_t *)emb + c0 * emb_sample_stride, rows,
+                has_dense ? (uint16_t *)grad_dense + c0 * d : NULL,
+                (uint16_t *)grad_emb + c0 * grad_sample_stride, 0, n, k, d, has_dense != 0,
+                self_interaction ? 0 : 1, width, dense_stride, emb_sample_stride,
+                emb_feature_stride, grad_sample_stride, grad_feature_stride, 1);
+        else
             rc = recscale_dot_backward(
                 has_dense ? (const float *)dense + c0 * dense_stride : NULL,
                 (const float *)emb + c0 * emb_sample_stride, rows,

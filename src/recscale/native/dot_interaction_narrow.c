@@ -1,8 +1,10 @@
 /*
  * The dot interaction for narrow vectors on AVX-512: d = 16 or 32 and at most 32 vectors
  * a sample (config A's and the default model's 27 x 16). Same contract as
- * recscale_dot_forward / recscale_dot_backward in dot_interaction.c, which call these
- * first; -1 where they do not apply (no AVX-512, another d, k > 32).
+ * recscale_dot_forward / recscale_dot_backward in dot_interaction.c. Its entry points
+ * (recscale_dot_*_avx512) are the AVX-512 interaction for any d: these kernels where they
+ * apply, the wide tiles of dot_interaction_avx512.c otherwise, -1 where neither does
+ * (no AVX-512, or d neither 16, 32 with k <= 32, nor a multiple of 16 from 64).
  *
  * Why: at d = 16 a vector is one AVX-512 register, so a pair's dot product is one FMA and
  * a horizontal sum; the AVX2 pair kernel's sums (14 shuffles for 8 products, all on the
@@ -283,12 +285,16 @@ static int narrow_applies(int64_t k, int64_t d) {
            (recscale_cpu_features() & RS_CPU_AVX512F);
 }
 
-/* bf: dense and emb bf16 (the forward's output stays fp32) */
-RS_AVX512 int recscale_dot_forward_narrow(const void *dense, const void *emb, float *out,
+/* The AVX-512 forward for any d: these kernels where they apply, else the wide tiles
+ * (dot_interaction_avx512.c; -1 where neither does). bf: dense and emb bf16 (the output
+ * stays fp32). */
+RS_AVX512 int recscale_dot_forward_avx512(const void *dense, const void *emb, float *out,
                                           int64_t b0, int64_t b1, int64_t k, int64_t d,
                                           int64_t e0, int64_t offset, int64_t width, int64_t dsb,
                                           int64_t esb, int64_t esf, int64_t bf) {
-    if (!narrow_applies(k, d)) return -1;
+    if (!narrow_applies(k, d))
+        return recscale_dot_forward_wide(dense, emb, out, b0, b1, k, d, e0, offset, width, dsb,
+                                         esb, esf, bf);
 #define RS_FWD(D, BF) \
     forward_narrow(dense, emb, out, b0, b1, k, D, e0, offset, width, dsb, esb, esf, BF)
     if (d == 16 && bf) RS_FWD(16, 1);
@@ -299,14 +305,17 @@ RS_AVX512 int recscale_dot_forward_narrow(const void *dense, const void *emb, fl
     return 0;
 }
 
-/* bf: dense, emb, grad_dense and grad_emb bf16 (g stays fp32) */
-RS_AVX512 int recscale_dot_backward_narrow(const void *dense, const void *emb, const float *g,
+/* The AVX-512 backward for any d, as the forward; bf: dense, emb, grad_dense and
+ * grad_emb bf16 (g stays fp32). */
+RS_AVX512 int recscale_dot_backward_avx512(const void *dense, const void *emb, const float *g,
                                            void *grad_dense, void *grad_emb, int64_t b0,
                                            int64_t b1, int64_t k, int64_t d, int64_t e0,
                                            int64_t offset, int64_t width, int64_t dsb,
                                            int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
                                            int64_t bf) {
-    if (!narrow_applies(k, d)) return -1;
+    if (!narrow_applies(k, d))
+        return recscale_dot_backward_wide(dense, emb, g, grad_dense, grad_emb, b0, b1, k, d, e0,
+                                          offset, width, dsb, esb, esf, gsb, gsf, bf);
 #define RS_BWD(D, BF)                                                                         \
     backward_narrow(dense, emb, g, grad_dense, grad_emb, b0, b1, k, D, e0, offset, width, dsb, \
                     esb, esf, gsb, gsf, BF)

@@ -153,11 +153,12 @@ int recscale_dot_backward_wide(const void *dense, const void *emb, const float *
                                int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
                                int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
                                int64_t bf);
-/* dot_interaction_narrow.c: d = 16 or 32, k <= 32 (-1 elsewhere); bf as the wide kernels' */
-int recscale_dot_forward_narrow(const void *dense, const void *emb, float *out, int64_t b0,
+/* dot_interaction_narrow.c: the AVX-512 interaction for any d - its narrow kernels (d = 16
+ * or 32, k <= 32), else the wide ones above; bf as theirs */
+int recscale_dot_forward_avx512(const void *dense, const void *emb, float *out, int64_t b0,
                                 int64_t b1, int64_t k, int64_t d, int64_t e0, int64_t offset,
                                 int64_t width, int64_t dsb, int64_t esb, int64_t esf, int64_t bf);
-int recscale_dot_backward_narrow(const void *dense, const void *emb, const float *g,
+int recscale_dot_backward_avx512(const void *dense, const void *emb, const float *g,
                                  void *grad_dense, void *grad_emb, int64_t b0, int64_t b1,
                                  int64_t k, int64_t d, int64_t e0, int64_t offset, int64_t width,
                                  int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
