@@ -24,6 +24,7 @@ setup(
                 "src/recscale/native/dot_interaction_avx512.c",
                 "src/recscale/native/dot_interaction_narrow.c",
                 "src/recscale/native/dot_interaction_bf16.c",
+                "src/recscale/native/dot_interaction_amx.c",
                 "src/recscale/native/logit.c",
                 "src/recscale/native/small_layers_bf16.c",
                 "src/recscale/native/team.c",

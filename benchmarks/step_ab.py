@@ -28,6 +28,8 @@ Switches (on = what recscale runs):
                 (dot_interaction_cpu.USE_BF16_POOLED; bf16, on CPUs with AVX512-BF16)
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
+    dot_amx     the bf16 dot interaction on AMX tiles (native/dot_interaction_amx.c: bf16
+                pooled vectors, d a multiple of 32) against the AVX-512 kernels (on AMX CPUs)
     dot_narrow  the dot interaction of d = 16 or 32 on AVX-512 (native/dot_interaction_narrow.c)
                 against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
 
@@ -70,6 +72,10 @@ def _dot_stream(on: bool) -> None:
     stream.value = _dot_stream.default if on else 1 << 62  # type: ignore[attr-defined]
 
 
+def _dot_amx(on: bool) -> None:
+    ctypes.c_int.in_dll(native.library(), "recscale_dot_amx").value = int(on)
+
+
 def _dot_narrow(on: bool) -> None:
     # 2 = "the AVX2 tiles": for d < 64 that is the pair kernels (dot_interaction.c)
     ctypes.c_int.in_dll(native.library(), "recscale_dot_wide").value = 1 if on else 2
@@ -84,6 +90,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "pooled_bf16": _flag(dot_interaction_cpu, "USE_BF16_POOLED"),
     "dot_stream": _dot_stream,
     "dot_narrow": _dot_narrow,
+    "dot_amx": _dot_amx,
 }
 
 
@@ -96,9 +103,9 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     if args.switch == "bf16_node" and not gemm.bf16_instructions():
         raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
-    if args.switch in ("amx_wgrad", "amx_igrad") and not gemm.amx_wgrad():
+    if args.switch in ("amx_wgrad", "amx_igrad", "dot_amx") and not gemm.amx_wgrad():
         raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
-    bf16_kernels = ("small_bf16", "dot_bf16", "pooled_bf16")
+    bf16_kernels = ("small_bf16", "dot_bf16", "pooled_bf16", "dot_amx")
     if args.switch in bf16_kernels and not native.cpu_features() & native.CPU_AVX512_BF16:
         raise SystemExit(f"the AVX512-BF16 kernels do not run here: {native.status()}")
     if args.switch in ("bf16_node", "amx_wgrad", "amx_igrad", *bf16_kernels):  # the bf16 step

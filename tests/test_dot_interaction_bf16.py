@@ -118,6 +118,16 @@ def test_the_interaction_writes_bf16_under_cpu_autocast(monkeypatch):
         dense.grad = emb.grad = None
 
 
+@pytest.fixture
+def avx512_interaction():
+    """The AVX-512 (and narrow) kernels for bf16 T, not the AMX tiles, whose sums run in
+    another order (tests/test_dot_interaction_amx.py checks those)."""
+    flag = ctypes.c_int.in_dll(native.library(), "recscale_dot_amx")
+    saved, flag.value = flag.value, 0
+    yield
+    flag.value = saved
+
+
 def _needs_bf16_pooled(dim: int, rows: int) -> None:
     _needs_bf16_edges()
     if not dot_interaction_cpu.bf16_pooled_available(dim, rows):
@@ -133,7 +143,7 @@ def _needs_bf16_pooled(dim: int, rows: int) -> None:
 @pytest.mark.parametrize("feature_major", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_pooled_vectors_are_the_fp32_kernels_on_them_widened(
-    dim, num_f, has_dense, self_interaction, feature_major, threads
+    dim, num_f, has_dense, self_interaction, feature_major, threads, avx512_interaction
 ):
     """T in bf16 (the lookup's bf16 sums, the bf16 bottom MLP's row): the row is the fp32
     kernel's on T widened, rounded as torch casts it; T's gradients are the fp32
@@ -173,7 +183,9 @@ def test_bf16_pooled_vectors_are_the_fp32_kernels_on_them_widened(
         assert torch.equal(dense16[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
-def test_the_interaction_takes_bf16_pooled_vectors_under_cpu_autocast(monkeypatch):
+def test_the_interaction_takes_bf16_pooled_vectors_under_cpu_autocast(
+    monkeypatch, avx512_interaction
+):
     """Under CPU bf16 autocast the interaction says it reads bf16 pooled vectors (B's D =
     128, A's 16), reads them so and gives them a bf16 gradient; with the switch off, or
     for a shape no kernel reads so (D = 48; D = 16 with 40 vectors), it says no, and bf16

@@ -39,6 +39,7 @@ from recscale.distributed import DistContext
 from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.row_io import io_uring_available
 from recscale.embedding.storage import DeviceStorage
+from recscale.modules import dot_interaction_cpu
 from recscale.modules.interaction import DotInteraction
 from recscale.modules.mlp import bf16_mlp_path
 from recscale.native.team import team_status
@@ -111,6 +112,13 @@ def bf16_pooled(model, device: torch.device) -> bool:
         return False
     with torch.autocast(device.type, dtype=torch.bfloat16):
         return inter.takes_bf16_pooled(device)
+
+
+def interaction_on_amx(model, device: torch.device) -> bool:
+    """Whether that bf16 interaction runs on AMX tiles
+    (``dot_interaction_cpu.amx_interaction``)."""
+    inter = model.interaction
+    return dot_interaction_cpu.amx_interaction(inter.dim, inter.num_rows, inter.self_interaction)
 
 
 def peak_rss_bytes() -> int:
@@ -348,6 +356,9 @@ def run_throughput(
         "bf16_hardware": bf16_hardware(device),
         "bf16_mlp": bf16_mlp_path(device),
         "bf16_pooled": precision == "bf16" and bf16_pooled(model, device),
+        "interaction_amx": precision == "bf16"
+        and bf16_pooled(model, device)
+        and interaction_on_amx(model, device),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
@@ -373,6 +384,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             + (f": {r['bf16_mlp']}" if r["precision"] == "bf16" and r.get("bf16_mlp") else "")
             + (f", {r['row_precision']} rows" if r.get("row_precision", "fp32") != "fp32" else "")
             + (", pooled vectors in bf16" if r.get("bf16_pooled") else "")
+            + (" into the interaction on AMX tiles" if r.get("interaction_amx") else "")
             + f"); stages (ms): {stages}",
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "

@@ -214,5 +214,17 @@ def bf16_pooled_available(dim: int, rows: int) -> bool:
     return USE_BF16_POOLED and dim % 16 == 0 and kernel_reads and bf16_edges_available()
 
 
+def amx_interaction(dim: int, rows: int, self_interaction: bool) -> bool:
+    """Whether bf16 pooled vectors of ``dim``, ``rows`` a sample, interact on AMX tiles
+    here (``native/dot_interaction_amx.c``: ``dim`` a multiple of 32 up to 256, at most 32
+    rows, no self pairs, an AMX CPU) rather than on the AVX-512 kernels."""
+    lib = native.library()
+    return (
+        lib is not None
+        and bf16_pooled_available(dim, rows)
+        and bool(lib.recscale_dot_amx_applies(rows, dim, int(self_interaction)))
+    )
+
+
 def supported(t: torch.Tensor) -> bool:
     return HAVE_NUMBA and t.device.type == "cpu" and t.dtype == torch.float32

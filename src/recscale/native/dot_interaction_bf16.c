@@ -58,6 +58,9 @@ int recscale_dot_forward_bf16(const void *dense, const void *emb, uint16_t *out1
                               int64_t in_bf16) {
 #ifdef RS_DOT_BF16_X86
     if (!rs_bf16_ready()) return -1;
+    if (in_bf16 && recscale_dot_amx_applies(k, d, self_interaction)) /* bf16 in and out */
+        return recscale_dot_forward_amx(dense, emb, out16, b0, b1, k, d, has_dense, width,
+                                        dense_stride, emb_sample_stride, emb_feature_stride);
     float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
     int rc = rows ? 0 : -2;
     for (int64_t c0 = b0; c0 < b1 && rc == 0; c0 += BLOCK) {
@@ -95,6 +98,11 @@ int recscale_dot_backward_bf16(const void *dense, const void *emb, const uint16_
                                int64_t grad_feature_stride, int64_t in_bf16) {
 #ifdef RS_DOT_BF16_X86
     if (!rs_bf16_ready()) return -1;
+    if (in_bf16 && recscale_dot_amx_applies(k, d, self_interaction))
+        return recscale_dot_backward_amx(dense, emb, grad16, grad_dense, grad_emb, b0, b1, k, d,
+                                         has_dense, width, dense_stride, emb_sample_stride,
+                                         emb_feature_stride, grad_sample_stride,
+                                         grad_feature_stride);
     float *rows = malloc((size_t)(BLOCK * width) * sizeof(float));
     int rc = rows ? 0 : -2;
     rs_dot_part_samples = b1 - b0; /* fp32 stores stream as for the whole part */

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 32
+#define RECSCALE_NATIVE_ABI 33
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -95,6 +95,9 @@ int recscale_dot_backward_bf16(const void *dense, const void *emb, const uint16_
                                int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
                                int64_t emb_feature_stride, int64_t grad_sample_stride,
                                int64_t grad_feature_stride, int64_t in_bf16);
+/* 1 when the two above run bf16 T on AMX tiles (dot_interaction_amx.c): k <= 32 rows, d a
+ * multiple of 32 up to 256, no self pairs, an AMX CPU and recscale_dot_amx set */
+int recscale_dot_amx_applies(int64_t k, int64_t d, int64_t self_interaction);
 
 int recscale_team_init(const char *path);
 int64_t recscale_team_kernel_id(const char *name);
@@ -164,6 +167,15 @@ int recscale_dot_backward_avx512(const void *dense, const void *emb, const float
                                  int64_t dsb, int64_t esb, int64_t esf, int64_t gsb, int64_t gsf,
                                  int64_t bf);
 extern _Thread_local int64_t rs_dot_part_samples; /* dot_interaction_avx512.c */
+/* dot_interaction_amx.c: bf16 T, bf16 row and gradient on AMX tiles (where
+ * recscale_dot_amx_applies); -1 where they do not apply */
+int recscale_dot_forward_amx(const uint16_t *dense, const uint16_t *emb, uint16_t *out,
+                             int64_t b0, int64_t b1, int64_t k, int64_t d, int64_t has_dense,
+                             int64_t width, int64_t dsb, int64_t esb, int64_t esf);
+int recscale_dot_backward_amx(const uint16_t *dense, const uint16_t *emb, const uint16_t *g16,
+                              uint16_t *grad_dense, uint16_t *grad_emb, int64_t b0, int64_t b1,
+                              int64_t k, int64_t d, int64_t has_dense, int64_t width, int64_t dsb,
+                              int64_t esb, int64_t esf, int64_t gsb, int64_t gsf);
 __attribute__((visibility("hidden"))) int recscale_tile_scratch(int64_t k, int64_t d, float **zero,
                                                                 const float ***rows,
                                                                 int64_t **start);
@@ -174,6 +186,7 @@ __attribute__((visibility("hidden"))) void recscale_tile_scratch_free(float *zer
 /* Test hooks (set through ctypes): which kernel width runs, when stores stream, how
  * fp32 becomes bf16. */
 extern int recscale_dot_wide;                 /* dot_interaction.c */
+extern int recscale_dot_amx;                  /* dot_interaction_amx.c: 0 = AVX-512 */
 extern int recscale_narrow_isa;               /* narrow_layer.c */
 extern int64_t recscale_dot_stream_bytes;     /* dot_interaction_avx512.c */
 extern int recscale_igrad_round_only;         /* input_grad_amx.c: 1 = no vcvtne2ps2bf16 */
