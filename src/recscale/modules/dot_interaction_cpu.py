@@ -209,7 +209,8 @@ def bf16_pooled_available(dim: int, rows: int) -> bool:
     row) of ``dim`` in bf16 here, ``rows`` of them a sample (the features, and the dense
     row), and give their gradients in bf16: the bf16 edges and a kernel that reads bf16
     rows - the AVX-512 tiles (``dim`` a multiple of 16, at least 64) or the narrow ones
-    (``dim`` 16 or 32, at most 32 rows)."""
+    (``dim`` 16 or 32, at most 32 rows); on an AMX CPU some of those shapes run on its
+    tiles instead (:func:`amx_interaction`)."""
     kernel_reads = dim >= 64 or (dim in (16, 32) and rows <= 32)
     return USE_BF16_POOLED and dim % 16 == 0 and kernel_reads and bf16_edges_available()
 
