@@ -29,7 +29,7 @@ Switches (on = what recscale runs):
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
     dot_amx     the bf16 dot interaction on AMX tiles (native/dot_interaction_amx.c: bf16
-                pooled vectors, d a multiple of 32) against the AVX-512 kernels (on AMX CPUs)
+                pooled vectors, d 16 or a multiple of 32) against the AVX-512 kernels (on AMX CPUs)
     dot_narrow  the dot interaction of d = 16 or 32 on AVX-512 (native/dot_interaction_narrow.c)
                 against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
 

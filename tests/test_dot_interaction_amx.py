@@ -71,11 +71,19 @@ def _run(dense, emb, num_f, dim, out_dim, upstream, threads):
     return out.detach(), e.grad, d.grad if d is not None else None
 
 
-# config B's (d 128, 26 features and the dense row); 32 rows (two whole row tiles); 15
-# (one); 17 (one row past a tile); the widest d
+# config B's (d 128, 26 features and the dense row) and A's (d 16, half a step of 32);
+# 32 rows (two whole row tiles); 15 (one); 17 (one row past a tile); the widest d
 @pytest.mark.parametrize(
     "dim,num_f,has_dense",
-    [(128, 26, True), (32, 31, True), (64, 15, False), (96, 16, True), (256, 5, True)],
+    [
+        (128, 26, True),
+        (16, 26, True),
+        (32, 31, True),
+        (16, 31, False),
+        (64, 15, False),
+        (96, 16, True),
+        (256, 5, True),
+    ],
 )
 @pytest.mark.parametrize("feature_major", [False, True])
 def test_amx_row_and_gradients_hold_to_an_fp64_reference(dim, num_f, has_dense, feature_major):
@@ -107,14 +115,15 @@ def test_amx_row_and_gradients_hold_to_an_fp64_reference(dim, num_f, has_dense, 
 
 
 def test_shapes_the_tiles_do_not_take_stay_on_the_avx512_kernels():
-    """Self pairs, more than 32 rows, a d that is not a multiple of 32 (A's 16 too: its
-    narrow kernels are faster) or past 256, and the switch off: not on the tiles."""
+    """Self pairs, more than 32 rows, a d other than 16 or a multiple of 32 up to 256,
+    and the switch off: not on the tiles."""
     _needs_amx(128, 27)
     amx = dot_interaction_cpu.amx_interaction
-    assert amx(128, 27, False) and amx(32, 32, False) and amx(256, 2, False)
+    assert amx(128, 27, False) and amx(16, 27, False) and amx(32, 32, False)
+    assert amx(256, 2, False)
     assert not amx(128, 27, True)
-    assert not amx(128, 33, False)
-    assert not amx(16, 27, False) and not amx(48, 27, False) and not amx(288, 27, False)
+    assert not amx(128, 33, False) and not amx(16, 33, False)
+    assert not amx(48, 27, False) and not amx(288, 27, False) and not amx(8, 27, False)
     flag = ctypes.c_int.in_dll(native.library(), "recscale_dot_amx")
     saved, flag.value = flag.value, 0
     try:

@@ -1,15 +1,20 @@
 /*
  * The dot interaction on AMX tiles, for bf16 T (dot_interaction_bf16.c's in_bf16: the
  * native lookup's bf16 pooled vectors and the bf16 bottom MLP's row) with a bf16 output
- * row and gradient: k <= 32 rows, d a multiple of 32 up to 256, no self pairs. Same
+ * row and gradient: k <= 32 rows, d = 16 or a multiple of 32 up to 256, no self pairs. Same
  * contract as recscale_dot_forward_bf16 / recscale_dot_backward_bf16 (dot_interaction.c
  * draws T, the row and G), which call these where they apply.
  *
  * Why: with d = 128 (config B) the AVX-512 tiles (dot_interaction_avx512.c) spend
  * 27 x 26 / 2 x 128 FMAs a sample forward and 27 x 27 x 128 back on the fp32 units; a
- * tile product does 16 x 16 x 32 multiply-adds in one instruction.
+ * tile product does 16 x 16 x 32 multiply-adds in one instruction. One thread, warm,
+ * 2048 x 27 rows (host A, 2026-11-29), ns a sample forward / backward against the AVX-512
+ * kernels: d = 16 215 / 283 against 318 / 360 (the narrow ones), 32 240 / 340 against
+ * 594 / 545, 64 338 / 576 against 1210 / 1288. In a step the rows come cold from memory
+ * and the gain shrinks (docs/performance.md).
  *
- * Per sample, T's rows padded with zeros to 32 (two row tiles, m = 0, 1):
+ * Per sample, T's rows padded with zeros to 32 (two row tiles, m = 0, 1), and d = 16 to
+ * one step of 32 columns (its B tiles' second column tile left out back):
  *
  *   forward   A tile (m, s) = rows 16 m .. 16 m + 15, columns 32 s .. 32 s + 31 (as
  *             stored); B tile (m, s) = the same block transposed as 32-bit pairs (VNNI:
@@ -41,8 +46,8 @@ int recscale_dot_amx = 1; /* 0: the AVX-512 kernels instead (benchmarks/step_ab.
 enum { MAX_STEPS = 8 }; /* d <= 256 */
 
 int recscale_dot_amx_applies(int64_t k, int64_t d, int64_t self_interaction) {
-    return recscale_dot_amx && !self_interaction && k >= 2 && k <= 32 && d >= 32 && d % 32 == 0 &&
-           d <= 32 * MAX_STEPS && recscale_amx_ready();
+    return recscale_dot_amx && !self_interaction && k >= 2 && k <= 32 &&
+           (d == 16 || (d % 32 == 0 && d <= 32 * MAX_STEPS)) && recscale_amx_ready();
 }
 
 /* Sample b's row r of T (NULL past k: zeros) */
@@ -53,19 +58,21 @@ static inline const uint16_t *t_row(const uint16_t *dense, const uint16_t *emb, 
     return r < e0 ? dense + b * dsb : emb + b * esb + (r - e0) * esf;
 }
 
-RS_PACK static inline __m512i load_row32(const uint16_t *row, int64_t c0) {
-    return row ? _mm512_loadu_si512(row + c0) : _mm512_setzero_si512();
+/* 32 bf16 of a row from column c0, zeros past d (d = 16: half a step) or for no row */
+RS_PACK static inline __m512i load_row32(const uint16_t *row, int64_t c0, int64_t d) {
+    if (!row) return _mm512_setzero_si512();
+    return d - c0 >= 32 ? _mm512_loadu_si512(row + c0) : _mm512_maskz_loadu_epi16(0xFFFF, row + c0);
 }
 
 /* A and B tiles of the forward (above) for row tiles [0, mt) and steps [0, steps) */
 RS_PACK static void forward_pack(const uint16_t *const rows[32], int64_t mt, int64_t steps,
-                                 uint16_t *a, uint16_t *bt) {
+                                 int64_t d, uint16_t *a, uint16_t *bt) {
     for (int64_t m = 0; m < mt; ++m)
         for (int64_t s = 0; s < steps; ++s) {
             __m512i r[16];
             uint16_t *at = a + (m * steps + s) * TILE, *btile = bt + (m * steps + s) * TILE;
             for (int i = 0; i < 16; ++i) {
-                r[i] = load_row32(rows[16 * m + i], 32 * s);
+                r[i] = load_row32(rows[16 * m + i], 32 * s, d);
                 _mm512_storeu_si512(at + 32 * i, r[i]);
             }
             transpose16(r);
@@ -126,7 +133,7 @@ RS_AMX int recscale_dot_forward_amx(const uint16_t *dense, const uint16_t *emb, 
                                     int64_t has_dense, int64_t width, int64_t dsb, int64_t esb,
                                     int64_t esf) {
     if (!recscale_dot_amx_applies(k, d, 0)) return -1;
-    const int64_t e0 = has_dense ? 1 : 0, mt = k > 16 ? 2 : 1, steps = d / 32;
+    const int64_t e0 = has_dense ? 1 : 0, mt = k > 16 ? 2 : 1, steps = (d + 31) / 32;
     uint16_t a[2 * MAX_STEPS * TILE] __attribute__((aligned(64)));
     uint16_t bt[2 * MAX_STEPS * TILE] __attribute__((aligned(64)));
     float G[32 * 32] __attribute__((aligned(64)));
@@ -134,7 +141,7 @@ RS_AMX int recscale_dot_forward_amx(const uint16_t *dense, const uint16_t *emb, 
     load_tile_config();
     for (int64_t b = b0; b < b1; ++b) {
         for (int64_t r = 0; r < 32; ++r) rows[r] = t_row(dense, emb, b, r, k, e0, dsb, esb, esf);
-        forward_pack(rows, mt, steps, a, bt);
+        forward_pack(rows, mt, steps, d, a, bt);
         gram(a, bt, mt, steps, G);
         forward_store(G, e0 ? rows[0] : NULL, out + b * width, k, d, width);
     }
@@ -167,24 +174,24 @@ RS_PACK static void backward_coefficients(const uint16_t *gp, int64_t k, uint16_
 }
 
 /* T as B tiles: tile v (columns 16 v .. 16 v + 15), row q = rows 2 q, 2 q + 1 interleaved */
-RS_PACK static void backward_pack_t(const uint16_t *const rows[32], int64_t steps,
+RS_PACK static void backward_pack_t(const uint16_t *const rows[32], int64_t steps, int64_t d,
                                     uint16_t *bt) {
     for (int q = 0; q < 16; ++q)
         for (int64_t w = 0; w < steps; ++w) {
             __m512i p0, p1;
-            pairs32(load_row32(rows[2 * q], 32 * w), load_row32(rows[2 * q + 1], 32 * w), &p0,
-                    &p1);
+            pairs32(load_row32(rows[2 * q], 32 * w, d), load_row32(rows[2 * q + 1], 32 * w, d),
+                    &p0, &p1);
             _mm512_storeu_si512(bt + 2 * w * TILE + 32 * q, p0);
-            _mm512_storeu_si512(bt + (2 * w + 1) * TILE + 32 * q, p1);
+            if (d - 32 * w > 16) _mm512_storeu_si512(bt + (2 * w + 1) * TILE + 32 * q, p1);
         }
 }
 
 /* Rows [0, k) of grad_T's columns 32 w .. 32 w + 31 (fp32 in C) rounded into the
  * gradient rows; row 0 of a dense sample adds its pass-through g first. */
 RS_PACK static void backward_store(const float *C, uint16_t *const out[32], const uint16_t *g0,
-                                   int64_t k, int64_t w) {
+                                   int64_t k, int64_t w, int halves) {
     for (int64_t i = 0; i < k; ++i)
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < halves; ++h) {
             __m512 v = _mm512_loadu_ps(C + 32 * i + 16 * h);
             if (i == 0 && g0)
                 v = _mm512_add_ps(v, rs_bf16_widen16(_mm256_loadu_si256(
@@ -194,28 +201,33 @@ RS_PACK static void backward_store(const float *C, uint16_t *const out[32], cons
 }
 
 RS_AMX static void backward_products(const uint16_t *a, const uint16_t *bt, int64_t mt,
-                                     int64_t steps, uint16_t *const out[32], const uint16_t *g0,
-                                     int64_t k, float *C) {
+                                     int64_t steps, int64_t d, uint16_t *const out[32],
+                                     const uint16_t *g0, int64_t k, float *C) {
     _tile_loadd(4, a, 64);
     if (mt > 1) _tile_loadd(5, a + TILE, 64);
     for (int64_t w = 0; w < steps; ++w) {
+        const int halves = d - 32 * w > 16 ? 2 : 1; /* d = 16: one column tile */
         _tile_zero(0);
-        _tile_zero(1);
         _tile_loadd(6, bt + 2 * w * TILE, 64);
-        _tile_loadd(7, bt + (2 * w + 1) * TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
         _tile_stored(0, C, 128);
-        _tile_stored(1, C + 16, 128);
+        if (halves > 1) {
+            _tile_zero(1);
+            _tile_loadd(7, bt + (2 * w + 1) * TILE, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_stored(1, C + 16, 128);
+        }
         if (mt > 1) {
             _tile_zero(2);
-            _tile_zero(3);
             _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
             _tile_stored(2, C + 16 * 32, 128);
-            _tile_stored(3, C + 16 * 32 + 16, 128);
+            if (halves > 1) {
+                _tile_zero(3);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_stored(3, C + 16 * 32 + 16, 128);
+            }
         }
-        backward_store(C, out, g0, k, w);
+        backward_store(C, out, g0, k, w, halves);
     }
 }
 
@@ -225,7 +237,7 @@ RS_AMX int recscale_dot_backward_amx(const uint16_t *dense, const uint16_t *emb,
                                      int64_t d, int64_t has_dense, int64_t width, int64_t dsb,
                                      int64_t esb, int64_t esf, int64_t gsb, int64_t gsf) {
     if (!recscale_dot_amx_applies(k, d, 0)) return -1;
-    const int64_t e0 = has_dense ? 1 : 0, mt = k > 16 ? 2 : 1, steps = d / 32;
+    const int64_t e0 = has_dense ? 1 : 0, mt = k > 16 ? 2 : 1, steps = (d + 31) / 32;
     uint16_t a[2 * TILE] __attribute__((aligned(64)));
     uint16_t bt[2 * MAX_STEPS * TILE] __attribute__((aligned(64)));
     float C[32 * 32] __attribute__((aligned(64)));
@@ -239,8 +251,8 @@ RS_AMX int recscale_dot_backward_amx(const uint16_t *dense, const uint16_t *emb,
         }
         const uint16_t *g = g16 + b * width;
         backward_coefficients(g + e0 * d, k, a);
-        backward_pack_t(rows, steps, bt);
-        backward_products(a, bt, mt, steps, out, e0 ? g : NULL, k, C);
+        backward_pack_t(rows, steps, d, bt);
+        backward_products(a, bt, mt, steps, d, out, e0 ? g : NULL, k, C);
     }
     _tile_release();
     return 0;

@@ -95,8 +95,8 @@ int recscale_dot_backward_bf16(const void *dense, const void *emb, const uint16_
                                int64_t width, int64_t dense_stride, int64_t emb_sample_stride,
                                int64_t emb_feature_stride, int64_t grad_sample_stride,
                                int64_t grad_feature_stride, int64_t in_bf16);
-/* 1 when the two above run bf16 T on AMX tiles (dot_interaction_amx.c): k <= 32 rows, d a
- * multiple of 32 up to 256, no self pairs, an AMX CPU and recscale_dot_amx set */
+/* 1 when the two above run bf16 T on AMX tiles (dot_interaction_amx.c): k <= 32 rows, d
+ * = 16 or a multiple of 32 up to 256, no self pairs, an AMX CPU and recscale_dot_amx set */
 int recscale_dot_amx_applies(int64_t k, int64_t d, int64_t self_interaction);
 
 int recscale_team_init(const char *path);
