@@ -14,7 +14,7 @@
  * and the gain shrinks (docs/performance.md).
  *
  * Per sample, T's rows padded with zeros to 32 (two row tiles, m = 0, 1), and d = 16 to
- * one step of 32 columns (its B tiles' second column tile left out back):
+ * one step of 32 columns (its backward has one column tile):
  *
  *   forward   A tile (m, s) = rows 16 m .. 16 m + 15, columns 32 s .. 32 s + 31 (as
  *             stored); B tile (m, s) = the same block transposed as 32-bit pairs (VNNI:
