@@ -29,7 +29,8 @@ Switches (on = what recscale runs):
     dot_stream  the dot interaction's backward writing large gradients with
                 non-temporal stores, against plain stores (recscale_dot_stream_bytes)
     dot_amx     the bf16 dot interaction on AMX tiles (native/dot_interaction_amx.c: bf16
-                pooled vectors, d 16 or a multiple of 32) against the AVX-512 kernels (on AMX CPUs)
+                pooled vectors, d 16 or a multiple of 32) against the AVX-512 kernels
+                (recscale_dot_amx; bf16, on CPUs with AMX)
     dot_narrow  the dot interaction of d = 16 or 32 on AVX-512 (native/dot_interaction_narrow.c)
                 against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
 
@@ -104,7 +105,7 @@ def main() -> None:
     if args.switch == "bf16_node" and not gemm.bf16_instructions():
         raise SystemExit("this CPU has no AVX512-BF16 or AMX: the bf16 node does not run here")
     if args.switch in ("amx_wgrad", "amx_igrad", "dot_amx") and not gemm.amx_wgrad():
-        raise SystemExit(f"the AMX weight-gradient kernel does not run here: {native.status()}")
+        raise SystemExit(f"the AMX kernels do not run here: {native.status()}")
     bf16_kernels = ("small_bf16", "dot_bf16", "pooled_bf16", "dot_amx")
     if args.switch in bf16_kernels and not native.cpu_features() & native.CPU_AVX512_BF16:
         raise SystemExit(f"the AVX512-BF16 kernels do not run here: {native.status()}")

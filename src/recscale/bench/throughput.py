@@ -114,7 +114,7 @@ def bf16_pooled(model, device: torch.device) -> bool:
         return inter.takes_bf16_pooled(device)
 
 
-def interaction_on_amx(model, device: torch.device) -> bool:
+def interaction_on_amx(model) -> bool:
     """Whether that bf16 interaction runs on AMX tiles
     (``dot_interaction_cpu.amx_interaction``)."""
     inter = model.interaction
@@ -315,6 +315,7 @@ def run_throughput(
         )
     cache = cache_report(model.embeddings, 0.0, sum(waits))
     io = tier_io(model.embeddings, DiskCounters.now().since(disk_start), steps, b, echo)
+    pooled = precision == "bf16" and bf16_pooled(model, device)
     return {
         **(
             {
@@ -355,10 +356,8 @@ def run_throughput(
         "native_threads": team_status(native.library()),
         "bf16_hardware": bf16_hardware(device),
         "bf16_mlp": bf16_mlp_path(device),
-        "bf16_pooled": precision == "bf16" and bf16_pooled(model, device),
-        "interaction_amx": precision == "bf16"
-        and bf16_pooled(model, device)
-        and interaction_on_amx(model, device),
+        "bf16_pooled": pooled,
+        "interaction_amx": pooled and interaction_on_amx(model),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,

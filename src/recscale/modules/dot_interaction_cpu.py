@@ -217,8 +217,8 @@ def bf16_pooled_available(dim: int, rows: int) -> bool:
 
 def amx_interaction(dim: int, rows: int, self_interaction: bool) -> bool:
     """Whether bf16 pooled vectors of ``dim``, ``rows`` a sample, interact on AMX tiles
-    here (``native/dot_interaction_amx.c``: ``dim`` 16 or a multiple of 32 up to 256, at most 32
-    rows, no self pairs, an AMX CPU) rather than on the AVX-512 kernels."""
+    here (``native/dot_interaction_amx.c``: ``dim`` 16 or a multiple of 32 up to 256, at
+    most 32 rows, no self pairs, an AMX CPU) rather than on the AVX-512 kernels."""
     lib = native.library()
     return (
         lib is not None

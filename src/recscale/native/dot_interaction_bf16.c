@@ -13,8 +13,8 @@
  * the AVX-512 tiles (dot_interaction_avx512.c) or the narrow kernels
  * (dot_interaction_narrow.c) widened exactly - the fp32 kernel's sums on the widened
  * rows - and T's gradients written in bf16 (rounded as above); where AMX applies
- * (dot_interaction_amx.c: d = 16 or a multiple of 32, k <= 32, no self pairs) the tiles take the
- * whole range instead, their fp32 sums in the tiles' order. So config B's [2048, 27,
+ * (dot_interaction_amx.c: d = 16 or a multiple of 32, k <= 32, no self pairs) the tiles
+ * take the whole range instead, their fp32 sums in the tiles' order. So config B's [2048, 27,
  * 128] pooled vectors and their gradient cross memory at half the bytes.
  *
  * Both run the kernels over blocks of BLOCK samples into (or out of) a scratch block of
