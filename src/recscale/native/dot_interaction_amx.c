@@ -58,12 +58,6 @@ static inline const uint16_t *t_row(const uint16_t *dense, const uint16_t *emb, 
     return r < e0 ? dense + b * dsb : emb + b * esb + (r - e0) * esf;
 }
 
-/* 32 bf16 of a row from column c0, zeros past d (d = 16: half a step) or for no row */
-RS_PACK static inline __m512i load_row32(const uint16_t *row, int64_t c0, int64_t d) {
-    if (!row) return _mm512_setzero_si512();
-    return d - c0 >= 32 ? _mm512_loadu_si512(row + c0) : _mm512_maskz_loadu_epi16(0xFFFF, row + c0);
-}
-
 /* A and B tiles of the forward (above) for row tiles [0, mt) and steps [0, steps) */
 RS_PACK static void forward_pack(const uint16_t *const rows[32], int64_t mt, int64_t steps,
                                  int64_t d, uint16_t *a, uint16_t *bt) {
@@ -72,7 +66,7 @@ RS_PACK static void forward_pack(const uint16_t *const rows[32], int64_t mt, int
             __m512i r[16];
             uint16_t *at = a + (m * steps + s) * TILE, *btile = bt + (m * steps + s) * TILE;
             for (int i = 0; i < 16; ++i) {
-                r[i] = load_row32(rows[16 * m + i], 32 * s, d);
+                r[i] = load32(rows[16 * m + i], 32 * s, d);
                 _mm512_storeu_si512(at + 32 * i, r[i]);
             }
             transpose16(r);
@@ -179,7 +173,7 @@ RS_PACK static void backward_pack_t(const uint16_t *const rows[32], int64_t step
     for (int q = 0; q < 16; ++q)
         for (int64_t w = 0; w < steps; ++w) {
             __m512i p0, p1;
-            pairs32(load_row32(rows[2 * q], 32 * w, d), load_row32(rows[2 * q + 1], 32 * w, d),
+            pairs32(load32(rows[2 * q], 32 * w, d), load32(rows[2 * q + 1], 32 * w, d),
                     &p0, &p1);
             _mm512_storeu_si512(bt + 2 * w * TILE + 32 * q, p0);
             if (d - 32 * w > 16) _mm512_storeu_si512(bt + (2 * w + 1) * TILE + 32 * q, p1);
