@@ -9,6 +9,7 @@
  *   rs_bf16_kept16    which of 16 bf16 a ReLU's gradient keeps, as threshold_backward:
  *                     all but x <= 0 (x > 0 as int16, or a NaN: magnitude past +inf's)
  *   rs_lanes16        the mask of the first min(left, 16) of 16 lanes (none for left <= 0)
+ *   rs_bf16_round_n   n fp32 -> n bf16 with rs_bf16_round16
  *   rs_bf16_ready     whether the CPU runs the bf16 kernels (AVX512-BF16)
  */
 #ifndef RECSCALE_BF16_BITS_H
@@ -42,6 +43,13 @@ RS_BF16_BITS static inline __mmask16 rs_bf16_kept16(__m256i x) {
 
 static inline __mmask16 rs_lanes16(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+RS_BF16_BITS static inline void rs_bf16_round_n(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = rs_lanes16(n - i);
+        _mm256_mask_storeu_epi16(dst + i, m, rs_bf16_round16(_mm512_maskz_loadu_ps(m, src + i)));
+    }
 }
 
 static inline int rs_bf16_ready(void) {

@@ -109,15 +109,9 @@ RS_PACK static void forward_store(const float *G, const uint16_t *dense_row, uin
                                     _mm256_loadu_si256((const __m256i *)(dense_row + c)))));
         p = d;
     }
-    for (int64_t i = 0; i + 1 < k; ++i) {
-        const int64_t n = k - 1 - i;
-        const float *src = G + 32 * i + i + 1;
-        for (int64_t c = 0; c < n; c += 16) {
-            const __mmask16 m = rs_lanes16(n - c);
-            _mm256_mask_storeu_epi16(out + p + c, m,
-                                     rs_bf16_round16(_mm512_maskz_loadu_ps(m, src + c)));
-        }
-        p += n;
+    for (int64_t i = 0; i + 1 < k; ++i) { /* row i's pairs: G[i][i + 1 .. k) */
+        rs_bf16_round_n(G + 32 * i + i + 1, out + p, k - 1 - i);
+        p += k - 1 - i;
     }
     if (p < width) memset(out + p, 0, (size_t)(width - p) * sizeof(uint16_t));
 }

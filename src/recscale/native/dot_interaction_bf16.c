@@ -35,14 +35,6 @@ enum { BLOCK = 32 }; /* samples a scratch block: 32 x 480 fp32 = 60 KiB for conf
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define RS_DOT_BF16_X86 1
 
-/* n fp32 -> bf16 (bf16_bits.h's rounding) */
-RS_BF16_BITS static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = rs_lanes16(n - i);
-        _mm256_mask_storeu_epi16(dst + i, m, rs_bf16_round16(_mm512_maskz_loadu_ps(m, src + i)));
-    }
-}
-
 /* n bf16 -> fp32 (exact) */
 RS_BF16_BITS static void to_fp32(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -78,7 +70,7 @@ int recscale_dot_forward_bf16(const void *dense, const void *emb, uint16_t *out1
                 has_dense ? (const float *)dense + c0 * dense_stride : NULL,
                 (const float *)emb + c0 * emb_sample_stride, rows, 0, n, k, d, has_dense,
                 self_interaction, width, dense_stride, emb_sample_stride, emb_feature_stride);
-        if (rc == 0) to_bf16(rows, out16 + c0 * width, n * width);
+        if (rc == 0) rs_bf16_round_n(rows, out16 + c0 * width, n * width);
     }
     free(rows);
     return rc;
