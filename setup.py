@@ -27,6 +27,7 @@ setup(
                 "src/recscale/native/dot_interaction_amx.c",
                 "src/recscale/native/logit.c",
                 "src/recscale/native/small_layers_bf16.c",
+                "src/recscale/native/dense_sgd.c",
                 "src/recscale/native/team.c",
                 "src/recscale/native/cpu_features.c",
                 "src/recscale/native/unique_ids.c",

@@ -33,6 +33,9 @@ Switches (on = what recscale runs):
                 (recscale_dot_amx; bf16, on CPUs with AMX)
     dot_narrow  the dot interaction of d = 16 or 32 on AVX-512 (native/dot_interaction_narrow.c)
                 against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
+    dense_sgd   the dense SGD step in one native pass that also writes the bf16 node's weight
+                copies (native/dense_sgd.c) against torch's SGD and the forward's casts
+                (dense_sgd.USE; configs with optimizer.name = "sgd", fp32 or bf16)
 
 Each round times ``--steps`` steps on and as many off (one untimed step after each
 switch; the order swapped every round) on the same batches, made once. Prints each
@@ -51,6 +54,7 @@ from recscale import native
 from recscale.config import load_config
 from recscale.distributed import DistContext
 from recscale.modules import dot_interaction_cpu, gemm, small_layers_bf16
+from recscale.train import dense_sgd
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
@@ -92,6 +96,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "dot_stream": _dot_stream,
     "dot_narrow": _dot_narrow,
     "dot_amx": _dot_amx,
+    "dense_sgd": _flag(dense_sgd, "USE"),
 }
 
 

@@ -1,4 +1,6 @@
-"""Independent pieces of host work on as many Python threads as torch has threads.
+"""Independent pieces of host work on as many Python threads as torch has threads
+(:func:`on_torch_threads`), and torch's intra-op thread count set for a block
+(:func:`torch_threads_set`).
 
 For loops whose body lets go of the GIL (numpy's loops, torch ops): a table's initial
 rows drawn a chunk at a time, the synthetic source's id effects hashed a piece at a
@@ -7,8 +9,9 @@ time. Each piece writes its own rows, so no piece waits on another.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -29,3 +32,14 @@ def on_torch_threads(
         return
     with ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
         list(pool.map(work, pieces))  # re-raises a piece's error
+
+
+@contextmanager
+def torch_threads_set(threads: int) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block, the count before it after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

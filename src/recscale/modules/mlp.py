@@ -41,7 +41,7 @@ import math
 import torch
 from torch import nn
 
-from recscale.modules import gemm, small_layers_bf16
+from recscale.modules import bf16_weights, gemm, small_layers_bf16
 
 
 def _saved(ctx, grad_out: torch.Tensor) -> tuple:
@@ -164,7 +164,7 @@ class _FusedMLPBF16(torch.autograd.Function):
         weights, biases = params[0::2], params[1::2]
         n = len(weights)
         bf16 = torch.bfloat16
-        wb = [w.to(bf16) for w in weights]
+        wb = [bf16_weights.bf16_copy(w) for w in weights]  # the optimizer's, where it kept one
         h = x.to(bf16)
         acts = [h]
         with torch.autocast("cpu", enabled=False):  # every operand is already bf16

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bump with any change of a signature below (Python refuses a library of another ABI). */
-#define RECSCALE_NATIVE_ABI 33
+#define RECSCALE_NATIVE_ABI 34
 
 /* recscale_cpu_features(): what this CPU, its OS and hypervisor let the kernels use */
 #define RS_CPU_AVX2 1        /* AVX2 + FMA + F16C: the library's floor */
@@ -98,6 +98,12 @@ int recscale_dot_backward_bf16(const void *dense, const void *emb, const uint16_
 /* 1 when the two above run bf16 T on AMX tiles (dot_interaction_amx.c): k <= 32 rows, d
  * = 16 or a multiple of 32 up to 256, no self pairs, an AMX CPU and recscale_dot_amx set */
 int recscale_dot_amx_applies(int64_t k, int64_t d, int64_t self_interaction);
+
+/* dense_sgd.c: SGD over a list of fp32 tensors (addresses in w, g; wb: bf16 copies or 0),
+ * blocks [lo, hi) of `block` elements numbered through the list; -1 without AVX2 */
+int recscale_sgd_bf16(int64_t tensors, const int64_t *w, const int64_t *g, const int64_t *wb,
+                      const int64_t *numel, int64_t block, float lr, float wd, int64_t lo,
+                      int64_t hi);
 
 int recscale_team_init(const char *path);
 int64_t recscale_team_kernel_id(const char *name);
@@ -190,5 +196,6 @@ extern int recscale_dot_amx;                  /* dot_interaction_amx.c: 0 = AVX-
 extern int recscale_narrow_isa;               /* narrow_layer.c */
 extern int64_t recscale_dot_stream_bytes;     /* dot_interaction_avx512.c */
 extern int recscale_igrad_round_only;         /* input_grad_amx.c: 1 = no vcvtne2ps2bf16 */
+extern int recscale_sgd_wide;                 /* dense_sgd.c: 0 = the AVX2 pass */
 
 #endif

@@ -52,7 +52,7 @@ int recscale_team_init(const char *path) {
 enum { K_LOOKUP, K_SPARSE_UPDATE, K_WEIGHT_GRAD, K_NARROW_WGRAD, K_NARROW_FORWARD,
        K_DOT_FORWARD, K_DOT_BACKWARD, K_ROW_MOVE, K_UNIQUE_PROBE, K_WEIGHT_GRAD_BF16,
        K_WGRAD_AMX_PACK, K_WGRAD_AMX_GEMM, K_IGRAD_AMX_PACK, K_IGRAD_AMX, K_LOGIT_BWD_BF16,
-       K_NARROW_WGRAD_BF16, K_DOT_FORWARD_BF16, K_DOT_BACKWARD_BF16, N_KERNELS };
+       K_NARROW_WGRAD_BF16, K_DOT_FORWARD_BF16, K_DOT_BACKWARD_BF16, K_SGD_BF16, N_KERNELS };
 static const char *const kernel_names[N_KERNELS] = {
     [K_LOOKUP] = "recscale_pooled_lookup",
     [K_SPARSE_UPDATE] = "recscale_sparse_update",
@@ -72,6 +72,7 @@ static const char *const kernel_names[N_KERNELS] = {
     [K_NARROW_WGRAD_BF16] = "recscale_narrow_wgrad_bf16",
     [K_DOT_FORWARD_BF16] = "recscale_dot_forward_bf16",
     [K_DOT_BACKWARD_BF16] = "recscale_dot_backward_bf16",
+    [K_SGD_BF16] = "recscale_sgd_bf16",
 };
 
 /* the id `recscale_team_run` takes for the kernel `name`, or -1 */
@@ -141,6 +142,8 @@ static int64_t call_kernel(int64_t kernel, const int64_t *i, const float *f) {
     case K_UNIQUE_PROBE:
         return recscale_unique_probe_part(P(0), I(1), I(2), P(3), I(4), P(5), P(6), P(7), P(8),
                                           P(9));
+    case K_SGD_BF16:
+        return recscale_sgd_bf16(I(0), P(1), P(2), P(3), P(4), I(5), F(6), F(7), I(8), I(9));
     default:
         return -1000;
     }

@@ -1,4 +1,5 @@
-"""The standard torch optimizer for the dense (MLP) parameters."""
+"""The standard torch optimizer for the dense (MLP) parameters (SGD on a CPU: torch's,
+with the bf16 node's weight copies written in its step, ``train/dense_sgd.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from recscale.config.schema import DenseOptimizerConfig
+from recscale.train.dense_sgd import ONE_THREAD_BELOW, SGDWithBF16Copies
 
 
 def build_dense_optimizer(
@@ -30,20 +32,19 @@ def build_dense_optimizer(
             params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw
         )
     elif cfg.name == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
+        # on a CPU: the subclass whose step also writes the bf16 node's weight copies
+        sgd = torch.optim.SGD if fused else SGDWithBF16Copies
+        opt = sgd(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
     else:
         raise ValueError(f"unknown dense optimizer {cfg.name!r}")
-    if params and all(p.device.type == "cpu" for p in params):
-        if sum(p.numel() for p in params) < _ONE_THREAD_BELOW:
+    # below ONE_THREAD_BELOW parameters a CPU step runs on one thread: torch opens a
+    # parallel region per tensor, and waking the other threads costs more than they save
+    # (SGDWithBF16Copies chooses its own threads)
+    on_cpu = params and all(p.device.type == "cpu" for p in params)
+    if on_cpu and not isinstance(opt, SGDWithBF16Copies):
+        if sum(p.numel() for p in params) < ONE_THREAD_BELOW:
             _step_on_one_thread(opt)
     return opt
-
-
-# Below this many parameters a CPU step runs on one thread: torch opens a parallel
-# region per tensor, and waking the other threads costs more than they save (2 cores;
-# Adam on config A's 476k parameters 0.95 -> 0.35 ms, SGD 0.30 -> 0.12; default's Adam
-# 0.64 -> 0.14; at 5M parameters in four tensors two threads win by 7-15%).
-_ONE_THREAD_BELOW = 1 << 22
 
 
 def _step_on_one_thread(opt: torch.optim.Optimizer) -> None:
