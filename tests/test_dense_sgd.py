@@ -133,8 +133,9 @@ def test_a_weight_changed_after_the_step_is_cast_afresh(width):
     assert torch.equal(bf16_weights.bf16_copy(w), w.detach().to(BF16))
 
 
-def test_momentum_a_closure_or_a_strided_gradient_run_torchs_step():
-    """What the pass does not do falls back to torch's SGD, with its state."""
+def test_momentum_a_closure_or_a_strided_gradient_run_torchs_step(monkeypatch):
+    """What the pass does not do falls back to torch's SGD, with its state; so does a
+    step without the native library (``RECSCALE_NATIVE=0``, no C compiler)."""
     ours, ref = _params(1), _params(1)
     opt = SGDWithBF16Copies(ours, lr=0.1, momentum=0.9, nesterov=True)
     want = torch.optim.SGD(ref, lr=0.1, momentum=0.9, nesterov=True)
@@ -152,6 +153,16 @@ def test_momentum_a_closure_or_a_strided_gradient_run_torchs_step():
     torch.optim.SGD(ref[:1], lr=0.1).step()
     assert torch.equal(ours[0], ref[0])
     assert plain.step(lambda: torch.tensor(2.0)) == 2.0
+    with torch.no_grad():
+        ref[0].copy_(ours[0])  # the closure's step moved ours
+    monkeypatch.setattr(native, "cpu_features", lambda: 0)
+    called: list[int] = []
+    monkeypatch.setattr(native, "parallel_call", lambda *a, **k: called.append(1))
+    ours[0].grad = torch.randn(37, 13)
+    ref[0].grad = ours[0].grad.clone()
+    plain.step()
+    torch.optim.SGD(ref[:1], lr=0.1).step()
+    assert torch.equal(ours[0], ref[0]) and not called
 
 
 def test_the_builder_gives_sgd_on_a_cpu_this_step():
