@@ -14,14 +14,11 @@ import argparse
 import statistics
 import time
 
+from step_ab import stepper  # this directory's: a training step set up as training does
+
 from recscale.config import load_config
-from recscale.distributed import DistContext
 from recscale.modules import bf16_weights, mlp
 from recscale.train import dense_sgd
-from recscale.train.data_source import make_synthetic
-from recscale.train.optimizers import build_dense_optimizer
-from recscale.train.parallel import build
-from recscale.train.step import backward_and_step, forward_loss, setup_process, start_steps
 
 
 def main() -> None:
@@ -33,13 +30,7 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     if cfg.optimizer.name != "sgd":
         raise SystemExit(f"optimizer.name is {cfg.optimizer.name!r}: the native pass is SGD's")
-    device, _ = setup_process(cfg)
-    model, _, _ = build(cfg, DistContext(device=device), print)
-    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
-    data = make_synthetic(cfg)
-    start_steps(cfg)
-    batches = [data.batch(i, cfg.train.batch_size) for i in range(8)]
-    precision = cfg.train.precision
+    step_once, opt = stepper(cfg)
     spent = {"casts": 0.0, "step": 0.0}
     cast = bf16_weights.bf16_copy
 
@@ -60,23 +51,20 @@ def main() -> None:
 
     opt.step = timed_step
     got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    k = 0
     for r in range(args.rounds):
         for use in (True, False) if r % 2 == 0 else (False, True):
             dense_sgd.USE = use
             for s in range(args.steps + 2):  # two untimed steps after the switch
                 if s == 2:
                     spent["casts"] = spent["step"] = 0.0
-                loss = forward_loss(model, batches[k % len(batches)], precision, device)
-                backward_and_step(loss, opt, precision, device)
-                k += 1
+                step_once()
             got[use].append((spent["casts"] * 1e3 / args.steps, spent["step"] * 1e3 / args.steps))
     for use in (True, False):
         casts = statistics.median(c for c, _ in got[use])
         steps = statistics.median(s for _, s in got[use])
         what = "native pass" if use else "torch's SGD"
         print(
-            f"config {args.config} {precision}, {what}: bf16 reads {casts:.3f} ms, "
+            f"config {args.config} {cfg.train.precision}, {what}: bf16 reads {casts:.3f} ms, "
             f"optimizer step {steps:.3f} ms, together {casts + steps:.3f} "
             f"(medians of {args.rounds} rounds of {args.steps} steps)"
         )

@@ -50,6 +50,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 from recscale import native
 from recscale.config import load_config
 from recscale.distributed import DistContext
@@ -100,6 +102,30 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
 }
 
 
+def stepper(cfg) -> tuple[Callable[[], float], torch.optim.Optimizer]:
+    """``cfg``'s model set up as training sets it up, and a function that runs one
+    training step (forward, backward, the dense step) on the next of 8 batches made
+    once and returns its seconds; with the dense optimizer it steps."""
+    device, _ = setup_process(cfg)
+    model, _, _ = build(cfg, DistContext(device=device), print)
+    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
+    data = make_synthetic(cfg)
+    start_steps(cfg)
+    batches = [data.batch(i, cfg.train.batch_size) for i in range(8)]
+    precision = cfg.train.precision
+    k = 0
+
+    def step() -> float:
+        nonlocal k
+        t = time.perf_counter()
+        loss = forward_loss(model, batches[k % len(batches)], precision, device)
+        backward_and_step(loss, opt, precision, device)
+        k += 1
+        return time.perf_counter() - t
+
+    return step, opt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
@@ -119,23 +145,7 @@ def main() -> None:
     if args.switch in ("dot_stream", "dot_narrow") and not native.has_avx512():
         raise SystemExit(f"the AVX-512 interaction kernels do not run here: {native.status()}")
     cfg = load_config(args.config, overrides)
-    device, _ = setup_process(cfg)
-    model, _, _ = build(cfg, DistContext(device=device), print)
-    opt = build_dense_optimizer(cfg.optimizer, model.dense_parameters())
-    data = make_synthetic(cfg)
-    start_steps(cfg)
-    batches = [data.batch(i, cfg.train.batch_size) for i in range(8)]
-    precision = cfg.train.precision
-    k = 0
-
-    def step() -> float:
-        nonlocal k
-        t = time.perf_counter()
-        loss = forward_loss(model, batches[k % len(batches)], precision, device)
-        backward_and_step(loss, opt, precision, device)
-        k += 1
-        return time.perf_counter() - t
-
+    step, _ = stepper(cfg)
     for _ in range(6):  # warm-up
         step()
     medians: dict[bool, list[float]] = {True: [], False: []}
