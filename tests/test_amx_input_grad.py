@@ -62,6 +62,7 @@ def test_amx_input_grad_is_the_rounded_fp32_product_masked_like_torch(
     needs_amx()
     hook = ctypes.c_int.in_dll(native.library(), "recscale_igrad_round_only")
     monkeypatch.setattr(hook, "value", round_only)
+    monkeypatch.setattr(gemm_amx, "_PACK_MIN_PARALLEL", 0)  # W's packing split too
     g, w, x = _operands(batch, k, n, strided)
     f32, none, no_dw = gemm_amx.input_grad(g, w, None, torch.float32, threads)
     assert f32.dtype == torch.float32 and f32.shape == (batch, n) and none is no_dw is None

@@ -18,6 +18,11 @@ import torch
 from recscale import native
 
 _TILE = 512  # bf16 elements in a packed 16 x 32 tile
+# Weights below which the input gradient's packing of W runs on one thread: the pass is
+# short (A's 256 x 512 ~30 us) and a second thread's hand-off costs more (in config A's
+# bf16 step on 2 vCPUs the four packs took 0.36 ms a step on two threads, 0.18 on one;
+# B's, up to 1024 x 1024, 0.72 against 0.63).
+_PACK_MIN_PARALLEL = 1 << 21
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,14 +136,12 @@ def input_grad(
         return (wa_ptr, wb_ptr, dw.data_ptr(), n, k, n, batch, lo, hi)
 
     calls = [
-        ("recscale_igrad_amx_pack", nt // 2, pack),
-        ("recscale_igrad_amx", blocks, multiply),
+        ("recscale_igrad_amx_pack", nt // 2, pack, threads if k * n >= _PACK_MIN_PARALLEL else 1),
+        ("recscale_igrad_amx", blocks, multiply, threads),
     ]
     if wgrad:
-        calls.append(("recscale_wgrad_amx_gemm", steps, weights))
-    for kernel, n_items, args in calls:
-        if any(
-            native.parallel_call(lib, kernel, n_items, args, threads, key=(kernel, k, n, batch))
-        ):
+        calls.append(("recscale_wgrad_amx_gemm", steps, weights, threads))
+    for kernel, n_items, args, parts in calls:
+        if any(native.parallel_call(lib, kernel, n_items, args, parts, key=(kernel, k, n, batch))):
             return None
     return out, (sums.sum(0) if sums is not None else None), dw
