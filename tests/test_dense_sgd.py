@@ -165,7 +165,7 @@ def test_momentum_a_closure_or_a_strided_gradient_run_torchs_step(monkeypatch):
     assert torch.equal(ours[0], ref[0]) and not called
 
 
-def test_the_builder_gives_sgd_on_a_cpu_this_step():
+def test_the_builder_takes_this_sgd_on_a_cpu_and_torchs_adam():
     opt = build_dense_optimizer(DenseOptimizerConfig(name="sgd", lr=0.1), _params(2))
     assert isinstance(opt, SGDWithBF16Copies)
     adam = build_dense_optimizer(DenseOptimizerConfig(name="adam"), _params(2))
