@@ -61,9 +61,7 @@ def logit_backward(
         return (h_ptr, h.stride(0), w_ptr, dz_ptr, dwp_ptr, dbp_ptr, dh_ptr, n, batch, n,
                 int(mask), lo, hi)  # fmt: skip
 
-    # one thread up to 2^20 values of h: at A's and B's 2048 x 256 (2 vCPUs, in step) 0.20-0.26
-    # ms a step against 0.26-0.32 on two, whose hand-off costs more than the half it saves
-    threads = torch.get_num_threads() if batch * n >= _MIN_PARALLEL else 1
+    threads = torch.get_num_threads() if batch * n >= _MIN_PARALLEL >> 2 else 1
     key = ("logit_bf16", batch, n)
     if any(native.parallel_call(lib, "recscale_logit_backward_bf16", blocks, args, threads, key)):
         raise RuntimeError("recscale_logit_backward_bf16 declined on a CPU that has AVX512-BF16")
