@@ -8,7 +8,7 @@ An optimizer that updates ``w`` may then write the copy in its own pass and
 version counter and storage address; any in-place change through torch (another
 optimizer's step, ``load_state_dict``, a user's ``copy_``) bumps the counter and the
 next forward casts afresh. Writes that bypass the counter (a native kernel, ``w.data``)
-must be followed by :func:`keep` or :func:`forget`.
+must bump it (``torch.autograd.graph.increment_version``) before :func:`keep`.
 
 Why: the forward's cast is a pass over the weights and a framework op for each, every
 step, right after the optimizer's own pass over them.
@@ -63,9 +63,3 @@ def keep(w: torch.Tensor, copy: torch.Tensor) -> None:
     if e is not None:
         e.version, e.address, e.copy = w._version, w.data_ptr(), copy
 
-
-def forget(w: torch.Tensor) -> None:
-    """Drop ``w``'s kept copy (the next forward casts)."""
-    e = _entry(w)
-    if e is not None:
-        e.copy = None

@@ -22,6 +22,7 @@
 
 #include "bf16_bits.h"
 #include "recscale_native.h"
+#include "row_format.h"
 
 int recscale_sgd_wide = 1; /* 0: the AVX2 pass on an AVX-512 CPU too (tests) */
 
@@ -42,19 +43,8 @@ RS_BF16_BITS static void sgd_span(float *w, const float *g, uint16_t *wb, int64_
     }
 }
 
-#define RS_AVX2 __attribute__((target("avx2,fma")))
-
-/* 8 fp32 -> 8 bf16 (in the low 128 bits), rounded as rs_bf16_round16 rounds */
-RS_AVX2 static inline __m128i bf16_round8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    /* packus works within 128-bit halves: words 0-3 | 8-11 in the low half, 4-7 | 12-15 high */
-    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    return _mm256_castsi256_si128(p);
-}
+/* the library's floor (AVX2 + FMA + F16C): row_format.h's rounding inlines here */
+#define RS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 RS_AVX2 static void sgd_span_avx2(float *w, const float *g, uint16_t *wb, int64_t n, float lr,
                                   float wd) {
@@ -66,7 +56,7 @@ RS_AVX2 static void sgd_span_avx2(float *w, const float *g, uint16_t *wb, int64_
         if (wd != 0.0f) d = _mm256_fmadd_ps(x, decay, d);
         const __m256 y = _mm256_fmadd_ps(d, neg_lr, x);
         _mm256_storeu_ps(w + i, y);
-        if (wb) _mm_storeu_si128((__m128i *)(wb + i), bf16_round8(y));
+        if (wb) _mm_storeu_si128((__m128i *)(wb + i), rs_bf16_nearest8(y));
     }
     if (i < n) { /* the tail through a copy of 8 (the same operations, lane for lane) */
         float x8[8] = {0}, g8[8] = {0};
