@@ -62,4 +62,3 @@ def keep(w: torch.Tensor, copy: torch.Tensor) -> None:
     e = _entry(w)
     if e is not None:
         e.version, e.address, e.copy = w._version, w.data_ptr(), copy
-
