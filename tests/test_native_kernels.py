@@ -542,6 +542,17 @@ def test_throughput_benchmark_reports_rate_bound_and_kernels():
     assert r["native_threads"] == team_status(native.library())
     assert r["native_threads"] in format_report("debug", r)
     assert "native C kernels" in format_report("debug", r)
+    # the bound's step in its two terms, and the stages set against each
+    parts = r["bound_ms"]
+    bound_ms = 1e3 * r["batch_size"] / r["bound_samples_per_s"]
+    assert parts["mlp_products"] + parts["embedding_rows"] == pytest.approx(bound_ms)
+    assert parts["mlp_products"] == pytest.approx(
+        1e3 * r["batch_size"] * r["mlp_gflop_per_sample"] / r["gemm_gflops"]
+    )
+    rows = r["stage_ms"]["lookup"] + r["stage_ms"]["sparse"]
+    assert f"lookup + sparse {rows:.2f} ({parts['embedding_rows'] / rows:.2f})" in format_report(
+        "debug", r
+    )
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 5000])

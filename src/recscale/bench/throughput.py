@@ -29,6 +29,7 @@ from recscale import native
 from recscale.bench.disk import DiskCounters, measure_file_read_iops
 from recscale.bench.hardware import (
     OtherLoad,
+    StepCost,
     best_on_record,
     measure_gather_gbps,
     measure_gemm_gflops,
@@ -331,6 +332,7 @@ def run_throughput(
         "samples_per_s": sps,
         "samples_per_s_mean": steps * b / elapsed,
         "bound_samples_per_s": bound,
+        "bound_ms": bound_parts_ms(cost, b, gemm, gather),
         "ratio_to_bound": sps / bound,
         "ms_per_step": 1e3 * b / sps,
         "stage_ms": {k: 1e3 * v / steps for k, v in totals.items()},
@@ -368,6 +370,35 @@ def run_throughput(
     }
 
 
+def bound_parts_ms(cost: StepCost, batch: int, gemm_gflops: float, gather_gbps: float) -> dict:
+    """The bound's step (ms) in its two terms: the MLP products at the GEMM rate, the
+    embedding rows' bytes at the gather rate."""
+    return {
+        "mlp_products": 1e3 * batch * cost.mlp_flops_per_sample / (gemm_gflops * 1e9),
+        "embedding_rows": 1e3 * batch * cost.embedding_bytes_per_sample / (gather_gbps * 1e9),
+    }
+
+
+def format_gap(r: dict[str, Any]) -> str:
+    """Where a step stands against the bound's two terms: the stages that move embedding
+    rows (lookup, sparse) against the rows' term, the rest (forward and backward - the
+    MLPs, the interaction, the loss - and the dense optimizer) against the products'."""
+    parts, st = r["bound_ms"], r["stage_ms"]
+    rows = st["lookup"] + st["sparse"]
+    dense = st["forward"] + st["backward"] + st["dense_opt"]
+
+    def share(bound: float, took: float) -> str:
+        return f"{bound / took:.2f}" if took > 0 else "-"
+
+    return (
+        f"  against the bound's {parts['mlp_products'] + parts['embedding_rows']:.2f} ms a step: "
+        f"the embedding rows {parts['embedding_rows']:.2f} ms at the gather rate, taken in "
+        f"lookup + sparse {rows:.2f} ({share(parts['embedding_rows'], rows)}); the MLP products "
+        f"{parts['mlp_products']:.2f} ms at the GEMM rate, taken with the rest of forward + "
+        f"backward + dense_opt in {dense:.2f} ({share(parts['mlp_products'], dense)})"
+    )
+
+
 def format_report(name: str, r: dict[str, Any]) -> str:
     stages = "  ".join(f"{k} {v:.2f}" for k, v in r["stage_ms"].items())
     gib = 1 << 30
@@ -385,6 +416,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             + (", pooled vectors in bf16" if r.get("bf16_pooled") else "")
             + (" into the interaction on AMX tiles" if r.get("interaction_amx") else "")
             + f"); stages (ms): {stages}",
+            *([format_gap(r)] if "bound_ms" in r else []),
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "
             + (
