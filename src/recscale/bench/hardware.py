@@ -248,10 +248,16 @@ class StepCost:
     mlp_flops_per_sample: float
     embedding_bytes_per_sample: float
 
+    def bound_parts(self, gemm_gflops: float, gather_gbps: float) -> dict[str, float]:
+        """A sample's seconds in the bound's two terms: its MLP products at the GEMM rate,
+        its embedding rows' bytes at the gather rate."""
+        return {
+            "mlp_products": self.mlp_flops_per_sample / (gemm_gflops * 1e9),
+            "embedding_rows": self.embedding_bytes_per_sample / (gather_gbps * 1e9),
+        }
+
     def bound_samples_per_s(self, gemm_gflops: float, gather_gbps: float) -> float:
-        seconds = self.mlp_flops_per_sample / (gemm_gflops * 1e9)
-        seconds += self.embedding_bytes_per_sample / (gather_gbps * 1e9)
-        return 1.0 / seconds
+        return 1.0 / sum(self.bound_parts(gemm_gflops, gather_gbps).values())
 
 
 def step_cost(cfg: Config, interaction_out_dim: int, ids_per_sample: float) -> StepCost:

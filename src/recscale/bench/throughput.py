@@ -29,7 +29,6 @@ from recscale import native
 from recscale.bench.disk import DiskCounters, measure_file_read_iops
 from recscale.bench.hardware import (
     OtherLoad,
-    StepCost,
     best_on_record,
     measure_gather_gbps,
     measure_gemm_gflops,
@@ -332,7 +331,8 @@ def run_throughput(
         "samples_per_s": sps,
         "samples_per_s_mean": steps * b / elapsed,
         "bound_samples_per_s": bound,
-        "bound_ms": bound_parts_ms(cost, b, gemm, gather),
+        # the bound's step in its two terms (format_gap sets the stages against them)
+        "bound_ms": {k: 1e3 * b * v for k, v in cost.bound_parts(gemm, gather).items()},
         "ratio_to_bound": sps / bound,
         "ms_per_step": 1e3 * b / sps,
         "stage_ms": {k: 1e3 * v / steps for k, v in totals.items()},
@@ -367,15 +367,6 @@ def run_throughput(
         "peak_device_bytes": (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
-    }
-
-
-def bound_parts_ms(cost: StepCost, batch: int, gemm_gflops: float, gather_gbps: float) -> dict:
-    """The bound's step (ms) in its two terms: the MLP products at the GEMM rate, the
-    embedding rows' bytes at the gather rate."""
-    return {
-        "mlp_products": 1e3 * batch * cost.mlp_flops_per_sample / (gemm_gflops * 1e9),
-        "embedding_rows": 1e3 * batch * cost.embedding_bytes_per_sample / (gather_gbps * 1e9),
     }
 
 
@@ -416,7 +407,7 @@ def format_report(name: str, r: dict[str, Any]) -> str:
             + (", pooled vectors in bf16" if r.get("bf16_pooled") else "")
             + (" into the interaction on AMX tiles" if r.get("interaction_amx") else "")
             + f"); stages (ms): {stages}",
-            *([format_gap(r)] if "bound_ms" in r else []),
+            format_gap(r),
             f"  peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB (model + optimizer state "
             f"{r['model_state_bytes'] / gib:.2f} GiB; freed memory "
             + (
