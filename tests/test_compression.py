@@ -77,6 +77,20 @@ def test_lookup_and_gradient_match_the_dense_reference(name):
         )
 
 
+@pytest.mark.parametrize("name", ["qr_mult", "qr_add", "qr_concat", "mixed_dim", "tt"])
+def test_the_written_out_combine_backward_is_autograds_to_the_bit(name):
+    s = _storages(SparseSGD(1.0))[name]
+    s.init_factors(seed=5, feature=1)
+    rows = torch.randint(0, N, (300,))
+    _, parts = s._gather(rows)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in parts.items()}
+    g = torch.randn(300, D)
+    want = torch.autograd.grad(s._combine(leaves), list(leaves.values()), g)
+    got = s._combine_backward(parts, g)
+    for k, w in zip(leaves, want):
+        assert torch.equal(got[k], w), k
+
+
 def test_rowwise_adagrad_on_factors_matches_its_dense_formula():
     torch.manual_seed(1)
     s = QRStorage(N, D, 16, "mult", SparseRowwiseAdagrad(0.1, eps=1e-8))

@@ -121,6 +121,8 @@ def test_debug_run_with_hot_rows_trains_and_reports_them():
     lines = []
     over = [
         "--train.progress=false",
+        # hot rows lead by 0.009-0.010 AUC at 100 steps over seeds 0-2 (0.004-0.009 at 150)
+        "--train.steps=100",
         "--embedding.compression=tt",
         "--embedding.tt_rank=2",
         "--embedding.hot_fraction=0.02",

@@ -15,8 +15,9 @@ and a ``combine`` that builds virtual rows from gathered factor rows::
 
 Forward: gather the factor rows of the batch's ids, combine, sum-pool into bags.
 Backward (``apply_gradients``, after the base class merged duplicate ids): gather the
-factor rows again as leaves, combine under autograd, and hand each factor's row
-gradients - duplicates merged - to that factor's optimizer step. Nothing of size
+factor rows again, run the combine's backward (``_combine_backward``: autograd's ops
+for it, written out), and hand each factor's row gradients - duplicates merged - to
+that factor's optimizer step. Nothing of size
 ``num_rows`` is ever materialized (``read_rows`` builds only the rows asked for).
 
 The factors a lookup gathers rows of are stored at ``embedding.row_precision``
@@ -114,6 +115,14 @@ class FactoredStorage(RowStorage):
         virtual rows ``[N, dim]``."""
 
     @abstractmethod
+    def _combine_backward(
+        self, parts: dict[str, torch.Tensor], grad: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The gradient of ``(combine(parts) * grad).sum()`` for each part, by the ops
+        autograd's backward of ``_combine`` runs (the same bits) without its graph: a
+        table's update is a few small ops, and the engine's own work was a large share."""
+
+    @abstractmethod
     def init_factors(self, seed: int, feature: int) -> None:
         """Draw the factors so a virtual row has the spread of a plain row's init."""
 
@@ -135,12 +144,11 @@ class FactoredStorage(RowStorage):
             size(f.weight) + (size(f.qparams) if hasattr(f, "qparams") else 0) for f in stores
         )
 
-    def _gather(self, rows: torch.Tensor, leaves: bool = False):
+    def _gather(self, rows: torch.Tensor):
         idx = self._index(rows)
         parts = {}
         for name, f in self.factors.items():
-            w = f.weight if name not in idx else f.read_rows(idx[name])  # decoded: fp32
-            parts[name] = w.detach().requires_grad_(True) if leaves else w
+            parts[name] = f.weight if name not in idx else f.read_rows(idx[name])  # fp32
         return idx, parts
 
     def _computed(self, rows: torch.Tensor) -> torch.Tensor:
@@ -200,11 +208,10 @@ class FactoredStorage(RowStorage):
             rows, grad = rows[~hot], grad[~hot]
             if rows.numel() == 0:
                 return
-        idx, parts = self._gather(rows, leaves=True)
-        with torch.enable_grad():
-            out = self._combine(parts)
-            grads = torch.autograd.grad(out, list(parts.values()), grad)
-        for (name, f), g in zip(self.factors.items(), grads):
+        idx, parts = self._gather(rows)
+        grads = self._combine_backward(parts, grad)
+        for name, f in self.factors.items():
+            g = grads[name]
             if name in idx:
                 unique, summed = merge_duplicate_rows(idx[name], g)
                 f.apply_gradients(unique, summed)
@@ -301,6 +308,14 @@ class QRStorage(FactoredStorage):
             return q * r
         return q + r if self.op == "add" else torch.cat([q, r], dim=1)
 
+    def _combine_backward(self, parts, grad):
+        q, r = parts["q"], parts["r"]
+        if self.op == "mult":
+            return {"q": grad * r, "r": grad * q}
+        if self.op == "add":
+            return {"q": grad, "r": grad}
+        return {"q": grad[:, : q.shape[1]], "r": grad[:, q.shape[1] :]}
+
     @torch.no_grad()
     def init_factors(self, seed: int, feature: int) -> None:
         gen, b = _generator(seed, feature), math.sqrt(1.0 / self.num_rows)
@@ -336,6 +351,9 @@ class MixedDimStorage(FactoredStorage):
 
     def _combine(self, parts):
         return parts["w"] @ parts["proj"]
+
+    def _combine_backward(self, parts, grad):
+        return {"w": grad @ parts["proj"].t(), "proj": parts["w"].t() @ grad}
 
     @torch.no_grad()
     def init_factors(self, seed: int, feature: int) -> None:
@@ -376,6 +394,24 @@ class TTStorage(FactoredStorage):
         a = parts["g1"].view(n, d1, r)
         ab = torch.bmm(a, parts["g2"].view(n, r, d2 * r)).view(n, d1 * d2, r)
         return torch.bmm(ab, parts["g3"].view(n, r, d3)).view(n, self.dim)
+
+    def _combine_backward(self, parts, grad):
+        """``out = (A B) C`` a row: A ``[d1, R]``, B ``[R, d2 R]``, C ``[R, d3]``, ``A B``
+        read as ``[d1 d2, R]``; back: ``d(AB) = dout C^T``, ``dC = (AB)^T dout``, then
+        ``dA = d(AB) B^T``, ``dB = A^T d(AB)`` with ``d(AB)`` read as ``[d1, d2 R]``."""
+        (d1, d2, d3), r = self.d, self.rank
+        n = parts["g1"].shape[0]
+        a = parts["g1"].view(n, d1, r)
+        b = parts["g2"].view(n, r, d2 * r)
+        c = parts["g3"].view(n, r, d3)
+        ab = torch.bmm(a, b).view(n, d1 * d2, r)
+        go = grad.reshape(n, d1 * d2, d3)
+        dab = torch.bmm(go, c.transpose(1, 2)).view(n, d1, d2 * r)
+        return {
+            "g1": torch.bmm(dab, b.transpose(1, 2)).view(n, d1 * r),
+            "g2": torch.bmm(a.transpose(1, 2), dab).view(n, r * d2 * r),
+            "g3": torch.bmm(ab.transpose(1, 2), go).view(n, r * d3),
+        }
 
     @torch.no_grad()
     def init_factors(self, seed: int, feature: int) -> None:

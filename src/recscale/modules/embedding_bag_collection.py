@@ -210,6 +210,50 @@ class _Group(nn.Module):
         )
 
 
+def _group_values(
+    features: list[int],
+    starts: list[int],
+    b: int,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths_fb: torch.Tensor,
+    bag_of_id: torch.Tensor,
+    psw: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A group's ``rows``, ``offsets`` (``[len(features) * b + 1]``), bags (numbered
+    within the group: its ``i``-th feature's bags ``i*b .. i*b + b - 1``) and pooling
+    weights, from the batch's feature-major ones (``starts[f]``: where feature ``f``'s
+    values begin, ``starts[F]`` the end; ``lengths_fb`` ``[F, b]``)."""
+    runs: list[tuple[int, int]] = []  # (first feature, feature count) of consecutive runs
+    for f in features:
+        if runs and runs[-1][0] + runs[-1][1] == f:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((f, 1))
+    parts_rows, parts_bag, parts_psw = [], [], []
+    i = 0  # the run's first feature's index in the group
+    for f, k in runs:
+        lo, hi = starts[f], starts[f + k]
+        parts_rows.append(rows[lo:hi])
+        parts_bag.append(bag_of_id[lo:hi] + (i - f) * b)
+        if psw is not None:
+            parts_psw.append(psw[lo:hi])
+        i += k
+    if len(runs) == 1:
+        f, k = runs[0]
+        g_offsets = offsets[f * b : (f + k) * b + 1] - starts[f]
+        return parts_rows[0], g_offsets, parts_bag[0], parts_psw[0] if psw is not None else None
+    g_lengths = lengths_fb[features].reshape(-1)
+    g_offsets = torch.zeros(g_lengths.shape[0] + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(g_lengths, 0, out=g_offsets[1:])
+    return (
+        torch.cat(parts_rows),
+        g_offsets,
+        torch.cat(parts_bag),
+        torch.cat(parts_psw) if psw is not None else None,
+    )
+
+
 class EmbeddingBagCollection(nn.Module):
     def __init__(
         self,
@@ -488,19 +532,14 @@ class EmbeddingBagCollection(nn.Module):
 
         per_feature: list[torch.Tensor | None] = [None] * num_f
         lengths_fb = lengths.view(num_f, b)
-        group_of_value = self.group_of_feature[feature_of_value]
-        for g, group in enumerate(self.groups):
-            mask = group_of_value == g
-            g_rows = rows[mask]
-            g_lengths = lengths_fb[group.features].reshape(-1)
-            g_offsets = torch.zeros(g_lengths.shape[0] + 1, dtype=torch.int64, device=values.device)
-            torch.cumsum(g_lengths, 0, out=g_offsets[1:])
-            g_bag = torch.repeat_interleave(
-                torch.arange(g_lengths.shape[0], device=values.device),
-                g_lengths,
-                output_size=g_rows.shape[0],
+        # Values are feature-major, so a group's are its features' slices: one read of
+        # the features' bounds (one device sync), then slices - not a mask over every
+        # value for each group (26 compressed tables, each a group: 26 passes a step).
+        starts = offsets[::b].tolist()
+        for group in self.groups:
+            g_rows, g_offsets, g_bag, g_psw = _group_values(
+                group.features, starts, b, rows, offsets, lengths_fb, bag_of_id, psw
             )
-            g_psw = None if psw is None else psw[mask]
             pooled = pooled_lookup(
                 group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_offsets[::b], g_psw
             )
