@@ -438,7 +438,7 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
                     self.stats, rows, slots, segments, bag_of_id, per_sample_weights
                 )
                 if rows.numel() == 0:  # every id stale: the step counts, nothing moves
-                    self.step += 1
+                    self.step.add_(1)
                     if self._update_pins:
                         self._update_pins.pop(0)
                     self.slipstream.after_update(int(self.step), self.cache_weight)
@@ -446,7 +446,7 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
             if self.dirty is not None:
                 self.dirty[rows] = True
             if kernel in ("native", "numba"):
-                self.step += 1
+                self.step.add_(1)
                 fused_update_cpu(
                     self.optimizer,
                     self.cache_weight,
@@ -463,7 +463,7 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
             elif kernel == "triton":  # the host tier's cache in GPU memory
                 from recscale.embedding import triton_kernels
 
-                self.step += 1
+                self.step.add_(1)
                 slots_dev = slots.to(self.device)
                 triton_kernels.fused_update(
                     self.optimizer,
@@ -479,7 +479,7 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
             else:
                 grad_ids = per_id_gradients(grad_pooled, bag_of_id, per_sample_weights)
                 unique, summed = merge_duplicate_rows(slots.to(grad_ids.device), grad_ids)
-                self.step += 1
+                self.step.add_(1)
                 self.optimizer.update_(
                     self.cache_weight, self.cache_state, unique, summed, int(self.step)
                 )
@@ -496,7 +496,7 @@ class CachedStorage(CachePrefetching, CacheWarmStart, CachedRowAccess, RowStorag
             uniq = torch.unique(rows)
             slots, _ = self._make_resident(uniq)
             order = torch.searchsorted(uniq, rows)
-            self.step += 1
+            self.step.add_(1)
             self.optimizer.update_(
                 self.cache_weight,
                 self.cache_state,

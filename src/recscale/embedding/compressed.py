@@ -200,7 +200,7 @@ class FactoredStorage(RowStorage):
     def apply_gradients(self, rows, grad):
         """``rows`` unique, ``grad [U, dim]`` their merged gradients: the chain rule to
         each factor's rows, then each factor's own optimizer step."""
-        self.step += 1
+        self.step.add_(1)
         if self.hot_rows:
             hot, pos = self._hot_slots(rows)
             if hot.any():

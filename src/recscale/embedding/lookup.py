@@ -46,7 +46,7 @@ class _FusedLookup(torch.autograd.Function):
         if rows.numel() > 0 or ctx.storage.always_apply:
             ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
         else:  # every backward is one optimizer step (Adam's bias correction counts them)
-            ctx.storage.step += 1
+            ctx.storage.step.add_(1)
         return None, None, None, None, None, None, None, None
 
 

@@ -207,7 +207,7 @@ class LowPrecisionStorage(DeviceStorage):
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):
-        self.step += 1
+        self.step.add_(1)
         w = self._decode(rows)
         state = self.optimizer_state()
         local = {name: t.index_select(0, rows) for name, t in state.items()}

@@ -301,7 +301,7 @@ class DeviceStorage(RowStorage):
             return super().apply_pooled_gradients(
                 rows, segments, bag_of_id, per_sample_weights, grad_pooled
             )
-        self.step += 1
+        self.step.add_(1)
         if kernel == "triton":
             from recscale.embedding import triton_kernels
 
@@ -338,7 +338,7 @@ class DeviceStorage(RowStorage):
 
     @torch.no_grad()
     def apply_gradients(self, rows, grad):
-        self.step += 1
+        self.step.add_(1)
         self.optimizer.update_(self.weight, self.optimizer_state(), rows, grad, int(self.step))
 
     def read_rows(self, rows):
