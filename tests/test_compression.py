@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from helpers import RESUME_BASE, assert_resume_identical
 
+from recscale import native
 from recscale.config import ConfigError, load_config
 from recscale.embedding.compressed import MixedDimStorage, QRStorage, TTStorage
 from recscale.embedding.compression_shapes import compressed_rows, mixed_dims, tt_shape
-from recscale.embedding.optimizers import SparseRowwiseAdagrad, SparseSGD
+from recscale.embedding.optimizers import SparseAdam, SparseRowwiseAdagrad, SparseSGD
 from recscale.planner.from_config import plan_for, table_infos
 from recscale.train.run import train
 
@@ -89,6 +90,34 @@ def test_the_written_out_combine_backward_is_autograds_to_the_bit(name):
     got = s._combine_backward(parts, g)
     for k, w in zip(leaves, want):
         assert torch.equal(got[k], w), k
+
+
+@pytest.mark.skipif(native.library() is None, reason=native.status())
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_factors_updated_by_the_native_pass_match_torchs_ops(opt, precision):
+    """Factors whose width the C update takes (model.kernels auto) get one fused pass over
+    their ids, duplicates merged there; torch's ops (kernels=torch) are the reference."""
+    make = {"sgd": lambda: SparseSGD(0.5), "rowwise_adagrad": lambda: SparseRowwiseAdagrad(0.1)}
+    make["adam"] = lambda: SparseAdam(0.01)
+    fast, ref = (
+        TTStorage(N, D, 4, make[opt](), None, precision, kernel=k) for k in ("auto", "torch")
+    )
+    assert {f.backward_kernel() for f in fast.factors.values()} == {"native"}  # widths 8, 32, 16
+    assert {f.backward_kernel() for f in ref.factors.values()} == {"torch"}
+    for s in (fast, ref):
+        s.init_factors(seed=2, feature=4)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        rows = torch.randint(0, N, (64,), generator=gen)  # ids repeat, and factor rows more
+        g = torch.randn(16, D, generator=gen)
+        bag = torch.repeat_interleave(torch.arange(16), 4)
+        for s in (fast, ref):
+            s.apply_pooled_gradients(rows, torch.tensor([0, 64]), bag, None, g)
+    for k in ref.factors:
+        a, b = fast.factors[k].weight.float(), ref.factors[k].weight.float()
+        tol = 1e-3 * b.abs().max().item() if precision == "fp16" else 1e-6  # fp16: an ulp
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
 
 
 def test_rowwise_adagrad_on_factors_matches_its_dense_formula():

@@ -77,6 +77,7 @@ class FactoredStorage(RowStorage):
         device: torch.device | None = None,
         precision: str = "fp32",
         hot_rows: int = 0,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.num_rows, self.dim, self.precision = num_rows, dim, precision
@@ -85,7 +86,7 @@ class FactoredStorage(RowStorage):
 
         def factor(name: str, rows: int, width: int) -> DeviceStorage:
             p = factor_precision(name, precision)
-            return device_rows(rows, width, optimizer, p, device, kernel="torch")
+            return device_rows(rows, width, optimizer, p, device, _factor_kernel(kernel, width))
 
         self.factors = nn.ModuleDict(
             {name: factor(name, rows, width) for name, (rows, width) in factor_shapes.items()}
@@ -212,7 +213,12 @@ class FactoredStorage(RowStorage):
         grads = self._combine_backward(parts, grad)
         for name, f in self.factors.items():
             g = grads[name]
-            if name in idx:
+            if name in idx and f.backward_kernel() == "native":
+                # one C pass: each id's row a bag of its own, duplicates merged on the way
+                n = g.shape[0]
+                bags, segments = torch.arange(n), torch.tensor([0, n])  # CPU: where it runs
+                f.apply_pooled_gradients(idx[name], segments, bags, None, g.contiguous())
+            elif name in idx:
                 unique, summed = merge_duplicate_rows(idx[name], g)
                 f.apply_gradients(unique, summed)
             else:  # a whole factor (a projection): every row, every step
@@ -241,6 +247,13 @@ class FactoredStorage(RowStorage):
     @torch.no_grad()
     def load_factor_state(self, state: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(state)
+
+
+def _factor_kernel(requested: str, width: int) -> str:
+    """A factor's update: the native fused pass (``model.kernels`` auto or native, a width
+    it takes - the kernel then checks the rows' dtype and device), else torch's ops (a
+    factor's few hundred rows a step: numba and Triton add a compile for no gain)."""
+    return "native" if requested in ("auto", "native") and width % 8 == 0 else "torch"
 
 
 # A compressed table's step is dozens of small ops (gathers, unique, index_add, bmm on a
@@ -289,11 +302,12 @@ class QRStorage(FactoredStorage):
         device: torch.device | None = None,
         precision: str = "fp32",
         hot_rows: int = 0,
+        kernel: str = "auto",
     ) -> None:
         if op not in QR_OPS:
             raise ValueError(f"qr op must be one of {QR_OPS}, got {op!r}")
         shapes = factor_shapes("qr", num_rows, dim, qr_buckets=buckets, qr_op=op)
-        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
+        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows, kernel)
         self.buckets, self.op = shapes["r"][0], op
 
     def _index(self, rows):
@@ -341,9 +355,10 @@ class MixedDimStorage(FactoredStorage):
         device: torch.device | None = None,
         precision: str = "fp32",
         hot_rows: int = 0,
+        kernel: str = "auto",
     ) -> None:
         shapes = factor_shapes("mixed_dim", num_rows, dim, small_dim=small_dim)
-        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
+        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows, kernel)
         self.small_dim = small_dim
 
     def _index(self, rows):
@@ -374,10 +389,11 @@ class TTStorage(FactoredStorage):
         device: torch.device | None = None,
         precision: str = "fp32",
         hot_rows: int = 0,
+        kernel: str = "auto",
     ) -> None:
         (n1, n2, n3), (d1, d2, d3) = tt_shape(num_rows, dim)
         shapes = factor_shapes("tt", num_rows, dim, tt_rank=rank)
-        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows)
+        super().__init__(num_rows, dim, shapes, optimizer, device, precision, hot_rows, kernel)
         self.n, self.d, self.rank = (n1, n2, n3), (d1, d2, d3), rank
 
     def _index(self, rows):
@@ -437,13 +453,15 @@ def build_compressed(
     cfg,
     optimizer: SparseOptimizer,
     device: torch.device | None,
+    kernel: str = "auto",
 ) -> FactoredStorage:
-    """The storage of one compressed table (``cfg``: the ``EmbeddingConfig``)."""
+    """The storage of one compressed table (``cfg``: the ``EmbeddingConfig``; ``kernel``:
+    ``model.kernels``)."""
     p, k = cfg.row_precision, hot_count(num_rows, cfg.hot_fraction)
     if method == "qr":
-        return QRStorage(num_rows, dim, cfg.qr_buckets, cfg.qr_op, optimizer, device, p, k)
+        return QRStorage(num_rows, dim, cfg.qr_buckets, cfg.qr_op, optimizer, device, p, k, kernel)
     if method == "mixed_dim":
-        return MixedDimStorage(num_rows, dim, small_dim, optimizer, device, p, k)
+        return MixedDimStorage(num_rows, dim, small_dim, optimizer, device, p, k, kernel)
     if method == "tt":
-        return TTStorage(num_rows, dim, cfg.tt_rank, optimizer, device, p, k)
+        return TTStorage(num_rows, dim, cfg.tt_rank, optimizer, device, p, k, kernel)
     raise ValueError(f"unknown compression {method!r}")

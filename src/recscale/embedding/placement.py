@@ -39,7 +39,7 @@ def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, ke
         if tables[0].compression != "none":  # a group of one compressed table
             t = tables[0]
             return build_compressed(
-                t.compression, num_rows, dim, t.small_dim, cfg, optimizer, device
+                t.compression, num_rows, dim, t.small_dim, cfg, optimizer, device, kern
             )
         if tables[0].placement != "device":
             raise ValueError(
