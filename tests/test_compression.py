@@ -96,17 +96,21 @@ def test_the_written_out_combine_backward_is_autograds_to_the_bit(name):
 @pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_factors_updated_by_the_native_pass_match_torchs_ops(opt, precision):
-    """Factors whose width the C update takes (model.kernels auto) get one fused pass over
-    their ids, duplicates merged there; torch's ops (kernels=torch) are the reference."""
+    """Factors and hot rows whose width the C update takes (model.kernels auto) get one
+    fused pass over their ids, duplicates merged there; torch's ops (kernels=torch) are
+    the reference."""
     make = {"sgd": lambda: SparseSGD(0.5), "rowwise_adagrad": lambda: SparseRowwiseAdagrad(0.1)}
     make["adam"] = lambda: SparseAdam(0.01)
     fast, ref = (
-        TTStorage(N, D, 4, make[opt](), None, precision, kernel=k) for k in ("auto", "torch")
+        TTStorage(N, D, 4, make[opt](), None, precision, 40, kernel=k) for k in ("auto", "torch")
     )
-    assert {f.backward_kernel() for f in fast.factors.values()} == {"native"}  # widths 8, 32, 16
-    assert {f.backward_kernel() for f in ref.factors.values()} == {"torch"}
+    # the factors (widths 8, 32, 16) and the hot rows (16)
+    assert {f.backward_kernel() for f in [*fast.factors.values(), fast.hot]} == {"native"}
+    assert {f.backward_kernel() for f in [*ref.factors.values(), ref.hot]} == {"torch"}
     for s in (fast, ref):
         s.init_factors(seed=2, feature=4)
+        s.set_hot_ids(torch.arange(0, N, 25))  # 40 hot ids: some of the batches' ids
+    hot_before = ref.hot.weight.float().clone()
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         rows = torch.randint(0, N, (64,), generator=gen)  # ids repeat, and factor rows more
@@ -114,8 +118,9 @@ def test_factors_updated_by_the_native_pass_match_torchs_ops(opt, precision):
         bag = torch.repeat_interleave(torch.arange(16), 4)
         for s in (fast, ref):
             s.apply_pooled_gradients(rows, torch.tensor([0, 64]), bag, None, g)
-    for k in ref.factors:
-        a, b = fast.factors[k].weight.float(), ref.factors[k].weight.float()
+    assert not torch.equal(ref.hot.weight.float(), hot_before)  # hot rows were trained too
+    for a, b in [*((fast.factors[k], ref.factors[k]) for k in ref.factors), (fast.hot, ref.hot)]:
+        a, b = a.weight.float(), b.weight.float()
         tol = 1e-3 * b.abs().max().item() if precision == "fp16" else 1e-6  # fp16: an ulp
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
 

@@ -205,7 +205,7 @@ class FactoredStorage(RowStorage):
         if self.hot_rows:
             hot, pos = self._hot_slots(rows)
             if hot.any():
-                self.hot.apply_gradients(pos[hot], grad[hot])
+                _update_rows(self.hot, pos[hot], grad[hot])
             rows, grad = rows[~hot], grad[~hot]
             if rows.numel() == 0:
                 return
@@ -213,14 +213,8 @@ class FactoredStorage(RowStorage):
         grads = self._combine_backward(parts, grad)
         for name, f in self.factors.items():
             g = grads[name]
-            if name in idx and f.backward_kernel() == "native":
-                # one C pass: each id's row a bag of its own, duplicates merged on the way
-                n = g.shape[0]
-                bags, segments = torch.arange(n), torch.tensor([0, n])  # CPU: where it runs
-                f.apply_pooled_gradients(idx[name], segments, bags, None, g.contiguous())
-            elif name in idx:
-                unique, summed = merge_duplicate_rows(idx[name], g)
-                f.apply_gradients(unique, summed)
+            if name in idx:
+                _update_rows(f, idx[name], g)
             else:  # a whole factor (a projection): every row, every step
                 f.apply_gradients(torch.arange(f.num_rows, device=g.device), g)
 
@@ -247,6 +241,18 @@ class FactoredStorage(RowStorage):
     @torch.no_grad()
     def load_factor_state(self, state: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(state)
+
+
+def _update_rows(f: DeviceStorage, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    """One optimizer step of factor (or hot-row) storage ``f`` on ``rows`` (repeats
+    allowed) with each one's gradient ``grad [N, width]``."""
+    if f.backward_kernel() == "native":
+        # one C pass: each id's row a bag of its own, duplicates merged on the way
+        n = grad.shape[0]
+        bags, segments = torch.arange(n), torch.tensor([0, n])  # CPU: where it runs
+        f.apply_pooled_gradients(rows, segments, bags, None, grad.contiguous())
+    else:
+        f.apply_gradients(*merge_duplicate_rows(rows, grad))
 
 
 def _factor_kernel(requested: str, width: int) -> str:
