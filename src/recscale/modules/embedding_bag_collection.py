@@ -230,27 +230,24 @@ def _group_values(
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((f, 1))
-    parts_rows, parts_bag, parts_psw = [], [], []
+    if len(runs) == 1:  # one slice of each, no copy (a compressed table's group)
+        (f, k) = runs[0]
+        lo, hi = starts[f], starts[f + k]
+        g_psw = None if psw is None else psw[lo:hi]
+        return rows[lo:hi], offsets[f * b : (f + k) * b + 1] - lo, bag_of_id[lo:hi] - f * b, g_psw
+    spans = []  # (lo, hi, the bag shift) of each run
     i = 0  # the run's first feature's index in the group
     for f, k in runs:
-        lo, hi = starts[f], starts[f + k]
-        parts_rows.append(rows[lo:hi])
-        parts_bag.append(bag_of_id[lo:hi] + (i - f) * b)
-        if psw is not None:
-            parts_psw.append(psw[lo:hi])
+        spans.append((starts[f], starts[f + k], (i - f) * b))
         i += k
-    if len(runs) == 1:
-        f, k = runs[0]
-        g_offsets = offsets[f * b : (f + k) * b + 1] - starts[f]
-        return parts_rows[0], g_offsets, parts_bag[0], parts_psw[0] if psw is not None else None
     g_lengths = lengths_fb[features].reshape(-1)
     g_offsets = torch.zeros(g_lengths.shape[0] + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(g_lengths, 0, out=g_offsets[1:])
     return (
-        torch.cat(parts_rows),
+        torch.cat([rows[lo:hi] for lo, hi, _ in spans]),
         g_offsets,
-        torch.cat(parts_bag),
-        torch.cat(parts_psw) if psw is not None else None,
+        torch.cat([bag_of_id[lo:hi] + shift for lo, hi, shift in spans]),
+        None if psw is None else torch.cat([psw[lo:hi] for lo, hi, _ in spans]),
     )
 
 
