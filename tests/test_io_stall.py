@@ -2,6 +2,7 @@
 one line naming its file, after ``embedding.io_stall_seconds``, and loses nothing: the
 last checkpoint resumes."""
 
+import threading
 import time
 
 import pytest
@@ -37,7 +38,7 @@ class _SlowCollection:
 def test_a_batch_later_than_the_stall_limit_raises_naming_what_it_waits_on():
     data = make_synthetic(load_config("debug", []))
     batches = (data.batch(i, 64) for i in range(6))
-    ebc = _SlowCollection(slow=3, delay=3.0)
+    ebc = _SlowCollection(slow=3, delay=1.5)
     pipe = EmbeddingPipeline(batches, ebc, "cpu", 1, stall_seconds=0.5, stall_message="rows.f32")
     got = []
     t = time.perf_counter()
@@ -48,7 +49,7 @@ def test_a_batch_later_than_the_stall_limit_raises_naming_what_it_waits_on():
     pipe.close(timeout=5.0)
     # without a limit the same slow batch is waited for
     pipe = EmbeddingPipeline(
-        (data.batch(i, 64) for i in range(4)), _SlowCollection(slow=2, delay=1.0), "cpu", 1
+        (data.batch(i, 64) for i in range(4)), _SlowCollection(slow=2, delay=0.8), "cpu", 1
     )
     assert len(list(pipe)) == 4 and not pipe.stalled
 
@@ -58,11 +59,12 @@ def test_a_stalled_ssd_tier_stops_the_run_in_one_line_and_its_checkpoint_resumes
 ):
     prefetch = ShardedEmbeddingBagCollection.prefetch
     calls = {"n": 0}
+    answers = threading.Event()  # the device answers again
 
     def stalling(self, local):  # the device stops answering after 12 batches
         calls["n"] += 1
         if calls["n"] > 12:
-            time.sleep(4.0)
+            answers.wait(timeout=60)
         return prefetch(self, local)
 
     monkeypatch.setattr(ShardedEmbeddingBagCollection, "prefetch", stalling)
@@ -86,7 +88,10 @@ def test_a_stalled_ssd_tier_stops_the_run_in_one_line_and_its_checkpoint_resumes
     assert "no batch in 1 s" in line and str(tmp_path / "ssd") in line, line
     assert "embedding.io_stall_seconds" in line and not (run / "metrics.json").exists()
     monkeypatch.setattr(ShardedEmbeddingBagCollection, "prefetch", prefetch)
-    time.sleep(4.0)  # the stalled thread's read ends; its file is closed
+    answers.set()  # the stalled thread's read ends; its file is closed
+    for thread in threading.enumerate():
+        if thread.name == "recscale-input-dist":
+            thread.join(timeout=60)
     r = run_cli(
         *args[:-2],
         f"--embedding.ssd_dir={tmp_path / 'ssd2'}",
