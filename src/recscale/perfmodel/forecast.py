@@ -25,11 +25,13 @@ device does not hide::
                        an fp32 sparse gradient written, then added into the rows
     all_to_all         ids in, pooled vectors out and their gradients back (alpha-beta over
                        NVLink / the node's links, the network beyond a node), less what the
-                       system overlaps with compute
+                       system overlaps with compute; a system sharding rows by id modulo
+                       the ranks: partial rows forward, each id's gradient back (exchange.py)
     all_reduce         the dense gradients (+ replicated tables'), ring, alpha-beta
     dense_optimizer    the MLP parameters' update, streamed
     loss               the logits' loss forward and backward
-    host               host time a step the device does not hide: the system's framework
+    host               input work on the training thread (``System.input_*``), and host
+                       time a step the device does not hide: the system's framework
                        ops a kernel x EAGER_OP_S, all of it when the step waits on the
                        device mid-step, what exceeds the device time when it does not,
                        none for a captured graph (``systems.py``)
@@ -50,6 +52,7 @@ from dataclasses import dataclass, field
 from recscale.config.errors import ConfigError
 from recscale.config.schema import Config
 from recscale.perfmodel.devices import DeviceSpec
+from recscale.perfmodel.exchange import partials_exchange_bytes
 from recscale.perfmodel.step_kernels import (
     COLLECTIVES,
     CPU,
@@ -206,6 +209,8 @@ def forecast(
     ranks = list(_embedding_ranks(cfg, dev, eff, system, plan, tables, precision))
     if hybrid:
         ranks[0].absorb(bottom)
+    if system.exchange == "partials":
+        _partials(ranks, cfg, tables, system, w)
     for emb in ranks:
         _collectives(emb, dev, eff, system, w, shared)
     # A collective ends when its slowest member's part does: the step is the slowest
@@ -221,6 +226,7 @@ def forecast(
     if dev.kind == "gpu" and system.host != "graph":
         stages["host"] = _exposed_host(dense, emb, stages, system, precision)
         host_ops = round(kernels * system.host_ops_per_kernel)
+    stages["host"] += _input(cfg, dev, system, tables)
     step = sum(stages.values())
     table_mem = max(plan.memory_per_rank) if any(plan.memory_per_rank) else 0
     bench = _bench_timeline(dense, emb, stages, system, precision, dev.kind == "gpu")
@@ -425,12 +431,33 @@ def _link(dev: DeviceSpec, eff: Efficiency, w: int) -> tuple[float, float]:
     return min(dev.intra_node_gbps, dev.network_gbps) * 1e9 * eff.link, eff.network_latency_s
 
 
+def _partials(ranks: list[StepKernels], cfg: Config, tables, system: System, w: int) -> None:
+    """``System.exchange = "partials"``: every rank reads the global batch's ids, and its
+    all-to-all carries partial rows forward and each id's gradient back
+    (perfmodel/exchange.py) in place of the plan's pooled vectors."""
+    batch = cfg.train.batch_size
+    pooling = [t.pooling for t in tables]
+    for s in ranks:
+        s.stream("embedding_forward", batch * sum(pooling) * ID_BYTES)
+        wire = system.wire_bytes or s.act
+        s.a2a_bytes = sum(partials_exchange_bytes(batch, pooling, [t.dim for t in tables], w, wire))
+
+
+def _input(cfg: Config, dev: DeviceSpec, system: System, tables) -> float:
+    """Seconds a step waits for its input on the training thread (``System.input_*``):
+    the global batch's one-hot ids on one core, its multi-hot ids over the device's."""
+    batch = cfg.train.batch_size
+    serial = system.input_serial_s_per_id * batch * len(tables)
+    spread = system.input_parallel_s_per_id * batch * sum(t.pooling for t in tables)
+    return serial + spread / dev.units
+
+
 def _collectives(s: StepKernels, dev, eff, system, w: int, params: int) -> None:
     if w == 1:
         return
     bw, lat = _link(dev, eff, w)
     wire = system.wire_bytes or s.act
-    a2a = s.a2a * wire / 4
+    a2a = s.a2a * wire / 4 if s.a2a_bytes is None else s.a2a_bytes
     t = a2a / bw + ALL_TO_ALL_CALLS * lat
     s.stages["all_to_all"] += t * (1.0 - system.comm_overlap)
     ring = 2.0 * (w - 1) / w * (params * wire + s.ar)

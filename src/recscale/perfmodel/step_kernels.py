@@ -83,6 +83,9 @@ class StepKernels:
         self.bench_first: dict[str, float] = dict.fromkeys(BENCH_STAGES, 0.0)  # its first kernel's
         self.phase = "forward"  # the dense model's kernels: "forward" or "backward"
         self.a2a = self.ar = 0.0  # bytes this rank sends: all-to-all, all-reduce (tables)
+        # the all-to-all's bytes as they travel, where a system's exchange sets them
+        # (System.exchange = "partials"); None: ``a2a``, counted in fp32, at the wire's
+        self.a2a_bytes: float | None = None
 
     @property
     def kernels(self) -> int:

@@ -25,6 +25,7 @@ HOSTS = ("serial", "overlap", "graph")
 GRAMS = ("autograd", "padded")
 WAITS = ("", "embedding_update", "dense_optimizer")
 DENSE_OPTIMIZERS = ("fused", "torch")
+EXCHANGES = ("pooled", "partials")
 # The stages ``recscale bench throughput`` times on a device's stream, in a step's order:
 # the lookup, the dense model's forward and backward, the tables' update, the dense
 # optimizer (``step_kernels.StepKernels.bench``).
@@ -79,6 +80,16 @@ class System:
     # torch.optim as recscale builds it (train/optimizers.py): fused kernels for SGD and
     # Adam, Adagrad as torch's foreach passes (it has no fused CUDA kernel)
     dense_optimizer: str = "fused"
+    # the tables' traffic between ranks: "pooled" - the plan's all-to-all (ids to the
+    # tables' ranks, pooled vectors back, their gradients out again); "partials" - every
+    # table's rows over all ranks by id modulo the world, every rank scanning the global
+    # batch's ids, partial sums forward and each id's gradient back (perfmodel/exchange.py)
+    exchange: str = "pooled"
+    # input work a step on the training thread, for the global batch: seconds a one-hot
+    # id on one core (serial), and core-seconds a multi-hot id spread over the device's
+    # cores; on a CPU the step waits for it (the forecast's ``host`` stage)
+    input_serial_s_per_id: float = 0.0
+    input_parallel_s_per_id: float = 0.0
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -89,6 +100,7 @@ class System:
             ("gram", self.gram, GRAMS),
             ("wait_before", self.wait_before, WAITS),
             ("dense_optimizer", self.dense_optimizer, DENSE_OPTIMIZERS),
+            ("exchange", self.exchange, EXCHANGES),
         ):
             if value not in allowed:
                 raise ValueError(f"System.{key}: {value!r} is not one of {', '.join(allowed)}")
@@ -200,15 +212,29 @@ TORCHREC = System(
     note="TorchRec DLRM example: eager PyTorch, FBGEMM TBE, pipelined input dist",
 )
 # Intel's MLPerf DLRM-DCNv2 on Xeon (MLCommons training results v3.1, Intel's
-# submission: IPEX, bf16 on AMX, oneDNN GEMMs with fused post-ops). On a CPU the host
-# is the device: every op pays its dispatch (Efficiency.kernel_s). Not modelled: its
-# embedding (ipex.patch) - rows sharded by id modulo the ranks, every rank scanning the
-# global batch's ids, partial sums and per-id gradients exchanged through hash maps -
-# whose per-id cost is not published (docs/perfmodel.md, "What this says").
+# submission, Intel/benchmarks/dlrm_v2/torchrec_cpu: IPEX, bf16 on AMX, oneDNN GEMMs with
+# fused post-ops). On a CPU the host is the device: every op pays its dispatch
+# (Efficiency.kernel_s). Its embedding (ipex.patch, MergFreqEmbeddingBag and its
+# spsfwd/spsbwd kernels): every table's rows over the 8 ranks by id modulo 8, fp32 rows,
+# every rank scanning the global batch's ids, partial sums sent forward and each id's
+# gradient back in bf16 with int64 indices (exchange="partials"). Its input (data/
+# single_hot_criteo.py, multi_hot.py): every rank loads the global batch (rank 0 of world
+# size 1) - the ids hashed (% the table sizes) and transposed by numpy on the training
+# thread, 5.8-6.0 ns a one-hot id on one core of host A (python benchmarks/ipex_input.py,
+# three runs, 2026-11-29); then expanded to multi-hot ids by 26 F.embedding gathers from
+# int32 tables and widened to int64, torch ops spread over the socket: 5.7-6.6 core-ns a
+# multi-hot id there. Not priced: the hash maps' per-id work (robin_hood maps keyed by
+# (sample, table) forward and by id backward) and the backward's scan, in which every
+# thread reads all the rank's ids and keeps those of its own share (two 64-bit divisions
+# an id on each thread).
 IPEX = System(
     "ipex",
     epilogue="fused",
-    note="Intel Extension for PyTorch (MLPerf): bf16 AMX GEMMs with fused post-ops",
+    exchange="partials",
+    input_serial_s_per_id=5.9e-9,
+    input_parallel_s_per_id=6.0e-9,
+    note="Intel Extension for PyTorch (MLPerf): bf16 AMX GEMMs with fused post-ops, "
+    "row-wise-by-modulo tables with partial sums exchanged",
 )
 
 SYSTEMS = {s.name: s for s in (RECSCALE, DLE, HUGECTR, TORCHREC, IPEX)}
