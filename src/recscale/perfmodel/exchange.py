@@ -22,22 +22,20 @@ from __future__ import annotations
 INDEX_BYTES = 8  # an int64 (sample, table) index or id beside each row
 
 
-def partial_rows(global_batch: int, pooling: list[float], world_size: int) -> float:
-    """Expected partial rows a rank sends forward: the global batch's (sample, table)
-    pairs holding at least one id the rank owns."""
-    miss = 1.0 - 1.0 / world_size
-    return global_batch * sum(1.0 - miss**h for h in pooling)
+def partial_rows(global_batch: int, hotness: float, world_size: int) -> float:
+    """Expected partial rows of one table a rank sends forward: the global batch's
+    samples holding at least one of the table's ids the rank owns."""
+    return global_batch * (1.0 - (1.0 - 1.0 / world_size) ** hotness)
 
 
 def partials_exchange_bytes(
     global_batch: int, pooling: list[float], dims: list[int], world_size: int, wire: int
 ) -> tuple[float, float]:
-    """(forward, backward) bytes a rank sends to the other ranks a step."""
+    """(forward, backward) bytes a rank sends to the other ranks a step, for tables of
+    ``pooling`` ids a sample and ``dims`` columns."""
     w = world_size
+    row = [d * wire + INDEX_BYTES for d in dims]
+    forward = sum(partial_rows(global_batch, h, w) * r for h, r in zip(pooling, row))
+    backward = sum(global_batch / w * h * r for h, r in zip(pooling, row))
     off_rank = (w - 1) / w
-    miss = 1.0 - 1.0 / w
-    forward = sum(
-        global_batch * (1.0 - miss**h) * (d * wire + INDEX_BYTES) for h, d in zip(pooling, dims)
-    )
-    backward = sum(global_batch / w * h * (d * wire + INDEX_BYTES) for h, d in zip(pooling, dims))
     return forward * off_rank, backward * off_rank

@@ -437,10 +437,11 @@ def _partials(ranks: list[StepKernels], cfg: Config, tables, system: System, w: 
     (perfmodel/exchange.py) in place of the plan's pooled vectors."""
     batch = cfg.train.batch_size
     pooling = [t.pooling for t in tables]
+    wire = system.wire_bytes or ranks[0].act
+    sent = sum(partials_exchange_bytes(batch, pooling, [t.dim for t in tables], w, wire))
     for s in ranks:
         s.stream("embedding_forward", batch * sum(pooling) * ID_BYTES)
-        wire = system.wire_bytes or s.act
-        s.a2a_bytes = sum(partials_exchange_bytes(batch, pooling, [t.dim for t in tables], w, wire))
+        s.a2a_bytes = sent
 
 
 def _input(cfg: Config, dev: DeviceSpec, system: System, tables) -> float:
