@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
@@ -82,3 +83,13 @@ def test_the_forecast_carries_the_partials_over_the_network_and_the_input_on_the
 def test_an_unknown_exchange_names_the_field():
     with pytest.raises(ValueError, match="System.exchange: 'gossip' is not one of pooled"):
         System("x", exchange="gossip")
+
+
+def test_plan_says_how_the_system_runs_the_tables():
+    args = ["plan", "--config", "criteo_multihot_dcnv2", "--device", "spr-8480"]
+    r = run_cli(*args, "--world-size", "8", "--system", "ipex", "--precision", "bf16")
+    assert r.returncode == 0, r.stderr
+    assert "system: Intel Extension for PyTorch" in r.stdout
+    assert "every table's rows over the 8 devices by id modulo 8" in r.stdout
+    own = run_cli(*args, "--world-size", "8")
+    assert own.returncode == 0 and "system:" not in own.stdout and "modulo" not in own.stdout

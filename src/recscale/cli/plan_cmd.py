@@ -348,6 +348,15 @@ def _forecast(cfg, args) -> int:
         + ", ".join(f"{n} {k}" for k, n in kinds.items())
         + f"; tables {f.table_bytes / 1e9:.2f} GB on the largest device"
     )
+    if system != "recscale":
+        print(f"system: {SYSTEMS[system].note}")
+    if SYSTEMS[system].exchange == "partials":
+        w = f.world_size
+        print(
+            f"tables as {system} runs them: every table's rows over the {w} devices by id "
+            f"modulo {w}, each scanning the global batch's ids; partial sums forward and "
+            "each id's gradient back (all_to_all); lookup and update priced under the plan"
+        )
     width = max(len(k) for k in f.stage_ms)
     for k, v in f.stage_ms.items():
         if v:
