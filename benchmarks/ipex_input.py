@@ -24,26 +24,17 @@ past a few MB a gather misses the cache either way). Prints each pass's median o
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
+
+from recscale.bench.calibrate import median_seconds
 
 # MLPerf DLRMv2 (Intel's run_mlperf_multi_rank-64k-sota.sh: NUM_EMBEDDINGS, MULTIHOT_SIZE)
 ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282]
 ROWS += [10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973]
 ROWS += [108, 36]
 HOTNESS = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -79,7 +70,7 @@ def main() -> None:
         "expand (26 F.embedding gathers)": expand,
         "widen to int64": lambda: [m.long() for m in multi],
     }
-    secs = {name: timed(fn, args.repeats) for name, fn in passes.items()}
+    secs = {name: median_seconds(fn, args.repeats, warmup=1) for name, fn in passes.items()}
     one_hot_ids, multi_hot_ids = b * f, b * sum(HOTNESS)
     for name, s in secs.items():
         print(f"{name:<34} {s * 1e3:8.2f} ms")

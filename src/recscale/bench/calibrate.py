@@ -36,7 +36,8 @@ from recscale.perfmodel.calibration import Calibration, Law, mlp_features
 from recscale.perfmodel.fit import fit_law, fit_step_constants, step_configs
 
 
-def _time(fn, repeats: int = 7, warmup: int = 2) -> float:
+def median_seconds(fn, repeats: int = 7, warmup: int = 2) -> float:
+    """``fn()``'s median wall time over ``repeats`` calls, after ``warmup`` untimed."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -66,9 +67,9 @@ def _mlp_layer(echo) -> tuple[Law, Law]:
             mlp = MLP(k, [n], final_activation=n > 1)
             x = torch.randn(m, k, requires_grad=True)
             g = torch.randn(m, n)
-            fwd.append(_time(lambda mlp=mlp, x=x: mlp(x)))
+            fwd.append(median_seconds(lambda mlp=mlp, x=x: mlp(x)))
             out = mlp(x)
-            bwd.append(_time(lambda out=out, g=g: out.backward(g, retain_graph=True)))
+            bwd.append(median_seconds(lambda out=out, g=g: out.backward(g, retain_graph=True)))
             rows.append(mlp_features(m, k, n))
     echo(f"  MLP layers: {len(rows)} shapes")
     return (
@@ -92,7 +93,7 @@ def _interaction(echo) -> Law:
             def fb(inter=inter, dense=dense, emb=emb, g=g):
                 inter(dense, emb).backward(g)
 
-            ts.append(_time(fb))
+            ts.append(median_seconds(fb))
             k = f + 1
             rows.append({"bkkd": float(b * k * k * d), "bkk": float(b * k * k), "one": 1.0})
     echo(f"  dot interaction: {len(rows)} shapes")
@@ -116,12 +117,14 @@ def _embedding(echo) -> tuple[Law, Law]:
                 values = torch.randint(0, 1 << 19, (n,), generator=gen)
                 offsets = torch.arange(0, n + 1, pool)
                 lookup = lambda ebc=ebc, v=values, o=offsets, b=b: ebc(v, o, b)  # noqa: E731
-                look.append(_time(lookup, repeats=5))
+                look.append(median_seconds(lookup, repeats=5))
                 g = torch.randn(b, len(tables) * d)
                 out = lookup()
                 # the fused backward applies the optimizer: each repeat is one more step
                 upd.append(
-                    _time(lambda out=out, g=g: out.backward(g, retain_graph=True), repeats=5)
+                    median_seconds(
+                        lambda out=out, g=g: out.backward(g, retain_graph=True), repeats=5
+                    )
                 )
                 rows.append({"ids_d": float(n * d), "ids": float(n), "one": 1.0})
     echo(f"  embeddings: {len(rows)} shapes")
@@ -142,7 +145,7 @@ def _elementwise(echo) -> Law:
                 x0 = torch.cat([dense, emb], 1)
                 torch.addcmul(x0, x0, x0).backward(g)
 
-            ts.append(_time(fb))
+            ts.append(median_seconds(fb))
             rows.append({"bw": float(b * width), "one": 1.0})
     echo(f"  concat / cross-layer element-wise: {len(rows)} shapes")
     return fit_law(["bw", "one"], rows, ts)
@@ -154,7 +157,7 @@ def _dense_optimizer(echo) -> Law:
         w = torch.nn.Parameter(torch.randn(p))
         w.grad = torch.randn(p)
         opt = torch.optim.Adam([w], lr=1e-3, fused=True)
-        ts.append(_time(opt.step))
+        ts.append(median_seconds(opt.step))
         rows.append({"params": float(p), "one": 1.0})
     echo(f"  dense optimizer: {len(rows)} sizes")
     return fit_law(["params", "one"], rows, ts)

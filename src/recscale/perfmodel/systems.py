@@ -220,10 +220,10 @@ TORCHREC = System(
 # gradient back in bf16 with int64 indices (exchange="partials"). Its input (data/
 # single_hot_criteo.py, multi_hot.py): every rank loads the global batch (rank 0 of world
 # size 1) - the ids hashed (% the table sizes) and transposed by numpy on the training
-# thread, 5.8-6.0 ns a one-hot id on one core of host A (python benchmarks/ipex_input.py,
-# three runs, 2026-11-29); then expanded to multi-hot ids by 26 F.embedding gathers from
-# int32 tables and widened to int64, torch ops spread over the socket: 5.7-6.6 core-ns a
-# multi-hot id there. Not priced: the hash maps' per-id work (robin_hood maps keyed by
+# thread, 5.2-6.0 ns a one-hot id on one core of host A (python benchmarks/ipex_input.py,
+# four runs, 2026-11-29; their median below); then expanded to multi-hot ids by 26
+# F.embedding gathers from int32 tables and widened to int64, torch ops spread over the
+# socket: 3.8-6.6 core-ns a multi-hot id there. Not priced: the hash maps' per-id work (robin_hood maps keyed by
 # (sample, table) forward and by id backward) and the backward's scan, in which every
 # thread reads all the rank's ids and keeps those of its own share (two 64-bit divisions
 # an id on each thread).
@@ -231,8 +231,8 @@ IPEX = System(
     "ipex",
     epilogue="fused",
     exchange="partials",
-    input_serial_s_per_id=5.9e-9,
-    input_parallel_s_per_id=6.0e-9,
+    input_serial_s_per_id=5.8e-9,
+    input_parallel_s_per_id=5.9e-9,
     note="Intel Extension for PyTorch (MLPerf): bf16 AMX GEMMs with fused post-ops, "
     "row-wise-by-modulo tables with partial sums exchanged",
 )
