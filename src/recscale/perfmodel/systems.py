@@ -223,10 +223,10 @@ TORCHREC = System(
 # thread, 5.2-6.0 ns a one-hot id on one core of host A (python benchmarks/ipex_input.py,
 # four runs, 2026-11-29; their median below); then expanded to multi-hot ids by 26
 # F.embedding gathers from int32 tables and widened to int64, torch ops spread over the
-# socket: 3.8-6.6 core-ns a multi-hot id there. Not priced: the hash maps' per-id work (robin_hood maps keyed by
-# (sample, table) forward and by id backward) and the backward's scan, in which every
-# thread reads all the rank's ids and keeps those of its own share (two 64-bit divisions
-# an id on each thread).
+# socket: 3.8-6.6 core-ns a multi-hot id there. Not priced: the hash maps' per-id work
+# (robin_hood maps keyed by (sample, table) forward and by id backward) and the
+# backward's scan, in which every thread reads all the rank's ids and keeps those of its
+# own share (two 64-bit divisions an id on each thread).
 IPEX = System(
     "ipex",
     epilogue="fused",
