@@ -166,7 +166,7 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
     """Tables of one row, row-wise over 2 ranks: rank 1's shards hold no rows. Its
     lookup pooled uninitialised memory (a NaN at step 1) and its checkpoint part failed
     to write; now its bags sum to zeros, it writes no part, and the run - resumed at 2
-    ranks and then at 1 - trains as one process does."""
+    ranks - ends where one process training the same steps does."""
     tiny = ["--model.table_sizes=" + ",".join(["1"] * 26), "--train.save_model=false"]
     run = tmp_path / "run"
     more = ["--distributed.sharding=row_wise", "--checkpoint.every_steps=5"]
