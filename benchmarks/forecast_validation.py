@@ -2,6 +2,7 @@
 of DLRM-family models on machines this project does not have.
 
     python benchmarks/forecast_validation.py [--out DIR] [--no-plot]
+    python benchmarks/forecast_validation.py --variants   # Intel's point, one term changed
 
 Each point: a model (a preset and overrides that reproduce the published model), the
 device and count, the precision, the system that ran it (``perfmodel/systems.py``: what
@@ -23,8 +24,10 @@ from pathlib import Path
 
 from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
-from recscale.perfmodel.forecast import STAGES, forecast
+from recscale.perfmodel.exchange import partials_exchange_bytes
+from recscale.perfmodel.forecast import EFFICIENCY, STAGES, forecast
 from recscale.perfmodel.systems import RECSCALE, SYSTEMS
+from recscale.planner.from_config import table_infos
 
 # Criteo 1TB vocabularies (criteo_terabyte preset), capped: NVIDIA's "small" (frequency
 # threshold 15, 15 GB of fp32 tables) and "large" (threshold 3, 82 GB) variants keep the
@@ -285,11 +288,64 @@ def summary(rows: list[dict]) -> tuple[float, float]:
     return statistics.median(errs), max(errs)
 
 
+def intel_variants() -> list[tuple[str, float]]:
+    """Intel's point (the ``ipex`` system) with one term of its forecast changed at a
+    time: (variant, step ms). The rows that no ``System`` or device field expresses
+    change the all-to-all's stage by arithmetic on its bytes."""
+    p = next(q for q in POINTS if q.system == "ipex")
+    cfg = load_config(p.config, p.overrides)
+    dev = replace(device_spec(p.device), **dict(p.device_overrides))
+    ipex = SYSTEM_OF["ipex"]
+
+    def step(d=dev, system=ipex) -> float:
+        return forecast(cfg, d, p.world_size, p.precision, system).step_ms
+
+    f = forecast(cfg, dev, p.world_size, p.precision, ipex)
+    w, a2a = p.world_size, f.stage_ms["all_to_all"]
+    wire = 2 if p.precision in ("bf16", "fp16") else 4  # the activations' bytes
+    tables = table_infos(cfg)
+    _, backward = partials_exchange_bytes(
+        cfg.train.batch_size,
+        [t.pooling for t in tables],
+        [t.dim for t in tables],
+        w,
+        ipex.wire_bytes or wire,
+    )
+    wire_ms = 1e3 / (dev.network_gbps * 1e9 * EFFICIENCY[dev.kind].link)
+    off_node = (w - dev.devices_per_node) / (w - 1)  # of a rank's peers, those on other nodes
+    return [
+        ("as checked", f.step_ms),
+        ("only the other nodes' ranks behind the NIC", f.step_ms - a2a * (1 - off_node)),
+        (
+            "half the backward's ids repeated within a rank's samples",
+            f.step_ms - backward / 2 * wire_ms,
+        ),
+        (
+            "no input work",
+            step(system=replace(ipex, input_serial_s_per_id=0, input_parallel_s_per_id=0)),
+        ),
+        ("the catalogue's network", step(d=device_spec(p.device))),
+        (
+            "the plan's pooled exchange instead of Intel's",
+            step(system=replace(ipex, exchange="pooled")),
+        ),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--variants", action="store_true", help="Intel's point with one term changed at a time"
+    )
     args = ap.parse_args()
+    if args.variants:
+        p = next(q for q in POINTS if q.system == "ipex")
+        batch = load_config(p.config, p.overrides).train.batch_size
+        for name, ms in intel_variants():
+            print(f"{name:<58} {ms:8.1f} ms  {batch / ms * 1e3 / p.published - 1:+.1%}")
+        return
     rows = evaluate()
     print(
         f"{'point':<42} {'published':>11} {'forecast':>11} {'error':>7} {'gap ms':>7}  "

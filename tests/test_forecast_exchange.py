@@ -93,3 +93,20 @@ def test_plan_says_how_the_system_runs_the_tables():
     assert "every table's rows over the 8 devices by id modulo 8" in r.stdout
     own = run_cli(*args, "--world-size", "8")
     assert own.returncode == 0 and "system:" not in own.stdout and "modulo" not in own.stdout
+
+
+def test_intels_variants_change_one_term_each():
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        from forecast_validation import evaluate, intel_variants
+    finally:
+        sys.path.remove(benchmarks)
+    steps = dict(intel_variants())
+    checked = next(r for r in evaluate() if r["system"] == "ipex")
+    assert steps["as checked"] == pytest.approx(checked["step_ms"])
+    # less traffic or less work: each variant's step is shorter than the checked one
+    assert all(ms < checked["step_ms"] for name, ms in steps.items() if name != "as checked")
