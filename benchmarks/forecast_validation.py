@@ -25,7 +25,7 @@ from pathlib import Path
 from recscale.config import load_config
 from recscale.perfmodel.devices import device_spec
 from recscale.perfmodel.exchange import partials_exchange_bytes
-from recscale.perfmodel.forecast import EFFICIENCY, STAGES, forecast
+from recscale.perfmodel.forecast import EFFICIENCY, STAGES, StepKernels, forecast
 from recscale.perfmodel.systems import RECSCALE, SYSTEMS
 from recscale.planner.from_config import table_infos
 
@@ -302,16 +302,17 @@ def intel_variants() -> list[tuple[str, float]]:
 
     f = forecast(cfg, dev, p.world_size, p.precision, ipex)
     w, a2a = p.world_size, f.stage_ms["all_to_all"]
-    wire = 2 if p.precision in ("bf16", "fp16") else 4  # the activations' bytes
+    eff = EFFICIENCY[dev.kind]
+    act = StepKernels(dev, eff, p.precision).act  # the activations' bytes
     tables = table_infos(cfg)
     _, backward = partials_exchange_bytes(
         cfg.train.batch_size,
         [t.pooling for t in tables],
         [t.dim for t in tables],
         w,
-        ipex.wire_bytes or wire,
+        ipex.wire_bytes or act,
     )
-    wire_ms = 1e3 / (dev.network_gbps * 1e9 * EFFICIENCY[dev.kind].link)
+    wire_ms = 1e3 / (dev.network_gbps * 1e9 * eff.link)
     off_node = (w - dev.devices_per_node) / (w - 1)  # of a rank's peers, those on other nodes
     return [
         ("as checked", f.step_ms),
