@@ -17,6 +17,7 @@ from recscale.perfmodel.exchange import INDEX_BYTES, partial_rows, partials_exch
 from recscale.perfmodel.forecast import forecast
 from recscale.perfmodel.step_kernels import EFFICIENCY
 from recscale.perfmodel.systems import IPEX, RECSCALE, System
+from recscale.planner.from_config import table_infos
 
 
 def _owned_pairs(ids: np.ndarray, w: int) -> np.ndarray:
@@ -110,3 +111,17 @@ def test_intels_variants_change_one_term_each():
     assert steps["as checked"] == pytest.approx(checked["step_ms"])
     # less traffic or less work: each variant's step is shorter than the checked one
     assert all(ms < checked["step_ms"] for name, ms in steps.items() if name != "as checked")
+
+
+def test_the_partials_system_runs_every_table_row_wise_with_its_own_state():
+    cfg = load_config("criteo_multihot_dcnv2", ["--train.batch_size=65536"])
+    dev = replace(device_spec("spr-8480"), network_gbps=6.25)
+    f = forecast(cfg, dev, 8, "bf16", IPEX)
+    assert {p.kind for p in f.plan.placements} == {"row_wise"}
+    assert all(p.ranks == list(range(8)) for p in f.plan.placements)
+    # fp32 rows and a bf16 sum a value (element-wise Adagrad): 6 bytes a value
+    values = sum(t.rows * t.dim for t in table_infos(cfg))
+    assert f.table_bytes == pytest.approx(values * 6 / 8, rel=1e-6)
+    rowwise = forecast(cfg, dev, 8, "bf16", replace(IPEX, table_state_bytes=None))
+    assert rowwise.table_bytes < f.table_bytes
+    assert rowwise.stage_ms["embedding_update"] < f.stage_ms["embedding_update"]

@@ -184,8 +184,8 @@ def forecast(
     # fp32 weights and gradients, the optimizer's state, bf16/fp16 copies of the weights
     dense_state = params * (8 + OPT_STATE_BYTES[opt] + (2 if dense.act == 2 else 0))
     act_bytes = b * (2 * acts * dense.act + 2 * sum(dims) * 4)
-    if plan is None and hybrid:
-        plan = hybrid_plan(tables, w)
+    if plan is None and (hybrid or system.exchange == "partials"):
+        plan = hybrid_plan(tables, w) if hybrid else modulo_plan(tables, w, system)
         room = dev.memory_gb * 1e9 * MEMORY_SHARE - dense_state - act_bytes
         if max(plan.memory_per_rank) > room:
             r = max(range(w), key=plan.memory_per_rank.__getitem__)
@@ -361,6 +361,25 @@ def hybrid_plan(tables: list[TableInfo], w: int) -> ShardingPlan:
     return ShardingPlan(w, placements, memory, [0.0] * w)
 
 
+def modulo_plan(tables: list[TableInfo], w: int, system: System) -> ShardingPlan:
+    """Every table's rows over all ``w`` ranks (``System.exchange = "partials"``: by id
+    modulo the world - each rank a 1/w share of every table's rows and of its ids), each
+    row and its optimizer state in the system's bytes."""
+
+    def share(t: TableInfo) -> int:
+        state = t.state_bytes_per_row
+        if system.table_state_bytes is not None:
+            state = t.dim * system.table_state_bytes
+        return t.rows * (t.dim * system.table_bytes + state) // w
+
+    ranks = list(range(w))
+    placements = [
+        TablePlacement(t.name, "row_wise", ranks, dict.fromkeys(ranks, share(t)), {})
+        for t in tables
+    ]
+    return ShardingPlan(w, placements, [sum(map(share, tables))] * w, [0.0] * w)
+
+
 def _check_world(cfg: Config, dev: DeviceSpec, w: int) -> int:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
         raise ConfigError("--world-size", f"a whole number >= 1, got {w!r}")
@@ -377,6 +396,8 @@ def _embedding_ranks(cfg, dev, eff, system, plan, tables, precision):
     by_name = {t.name: t for t in tables}
     w, batch = plan.world_size, cfg.train.batch_size
     state_row, state_col = ROW_STATE[cfg.embedding.optimizer]
+    if system.table_state_bytes is not None:
+        state_row, state_col = 0, system.table_state_bytes
     llc = dev.l2_mb * 1e6 / 2  # a table within half the last-level cache stays there
     keys = ("ids", "values", "cached", "out", "a2a", "ar")
     per_rank = [dict.fromkeys(keys, 0.0) for _ in range(w)]

@@ -56,6 +56,9 @@ class System:
     bottom_on_one_rank: bool = False
     comm_overlap: float = 0.0  # share of the all-to-all hidden behind compute
     table_bytes: int = 4  # bytes a stored embedding value
+    # bytes of optimizer state a stored value where the system keeps its own whatever the
+    # config's sparse optimizer (None: the config's - row-wise Adagrad's 4 bytes a row)
+    table_state_bytes: int | None = None
     wire_bytes: int | None = None  # bytes a pooled value / dense gradient sent (None:
     # the precision's activation bytes - 2 under bf16/fp16, else 4)
     host: str = "serial"
@@ -212,25 +215,27 @@ TORCHREC = System(
     note="TorchRec DLRM example: eager PyTorch, FBGEMM TBE, pipelined input dist",
 )
 # Intel's MLPerf DLRM-DCNv2 on Xeon (MLCommons training results v3.1, Intel's
-# submission, Intel/benchmarks/dlrm_v2/torchrec_cpu: IPEX, bf16 on AMX, oneDNN GEMMs with
-# fused post-ops). On a CPU the host is the device: every op pays its dispatch
+# submission, Intel/benchmarks/dlrm_v2/torchrec_cpu: IPEX, bf16 on AMX, oneDNN GEMMs
+# with fused post-ops). On a CPU the host is the device: every op pays its dispatch
 # (Efficiency.kernel_s). Its embedding (ipex.patch, MergFreqEmbeddingBag and its
-# spsfwd/spsbwd kernels): every table's rows over the 8 ranks by id modulo 8, fp32 rows,
-# every rank scanning the global batch's ids, partial sums sent forward and each id's
-# gradient back in bf16 with int64 indices (exchange="partials"). Its input (data/
-# single_hot_criteo.py, multi_hot.py): every rank loads the global batch (rank 0 of world
-# size 1) - the ids hashed (% the table sizes) and transposed by numpy on the training
-# thread, 5.2-6.0 ns a one-hot id on one core of host A (python benchmarks/ipex_input.py,
-# four runs, 2026-11-29; their median below); then expanded to multi-hot ids by 26
-# F.embedding gathers from int32 tables and widened to int64, torch ops spread over the
-# socket: 3.8-6.6 core-ns a multi-hot id there. Not priced: the hash maps' per-id work
-# (robin_hood maps keyed by (sample, table) forward and by id backward) and the
-# backward's scan, in which every thread reads all the rank's ids and keeps those of its
-# own share (two 64-bit divisions an id on each thread).
+# spsfwd/spsbwd kernels): every table's rows over the 8 ranks by id modulo 8 (the
+# forecast's modulo_plan), fp32 rows under element-wise Adagrad with a bf16 sum
+# (table_state_bytes), every rank scanning the global batch's ids, partial sums sent
+# forward and each id's gradient back in bf16 with int64 indices (exchange="partials").
+# Its input (data/single_hot_criteo.py, multi_hot.py): every rank loads the global batch
+# (rank 0 of world size 1) - the ids hashed (% the table sizes) and transposed by numpy
+# on the training thread, 5.2-6.0 ns a one-hot id on one core of host A (python
+# benchmarks/ipex_input.py, four runs, 2026-11-29; their median below); then expanded to
+# multi-hot ids by 26 F.embedding gathers from int32 tables and widened to int64, torch
+# ops spread over the socket: 3.8-6.6 core-ns a multi-hot id there. Not priced: the hash
+# maps' per-id work (robin_hood maps keyed by (sample, table) forward and by id
+# backward) and the backward's scan, in which every thread reads all the rank's ids and
+# keeps those of its own share (two 64-bit divisions an id on each thread).
 IPEX = System(
     "ipex",
     epilogue="fused",
     exchange="partials",
+    table_state_bytes=2,
     input_serial_s_per_id=5.8e-9,
     input_parallel_s_per_id=5.9e-9,
     note="Intel Extension for PyTorch (MLPerf): bf16 AMX GEMMs with fused post-ops, "
