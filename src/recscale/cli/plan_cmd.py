@@ -354,8 +354,8 @@ def _forecast(cfg, args) -> int:
         w = f.world_size
         print(
             f"tables as {system} runs them: every table's rows over the {w} devices by id "
-            f"modulo {w}, each scanning the global batch's ids; partial sums forward and "
-            "each id's gradient back (all_to_all); lookup and update priced under the plan"
+            f"modulo {w} (the plan above), each scanning the global batch's ids; partial "
+            "sums forward and each id's gradient back (all_to_all)"
         )
     width = max(len(k) for k in f.stage_ms)
     for k, v in f.stage_ms.items():
