@@ -185,7 +185,7 @@ def forecast(
     dense_state = params * (8 + OPT_STATE_BYTES[opt] + (2 if dense.act == 2 else 0))
     act_bytes = b * (2 * acts * dense.act + 2 * sum(dims) * 4)
     if plan is None and (hybrid or system.exchange == "partials"):
-        plan = hybrid_plan(tables, w) if hybrid else modulo_plan(tables, w, system)
+        plan = hybrid_plan(tables, w) if hybrid else modulo_plan(tables, w, system, cfg)
         room = dev.memory_gb * 1e9 * MEMORY_SHARE - dense_state - act_bytes
         if max(plan.memory_per_rank) > room:
             r = max(range(w), key=plan.memory_per_rank.__getitem__)
@@ -361,16 +361,14 @@ def hybrid_plan(tables: list[TableInfo], w: int) -> ShardingPlan:
     return ShardingPlan(w, placements, memory, [0.0] * w)
 
 
-def modulo_plan(tables: list[TableInfo], w: int, system: System) -> ShardingPlan:
+def modulo_plan(tables: list[TableInfo], w: int, system: System, cfg: Config) -> ShardingPlan:
     """Every table's rows over all ``w`` ranks (``System.exchange = "partials"``: by id
     modulo the world - each rank a 1/w share of every table's rows and of its ids), each
     row and its optimizer state in the system's bytes."""
+    state_row, state_col = _row_state(cfg, system)
 
     def share(t: TableInfo) -> int:
-        state = t.state_bytes_per_row
-        if system.table_state_bytes is not None:
-            state = t.dim * system.table_state_bytes
-        return t.rows * (t.dim * system.table_bytes + state) // w
+        return t.rows * (t.dim * (system.table_bytes + state_col) + state_row) // w
 
     ranks = list(range(w))
     placements = [
@@ -391,13 +389,19 @@ def _check_world(cfg: Config, dev: DeviceSpec, w: int) -> int:
     return w
 
 
+def _row_state(cfg: Config, system: System) -> tuple[int, int]:
+    """Optimizer state a table row keeps: (bytes a row, bytes a column) - the system's
+    own where it keeps one (``System.table_state_bytes``), else the config's optimizer's."""
+    if system.table_state_bytes is not None:
+        return 0, system.table_state_bytes
+    return ROW_STATE[cfg.embedding.optimizer]
+
+
 def _embedding_ranks(cfg, dev, eff, system, plan, tables, precision):
     """Each rank's embedding kernels under ``plan``."""
     by_name = {t.name: t for t in tables}
     w, batch = plan.world_size, cfg.train.batch_size
-    state_row, state_col = ROW_STATE[cfg.embedding.optimizer]
-    if system.table_state_bytes is not None:
-        state_row, state_col = 0, system.table_state_bytes
+    state_row, state_col = _row_state(cfg, system)
     llc = dev.l2_mb * 1e6 / 2  # a table within half the last-level cache stays there
     keys = ("ids", "values", "cached", "out", "a2a", "ar")
     per_rank = [dict.fromkeys(keys, 0.0) for _ in range(w)]
