@@ -315,6 +315,66 @@ def test_a_checkpoint_with_nan_rows_falls_back_to_the_previous_one(
     assert len(skipped) == 1 and "NaN or infinite" in skipped[0], lines
 
 
+@pytest.fixture(scope="module")
+def run_with_an_increment(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("inc") / "run"
+    ckpt = ["--checkpoint.every_steps=10", "--checkpoint.full_every=2"]
+    ckpt += ["--checkpoint.full_if_fraction=1.0"]  # the debug tables are small
+    train(load_config("debug", [*BASE, *ckpt]), run, **QUIET)
+    assert [p.name for p in checkpoint_dirs(run / "checkpoints")] == [
+        "step_00000010",
+        "step_00000020.inc",
+    ]
+    return run
+
+
+def _row_out_of_part(rows, hi):
+    rows[0] = hi + 7
+
+
+def _negative_row(rows, hi):
+    rows[-1] = -5
+
+
+def _repeated_row(rows, hi):
+    rows[1] = rows[0]
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (_row_out_of_part, "outside its part's rows"),  # had been dropped without a word
+        (_negative_row, "names row -5"),
+        (_repeated_row, "not strictly increasing"),  # one row restored twice
+    ],
+)
+def test_an_increment_naming_rows_outside_its_part_falls_back(
+    run_with_an_increment, tmp_path, edit, why
+):
+    """An increment's ``.rows.i64`` (its CRCs recomputed) names each row it stores: ids
+    outside the part, or one twice, are a damaged checkpoint, not rows to skip."""
+    run = _copy(run_with_an_increment, tmp_path)
+    ck = run / "checkpoints" / "step_00000020.inc"
+    m = json.loads((ck / "manifest.json").read_text())
+    table = next(t for t in m["tables"] if t["parts"][0]["stored_rows"] >= 2)
+    part = table["parts"][0]
+    name = part["prefix"] + ".rows.i64"
+    rows = np.fromfile(ck / name, np.int64)
+    edit(rows, part["row_hi"])
+    rows.tofile(ck / name)
+    data = (ck / name).read_bytes()
+
+    def files(m):
+        m["files"][name]["crc32"] = zlib.crc32(data)
+
+    _forge(ck, files)
+    lines: list[str] = []
+    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
+    assert m["resumed_from_step"] == 10
+    skipped = [x for x in lines if "skipping checkpoint step_00000020.inc" in x]
+    assert len(skipped) == 1 and why in skipped[0], lines
+
+
 QR = ["--embedding.compression=qr", "--embedding.compress_min_rows=100"]
 
 

@@ -46,6 +46,7 @@ from recscale.checkpoint.format import (
 )
 from recscale.checkpoint.stored_rows import (
     check_finite,
+    check_stored_rows,
     quantize_int8,
     read_weight,
     stored_array_rows,
@@ -401,6 +402,7 @@ def _apply_stored_part(path: Path, precision: str, incremental: bool, sp: dict, 
     base = sp["prefix"]
     if incremental:
         stored_rows = np.array(read_array(path, f"{base}.rows.i64", np.int64, (n,)))
+        check_stored_rows(stored_rows, sp["row_lo"], sp["row_hi"], path, f"{base}.rows.i64")
     for p, storage, first in mine:
         c0, c1 = max(p.col_lo, sp["col_lo"]), min(p.col_hi, sp["col_hi"])
         r0, r1 = max(p.row_lo, sp["row_lo"]), min(p.row_hi, sp["row_hi"])

@@ -47,6 +47,22 @@ def read_weight(path: Path, base: str, precision: str, n: int, width: int, sel) 
     )
 
 
+def check_stored_rows(rows: np.ndarray, row_lo: int, row_hi: int, path: Path, what: str) -> None:
+    """An increment's row ids name rows of its own part, each once, in increasing order
+    (as the writer stores them): ids outside ``[row_lo, row_hi)`` would be dropped by
+    every rank's overlap and a repeated id would restore one row twice - a damaged or
+    edited file, not a checkpoint to resume from."""
+    if rows.size == 0:
+        return
+    if int(rows.min()) < row_lo or int(rows.max()) >= row_hi:
+        bad = rows[(rows < row_lo) | (rows >= row_hi)][0]
+        raise CheckpointError(
+            f"{path}: {what} names row {int(bad)}, outside its part's rows [{row_lo}, {row_hi})"
+        )
+    if rows.size > 1 and not bool((rows[1:] > rows[:-1]).all()):
+        raise CheckpointError(f"{path}: {what}'s row ids are not strictly increasing")
+
+
 def check_finite(values: torch.Tensor, path: Path, what: str) -> None:
     """Rows restored are finite: NaN rows had resumed, and the run stopped at its first
     step advising lower learning rates for a checkpoint that was damaged."""
