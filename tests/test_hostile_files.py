@@ -63,6 +63,28 @@ def _first_weight_file(m: dict) -> str:
     return next(n for n in m["files"] if n.endswith(".weight.f32"))
 
 
+def _forge_file(ck: Path, name: str, values: np.ndarray) -> None:
+    """Rewrite part file ``name`` with ``values``, its CRC recomputed in a forged manifest."""
+    values.tofile(ck / name)
+    data = (ck / name).read_bytes()
+
+    def files(m):
+        m["files"][name]["crc32"] = zlib.crc32(data)
+
+    _forge(ck, files)
+
+
+def _resumes_past(run: Path, skipped_name: str, why: str, extra: tuple[str, ...] = ()) -> None:
+    """Resuming ``run`` skips checkpoint ``skipped_name`` in one line naming ``why`` and
+    continues from step 10."""
+    lines: list[str] = []
+    cfg = load_config("debug", [*BASE, *extra, "--train.steps=30"])
+    m = train(cfg, run, resume=run, echo=lines.append)
+    assert m["resumed_from_step"] == 10
+    skipped = [x for x in lines if f"skipping checkpoint {skipped_name}:" in x]
+    assert len(skipped) == 1 and why in skipped[0] and "\n" not in skipped[0], lines
+
+
 # -- the ssd tier's file --------------------------------------------------------------
 
 
@@ -179,11 +201,7 @@ def test_a_forged_manifest_falls_back_to_the_previous_checkpoint(
 ):
     run = _copy(run_with_two_checkpoints, tmp_path)
     _forge(run / "checkpoints" / "step_00000020", edit)
-    lines: list[str] = []
-    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
-    assert m["resumed_from_step"] == 10
-    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
-    assert len(skipped) == 1 and "\n" not in skipped[0]
+    _resumes_past(run, "step_00000020", "")
 
 
 def test_checkpoints_of_the_previous_format_still_load(run_with_two_checkpoints, tmp_path):
@@ -229,11 +247,7 @@ def test_a_forged_trainer_state_falls_back_to_the_previous_checkpoint(
     _forge(ck, edit)
     r = run_cli("checkpoint", "inspect", str(ck))
     assert r.returncode == 1 and "INVALID" in r.stdout and why in r.stdout, r.stdout + r.stderr
-    lines: list[str] = []
-    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
-    assert m["resumed_from_step"] == 10
-    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
-    assert len(skipped) == 1 and why in skipped[0], lines
+    _resumes_past(run, "step_00000020", why)
 
 
 def _dense_empty(d):
@@ -283,11 +297,7 @@ def test_forged_dense_weights_fall_back_to_the_previous_checkpoint(
         m["files"]["dense.pt"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
 
     _forge(ck, files)
-    lines: list[str] = []
-    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
-    assert m["resumed_from_step"] == 10
-    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
-    assert len(skipped) == 1 and why in skipped[0], lines
+    _resumes_past(run, "step_00000020", why)
 
 
 def test_a_checkpoint_with_nan_rows_falls_back_to_the_previous_one(
@@ -301,18 +311,8 @@ def test_a_checkpoint_with_nan_rows_falls_back_to_the_previous_one(
     name = _first_weight_file(m)
     rows = np.fromfile(ck / name, np.float32)
     rows[3] = np.nan
-    rows.tofile(ck / name)
-    data = (ck / name).read_bytes()
-
-    def files(m):
-        m["files"][name]["crc32"] = zlib.crc32(data)
-
-    _forge(ck, files)
-    lines: list[str] = []
-    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
-    assert m["resumed_from_step"] == 10
-    skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
-    assert len(skipped) == 1 and "NaN or infinite" in skipped[0], lines
+    _forge_file(ck, name, rows)
+    _resumes_past(run, "step_00000020", "NaN or infinite")
 
 
 @pytest.fixture(scope="module")
@@ -361,18 +361,8 @@ def test_an_increment_naming_rows_outside_its_part_falls_back(
     name = part["prefix"] + ".rows.i64"
     rows = np.fromfile(ck / name, np.int64)
     edit(rows, part["row_hi"])
-    rows.tofile(ck / name)
-    data = (ck / name).read_bytes()
-
-    def files(m):
-        m["files"][name]["crc32"] = zlib.crc32(data)
-
-    _forge(ck, files)
-    lines: list[str] = []
-    m = train(load_config("debug", [*BASE, "--train.steps=30"]), run, resume=run, echo=lines.append)
-    assert m["resumed_from_step"] == 10
-    skipped = [x for x in lines if "skipping checkpoint step_00000020.inc" in x]
-    assert len(skipped) == 1 and why in skipped[0], lines
+    _forge_file(ck, name, rows)
+    _resumes_past(run, "step_00000020.inc", why)
 
 
 QR = ["--embedding.compression=qr", "--embedding.compress_min_rows=100"]
@@ -406,12 +396,7 @@ def test_forged_factors_fall_back_to_the_previous_checkpoint(tmp_path):
         (ck / name).write_bytes(data)
         entry = {"bytes": len(data), "crc32": zlib.crc32(data)}
         _forge(ck, lambda m, entry=entry: m["files"].update({name: entry}))
-        lines: list[str] = []
-        cfg = load_config("debug", [*BASE, *QR, "--train.steps=30"])
-        m = train(cfg, run, resume=run, echo=lines.append)
-        assert m["resumed_from_step"] == 10
-        skipped = [x for x in lines if "skipping checkpoint step_00000020" in x]
-        assert len(skipped) == 1 and why in skipped[0], lines
+        _resumes_past(run, "step_00000020", why, tuple(QR))
 
 
 def _model_state(run: Path) -> dict:
