@@ -238,3 +238,16 @@ def test_the_id_effects_hashed_in_pieces_on_threads_are_the_same(monkeypatch):
         assert np.array_equal(pieces._cached[f][0], whole.id_weight(f, ids).astype(np.float32))
     a, b = whole.batch(3, 64), pieces.batch(3, 64)
     assert torch.equal(a.labels, b.labels) and torch.equal(a.values, b.values)
+
+
+def test_a_huge_signal_scale_draws_labels_without_overflow_warnings():
+    """Logits past -709 overflow exp to inf: the click probability's limit 0, exactly,
+    with no RuntimeWarning on the console (it had printed two)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen = SyntheticCriteo([100] * 8, num_dense=13, seed=1, signal_scale=1e30)
+        b = gen.batch(0, 512)
+    labels = b.labels.numpy()
+    assert set(np.unique(labels)) <= {0.0, 1.0} and 0 < labels.mean() < 1

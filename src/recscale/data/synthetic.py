@@ -46,6 +46,13 @@ _EFFECT_PIECE = 1 << 18  # ids a piece of the effects cache is hashed in
 _SPLIT_KEYS = {"train": 0, "eval": 1, "calibration": 2}
 
 
+def click_probability(logit: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-logit))``: a logit past -709 (a large ``data.signal_scale``)
+    overflows exp to inf, which gives the probability's exact limit 0 - no warning."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-logit))
+
+
 def _splitmix(x: np.ndarray) -> np.ndarray:
     """SplitMix64 finaliser on uint64 arrays (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
@@ -248,7 +255,7 @@ class SyntheticCriteo:
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = (lo + hi) / 2
-            if (1.0 / (1.0 + np.exp(-(mid + raw)))).mean() < target_ctr:
+            if click_probability(mid + raw).mean() < target_ctr:
                 lo = mid
             else:
                 hi = mid
@@ -293,7 +300,7 @@ class SyntheticCriteo:
         logit = self._bias + raw
         b = batch_size
         num_sparse = len(self.table_sizes)
-        labels = (rng.random(b) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        labels = (rng.random(b) < click_probability(logit)).astype(np.float32)
         offsets = np.zeros(num_sparse * b + 1, dtype=np.int64)
         np.cumsum(lengths.reshape(-1), out=offsets[1:])
         return Batch(
