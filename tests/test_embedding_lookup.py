@@ -206,3 +206,53 @@ def test_initial_rows_are_each_chunks_own_draw_in_any_rectangle(threads):
             assert torch.equal(out, whole[rows[0] : rows[1], cols[0] : cols[1]]), (rows, cols)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", True)])
+def test_several_groups_of_one_dim_pool_and_update_as_per_feature(pooling, weighted):
+    """Compressed tables are groups of their own: the groups' [F, B, D] stack, put in
+    feature order by one gather, equals each table's rows pooled by nn.EmbeddingBag, and
+    its backward updates every storage exactly as picking each feature out did."""
+    import copy
+
+    from recscale.config.schema import EmbeddingConfig
+    from recscale.embedding.placement import device_storage_factory
+
+    torch.manual_seed(0)
+    sizes, b = [7, 30, 11, 40, 5], 6
+    qr = {1, 3}  # out of feature order once grouped: plain C1 C3 C5, then C2, then C4
+    tables = [
+        TableSpec(f"C{f + 1}", n, 8, compression="qr" if f in qr else "none")
+        for f, n in enumerate(sizes)
+    ]
+    make = device_storage_factory(EmbeddingConfig(qr_buckets=4), None, "auto")
+    ebc = EmbeddingBagCollection(tables, pooling, lambda: SparseSGD(lr=1.0), make_storage=make)
+    assert len(ebc.groups) == 3 and ebc.stack_position.tolist() == [0, 3, 1, 4, 2]
+    twin = copy.deepcopy(ebc)
+    twin.stack_position = None  # each feature picked out of its group's result
+    batch = random_jagged(sizes, b, max_len=4, weighted=weighted, seed=3)
+    args = (batch.values, batch.offsets, b, batch.weights)
+
+    out = ebc.pooled_by_feature(*args)
+    want = twin.pooled_by_feature(*args)
+    assert out.shape == (b, 5, 8)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for f, (part, storage, first) in enumerate(ebc.local_parts()):
+        assert part.feature == f
+        rows = storage.read_rows(torch.arange(first, first + sizes[f]))
+        vals, offs, w = per_feature_inputs(batch, f)
+        mode = "sum" if weighted else pooling
+        ref = nn.EmbeddingBag.from_pretrained(rows, mode=mode, include_last_offset=True)
+        expected = ref(vals, offs, per_sample_weights=w)
+        if pooling == "mean" and weighted:
+            expected = expected / (offs[1:] - offs[:-1]).clamp(min=1).float()[:, None]
+        torch.testing.assert_close(out[:, f], expected, rtol=1e-5, atol=1e-6)
+
+    before = [copy.deepcopy(s.state_dict()) for s in ebc.storages()]
+    upstream = torch.randn(b, 5, 8)
+    (out * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for mine, theirs, old in zip(ebc.storages(), twin.storages(), before):
+        assert not torch.equal(mine.state_dict()["step"], old["step"])  # every group stepped
+        for (name, t), (_, u) in zip(mine.state_dict().items(), theirs.state_dict().items()):
+            torch.testing.assert_close(t, u, rtol=0, atol=0, msg=name)
