@@ -281,6 +281,6 @@ def test_small_batches_run_serially_with_the_same_rows_and_threads_restored():
     torch.testing.assert_close(whole, torch.cat(parts), rtol=1e-6, atol=1e-7)
     assert torch.get_num_threads() == threads
     with pytest.raises(RuntimeError, match="boom"):
-        with compressed._serial_if_small(10):
+        with compressed.serial_if_small(10):
             raise RuntimeError("boom")
     assert torch.get_num_threads() == threads

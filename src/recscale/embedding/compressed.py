@@ -188,11 +188,11 @@ class FactoredStorage(RowStorage):
         self.hot_ids.copy_(torch.cat([ids, free]).to(self.hot_ids.dtype))
 
     def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        with _serial_if_small(rows.numel() * self.dim, self.device):
+        with serial_if_small(rows.numel() * self.dim, self.device):
             return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
 
     def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        with _serial_if_small(rows.numel() * self.dim, self.device):
+        with serial_if_small(rows.numel() * self.dim, self.device):
             super().apply_pooled_gradients(
                 rows, segments, bag_of_id, per_sample_weights, grad_pooled
             )
@@ -205,7 +205,7 @@ class FactoredStorage(RowStorage):
         if self.hot_rows:
             hot, pos = self._hot_slots(rows)
             if hot.any():
-                _update_rows(self.hot, pos[hot], grad[hot])
+                update_rows(self.hot, pos[hot], grad[hot])
             rows, grad = rows[~hot], grad[~hot]
             if rows.numel() == 0:
                 return
@@ -214,7 +214,7 @@ class FactoredStorage(RowStorage):
         for name, f in self.factors.items():
             g = grads[name]
             if name in idx:
-                _update_rows(f, idx[name], g)
+                update_rows(f, idx[name], g)
             else:  # a whole factor (a projection): every row, every step
                 f.apply_gradients(torch.arange(f.num_rows, device=g.device), g)
 
@@ -243,7 +243,7 @@ class FactoredStorage(RowStorage):
         self.load_state_dict(state)
 
 
-def _update_rows(f: DeviceStorage, rows: torch.Tensor, grad: torch.Tensor) -> None:
+def update_rows(f: DeviceStorage, rows: torch.Tensor, grad: torch.Tensor) -> None:
     """One optimizer step of factor (or hot-row) storage ``f`` on ``rows`` (repeats
     allowed) with each one's gradient ``grad [N, width]``."""
     if f.backward_kernel() == "native":
@@ -271,7 +271,7 @@ _SERIAL_BELOW = 1 << 18
 
 
 @contextmanager
-def _serial_if_small(values: int, device: torch.device | None = None):
+def serial_if_small(values: int, device: torch.device | None = None):
     threads = torch.get_num_threads()
     on_gpu = device is not None and device.type != "cpu"  # the ops run there, not here
     if on_gpu or values >= _SERIAL_BELOW or threads == 1:

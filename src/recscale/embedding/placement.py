@@ -26,21 +26,29 @@ import torch
 from recscale.config.schema import EmbeddingConfig
 from recscale.embedding.cached_storage import TEMP_DIR_PREFIX, CachedStorage
 from recscale.embedding.compressed import build_compressed
+from recscale.embedding.compressed_group import QRGroupStorage
 from recscale.embedding.low_precision import device_rows
 from recscale.embedding.sizing import row_bytes
 
 
-def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, kernel: str):
-    """Storages in the compute device's memory: a compressed table's factors, or rows at
-    ``row_precision``. Returns ``make(num_rows, dim, optimizer, tables)``."""
+def device_storage_factory(
+    cfg: EmbeddingConfig, device: torch.device | None, kernel: str, stack_qr: bool = True
+):
+    """Storages in the compute device's memory: a compressed table's factors (QR tables
+    that stack - fp32 factors, no hot rows - in one :class:`QRGroupStorage` when
+    ``stack_qr``), or rows at ``row_precision``. Returns ``make(num_rows, dim, optimizer,
+    tables)``; ``make.stacks_qr`` tells a collection whether to group its QR tables."""
 
     def make(num_rows: int, dim: int, optimizer, tables: list, parts: list | None = None):
         kern = getattr(tables[0], "kernel", "") or kernel  # the plan's choice, when it made one
-        if tables[0].compression != "none":  # a group of one compressed table
-            t = tables[0]
-            return build_compressed(
-                t.compression, num_rows, dim, t.small_dim, cfg, optimizer, device, kern
-            )
+        if tables[0].compression != "none":  # one compressed table, or stacked QR tables
+            members = [
+                build_compressed(
+                    t.compression, t.num_rows, dim, t.small_dim, cfg, optimizer, device, kern
+                )
+                for t in tables
+            ]
+            return members[0] if len(members) == 1 else QRGroupStorage(members)
         if tables[0].placement != "device":
             raise ValueError(
                 f"table {tables[0].name} is planned on the {tables[0].placement} tier: build it "
@@ -48,6 +56,9 @@ def device_storage_factory(cfg: EmbeddingConfig, device: torch.device | None, ke
             )
         return device_rows(num_rows, dim, optimizer, cfg.row_precision, device, kern)
 
+    # the factors QRGroupStorage stacks: fp32 rows (a run resolves "auto" before it
+    # builds), no hot rows
+    make.stacks_qr = stack_qr and cfg.row_precision in ("fp32", "auto") and not cfg.hot_fraction
     return make
 
 
@@ -142,4 +153,5 @@ def storage_factory(
             storage.set_row_order(*file_order(parts, rank_of_id))
         return storage
 
+    make.stacks_qr = on_device.stacks_qr
     return make

@@ -302,10 +302,13 @@ class EmbeddingBagCollection(nn.Module):
             torch.tensor([t.num_rows for t in tables], dtype=torch.int64, device=idx_dev),
             persistent=False,
         )
-        # a compressed table is a group of its own (its storage is its factors)
+        # a compressed table is a group of its own (its storage is its factors), but QR
+        # tables stack in one where the storages' maker says they do (QRGroupStorage)
+        stacks_qr = getattr(make_storage, "stacks_qr", False)
         by_dim: dict[tuple[int, str, str, int], list[int]] = {}
         for f, t in enumerate(tables):
-            own = f if t.compression != "none" else -1
+            stacked = t.compression == "none" or (t.compression == "qr" and stacks_qr)
+            own = -1 if stacked else f
             by_dim.setdefault((t.dim, t.placement, t.compression, own), []).append(f)
         self.groups = nn.ModuleList()
         group_of_feature = [0] * len(tables)
@@ -368,8 +371,11 @@ class EmbeddingBagCollection(nn.Module):
             # storage - low halves, int8 grids, optimizer state - is made filled)
             storage.weight.zero_()
             return
-        if getattr(storage, "derived_rows", False):  # compressed: one table, drawn as factors
-            storage.init_factors(seed, self.parts[group.features[0]].feature)
+        if getattr(storage, "derived_rows", False):  # compressed: drawn as factors
+            if getattr(storage, "members", None):  # stacked QR tables: each as alone
+                storage.init_factors(seed, [self.parts[f].feature for f in group.features])
+            else:
+                storage.init_factors(seed, self.parts[group.features[0]].feature)
             return
         start = 0
         for f in group.features:
@@ -424,10 +430,15 @@ class EmbeddingBagCollection(nn.Module):
 
     def local_parts(self):
         """Each table's ``(TablePart, storage, first storage row)``: checkpoints and tests
-        read and write rows through these (see :class:`TablePart`)."""
+        read and write rows through these (see :class:`TablePart`); a table of stacked
+        QR tables is its member storage (row 0), which checkpoints as a table alone."""
         for f in range(len(self.tables)):
             group = self.groups[int(self.group_of_feature[f])]
-            yield self.parts[f], group.storage, int(self.feature_row_offset[f])
+            members = getattr(group.storage, "members", None)
+            if members:  # stacked QR tables: each its own storage, of views into the stack
+                yield self.parts[f], members[group.features.index(f)], 0
+            else:
+                yield self.parts[f], group.storage, int(self.feature_row_offset[f])
 
     def prefetch(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> None:
         """Bring a coming batch's rows into every cached storage ahead of its lookup
