@@ -63,10 +63,42 @@ from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DeviceStorage, RowStorage, merge_duplicate_rows, pool_rows
 
 
-class FactoredStorage(RowStorage):
-    """One table's virtual rows from ``factors`` (see the module doc for the layouts)."""
+class DerivedRows(RowStorage):
+    """Rows computed from factors (this module, ``compressed_group.py``): ``read_rows``
+    builds the rows asked for, which the lookup pools; the update goes through
+    ``apply_gradients``. Rows and state cannot be set one by one."""
 
     derived_rows = True  # rows are computed: init and checkpoints go through the factors
+
+    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
+        with serial_if_small(rows.numel() * self.dim, self.device):
+            return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
+
+    def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
+        with serial_if_small(rows.numel() * self.dim, self.device):
+            super().apply_pooled_gradients(
+                rows, segments, bag_of_id, per_sample_weights, grad_pooled
+            )
+
+    def track_dirty(self, enabled: bool) -> None:
+        self.dirty = None  # checkpoints write the (small) factors whole every time
+
+    def write_rows(self, rows, values):
+        # refused, not missing: a virtual row is a product of shared factor rows
+        raise TypeError(
+            "a compressed table's rows are computed from its factors; write the factors "
+            "(load_factor_state) instead"
+        )
+
+    def read_state(self, rows):
+        return {}
+
+    def write_state(self, rows, state):
+        raise TypeError("a compressed table's optimizer state lives in its factors")
+
+
+class FactoredStorage(DerivedRows):
+    """One table's virtual rows from ``factors`` (see the module doc for the layouts)."""
 
     def __init__(
         self,
@@ -187,16 +219,6 @@ class FactoredStorage(RowStorage):
         self.hot.write_rows(torch.arange(ids.numel(), device=ids.device), self._computed(ids))
         self.hot_ids.copy_(torch.cat([ids, free]).to(self.hot_ids.dtype))
 
-    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        with serial_if_small(rows.numel() * self.dim, self.device):
-            return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
-
-    def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        with serial_if_small(rows.numel() * self.dim, self.device):
-            super().apply_pooled_gradients(
-                rows, segments, bag_of_id, per_sample_weights, grad_pooled
-            )
-
     @torch.no_grad()
     def apply_gradients(self, rows, grad):
         """``rows`` unique, ``grad [U, dim]`` their merged gradients: the chain rule to
@@ -217,22 +239,6 @@ class FactoredStorage(RowStorage):
                 update_rows(f, idx[name], g)
             else:  # a whole factor (a projection): every row, every step
                 f.apply_gradients(torch.arange(f.num_rows, device=g.device), g)
-
-    def track_dirty(self, enabled: bool) -> None:
-        self.dirty = None  # checkpoints write the (small) factors whole every time
-
-    def write_rows(self, rows, values):
-        # refused, not missing: a virtual row is a product of shared factor rows
-        raise TypeError(
-            "a compressed table's rows are computed from its factors; write the factors "
-            "(load_factor_state) instead"
-        )
-
-    def read_state(self, rows):
-        return {}
-
-    def write_state(self, rows, state):
-        raise TypeError("a compressed table's optimizer state lives in its factors")
 
     def factor_state(self) -> dict[str, torch.Tensor]:
         """Every factor's rows and optimizer state (and the step), on the CPU."""

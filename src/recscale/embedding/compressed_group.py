@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from recscale.embedding.compressed import QRStorage, serial_if_small, update_rows
-from recscale.embedding.storage import DeviceStorage, RowStorage, pool_rows
+from recscale.embedding.compressed import DerivedRows, QRStorage, update_rows
+from recscale.embedding.storage import DeviceStorage, RowStorage
 
 
 def stackable(storage: RowStorage) -> bool:
@@ -40,10 +40,8 @@ def stackable(storage: RowStorage) -> bool:
     )
 
 
-class QRGroupStorage(RowStorage):
+class QRGroupStorage(DerivedRows):
     """QR tables ``members`` (same dim, op and factor widths) trained as one storage."""
-
-    derived_rows = True
 
     def __init__(self, members: list[QRStorage]) -> None:
         super().__init__()
@@ -139,16 +137,6 @@ class QRGroupStorage(RowStorage):
         with torch.no_grad():
             return self.members[0]._combine(self._gather(rows.to(self.device))[1])
 
-    def lookup(self, rows, offsets, per_sample_weights, for_update=False):
-        with serial_if_small(rows.numel() * self.dim, self.device):
-            return pool_rows(self.read_rows(rows), offsets, per_sample_weights)
-
-    def apply_pooled_gradients(self, rows, segments, bag_of_id, per_sample_weights, grad_pooled):
-        with serial_if_small(rows.numel() * self.dim, self.device):
-            super().apply_pooled_gradients(
-                rows, segments, bag_of_id, per_sample_weights, grad_pooled
-            )
-
     @torch.no_grad()
     def apply_gradients(self, rows, grad):
         """``rows`` unique, ``grad [U, dim]``: each factor's rows stepped once, as each
@@ -158,18 +146,6 @@ class QRGroupStorage(RowStorage):
         grads = self.members[0]._combine_backward(parts, grad)
         for name, f in self.factors.items():
             update_rows(f, idx[name], grads[name])
-
-    def track_dirty(self, enabled: bool) -> None:
-        self.dirty = None  # checkpoints write the (small) factors whole every time
-
-    def write_rows(self, rows, values):
-        raise TypeError("a compressed table's rows are computed from its factors")
-
-    def read_state(self, rows):
-        return {}
-
-    def write_state(self, rows, state):
-        raise TypeError("a compressed table's optimizer state lives in its factors")
 
 
 def _tensors(member: QRStorage, name: str):
