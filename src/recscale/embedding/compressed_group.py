@@ -18,9 +18,8 @@ by one), while training runs on the stack. The results are the per-table path's 
 bit: a row's gradients are summed in the same order, each factor row updated once.
 
 Only tables whose factors are plain fp32 rows with no hot rows are stacked
-(:func:`stackable`); others keep a storage each. Measured on the default model with its
-10 tables of 10k+ rows compressed (2 vCPUs, host A): docs/performance.md "Compressed
-tables".
+(:func:`stackable`); others keep a storage each. Measured on the default model, every
+table compressed (2 vCPUs, host A): docs/compression.md, "QR tables stack".
 """
 
 from __future__ import annotations

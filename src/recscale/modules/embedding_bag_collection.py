@@ -307,8 +307,8 @@ class EmbeddingBagCollection(nn.Module):
         stacks_qr = getattr(make_storage, "stacks_qr", False)
         by_dim: dict[tuple[int, str, str, int], list[int]] = {}
         for f, t in enumerate(tables):
-            stacked = t.compression == "none" or (t.compression == "qr" and stacks_qr)
-            own = -1 if stacked else f
+            shares_a_group = t.compression == "none" or (t.compression == "qr" and stacks_qr)
+            own = -1 if shares_a_group else f
             by_dim.setdefault((t.dim, t.placement, t.compression, own), []).append(f)
         self.groups = nn.ModuleList()
         group_of_feature = [0] * len(tables)
