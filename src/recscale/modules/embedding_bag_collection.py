@@ -336,20 +336,30 @@ class EmbeddingBagCollection(nn.Module):
         self.register_buffer(
             "group_of_feature", torch.tensor(group_of_feature, device=idx_dev), persistent=False
         )
-        # several groups of one dim: feature f's place among the groups' stacked features
-        # (empty where that is f itself), for the [F, B, D] result of ``_pooled``
+        # several groups: where each feature's vector lies among the groups' results laid
+        # side by side, for ``_pooled`` to put them in feature order in one gather (empty
+        # where that order is the features' own). One dim: feature f's place among the
+        # stacked [F, B, D]; several dims: f's columns among the groups' [B, k_g * D_g].
         stacked = [f for g in self.groups for f in g.features]
-        position = [0] * len(tables)
-        for i, f in enumerate(stacked):
-            position[f] = i
         one_dim = len({g.dim for g in self.groups}) == 1
+        position = [0] * len(tables)
+        start, columns = [0] * len(tables), 0
+        for i, f in enumerate(stacked):
+            position[f], start[f] = i, columns
+            columns += tables[f].dim
+        index = (
+            position
+            if one_dim
+            else [start[f] + c for f in range(len(tables)) for c in range(tables[f].dim)]
+        )
         self.register_buffer(
-            "stack_position",
-            torch.tensor(position if stacked != sorted(stacked) else [], device=idx_dev)
-            if one_dim and len(self.groups) > 1
+            "stack_index",
+            torch.tensor(index if stacked != sorted(stacked) else [], device=idx_dev)
+            if len(self.groups) > 1
             else None,
             persistent=False,
         )
+        self.one_dim = one_dim
         # Per-feature row offset into its group's storage.
         row_offset = [
             int(self.groups[group_of_feature[f]].row_offsets[local_index[f]])
@@ -567,17 +577,14 @@ class EmbeddingBagCollection(nn.Module):
                 group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_offsets[::b], g_psw
             )
             outs.append(pooled.view(len(group.features), b, group.dim))
-        if self.stack_position is not None:  # every group of one dim: [F, B, D], viewed
-            # the groups' features stacked, then put in feature order by one gather, whose
-            # backward is one scatter - a feature picked out of its group (``pooled[i]``)
-            # had a backward that zero-filled and added its group's whole gradient per
-            # feature (the default model with 10 tables compressed: 1 MB 16 times a step)
+        # the groups' results side by side, then put in feature order by one gather, whose
+        # backward is one scatter - a feature picked out of its group (``pooled[i]``) had
+        # a backward that zero-filled and added its group's whole gradient per feature
+        # (the default model with 10 tables compressed: 1 MB 16 times a step)
+        index = self.stack_index
+        if self.one_dim:  # [F, B, D], viewed as [B, F, D]
             stacked = torch.cat(outs)
-            if self.stack_position.numel():
-                stacked = stacked.index_select(0, self.stack_position)
+            stacked = stacked.index_select(0, index) if index.numel() else stacked
             return stacked.transpose(0, 1)
-        per_feature: list[torch.Tensor | None] = [None] * num_f
-        for group, pooled in zip(self.groups, outs):
-            for i, f in enumerate(group.features):
-                per_feature[f] = pooled[i]
-        return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
+        stacked = torch.cat([p.transpose(0, 1).reshape(b, -1) for p in outs], dim=1)
+        return stacked.index_select(1, index) if index.numel() else stacked
