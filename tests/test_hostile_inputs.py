@@ -45,6 +45,26 @@ def test_an_absurd_thread_count_is_refused_not_a_segfault(tmp_path):
     assert r.returncode == 2 and "train.threads" in error_line(r.stderr)
 
 
+def test_more_threads_than_cores_trains_and_says_so(monkeypatch):
+    """A thread count the config allows but the host cannot run at once: the run goes
+    on (a user may mean it) and says what it costs, naming the key."""
+    from recscale.train import step
+
+    monkeypatch.setattr(step, "available_cores", lambda: 2)
+    monkeypatch.setattr(step, "local_world_size", lambda: 1)
+    cpu = torch.device("cpu")
+    assert step.threads_note(2, cpu) is None and step.threads_note(3, torch.device("meta")) is None
+    assert "train.threads=3" in step.threads_note(3, cpu) and "2 cores" in step.threads_note(3, cpu)
+    monkeypatch.setattr(step, "local_world_size", lambda: 2)
+    assert step.threads_note(1, cpu) is None
+    assert "x 2 ranks" in step.threads_note(2, cpu)
+    monkeypatch.setattr(step, "local_world_size", lambda: 1)
+    lines: list[str] = []
+    cfg = load_config("debug", [*BASE, "--train.steps=2", "--train.threads=3"])
+    train(cfg, None, echo=lines.append)
+    assert any("train.threads=3 is more threads than the 2 cores" in x for x in lines)
+
+
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_divergence_stops_the_run_naming_the_step_on_every_kernel_path(kernels):
     """A learning rate of 1e38 overflows the tables: NaN rows whose NaN a fused ReLU

@@ -61,6 +61,7 @@ from recscale.train.step import (
     forward_loss,
     setup_process,
     start_steps,
+    threads_note,
 )
 
 STAGES = ("lookup", "forward", "backward", "sparse", "dense_opt")
@@ -191,9 +192,9 @@ def run_throughput(
         else:
             timer.spans.clear()
 
-    note = bf16_note(precision, device)
-    if note:
-        echo(f"note: {note}")
+    for note in (bf16_note(precision, device), threads_note(threads, device)):
+        if note:
+            echo(f"note: {note}")
     echo(
         f"warm-up {warmup} steps, then {steps if turns is None else 'turns of'} timed steps "
         f"of batch {b} on {device}"

@@ -72,6 +72,7 @@ from recscale.train.step import (
     forward_loss,
     setup_process,
     start_steps,
+    threads_note,
 )
 from recscale.train.stop import stop_at_step_boundary
 
@@ -261,9 +262,9 @@ def _announce(job: Job) -> None:
     )
     for line in compression_summary(cfg):
         job.echo(f"recscale: {line}")
-    note = bf16_note(t.precision, ctx.device)
-    if note:
-        job.echo(f"recscale: {note}")
+    for note in (bf16_note(t.precision, ctx.device), threads_note(job.threads, ctx.device)):
+        if note:
+            job.echo(f"recscale: {note}")
     if (
         ctx.device.type == "cpu"
         and cfg.model.kernels in ("auto", "native")

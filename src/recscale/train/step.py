@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from recscale.config.errors import ConfigError
+from recscale.config.errors import ConfigError, counted
 from recscale.config.schema import Config
 from recscale.data.batch import Batch
 from recscale.launch_env import local_world_size
@@ -62,6 +62,21 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def threads_note(threads: int, device: torch.device) -> str | None:
+    """A line for a run whose ranks on this host ask for more CPU threads than it has
+    cores (``train.threads`` set by hand): OpenMP teams larger than the cores take turns
+    on them, and every parallel kernel waits for its slowest, descheduled thread."""
+    ranks, cores = local_world_size(), available_cores()
+    if device.type != "cpu" or threads * ranks <= cores:
+        return None
+    here = f" x {ranks} ranks on this host" if ranks > 1 else ""
+    return (
+        f"train.threads={threads}{here} is more threads than the {counted(cores, 'core')} "
+        "this process may use: they take turns on them and every parallel kernel waits "
+        "for its slowest thread (train.threads=0 uses the cores)"
+    )
 
 
 def setup_process(cfg: Config) -> tuple[torch.device, int]:
