@@ -11,7 +11,7 @@ from recscale.cli.output import print_error
 from recscale.cli.train_cmd import run_dir_of
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, parse_overrides
-from recscale.config.small_files import json_text, write_text_atomic
+from recscale.config.small_files import json_text, write_bytes_atomic, write_text_atomic
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--split", default=None, help="dataset split (default: data.eval_split, usually test)"
     )
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument(
+        "--predictions",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write each sample's click probability, in the split's row order: "
+        "FILE.npy (float32, one a sample) or FILE.csv (label,probability)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -52,6 +60,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.train.precision import resolve_row_precision
     from recscale.train.step import resolve_device
 
+    if args.predictions is not None:
+        check_predictions_path(args.predictions)
     run_dir: Path = args.model
     checkpoint: Path | None = None  # a checkpoint (or the checkpoints/ folder) named
     if not (run_dir / "config.toml").exists() and (
@@ -116,9 +126,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"recscale: evaluating checkpoint {chain[-1].name} (step {step})", file=sys.stderr)
     split = args.split or cfg.data.eval_split
     # in the run's precision, as its own evaluations: its metrics.json, reproduced
-    metrics = evaluate(model, eval_batches(cfg, split), device, cfg.train.precision)
+    if args.predictions is not None:  # before the scoring: never where the run reads
+        refuse_overwriting_inputs(args.predictions, run_dir, cfg.data.path)
+    metrics, logits, labels = evaluate(model, eval_batches(cfg, split), device, cfg.train.precision)
     metrics["split"] = split if cfg.data.uses_dataset() else "synthetic-eval"
     metrics["precision"] = cfg.train.precision
+    if args.predictions is not None:
+        write_predictions(args.predictions, logits, labels)
+        metrics["predictions"] = str(args.predictions)
     # a checkpoint named by its path: its own file beside the final model's
     named = (
         f"_{chain[-1].name}" if checkpoint is not None and checkpoint.name != "checkpoints" else ""
@@ -130,4 +145,57 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         split = f"{metrics['split']} ({metrics['count']:,} samples)"
         print(f"{split}: {metrics_text(metrics)}  -> {out}")
+        if args.predictions is not None:
+            print(f"{metrics['count']:,} predictions -> {args.predictions}")
     return 0
+
+
+PREDICTION_FORMATS = (".npy", ".csv")
+
+
+def check_predictions_path(path: Path) -> None:
+    """Refuse, before anything is loaded, a predictions file of no known format or in a
+    folder that is not there."""
+    if path.suffix.lower() not in PREDICTION_FORMATS:
+        raise ConfigError(
+            "--predictions",
+            f"{str(path)!r}: name a .npy (float32, one probability a sample) or a .csv "
+            "(label,probability) file",
+        )
+    if path.is_dir():
+        raise ConfigError("--predictions", f"{str(path)!r} is a directory; name a file")
+    if not path.parent.is_dir():
+        raise ConfigError("--predictions", f"{str(path.parent)!r} is not a directory")
+
+
+def refuse_overwriting_inputs(path: Path, run_dir: Path, data_path: str) -> None:
+    """Predictions never go where the run reads from: its checkpoints or the dataset's
+    folder (the run directory itself takes them: its own files are no .npy or .csv)."""
+    target = path.resolve()
+    for kept, what in (
+        (run_dir / "checkpoints", "the run's checkpoints"),
+        (data_path, "the dataset"),
+    ):
+        if kept and (kept := Path(kept).resolve()) in (target, *target.parents):
+            raise ConfigError(
+                "--predictions",
+                f"{str(path)!r} is inside {what} ({kept}); write the predictions elsewhere",
+            )
+
+
+def write_predictions(path: Path, logits, labels) -> None:
+    """Each sample's probability (sigmoid of its fp32 logit) in the split's order, the
+    file replaced whole or not at all."""
+    import io
+
+    import numpy as np
+    import torch
+
+    probs = torch.sigmoid(logits.double()).float().numpy()
+    if path.suffix.lower() == ".npy":
+        buf = io.BytesIO()
+        np.save(buf, probs)
+        write_bytes_atomic(path, buf.getvalue())
+        return
+    lines = (f"{int(y)},{q:.7g}\n" for y, q in zip(labels.tolist(), probs.tolist()))
+    write_text_atomic(path, "label,probability\n" + "".join(lines))

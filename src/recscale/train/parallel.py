@@ -386,7 +386,10 @@ def score(
 
 def evaluate(
     model: DLRM, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
-) -> dict[str, float]:
+) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
     """Score a model in this process (``recscale eval``), in ``precision`` as the run's
-    own evaluations are (``train.precision``)."""
-    return score(model, batches, DistContext(device=device), precision)
+    own evaluations are (``train.precision``): the metrics, and the fp32 logits and the
+    labels they came from, one a sample in the batches' order."""
+    with autocast(precision, device):
+        logits, labels = predict(model, batches, DistContext(device=device))
+    return binary_metrics(logits, labels), logits, labels
