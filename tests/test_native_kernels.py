@@ -470,6 +470,25 @@ def test_native_narrow_forward_matches_fp64_reference(
     torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_takes_onednn_from_its_minimum_rows_and_mkl_below(monkeypatch):
+    """``gemm.linear`` routes a batch below ``ONEDNN_MIN_ROWS`` to MKL (oneDNN's cost a
+    call outweighs its gain there) and from it to oneDNN; both equal torch's product."""
+    from recscale.modules import gemm
+
+    if gemm.ONEDNN_LINEAR is None:
+        pytest.skip("torch built without oneDNN")
+    calls = []
+    real = gemm.ONEDNN_LINEAR
+    monkeypatch.setattr(gemm, "ONEDNN_LINEAR", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    for rows in (gemm.ONEDNN_MIN_ROWS - 1, gemm.ONEDNN_MIN_ROWS):
+        x = torch.randn(rows, 40, generator=gen)
+        want = torch.relu(x.double() @ w.double().t() + b.double()).float()
+        torch.testing.assert_close(gemm.linear(x, w, b, relu=True), want, rtol=1e-5, atol=1e-5)
+    assert calls == [gemm.ONEDNN_MIN_ROWS]
+
+
 @pytest.mark.parametrize(
     "in_dim,widths,final_relu,input_grad",
     [
@@ -499,6 +518,7 @@ def test_fused_mlp_matches_sequential(
     if native_wgrad and native.library() is None:
         pytest.skip(f"native weight-gradient kernel: {native.status()}")
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
+    monkeypatch.setattr(gemm, "ONEDNN_MIN_ROWS", 0)  # oneDNN at the test's 33 samples
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_FORWARD", native_wgrad)

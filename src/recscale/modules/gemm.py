@@ -4,7 +4,8 @@ torch's CPU wheels carry oneDNN and MKL. On this project's AMD EPYC (2 threads, 
 oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a
 ReLU, or an added tensor, applied while the output block is in registers) is 10-25%
 faster than MKL for the forward and input-gradient products of the MLPs and the DCNv2
-cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`. The weight
+cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`, from
+``ONEDNN_MIN_ROWS`` samples (below it MKL: oneDNN's cost a call outweighs its gain). The weight
 gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast only
 from a transposed copy of ``g``; :func:`weight_grad` runs it through our own kernel
 (``native/weight_grad.c``; AVX-512: 6-11% faster than MKL at configs A and B's layers,
@@ -92,12 +93,21 @@ _WGRAD_ISA = 0
 _WGRAD_BATCH_SPLIT_BYTES = 1 << 20
 
 
+# oneDNN's fused linear from this many rows (the batch) up; MKL below, where oneDNN's
+# cost a call outweighs what its kernels gain (host A, 2 threads, M = 128: 64 -> 16
+# 36 us against MKL's 6, 256 -> 64 53 against 35, its input gradients 31 and 53 against
+# 3 and 22; the criteo_kaggle preset's fp32 step at batch 128, alternating: 6.42 against
+# 7.22 ms, MKL faster in 12 of 12 rounds; 2026-11-30). Tests set 0 to reach oneDNN.
+ONEDNN_MIN_ROWS = 512
+
+
 def use_onednn(x: torch.Tensor) -> bool:
     return (
         USE_ONEDNN
         and ONEDNN_LINEAR is not None
         and x.device.type == "cpu"
         and x.dtype == torch.float32
+        and x.shape[0] >= ONEDNN_MIN_ROWS
     )
 
 
