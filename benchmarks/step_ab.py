@@ -33,6 +33,9 @@ Switches (on = what recscale runs):
                 (recscale_dot_amx; bf16, on CPUs with AMX)
     dot_narrow  the dot interaction of d = 16 or 32 on AVX-512 (native/dot_interaction_narrow.c)
                 against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
+    mkl_first   MKL for every fp32 product of the MLPs (forward, input and weight gradients)
+                against oneDNN's fused linear and native/weight_grad.c (gemm.MKL_FIRST:
+                recscale turns it on on Intel CPUs, off elsewhere)
     dense_sgd   the dense SGD step in one native pass that also writes the bf16 node's weight
                 copies (native/dense_sgd.c) against torch's SGD and the forward's casts
                 (dense_sgd.USE; configs with optimizer.name = "sgd", fp32 or bf16)
@@ -99,6 +102,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "dot_narrow": _dot_narrow,
     "dot_amx": _dot_amx,
     "dense_sgd": _flag(dense_sgd, "USE"),
+    "mkl_first": _flag(gemm, "MKL_FIRST"),
 }
 
 

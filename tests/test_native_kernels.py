@@ -353,6 +353,7 @@ def test_native_weight_grad_matches_fp64_reference(
         pytest.skip(native.status())
     if isa == "avx512" and not native.has_avx512():
         pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
+    monkeypatch.setattr(gemm, "MKL_FIRST", False)  # the kernel on an Intel CPU too
     monkeypatch.setattr(gemm, "_WGRAD_ISA", {"avx2": 1, "avx512": 2}[isa])
     monkeypatch.setattr(gemm, "_WGRAD_MIN_OUT", 1)  # the kernel even where MKL is faster
     monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # and threads on however little work
@@ -470,9 +471,11 @@ def test_native_narrow_forward_matches_fp64_reference(
     torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_takes_onednn_from_its_minimum_rows_and_mkl_below(monkeypatch):
-    """``gemm.linear`` routes a batch below ``ONEDNN_MIN_ROWS`` to MKL (oneDNN's cost a
-    call outweighs its gain there) and from it to oneDNN; both equal torch's product."""
+@pytest.mark.parametrize("mkl_first", [True, False])
+def test_linear_routes_by_vendor_and_size_and_both_routes_equal_torch(mkl_first, monkeypatch):
+    """``gemm.linear``: MKL for every product where ``MKL_FIRST`` (an Intel CPU); elsewhere
+    oneDNN from ``ONEDNN_MIN_MACS`` multiply-adds and MKL below, where oneDNN's cost a call
+    outweighs its gain. Every route equals torch's product."""
     from recscale.modules import gemm
 
     if gemm.ONEDNN_LINEAR is None:
@@ -480,13 +483,29 @@ def test_linear_takes_onednn_from_its_minimum_rows_and_mkl_below(monkeypatch):
     calls = []
     real = gemm.ONEDNN_LINEAR
     monkeypatch.setattr(gemm, "ONEDNN_LINEAR", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(gemm, "MKL_FIRST", mkl_first)
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
-    for rows in (gemm.ONEDNN_MIN_ROWS - 1, gemm.ONEDNN_MIN_ROWS):
-        x = torch.randn(rows, 40, generator=gen)
+    w, b = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
+    at_least = gemm.ONEDNN_MIN_MACS // (64 * 32)  # rows from which oneDNN runs
+    for rows in (at_least - 1, at_least):
+        x = torch.randn(rows, 64, generator=gen)
         want = torch.relu(x.double() @ w.double().t() + b.double()).float()
         torch.testing.assert_close(gemm.linear(x, w, b, relu=True), want, rtol=1e-5, atol=1e-5)
-    assert calls == [gemm.ONEDNN_MIN_ROWS]
+    assert calls == ([] if mkl_first else [at_least])
+
+
+def test_the_native_weight_gradient_runs_only_where_mkl_is_not_first(monkeypatch):
+    from recscale.modules import gemm
+
+    if native.library() is None:
+        pytest.skip(native.status())
+    g, x = torch.randn(64, 32), torch.randn(64, 48)
+    for mkl_first in (True, False):
+        monkeypatch.setattr(gemm, "MKL_FIRST", mkl_first)
+        assert gemm._native_wgrad_applies(g, x) is not mkl_first
+        dw, db = gemm.weight_grad(g, x, bias_grad=True)
+        torch.testing.assert_close(dw.double(), g.double().t() @ x.double(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(db.double(), g.double().sum(0), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -518,7 +537,8 @@ def test_fused_mlp_matches_sequential(
     if native_wgrad and native.library() is None:
         pytest.skip(f"native weight-gradient kernel: {native.status()}")
     monkeypatch.setattr(gemm, "USE_ONEDNN", onednn)
-    monkeypatch.setattr(gemm, "ONEDNN_MIN_ROWS", 0)  # oneDNN at the test's 33 samples
+    monkeypatch.setattr(gemm, "MKL_FIRST", False)  # the routes below on any host
+    monkeypatch.setattr(gemm, "ONEDNN_MIN_MACS", 0)  # oneDNN at the test's 33 samples
     monkeypatch.setattr(gemm, "USE_NATIVE_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_WGRAD", native_wgrad)
     monkeypatch.setattr(gemm, "USE_NATIVE_NARROW_FORWARD", native_wgrad)

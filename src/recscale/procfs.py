@@ -1,8 +1,22 @@
-"""Linux's ``/proc`` key files (``/proc/meminfo``, ``/proc/self/status``): one reader."""
+"""Linux's ``/proc`` key files (``/proc/meminfo``, ``/proc/self/status``,
+``/proc/cpuinfo``): one reader."""
 
 from __future__ import annotations
 
 import os
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``),
+    or "" where there is no such file or line (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except (OSError, IndexError):
+        pass
+    return ""
 
 
 def proc_bytes(path: str, key: str) -> int | None:

@@ -40,6 +40,7 @@ from recscale.distributed.pipeline import EmbeddingPipeline
 from recscale.embedding.row_io import io_uring_available
 from recscale.embedding.storage import DeviceStorage
 from recscale.modules import dot_interaction_cpu
+from recscale.modules.gemm import fp32_route
 from recscale.modules.interaction import DotInteraction
 from recscale.modules.mlp import bf16_mlp_path
 from recscale.native.team import team_status
@@ -355,6 +356,7 @@ def run_throughput(
         "steps": steps,
         "sparse_optimizer": cfg.embedding.optimizer,
         "kernels": cfg.model.kernels,
+        "fp32_products": fp32_route() if device.type == "cpu" else None,
         "native": native.status(),
         "native_threads": team_status(native.library()),
         "bf16_hardware": bf16_hardware(device),
@@ -430,7 +432,13 @@ def format_report(name: str, r: dict[str, Any]) -> str:
                 else []
             ),
             *([format_tier_io(r["tier_io"])] if r.get("tier_io") else []),
-            f"  kernels: {r['kernels']}; native C kernels {r['native']}, "
+            f"  kernels: {r['kernels']}"
+            + (
+                f" (fp32 products: {r['fp32_products']})"
+                if r.get("fp32_products") and r["precision"] != "bf16"
+                else ""
+            )
+            + f"; native C kernels {r['native']}, "
             f"{r.get('native_threads', '')}",
             f"  {r['device']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, random gather "
             f"{r['gather_gbps']:.2f} GB/s"

@@ -1,11 +1,13 @@
 """Which GEMM runs a dense layer's products on a CPU: oneDNN, MKL or our own kernels.
 
-torch's CPU wheels carry oneDNN and MKL. On this project's AMD EPYC (2 threads, fp32)
-oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a
+torch's CPU wheels carry oneDNN and MKL. On an Intel CPU MKL, Intel's own library, runs
+every fp32 product of the MLPs and DCNv2 (``MKL_FIRST``: faster there than all of what
+follows). Elsewhere - on this project's AMD EPYC (2 threads, fp32), where MKL runs below
+oneDNN - oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a
 ReLU, or an added tensor, applied while the output block is in registers) is 10-25%
 faster than MKL for the forward and input-gradient products of the MLPs and the DCNv2
 cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`, from
-``ONEDNN_MIN_ROWS`` samples (below it MKL: oneDNN's cost a call outweighs its gain). The weight
+``ONEDNN_MIN_MACS`` (below it MKL: oneDNN's cost a call outweighs its gain). The weight
 gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast only
 from a transposed copy of ``g``; :func:`weight_grad` runs it through our own kernel
 (``native/weight_grad.c``; AVX-512: 6-11% faster than MKL at configs A and B's layers,
@@ -30,6 +32,7 @@ import torch
 
 from recscale import native
 from recscale.modules import gemm_amx
+from recscale.procfs import cpu_vendor
 
 
 def _onednn_ops():
@@ -93,22 +96,44 @@ _WGRAD_ISA = 0
 _WGRAD_BATCH_SPLIT_BYTES = 1 << 20
 
 
-# oneDNN's fused linear from this many rows (the batch) up; MKL below, where oneDNN's
-# cost a call outweighs what its kernels gain (host A, 2 threads, M = 128: 64 -> 16
-# 36 us against MKL's 6, 256 -> 64 53 against 35, its input gradients 31 and 53 against
-# 3 and 22; the criteo_kaggle preset's fp32 step at batch 128, alternating: 6.42 against
-# 7.22 ms, MKL faster in 12 of 12 rounds; 2026-11-30). Tests set 0 to reach oneDNN.
-ONEDNN_MIN_ROWS = 512
+# MKL is Intel's library: on an Intel CPU its fp32 GEMMs run every product of the MLPs
+# and DCNv2 (forward, input and weight gradients) faster than oneDNN's fused linear and
+# our weight-gradient kernel, which were chosen on an AMD EPYC (Zen 4), where MKL runs
+# 10-20% below oneDNN. Host A (Xeon, AVX-512 + AMX), 2 threads, fp32, 2026-11-30, a slow
+# hour, `python benchmarks/step_ab.py --switch mkl_first --config C`: criteo_kaggle
+# (batch 128) 8.54 -> 7.42 ms a step, MKL faster in 10 of 10 rounds; default (1024) 8.78
+# -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8; B 477 -> 450, 6 of 10. A weight
+# gradient alone at 128 samples, 512 -> 256: MKL 125 us, the kernel 208. Tests set it to
+# reach the other routes on any host.
+MKL_FIRST = cpu_vendor() == "GenuineIntel"
+# Elsewhere, oneDNN's fused linear for products of this many multiply-adds up; MKL
+# below, where oneDNN's cost a call outweighs its kernels (host A, M = 128: 64 -> 16 36
+# us against MKL's 6, 256 -> 64 53 against 35; at M = 2048 64 -> 16 61 against 47, 256 ->
+# 64 277 against 316). Tests set 0 to reach oneDNN with small operands.
+ONEDNN_MIN_MACS = 1 << 22
 
 
-def use_onednn(x: torch.Tensor) -> bool:
+def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`linear` runs ``x @ w^T`` through oneDNN (see ``MKL_FIRST``)."""
     return (
         USE_ONEDNN
+        and not MKL_FIRST
         and ONEDNN_LINEAR is not None
         and x.device.type == "cpu"
         and x.dtype == torch.float32
-        and x.shape[0] >= ONEDNN_MIN_ROWS
+        and w.shape[0] > 1  # N = 1 (a logit): a GEMV, torch's is as fast
+        and x.shape[0] * x.shape[1] * w.shape[0] >= ONEDNN_MIN_MACS
     )
+
+
+def fp32_route() -> str:
+    """Which library runs the fp32 products of the MLPs on this CPU, in words."""
+    if MKL_FIRST:
+        return "MKL, on an Intel CPU"
+    wgrad = " + native weight gradients" if USE_NATIVE_WGRAD and native.library() else ""
+    if USE_ONEDNN and ONEDNN_LINEAR is not None:
+        return f"oneDNN{wgrad}, MKL below {ONEDNN_MIN_MACS:,} multiply-adds"
+    return f"MKL{wgrad}"
 
 
 def linear(
@@ -120,7 +145,7 @@ def linear(
 ) -> torch.Tensor:
     """``x @ w^T`` (``w`` is ``[out, in]``, any strides) ``+ bias``, then ReLU, or
     ``+ add`` (a ``[M, out]`` tensor; not with bias or relu). A new tensor."""
-    if use_onednn(x) and w.shape[0] > 1:  # N = 1 (a logit): a GEMV, torch's is as fast
+    if use_onednn(x, w):
         if add is not None:
             return ONEDNN_LINEAR_ADD(x, add, w, None, "add")
         return ONEDNN_LINEAR(x, w, bias, "relu" if relu else "none", [], "")
@@ -141,6 +166,7 @@ def _fp32_cpu_rows(*ts: torch.Tensor) -> bool:
 def _native_wgrad_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
     return (
         USE_NATIVE_WGRAD
+        and not MKL_FIRST
         and _fp32_cpu_rows(g, x)
         and g.shape[0] == x.shape[0]
         and g.shape[1] >= _WGRAD_MIN_OUT
