@@ -44,12 +44,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
+    from recscale import native
     from recscale.checkpoint.format import CheckpointError
     from recscale.checkpoint.manager import resolve_chain
     from recscale.checkpoint.model_file import MODEL_FILE, load_model_file
     from recscale.checkpoint.state import restore
     from recscale.metrics import metrics_text
     from recscale.models.dlrm import build_model
+    from recscale.native.team import flush_denormals
     from recscale.train.data_source import (
         adopt_dataset_shapes,
         check_synthetic_memory,
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if not cfg.data.uses_dataset():
         check_synthetic_memory(cfg)
     device = resolve_device(cfg.train.device)
+    flush_denormals(native.library())  # as training runs (train/step.py)
     resolve_row_precision(cfg, device)  # a run's config.toml names it; auto for older ones
     model = build_model(cfg.model, cfg.embedding, device=device, init_rows=False)  # restored
     if checkpoint is None and os.path.lexists(run_dir / MODEL_FILE):  # the final model

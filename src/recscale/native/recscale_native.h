@@ -110,6 +110,7 @@ int64_t recscale_team_kernel_id(const char *name);
 int recscale_team_run(int64_t kernel, int64_t parts, int64_t nargs, const int64_t *ints,
                       const float *floats, int64_t *rc, double *began, double *took,
                       int64_t *done);
+int recscale_team_flush_denormal(int64_t on, int64_t threads);
 
 int64_t recscale_row_io(int fd, int write, const int64_t *pos, int64_t n, int64_t row_bytes,
                         void *buf, int64_t depth, int64_t engine);

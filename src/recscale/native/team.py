@@ -61,6 +61,23 @@ def team_available(lib: ctypes.CDLL) -> bool:
     return _state["why_not"] is None
 
 
+def flush_denormals(lib: ctypes.CDLL | None) -> str:
+    """Subnormal fp32 values taken as 0 (x86's FTZ and DAZ) on this thread and on every
+    thread of torch's OpenMP team; in words, where it holds. ``torch.set_flush_denormal``
+    alone sets the calling thread's only, and the team's workers, created by an earlier
+    parallel region, would go on paying a microcode assist per subnormal operand
+    (``native/team.c``). Threads created afterwards inherit the setting."""
+    if not torch.set_flush_denormal(True):
+        return "not on this CPU"
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return "on"
+    if lib is not None and USE_TEAM and team_available(lib):
+        if lib.recscale_team_flush_denormal(1, threads) == 0:
+            return "on"
+    return "on this thread and threads started from now"
+
+
 def team_status(lib: ctypes.CDLL | None) -> str:
     """Where the native kernels' parts run, in words (for ``recscale bench``)."""
     if lib is None:
