@@ -254,7 +254,8 @@ def test_subnormals_are_flushed_on_every_thread_of_the_team():
     lib = native.library()
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
-    x = torch.full((1 << 20,), 1e-39)  # subnormal in fp32
+    # a subnormal fp32 (~1e-39) from its bits: a float fill would flush it where FTZ is on
+    x = torch.full((1 << 20,), 0x000AE398, dtype=torch.int32).view(torch.float32)
     try:
         x.mul(1.0)  # the team exists: its worker was made by this region
         torch.set_flush_denormal(False)

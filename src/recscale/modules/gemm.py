@@ -1,29 +1,28 @@
 """Which GEMM runs a dense layer's products on a CPU: oneDNN, MKL or our own kernels.
 
 torch's CPU wheels carry oneDNN and MKL. On an Intel CPU MKL, Intel's own library, runs
-every fp32 product of the MLPs and DCNv2 (``MKL_FIRST``: faster there than all of what
-follows). Elsewhere - on this project's AMD EPYC (2 threads, fp32), where MKL runs below
-oneDNN - oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a
-ReLU, or an added tensor, applied while the output block is in registers) is 10-25%
-faster than MKL for the forward and input-gradient products of the MLPs and the DCNv2
-cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`, from
-``ONEDNN_MIN_MACS`` (below it MKL: oneDNN's cost a call outweighs its gain). The weight
-gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast only
-from a transposed copy of ``g``; :func:`weight_grad` runs it through our own kernel
+every fp32 product of the MLPs and DCNv2 (``MKL_FIRST``: measured faster there than all
+of what follows on the MLPs). Elsewhere - on this project's AMD EPYC (2 threads, fp32),
+where MKL runs below oneDNN - oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @
+w^T`` with the bias and a ReLU, or an added tensor, applied while the output block is in
+registers) is 10-25% faster than MKL for the forward and input-gradient products of the
+MLPs and the DCNv2 cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`,
+from ``ONEDNN_MIN_MACS`` (below it MKL: oneDNN's cost a call outweighs its gain). The
+weight gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast
+only from a transposed copy of ``g``; :func:`weight_grad` runs it through our own kernel
 (``native/weight_grad.c``; AVX-512: 6-11% faster than MKL at configs A and B's layers,
 1.1-1.4x at the narrow ones, level at DCNv2's widest; AVX2 where a host hides AVX-512:
 level with MKL isolated, config A's step 2% faster; the bias gradient summed on the
-way). A logit layer (``n -> 1``) has its own one-pass
-kernels (:func:`logit_forward`, :func:`logit_backward`), and a narrow first layer (13 ->
-512) its forward (:func:`narrow_forward`) and a weight gradient that applies the layer's
-ReLU mask as it reads the gradient (:func:`narrow_weight_grad`). bf16 weight gradients
-on a CPU with AVX512-BF16 run ``native/weight_grad_bf16.c`` (fp32 results, the bias
-gradient on the way: the MLPs' bf16 node) unless the CPU has AMX: there
-:func:`input_grad` runs ``native/input_grad_amx.c`` (the ReLU mask, the bias and the
-weight gradient's packing in its one pass; :mod:`gemm_amx`), the other large layers'
-weight gradients ``native/weight_grad_amx.c`` (fp32 results) and small ones oneDNN's
-bf16 GEMM; anything else other than fp32 CPU tensors (CUDA, bf16 elsewhere) goes to
-torch's own ops.
+way). A logit layer (``n -> 1``) has its own one-pass kernels (:func:`logit_forward`,
+:func:`logit_backward`), and a narrow first layer (13 -> 512) its forward
+(:func:`narrow_forward`) and a weight gradient that applies the layer's ReLU mask as it
+reads the gradient (:func:`narrow_weight_grad`). bf16 weight gradients on a CPU with
+AVX512-BF16 run ``native/weight_grad_bf16.c`` (fp32 results, the bias gradient on the
+way: the MLPs' bf16 node) unless the CPU has AMX: there :func:`input_grad` runs
+``native/input_grad_amx.c`` (the ReLU mask, the bias and the weight gradient's packing
+in its one pass; :mod:`gemm_amx`), the other large layers' weight gradients
+``native/weight_grad_amx.c`` (fp32 results) and small ones oneDNN's bf16 GEMM; anything
+else other than fp32 CPU tensors (CUDA, bf16 elsewhere) goes to torch's own ops.
 """
 
 from __future__ import annotations
@@ -96,15 +95,15 @@ _WGRAD_ISA = 0
 _WGRAD_BATCH_SPLIT_BYTES = 1 << 20
 
 
-# MKL is Intel's library: on an Intel CPU its fp32 GEMMs run every product of the MLPs
-# and DCNv2 (forward, input and weight gradients) faster than oneDNN's fused linear and
-# our weight-gradient kernel, which were chosen on an AMD EPYC (Zen 4), where MKL runs
-# 10-20% below oneDNN. Host A (Xeon, AVX-512 + AMX), 2 threads, fp32, 2026-11-30, a slow
-# hour, `python benchmarks/step_ab.py --switch mkl_first --config C`: criteo_kaggle
-# (batch 128) 8.54 -> 7.42 ms a step, MKL faster in 10 of 10 rounds; default (1024) 8.78
-# -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8; B 477 -> 450, 6 of 10. A weight
-# gradient alone at 128 samples, 512 -> 256: MKL 125 us, the kernel 208. Tests set it to
-# reach the other routes on any host.
+# MKL is Intel's library: on an Intel CPU its fp32 GEMMs run the MLPs' products
+# (forward, input and weight gradients) faster than oneDNN's fused linear and our
+# weight-gradient kernel, which were chosen on an AMD EPYC (Zen 4), where MKL runs
+# 10-20% below oneDNN; DCNv2's cross layers take the same route. Host A (Xeon, AVX-512 +
+# AMX), 2 threads, fp32, 2026-11-30, a slow hour, `python benchmarks/step_ab.py --switch
+# mkl_first --config C`: criteo_kaggle (batch 128) 8.54 -> 7.42 ms a step, MKL faster in
+# 10 of 10 rounds; default (1024) 8.78 -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8;
+# B 477 -> 450, 6 of 10. A weight gradient alone at 128 samples, 512 -> 256: MKL 125 us,
+# the kernel 208. Tests set it to reach the other routes on any host.
 MKL_FIRST = cpu_vendor() == "GenuineIntel"
 # Elsewhere, oneDNN's fused linear for products of this many multiply-adds up; MKL
 # below, where oneDNN's cost a call outweighs its kernels (host A, M = 128: 64 -> 16 36
