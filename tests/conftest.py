@@ -64,3 +64,11 @@ def wide_interaction(request):
         stream.value = 0
     yield request.param
     flag.value, stream.value = saved
+
+
+@pytest.fixture(scope="module")
+def medium_dataset(tmp_path_factory):
+    """A preprocessed dataset of 5,000 synthetic Criteo lines (split 'train' only)."""
+    from helpers import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("medium"), 5000, seed=1, hash_size=1000)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import error_line, make_dataset, run_cli
+from helpers import error_line, run_cli
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, LoaderPosition
 from recscale.dataprep.criteo_tsv import synthetic_lines
@@ -322,11 +322,6 @@ def test_a_non_ascii_category_is_bad_and_leaves_the_other_rows_as_they_are():
             assert int(v) == (int(t, 16) if ok else 0), t
 
 
-@pytest.fixture(scope="module")
-def medium_dataset(tmp_path_factory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("medium"), 5000, seed=1, hash_size=1000)
-
-
 def test_loader_shuffles_by_block_and_covers_every_row(medium_dataset):
     ds = BinaryDataset(medium_dataset, "train")
     loader = BatchLoader(ds, 100, shuffle=True, seed=3, block_rows=512, epochs=1, drop_last=False)
@@ -363,72 +358,6 @@ def test_rank_slices_partition_the_global_batch(medium_dataset):
     )
     ids = np.concatenate([p.values.numpy().reshape(26, 64).T for p in parts])
     np.testing.assert_array_equal(ids, one.values.numpy().reshape(26, 256).T)
-
-
-def test_cli_preprocess_train_eval(tmp_path, medium_dataset):
-    run = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "--config",
-        "debug",
-        "--data.path",
-        str(medium_dataset),
-        "--train.steps=20",
-        "--train.progress=false",
-        "--data.eval_split=train",
-        "--run-dir",
-        str(run),
-    )
-    assert r.returncode == 0, r.stderr
-    m = json.loads((run / "metrics.json").read_text())
-    assert m["count"] == 5000 and m["steps"] == 20
-    r = run_cli("eval", "--model", str(run), "--split", "train", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
-
-
-def test_eval_writes_each_rows_probability_in_the_splits_order(tmp_path, medium_dataset):
-    """``recscale eval --predictions``: one probability a row, in the split's row order,
-    equal to the trained model's own forward over those rows; its brute-force AUC is the
-    metrics' AUC; a path of no format or inside the dataset is refused, nothing written."""
-    from recscale.checkpoint.manager import resolve_chain
-    from recscale.checkpoint.state import restore
-    from recscale.config import load_config
-    from recscale.models.dlrm import build_model
-
-    run = tmp_path / "run"
-    args = ["--data.path", str(medium_dataset), "--train.progress=false", "--data.eval_split=train"]
-    r = run_cli("train", "--config", "debug", *args, "--train.steps=20", "--run-dir", str(run))
-    assert r.returncode == 0, r.stderr
-    npy, csv = tmp_path / "p.npy", tmp_path / "p.csv"
-    for out in (npy, csv):
-        r = run_cli("eval", "--model", str(run), "--split", "train", "--predictions", str(out))
-        assert r.returncode == 0, r.stderr
-        assert f"5,000 predictions -> {out}" in r.stdout
-    metrics = json.loads((run / "eval_train.json").read_text())
-    assert metrics["predictions"] == str(csv)
-    probs = np.load(npy)
-    assert probs.dtype == np.float32 and probs.shape == (5000,)
-    lines = csv.read_text().splitlines()
-    assert lines[0] == "label,probability" and len(lines) == 5001
-    labels = np.array([int(x.split(",")[0]) for x in lines[1:]])
-    np.testing.assert_allclose([float(x.split(",")[1]) for x in lines[1:]], probs, rtol=1e-6)
-    ds = BinaryDataset(medium_dataset, "train")
-    batch = next(iter(BatchLoader(ds, 5000, shuffle=False, drop_last=False, epochs=1)))
-    np.testing.assert_array_equal(labels, batch.labels.numpy())
-    cfg = load_config(str(run / "config.toml"))
-    model = build_model(cfg.model, cfg.embedding, init_rows=False)
-    restore(model, None, resolve_chain(run))  # the run's final checkpoint
-    with torch.no_grad():
-        want = torch.sigmoid(model.eval()(batch).double()).numpy()
-    np.testing.assert_allclose(probs, want, rtol=1e-5, atol=1e-7)
-    pos, neg = probs[labels == 1], probs[labels == 0]
-    pairs = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    assert pairs / (pos.size * neg.size) == pytest.approx(metrics["auc"], abs=1e-6)
-    for bad in (tmp_path / "p.txt", medium_dataset / "p.npy", run / "checkpoints" / "p.csv"):
-        r = run_cli("eval", "--model", str(run), "--split", "train", "--predictions", str(bad))
-        assert r.returncode == 2 and "--predictions" in error_line(r.stderr), r.stderr
-        assert not bad.exists()
 
 
 def test_cli_preprocess_reports_bad_file(tmp_path):
