@@ -2,7 +2,7 @@
 
 torch's CPU wheels carry oneDNN and MKL. On an Intel CPU MKL, Intel's own library, runs
 every fp32 product of the MLPs and DCNv2 (``MKL_FIRST``: measured faster there than all
-of what follows on the MLPs). Elsewhere - on this project's AMD EPYC (2 threads, fp32),
+of what follows). Elsewhere - on this project's AMD EPYC (2 threads, fp32),
 where MKL runs below oneDNN - oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @
 w^T`` with the bias and a ReLU, or an added tensor, applied while the output block is in
 registers) is 10-25% faster than MKL for the forward and input-gradient products of the
@@ -96,14 +96,15 @@ _WGRAD_BATCH_SPLIT_BYTES = 1 << 20
 
 
 # MKL is Intel's library: on an Intel CPU its fp32 GEMMs run the MLPs' products
-# (forward, input and weight gradients) faster than oneDNN's fused linear and our
-# weight-gradient kernel, which were chosen on an AMD EPYC (Zen 4), where MKL runs
-# 10-20% below oneDNN; DCNv2's cross layers take the same route. Host A (Xeon, AVX-512 +
-# AMX), 2 threads, fp32, 2026-11-30, a slow hour, `python benchmarks/step_ab.py --switch
-# mkl_first --config C`: criteo_kaggle (batch 128) 8.54 -> 7.42 ms a step, MKL faster in
-# 10 of 10 rounds; default (1024) 8.78 -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8;
-# B 477 -> 450, 6 of 10. A weight gradient alone at 128 samples, 512 -> 256: MKL 125 us,
-# the kernel 208. Tests set it to reach the other routes on any host.
+# (forward, input and weight gradients) and DCNv2's cross layers faster than oneDNN's
+# fused linear and our weight-gradient kernel, which were chosen on an AMD EPYC (Zen 4),
+# where MKL runs 10-20% below oneDNN. Host A (Xeon, AVX-512 + AMX), 2 threads, fp32,
+# 2026-11-30, a slow hour, `python benchmarks/step_ab.py --switch mkl_first --config C`:
+# criteo_kaggle (batch 128) 8.54 -> 7.42 ms a step, MKL faster in 10 of 10 rounds;
+# default (1024) 8.78 -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8; B 477 -> 450, 6
+# of 10; the default model with DCNv2 (`--model.interaction=dcnv2`) 54.3 -> 50.2, 8 of
+# 8. A weight gradient alone at 128 samples, 512 -> 256: MKL 125 us, the kernel 208.
+# Tests set it to reach the other routes on any host.
 MKL_FIRST = cpu_vendor() == "GenuineIntel"
 # Elsewhere, oneDNN's fused linear for products of this many multiply-adds up; MKL
 # below, where oneDNN's cost a call outweighs its kernels (host A, M = 128: 64 -> 16 36
