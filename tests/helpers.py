@@ -117,6 +117,31 @@ def cli(*args: str, timeout: float = 180, **kw):
     )
 
 
+def train_then_eval(data_path, run, steps: int) -> tuple[dict, dict]:
+    """``recscale train --config debug`` on a dataset for ``steps`` (its 'train' split
+    scored), then ``recscale eval --json`` of that split: the run's metrics.json and
+    eval's JSON."""
+    import json
+
+    r = run_cli(
+        "train",
+        "--config",
+        "debug",
+        "--data.path",
+        str(data_path),
+        f"--train.steps={steps}",
+        "--train.progress=false",
+        "--data.eval_split=train",
+        "--run-dir",
+        str(run),
+    )
+    assert r.returncode == 0, r.stderr
+    trained = json.loads((run / "metrics.json").read_text())
+    r = run_cli("eval", "--model", str(run), "--split", "train", "--json")
+    assert r.returncode == 0, r.stderr
+    return trained, json.loads(r.stdout)
+
+
 def run_cli(*args: str, env: dict | None = None, cwd=None):
     """``recscale ARGS`` run in this process, as ``cli`` reports it (exit code, stdout,
     stderr; an uncaught exception as its traceback on stderr and exit code 1), without

@@ -8,31 +8,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import error_line, run_cli
+from helpers import error_line, run_cli, train_then_eval
 
 from recscale.data.dataset import BatchLoader, BinaryDataset
 
 
 def test_cli_preprocess_train_eval(tmp_path, medium_dataset):
-    run = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "--config",
-        "debug",
-        "--data.path",
-        str(medium_dataset),
-        "--train.steps=20",
-        "--train.progress=false",
-        "--data.eval_split=train",
-        "--run-dir",
-        str(run),
-    )
-    assert r.returncode == 0, r.stderr
-    m = json.loads((run / "metrics.json").read_text())
+    m, scored = train_then_eval(medium_dataset, tmp_path / "run", steps=20)
     assert m["count"] == 5000 and m["steps"] == 20
-    r = run_cli("eval", "--model", str(run), "--split", "train", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
+    assert scored["auc"] == pytest.approx(m["auc"])
 
 
 def test_eval_writes_each_rows_probability_in_the_splits_order(tmp_path, medium_dataset):

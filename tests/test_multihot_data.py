@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import make_dataset, run_cli
+from helpers import make_dataset, run_cli, train_then_eval
 
 from recscale.data.dataset import BatchLoader, BinaryDataset, DatasetError
 from recscale.data.multihot import MLPERF_BAG_SIZES, bag_of, expand, feature_salts
@@ -327,25 +327,9 @@ def test_multihot_cli_refuses_bad_sizes_and_multi_hot_input(tmp_path, onehot):
 
 def test_train_and_eval_on_multi_hot(tmp_path, onehot):
     to_multihot(onehot, tmp_path / "mh", [2] * F, echo=lambda _m: None)
-    run = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "--config",
-        "debug",
-        "--data.path",
-        str(tmp_path / "mh"),
-        "--train.steps=15",
-        "--train.progress=false",
-        "--data.eval_split=train",
-        "--run-dir",
-        str(run),
-    )
-    assert r.returncode == 0, r.stderr
-    m = json.loads((run / "metrics.json").read_text())
+    m, scored = train_then_eval(tmp_path / "mh", tmp_path / "run", steps=15)
     assert m["count"] == 3000 and m["steps"] == 15 and np.isfinite(m["logloss"])
-    r = run_cli("eval", "--model", str(run), "--split", "train", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["auc"] == pytest.approx(m["auc"])
+    assert scored["auc"] == pytest.approx(m["auc"])
 
 
 def test_synthetic_fixed_bag_sizes_and_config_checks():
