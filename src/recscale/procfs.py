@@ -6,17 +6,24 @@ from __future__ import annotations
 import os
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``),
-    or "" where there is no such file or line (not Linux, not x86)."""
+def cpuinfo_field(key: str) -> str:
+    """The first ``key`` line's value in ``/proc/cpuinfo`` (``vendor_id``, ``flags``), or
+    "" where there is no such file or line (not Linux, not x86)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except (OSError, IndexError):
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == key:
+                    return value.strip()
+    except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``),
+    or "" where it names none."""
+    return cpuinfo_field("vendor_id")
 
 
 def proc_bytes(path: str, key: str) -> int | None:

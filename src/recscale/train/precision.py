@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from recscale import native
 from recscale.config.schema import Config
 from recscale.embedding import kernels
+from recscale.procfs import cpuinfo_field
 
 
 def set_matmul_precision(precision: str) -> None:
@@ -101,14 +102,7 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def bf16_hardware(device: torch.device) -> str:
