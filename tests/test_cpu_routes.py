@@ -49,7 +49,7 @@ def test_subnormals_are_flushed_on_every_thread_of_the_team():
 
 @pytest.mark.parametrize("mkl_first", [True, False])
 def test_linear_routes_by_vendor_and_size_and_both_routes_equal_torch(mkl_first, monkeypatch):
-    """``gemm.linear``: MKL for every product where ``MKL_FIRST`` (an Intel CPU); elsewhere
+    """``gemm.linear``: MKL for every product where ``MKL_FIRST``; elsewhere
     oneDNN from ``ONEDNN_MIN_MACS`` multiply-adds and MKL below, where oneDNN's cost a call
     outweighs its gain. Every route equals torch's product."""
     from recscale.modules import gemm
@@ -68,6 +68,20 @@ def test_linear_routes_by_vendor_and_size_and_both_routes_equal_torch(mkl_first,
         want = torch.relu(x.double() @ w.double().t() + b.double()).float()
         torch.testing.assert_close(gemm.linear(x, w, b, relu=True), want, rtol=1e-5, atol=1e-5)
     assert calls == ([] if mkl_first else [at_least])
+
+
+def test_mkl_runs_first_on_intel_and_where_no_avx512_and_only_with_mkl():
+    """MKL's AVX-512 kernels run on Intel CPUs only; without AVX-512 every library runs
+    AVX2 and MKL's are the fastest measured; an AMD CPU with AVX-512 takes oneDNN."""
+    from recscale.modules.gemm import mkl_runs_first
+
+    avx2, avx512 = "fpu sse2 avx avx2 fma f16c", "fpu sse2 avx avx2 fma avx512f avx512bw"
+    assert mkl_runs_first("GenuineIntel", avx512, True)
+    assert mkl_runs_first("GenuineIntel", avx2, True)
+    assert mkl_runs_first("AuthenticAMD", avx2, True)
+    assert not mkl_runs_first("AuthenticAMD", avx512, True)
+    assert not mkl_runs_first("GenuineIntel", avx512, False)  # no MKL in this torch
+    assert not mkl_runs_first("", "", False)  # ARM: no vendor line, no MKL
 
 
 def test_the_native_weight_gradient_runs_only_where_mkl_is_not_first(monkeypatch):

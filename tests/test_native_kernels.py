@@ -353,7 +353,7 @@ def test_native_weight_grad_matches_fp64_reference(
         pytest.skip(native.status())
     if isa == "avx512" and not native.has_avx512():
         pytest.skip(f"AVX-512 weight-gradient kernel: {native.status()}")
-    monkeypatch.setattr(gemm, "MKL_FIRST", False)  # the kernel on an Intel CPU too
+    monkeypatch.setattr(gemm, "MKL_FIRST", False)  # the kernel where MKL runs first too
     monkeypatch.setattr(gemm, "_WGRAD_ISA", {"avx2": 1, "avx512": 2}[isa])
     monkeypatch.setattr(gemm, "_WGRAD_MIN_OUT", 1)  # the kernel even where MKL is faster
     monkeypatch.setattr(gemm, "_WGRAD_MIN_MACS", 0)  # and threads on however little work

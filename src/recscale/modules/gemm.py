@@ -1,22 +1,23 @@
 """Which GEMM runs a dense layer's products on a CPU: oneDNN, MKL or our own kernels.
 
-torch's CPU wheels carry oneDNN and MKL. On an Intel CPU MKL, Intel's own library, runs
-every fp32 product of the MLPs and DCNv2 (``MKL_FIRST``: measured faster there than all
-of what follows). Elsewhere - on this project's AMD EPYC (2 threads, fp32),
-where MKL runs below oneDNN - oneDNN's fused linear (``mkldnn._linear_pointwise``: ``x @
-w^T`` with the bias and a ReLU, or an added tensor, applied while the output block is in
-registers) is 10-25% faster than MKL for the forward and input-gradient products of the
-MLPs and the DCNv2 cross layers (``x [M, K] @ w^T`` with M = the batch): :func:`linear`,
-from ``ONEDNN_MIN_MACS`` (below it MKL: oneDNN's cost a call outweighs its gain). The
-weight gradient (``g^T x``, K = the batch, both operands sample-major) oneDNN runs fast
-only from a transposed copy of ``g``; :func:`weight_grad` runs it through our own kernel
-(``native/weight_grad.c``; AVX-512: 6-11% faster than MKL at configs A and B's layers,
-1.1-1.4x at the narrow ones, level at DCNv2's widest; AVX2 where a host hides AVX-512:
-level with MKL isolated, config A's step 2% faster; the bias gradient summed on the
-way). A logit layer (``n -> 1``) has its own one-pass kernels (:func:`logit_forward`,
-:func:`logit_backward`), and a narrow first layer (13 -> 512) its forward
-(:func:`narrow_forward`) and a weight gradient that applies the layer's ReLU mask as it
-reads the gradient (:func:`narrow_weight_grad`). bf16 weight gradients on a CPU with
+torch's CPU wheels carry oneDNN and MKL. MKL runs every fp32 product of the MLPs and
+DCNv2 on an Intel CPU and on an x86 CPU without AVX-512 (``MKL_FIRST``: measured faster
+there than all of what follows). Elsewhere - an AMD EPYC with AVX-512 (Zen 4), where
+MKL runs its AVX2 kernels 10-20% below oneDNN - oneDNN's fused linear
+(``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a ReLU, or an added
+tensor, applied while the output block is in registers) is 10-25% faster than MKL for
+the forward and input-gradient products of the MLPs and the DCNv2 cross layers (``x [M,
+K] @ w^T`` with M = the batch): :func:`linear`, from ``ONEDNN_MIN_MACS`` (below it MKL:
+oneDNN's cost a call outweighs its gain). The weight gradient (``g^T x``, K = the
+batch, both operands sample-major) oneDNN runs fast only from a transposed copy of
+``g``; :func:`weight_grad` runs it through our own kernel (``native/weight_grad.c``;
+AVX-512: 6-11% faster than MKL at configs A and B's layers, 1.1-1.4x at the narrow
+ones, level at DCNv2's widest; its AVX2 tiles, level with MKL isolated, run where
+``MKL_FIRST`` is set off; the bias gradient summed on the way). A logit layer (``n ->
+1``) has its own one-pass kernels (:func:`logit_forward`, :func:`logit_backward`), and a
+narrow first layer (13 -> 512) its forward (:func:`narrow_forward`) and a weight
+gradient that applies the layer's ReLU mask as it reads the gradient
+(:func:`narrow_weight_grad`). bf16 weight gradients on a CPU with
 AVX512-BF16 run ``native/weight_grad_bf16.c`` (fp32 results, the bias gradient on the
 way: the MLPs' bf16 node) unless the CPU has AMX: there :func:`input_grad` runs
 ``native/input_grad_amx.c`` (the ReLU mask, the bias and the weight gradient's packing
@@ -31,7 +32,7 @@ import torch
 
 from recscale import native
 from recscale.modules import gemm_amx
-from recscale.procfs import cpu_vendor
+from recscale.procfs import cpu_vendor, cpuinfo_field
 
 
 def _onednn_ops():
@@ -95,17 +96,31 @@ _WGRAD_ISA = 0
 _WGRAD_BATCH_SPLIT_BYTES = 1 << 20
 
 
-# MKL is Intel's library: on an Intel CPU its fp32 GEMMs run the MLPs' products
-# (forward, input and weight gradients) and DCNv2's cross layers faster than oneDNN's
-# fused linear and our weight-gradient kernel, which were chosen on an AMD EPYC (Zen 4),
-# where MKL runs 10-20% below oneDNN. Host A (Xeon, AVX-512 + AMX), 2 threads, fp32,
-# 2026-11-30, a slow hour, `python benchmarks/step_ab.py --switch mkl_first --config C`:
+# MKL is Intel's library: its AVX-512 kernels run on Intel CPUs only; elsewhere it runs
+# AVX2 kernels tuned for AMD's Zen (``perf``: ``mkl_blas_def_sgemm_kernel_0_zen`` on the
+# AVX2 EPYC). So on an Intel CPU, and on a CPU without AVX-512 (where any library runs
+# AVX2), MKL runs the MLPs' products (forward, input and weight gradients) and DCNv2's
+# cross layers faster than oneDNN's fused linear and our weight-gradient kernel; those
+# were chosen on an AMD EPYC with AVX-512 (Zen 4), where oneDNN runs AVX-512 and MKL,
+# AVX2 there, 10-20% below it. `python benchmarks/step_ab.py --switch mkl_first --config
+# C`, 2 threads, fp32 - host A (Xeon, AVX-512 + AMX), 2026-11-30, a slow hour:
 # criteo_kaggle (batch 128) 8.54 -> 7.42 ms a step, MKL faster in 10 of 10 rounds;
 # default (1024) 8.78 -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8; B 477 -> 450, 6
 # of 10; the default model with DCNv2 (`--model.interaction=dcnv2`) 54.3 -> 50.2, 8 of
 # 8. A weight gradient alone at 128 samples, 512 -> 256: MKL 125 us, the kernel 208.
-# Tests set it to reach the other routes on any host.
-MKL_FIRST = cpu_vendor() == "GenuineIntel"
+# The AVX2 EPYC (Zen 3), 2026-12-07: criteo_kaggle 5.95 -> 5.47, 7 of 8; A 57.6 -> 52.5,
+# 9 of 10; B 281 -> 255, 3 of 4; default with DCNv2 83.8 -> 75.5, 8 of 8; default level
+# (11.51 -> 11.17, 3 of 6).
+# Without MKL (torch on ARM) the routes below. Tests set it to reach them on any host.
+
+
+def mkl_runs_first(vendor: str, flags: str, has_mkl: bool) -> bool:
+    """Whether MKL runs the fp32 products on a CPU of this ``vendor`` (``vendor_id``) and
+    ``flags`` (``/proc/cpuinfo``'s line) - the rule above."""
+    return has_mkl and (vendor == "GenuineIntel" or "avx512f" not in flags.split())
+
+
+MKL_FIRST = mkl_runs_first(cpu_vendor(), cpuinfo_field("flags"), torch.backends.mkl.is_available())
 # Elsewhere, oneDNN's fused linear for products of this many multiply-adds up; MKL
 # below, where oneDNN's cost a call outweighs its kernels (host A, M = 128: 64 -> 16 36
 # us against MKL's 6, 256 -> 64 53 against 35; at M = 2048 64 -> 16 61 against 47, 256 ->
@@ -129,7 +144,7 @@ def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
 def fp32_route() -> str:
     """Which library runs the fp32 products of the MLPs on this CPU, in words."""
     if MKL_FIRST:
-        return "MKL, on an Intel CPU"
+        return f"MKL ({'an Intel CPU' if cpu_vendor() == 'GenuineIntel' else 'no AVX-512'})"
     wgrad = " + native weight gradients" if USE_NATIVE_WGRAD and native.library() else ""
     if USE_ONEDNN and ONEDNN_LINEAR is not None:
         return f"oneDNN{wgrad}, MKL below {ONEDNN_MIN_MACS:,} multiply-adds"
