@@ -37,8 +37,8 @@ def process_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # torch._dynamo too: the first torch optimizer a process builds imports it (1.7 s
-    # on a 2-vCPU host), once a rank without it
+    # torch._dynamo too: DistributedDataParallel's constructor reads its settings (an
+    # import of 1.7 s on a 2-vCPU host, in every rank without it)
     ctx.set_forkserver_preload(["recscale", "torch", "torch.distributed", "torch._dynamo"])
     return ctx
 

@@ -25,6 +25,7 @@ from torch.autograd.graph import increment_version
 from recscale import native
 from recscale.modules import bf16_weights
 from recscale.torch_threads import torch_threads_set
+from recscale.train.optimizer_methods import SGD
 
 USE = True  # False: torch's step and the forward's casts (tests; benchmarks/step_ab.py)
 BLOCK = 16384  # elements a unit of the parallel split
@@ -37,7 +38,7 @@ _MIN_PARALLEL = 1 << 20
 ONE_THREAD_BELOW = 1 << 22
 
 
-class SGDWithBF16Copies(torch.optim.SGD):
+class SGDWithBF16Copies(SGD):
     """``torch.optim.SGD`` (same arguments, state and results) with the native step
     above where it applies; torch's step on one thread for fewer than
     ``ONE_THREAD_BELOW`` parameters."""

@@ -9,6 +9,7 @@ import torch
 
 from recscale.config.schema import DenseOptimizerConfig
 from recscale.train.dense_sgd import ONE_THREAD_BELOW, SGDWithBF16Copies
+from recscale.train.optimizer_methods import SGD, Adagrad, Adam
 
 
 def build_dense_optimizer(
@@ -26,14 +27,12 @@ def build_dense_optimizer(
     )
     kw = {"fused": True} if fused else {}
     if cfg.name == "adam":
-        opt = torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw)
+        opt = Adam(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw)
     elif cfg.name == "adagrad":
-        opt = torch.optim.Adagrad(
-            params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw
-        )
+        opt = Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw)
     elif cfg.name == "sgd":
         # on a CPU: the subclass whose step also writes the bf16 node's weight copies
-        sgd = torch.optim.SGD if fused else SGDWithBF16Copies
+        sgd = SGD if fused else SGDWithBF16Copies
         opt = sgd(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
     else:
         raise ValueError(f"unknown dense optimizer {cfg.name!r}")
