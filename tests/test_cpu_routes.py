@@ -71,8 +71,8 @@ def test_linear_routes_by_vendor_and_size_and_both_routes_equal_torch(mkl_first,
 
 
 def test_mkl_runs_first_on_intel_and_where_no_avx512_and_only_with_mkl():
-    """MKL's AVX-512 kernels run on Intel CPUs only; without AVX-512 every library runs
-    AVX2 and MKL's are the fastest measured; an AMD CPU with AVX-512 takes oneDNN."""
+    """MKL picks its kernels by vendor (AVX2 ones on AMD); without AVX-512 every library
+    runs AVX2 and MKL's were the fastest measured; an AMD CPU with AVX-512 takes oneDNN."""
     from recscale.modules.gemm import mkl_runs_first
 
     avx2, avx512 = "fpu sse2 avx avx2 fma f16c", "fpu sse2 avx avx2 fma avx512f avx512bw"

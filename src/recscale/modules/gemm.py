@@ -3,7 +3,7 @@
 torch's CPU wheels carry oneDNN and MKL. MKL runs every fp32 product of the MLPs and
 DCNv2 on an Intel CPU and on an x86 CPU without AVX-512 (``MKL_FIRST``: measured faster
 there than all of what follows). Elsewhere - an AMD EPYC with AVX-512 (Zen 4), where
-MKL runs its AVX2 kernels 10-20% below oneDNN - oneDNN's fused linear
+MKL ran 10-20% below oneDNN - oneDNN's fused linear
 (``mkldnn._linear_pointwise``: ``x @ w^T`` with the bias and a ReLU, or an added
 tensor, applied while the output block is in registers) is 10-25% faster than MKL for
 the forward and input-gradient products of the MLPs and the DCNv2 cross layers (``x [M,
@@ -96,14 +96,14 @@ _WGRAD_ISA = 0
 _WGRAD_BATCH_SPLIT_BYTES = 1 << 20
 
 
-# MKL is Intel's library: its AVX-512 kernels run on Intel CPUs only; elsewhere it runs
-# AVX2 kernels tuned for AMD's Zen (``perf``: ``mkl_blas_def_sgemm_kernel_0_zen`` on the
-# AVX2 EPYC). So on an Intel CPU, and on a CPU without AVX-512 (where any library runs
-# AVX2), MKL runs the MLPs' products (forward, input and weight gradients) and DCNv2's
-# cross layers faster than oneDNN's fused linear and our weight-gradient kernel; those
-# were chosen on an AMD EPYC with AVX-512 (Zen 4), where oneDNN runs AVX-512 and MKL,
-# AVX2 there, 10-20% below it. `python benchmarks/step_ab.py --switch mkl_first --config
-# C`, 2 threads, fp32 - host A (Xeon, AVX-512 + AMX), 2026-11-30, a slow hour:
+# MKL is Intel's library and picks its kernels by vendor: on an AMD CPU it runs AVX2
+# kernels tuned for Zen (``perf`` on the AVX2 EPYC: ``mkl_blas_def_sgemm_kernel_0_zen``).
+# On an Intel CPU, and on a CPU without AVX-512 (where any library runs AVX2), MKL runs
+# the MLPs' products (forward, input and weight gradients) and DCNv2's cross layers
+# faster than oneDNN's fused linear and our weight-gradient kernel; those were chosen
+# on an AMD EPYC with AVX-512 (Zen 4), where MKL ran 10-20% below oneDNN's AVX-512.
+# `python benchmarks/step_ab.py --switch mkl_first --config C`, 2 threads, fp32 - host A
+# (Xeon, AVX-512 + AMX), 2026-11-30, a slow hour:
 # criteo_kaggle (batch 128) 8.54 -> 7.42 ms a step, MKL faster in 10 of 10 rounds;
 # default (1024) 8.78 -> 8.37, 8 of 10; A (2048) 42.5 -> 41.1, 7 of 8; B 477 -> 450, 6
 # of 10; the default model with DCNv2 (`--model.interaction=dcnv2`) 54.3 -> 50.2, 8 of
