@@ -6,8 +6,9 @@ torch wraps four methods of ``torch.optim.Optimizer`` - ``add_param_group`` (whi
 optimizer's ``step`` in ``_use_grad_for_differentiable`` (autograd off during the step,
 plus graph breaks for ``torch.compile``). Both import ``torch._dynamo`` when first
 called: 1.8 s on this project's 2-vCPU EPYC (``import torch`` itself takes 1.8), paid
-by every ``recscale train``, ``eval`` and ``bench`` before its first step - of the 4.4
-s from the command to the first step of ``criteo_kaggle``, 2.3. recscale never compiles
+by every ``recscale train`` and ``bench`` before its first step (a one-step
+``criteo_kaggle`` run and its evaluation: 7.6-7.7 s with it, 4.3-4.7 without, in
+docs/performance.md). recscale never compiles
 an optimizer, and outside ``torch.compile`` those wrappers add nothing but the import
 (the graph breaks do nothing): :func:`without_dynamo_import` gives a subclass whose
 methods are the functions underneath - ``step`` with autograd set as torch's wrapper
@@ -25,31 +26,27 @@ from typing import TypeVar
 import torch
 
 _WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
-_WRAPPER_FILE = os.path.join("torch", "_compile.py")
-_STEP_WRAPPER_FILE = os.path.join("torch", "optim", "optimizer.py")
+# where torch defines its two wrappers: _disable_dynamo's closure ``inner`` and
+# _use_grad_for_differentiable's ``_use_grad``
+_DISABLE_DYNAMO_FILE = os.path.join("torch", "_compile.py")
+_USE_GRAD_FILE = os.path.join("torch", "optim", "optimizer.py")
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
-def _underneath(method: object) -> object | None:
-    """The function ``torch._disable_dynamo`` wrapped in ``method``, or None where
-    ``method`` is not that wrapper."""
+def _wrapped_by(method: object, wrapper: str, path: str) -> Callable | None:
+    """The function under ``method`` where ``method`` is torch's closure ``wrapper``
+    (defined in the file ending in ``path``), else None."""
     code = getattr(method, "__code__", None)
-    inner = getattr(method, "__wrapped__", None)
-    if inner is None or code is None or not code.co_filename.endswith(_WRAPPER_FILE):
+    func = getattr(method, "__wrapped__", None)
+    if func is None or code is None or code.co_name != wrapper:
         return None
-    return inner
+    return func if code.co_filename.endswith(path) else None
 
 
-def _plain_step(step: object) -> Callable | None:
-    """``step`` without ``_use_grad_for_differentiable`` (autograd set as it sets it), or
-    None where ``step`` is not that wrapper."""
-    code = getattr(step, "__code__", None)
-    func = getattr(step, "__wrapped__", None)
-    if func is None or code is None or code.co_name != "_use_grad":
-        return None
-    if not code.co_filename.endswith(_STEP_WRAPPER_FILE):
-        return None
+def _plain_step(func: Callable) -> Callable:
+    """``func`` (an optimizer's step) with autograd set as ``_use_grad_for_differentiable``
+    sets it, without that wrapper's import."""
 
     def plain(self, closure=None):  # noqa: ANN001 - torch's contract
         with torch.set_grad_enabled(self.defaults["differentiable"]):
@@ -63,12 +60,12 @@ def without_dynamo_import(cls: type[OptimizerT]) -> type[OptimizerT]:
     functions underneath (module doc)."""
     methods: dict[str, object] = {}
     for name in _WRAPPED:
-        plain = _underneath(getattr(cls, name))
+        plain = _wrapped_by(getattr(cls, name), "inner", _DISABLE_DYNAMO_FILE)
         if plain is not None:
             methods[name] = plain
-    step = _plain_step(cls.step)
+    step = _wrapped_by(cls.step, "_use_grad", _USE_GRAD_FILE)
     if step is not None:
-        methods["step"] = step
+        methods["step"] = _plain_step(step)
     methods.update(__doc__=cls.__doc__, __module__=__name__, __qualname__=cls.__qualname__)
     return type(cls.__name__, (cls,), methods)
 
