@@ -35,7 +35,7 @@ Switches (on = what recscale runs):
                 against the AVX2 pair kernels (recscale_dot_wide 1 against 2; on AVX-512 CPUs)
     mkl_first   MKL for every fp32 product of the MLPs (forward, input and weight gradients)
                 against oneDNN's fused linear and native/weight_grad.c (gemm.MKL_FIRST:
-                recscale turns it on on Intel CPUs, off elsewhere)
+                recscale turns it on on Intel CPUs and CPUs without AVX-512)
     dense_sgd   the dense SGD step in one native pass that also writes the bf16 node's weight
                 copies (native/dense_sgd.c) against torch's SGD and the forward's casts
                 (dense_sgd.USE; configs with optimizer.name = "sgd", fp32 or bf16)
