@@ -92,11 +92,18 @@ for name in ("sgd", "adam", "adagrad"):
     opt.step()
     opt.zero_grad()
     opt.load_state_dict(opt.state_dict())
+# the same wrapper around a TorchDispatchMode's __torch_dispatch__: a bf16 run's GEMMs
+# where the CPU has no bf16 instructions (train/precision.py)
+from recscale.train.precision import EmulatedBF16Gemms
+
+a = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+with EmulatedBF16Gemms():
+    (a @ a).float().sum().backward()
 print("torch._dynamo" in sys.modules)
 """
 
 
-def test_building_and_stepping_the_dense_optimizers_never_imports_dynamo():
+def test_the_dense_optimizers_and_emulated_bf16_gemms_never_import_dynamo():
     r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False"]

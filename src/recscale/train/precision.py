@@ -66,6 +66,13 @@ class EmulatedBF16Gemms(TorchDispatchMode):
     it would, through one Python call more: a config A step dispatches ~250 ops, and a
     mode that only passes them on cost it 2-5 ms of ~62 (2-core AMD EPYC, 2026-11-27)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Else torch wraps __torch_dispatch__ in _disable_dynamo, whose first call imports
+        # torch._dynamo: 1.7 s of every emulated bf16 run's start on a 2-vCPU EPYC.
+        # Nothing runs under torch.compile in this mode (train/optimizer_methods.py).
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in _BF16_GEMMS and any(
