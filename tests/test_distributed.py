@@ -8,6 +8,7 @@ tolerance (summation order differs).
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -26,9 +27,11 @@ from dist_workers import (
     train_with_rank_overrides,
 )
 
+from recscale.config import load_config
 from recscale.distributed.spawn import run_ranks
 from recscale.models.dlrm import build_model
 from recscale.train.optimizers import build_dense_optimizer
+from recscale.train.run import train
 
 STEPS, BATCH = 4, 64
 KINDS = ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]
@@ -203,3 +206,26 @@ def test_checkpoints_by_the_clock_are_taken_by_every_rank_at_one_step(tmp_path):
     for ckpt in saved:
         parts = {p.name for p in (ckpt / "parts").iterdir() if p.is_dir()}
         assert parts == {"rank00000", "rank00001"}, ckpt
+
+
+def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path):
+    """Tiers under sharding: each rank's shards on a file and a cache of its own, the
+    same AUC as one process with the same placement."""
+    tier = [
+        "--embedding.placement=ssd",
+        "--embedding.cache_bytes=150000",
+        "--train.steps=60",
+        "--data.max_ids_per_feature=2",
+    ]
+    ranks = [*tier, f"--embedding.ssd_dir={tmp_path / 'ssd'}"]
+    got = run_ranks(train_with_rank_overrides, 2, str(tmp_path), {0: ranks, 1: ranks}, timeout=120)
+    assert got == ["ok", "ok"]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["embedding_cache"]["lookups"] > 0
+    assert metrics["embedding_cache"]["hit_rate"] < 1.0  # the cache is smaller than the tables
+    assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["rank00000", "rank00001"]
+    one = [*tier, f"--embedding.ssd_dir={tmp_path / 'ssd1'}", "--train.progress=false"]
+    cfg = load_config("debug", [*one, "--train.save_model=false", "--train.device=cpu"])
+    single = train(cfg, None, echo=lambda _m: None)
+    assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
+    assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)

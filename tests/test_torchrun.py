@@ -59,31 +59,6 @@ def _torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProc
     )
 
 
-def test_two_ranks_train_like_one(tmp_path: Path):
-    run = tmp_path / "run"
-    out = _torchrun(ARGS + ["--train.steps=60", "--run-dir", str(run)])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["steps"] == 60
-    log = (run / "train_log.jsonl").read_text().splitlines()
-    assert len(log) == 60 // 25 + 1  # written once, by rank 0
-
-    cfg = load_config(
-        "debug",
-        [
-            "--train.steps=60",
-            "--train.progress=false",
-            "--data.max_ids_per_feature=2",
-            "--train.save_model=false",
-        ],
-    )
-    cfg.train.device = _ranks_device()
-    single = train(cfg, None, echo=lambda _m: None)
-    assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
-    assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)
-
-
 def _ranks_device() -> str:
     """Where the 2-rank runs train (see ``_env``): compare with one process there."""
     return "auto" if torch.cuda.device_count() >= 2 else "cpu"
@@ -138,30 +113,6 @@ def test_killed_rank_fails_the_job(tmp_path: Path):
             proc.wait()
 
 
-def test_two_ranks_on_the_ssd_tier_train_like_one(tmp_path: Path):
-    """Tiers under sharding: each rank's shards on its own file and cache; the same AUC
-    as one process with the same placement; the final checkpoint resumes."""
-    tier = [
-        "--embedding.placement=ssd",
-        f"--embedding.ssd_dir={tmp_path / 'ssd'}",
-        "--embedding.cache_bytes=150000",
-        "--train.steps=60",
-    ]
-    run = tmp_path / "run"
-    out = _torchrun(ARGS + tier + ["--run-dir", str(run)])
-    assert out.returncode == 0, out.stderr[-3000:]
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["embedding_cache"]["lookups"] > 0
-    assert metrics["embedding_cache"]["hit_rate"] < 1.0  # the cache is smaller than the tables
-    assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["rank00000", "rank00001"]
-    cfg = load_config("debug", ARGS[5:] + tier + ["--train.save_model=false"])
-    cfg.embedding.ssd_dir = str(tmp_path / "ssd1")
-    cfg.train.device = _ranks_device()
-    single = train(cfg, None, echo=lambda _m: None)
-    assert metrics["auc"] == pytest.approx(single["auc"], abs=1e-4)
-    assert metrics["logloss"] == pytest.approx(single["logloss"], abs=1e-4)
-
-
 def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_path: Path):
     """Tables of one row, row-wise over 2 ranks: rank 1's shards hold no rows. Its
     lookup pooled uninitialised memory (a NaN at step 1) and its checkpoint part failed
@@ -172,6 +123,9 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
     more = ["--distributed.sharding=row_wise", "--checkpoint.every_steps=5"]
     out = _torchrun(ARGS + tiny + more + ["--train.steps=10", "--run-dir", str(run)])
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
+    log = (run / "train_log.jsonl").read_text().splitlines()
+    assert len(log) == 1  # the last step's line (log_every 25), written once, by rank 0
     out = _torchrun(ARGS[:3] + ["--resume", str(run), "--train.steps=15"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stderr + out.stdout
