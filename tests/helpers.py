@@ -117,6 +117,75 @@ def cli(*args: str, timeout: float = 180, **kw):
     )
 
 
+def _forked_main(argv: list[str], out: str, err: str, environ: dict, cwd: str) -> None:
+    """``recscale ARGV`` with fds 1 and 2 on the files ``out`` and ``err``; exits with
+    its exit code (an uncaught exception: its traceback and 1, as the interpreter)."""
+    import os
+    import sys
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1 for this process's life
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    from recscale.cli.main import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except Exception:  # noqa: BLE001 - what the interpreter would print and exit 1
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(rc)
+
+
+def forked_cli(*args: str, timeout: float = 180, env: dict | None = None, cwd=None):
+    """``recscale ARGS`` in a process of its own, as ``cli`` reports it (exit code, stdout,
+    stderr; ``subprocess.TimeoutExpired`` past ``timeout``, the process killed), forked
+    from the server that imported torch and recscale (the distributed tests' ranks'
+    ``recscale.distributed.spawn.process_context``) instead of a fresh interpreter's
+    3-4 s import: for what takes another process - a lock held by this one, a hang to
+    time out, a rank of its own - but not what a fresh one reads at import (numba's
+    environment) or a shell's redirections."""
+    import os
+    import subprocess
+    import tempfile
+
+    from recscale.distributed.spawn import process_context
+
+    with tempfile.TemporaryDirectory(prefix="recscale-cli-") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        environ = dict(os.environ if env is None else env)
+        proc = process_context().Process(
+            target=_forked_main, args=(list(args), out, err, environ, str(cwd or os.getcwd()))
+        )
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["recscale", *args], timeout)
+        return subprocess.CompletedProcess(
+            ["recscale", *args], proc.exitcode, _read_or_empty(out), _read_or_empty(err)
+        )
+
+
+def _read_or_empty(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:  # the process died before it opened it
+        return ""
+
+
 def train_then_eval(data_path, run, steps: int) -> tuple[dict, dict]:
     """``recscale train --config debug`` on a dataset for ``steps`` (its 'train' split
     scored), then ``recscale eval --json`` of that split: the run's metrics.json and

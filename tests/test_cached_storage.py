@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -245,14 +244,26 @@ def test_training_with_prefetch_matches_memory_and_reports_the_cache(
     assert len(warmed) == (warm and row_order == "frequency")
 
 
+def train_quietly(argv: list[str]) -> None:
+    """``recscale ARGV``, its output to /dev/null (the run a test kills)."""
+    import contextlib
+
+    from recscale.cli.main import main
+
+    with open(os.devnull, "w") as null:
+        with contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+            main(argv)
+
+
 def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
     """The ssd file is scratch: after a SIGKILL (maybe mid write-back) the resumed run
     rewrites every row from the last checkpoint and ends where an uninterrupted one does."""
+    from helpers import run_cli
+
+    from recscale.distributed.spawn import process_context
+
     run = tmp_path / "run"
     args = [
-        sys.executable,
-        "-m",
-        "recscale",
         "train",
         "--config",
         "debug",
@@ -263,29 +274,26 @@ def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
         "--checkpoint.every_steps=20",
         "--checkpoint.async_write=false",
     ]
-    proc = subprocess.Popen(
-        args + ["--train.steps=100000", "--run-dir", str(run)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    # a fork of a server that imported torch: the run to kill starts without that import
+    proc = process_context().Process(
+        target=train_quietly, args=(args + ["--train.steps=100000", "--run-dir", str(run)],)
     )
+    proc.start()
     try:
         deadline = time.monotonic() + 120
         while len(list((run / "checkpoints").glob("step_*"))) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline
+            assert proc.is_alive() and time.monotonic() < deadline
             time.sleep(0.1)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
+        if proc.is_alive():
             proc.kill()
+            proc.join()
     assert any((run / "embeddings").iterdir())  # the scratch file survived the kill
     steps = ["--train.steps=80", "--data.eval_samples=4096"]
-    resumed = subprocess.run(
-        args + steps + ["--resume", str(run), "--run-dir", str(tmp_path / "r2")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_cli(*args, *steps, "--resume", str(run), "--run-dir", str(tmp_path / "r2"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     cfg = load_config(
         "debug",

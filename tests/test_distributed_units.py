@@ -256,7 +256,7 @@ def test_a_rank_started_alone_stops_in_one_line_after_the_timeout(tmp_path):
     import os
     import socket
 
-    from helpers import cli, error_line
+    from helpers import error_line, forked_cli
 
     with socket.socket() as s:  # a port nobody listens on once closed
         s.bind(("127.0.0.1", 0))
@@ -270,7 +270,7 @@ def test_a_rank_started_alone_stops_in_one_line_after_the_timeout(tmp_path):
         "MASTER_PORT": str(port),
     }
     run = tmp_path / "run"
-    r = cli(
+    r = forked_cli(
         "train",
         "--config",
         "debug",

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cli, error_line, run_cli
+from helpers import error_line, forked_cli, run_cli
 
 from recscale.checkpoint.format import CheckpointError, manifest_crc, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
@@ -30,7 +30,7 @@ CKPT = ["--checkpoint.every_steps=10", "--checkpoint.full_every=1"]
 
 def _train_on_ssd(ssd: Path, run: Path) -> subprocess.CompletedProcess:
     args = ["--embedding.placement=ssd", f"--embedding.ssd_dir={ssd}", "--run-dir", str(run)]
-    return cli("train", "--config", "debug", *BASE, *args, timeout=60)
+    return forked_cli("train", "--config", "debug", *BASE, *args, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +150,9 @@ def test_a_fifo_named_in_a_manifest_does_not_hang_inspect_or_resume(
     ck = run / "checkpoints" / "step_00000020"
     (ck / "trainer.json").unlink()
     os.mkfifo(ck / "trainer.json")
-    r = cli("checkpoint", "inspect", str(ck), timeout=60)
+    r = forked_cli("checkpoint", "inspect", str(ck), timeout=60)
     assert r.returncode == 1 and "not a regular file" in r.stdout + r.stderr
-    r = cli("train", "--resume", str(run), "--train.steps=30", timeout=120)
+    r = forked_cli("train", "--resume", str(run), "--train.steps=30", timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "skipping checkpoint step_00000020" in out and "not a regular file" in out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, error_line, make_dataset, run_cli
+from helpers import error_line, forked_cli, make_dataset, run_cli
 
 from recscale import locks, native
 from recscale.config import ConfigError, load_config
@@ -214,7 +214,7 @@ def test_a_second_writer_of_a_run_directory_is_told_who_holds_it(tmp_path):
     train(load_config("debug", [*BASE, "--checkpoint.every_steps=10"]), run, **QUIET)
     locks.hold(run_lock(run), "test")  # as a first `--resume` still running would
     try:
-        r = cli("train", "--resume", str(run), "--train.steps=30")  # another process
+        r = forked_cli("train", "--resume", str(run), "--train.steps=30")  # another process
         assert r.returncode == 1 and f"pid {os.getpid()}" in error_line(r.stderr)
     finally:
         locks.release(run_lock(run))
@@ -226,7 +226,7 @@ def test_a_second_writer_of_a_dataset_is_told_who_holds_it(tmp_path):
     lock = tmp_path / ".mh.lock"
     locks.hold(lock, "test")
     try:
-        r = cli("data", "multihot", "--input", str(ds), "--out", str(tmp_path / "mh"))
+        r = forked_cli("data", "multihot", "--input", str(ds), "--out", str(tmp_path / "mh"))
         assert r.returncode == 1 and f"pid {os.getpid()}" in error_line(r.stderr)
     finally:
         locks.release(lock)
