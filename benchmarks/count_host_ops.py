@@ -45,6 +45,10 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # else its first dispatch imports torch._dynamo (train/precision.py)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))

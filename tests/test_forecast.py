@@ -496,7 +496,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def test_the_host_op_counter_counts_each_dispatched_op():
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from count_host_ops import OpCounter
+        from count_host_ops import OpCounter, count_recscale
     finally:
         sys.path.remove(str(BENCHMARKS))
     w = torch.randn(4, 3, requires_grad=True)
@@ -505,15 +505,8 @@ def test_the_host_op_counter_counts_each_dispatched_op():
     forward = {"aten.randn", "aten.mm", "aten.relu", "aten.sum"}
     assert forward <= set(c.ops) and c.ops["aten.mm"] == 2  # forward + w's gradient
     assert sum(c.ops.values()) >= 8  # + threshold_backward, expand, t, ...
-    r = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "count_host_ops.py"), "recscale", "--config", "debug"]
-        + ["--stages"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # what `count_host_ops.py recscale --config debug --stages` prints
+    out = json.loads(count_recscale("debug", [], steps=3, stages=True))
     assert out["system"] == "recscale" and "--model.kernels=torch" in out["overrides"]
     assert out["ops"] > forecast(load_config("debug"), device_spec("h100-sxm")).kernels
     # split by the bench's stages: every op in one of them, each stage dispatching some

@@ -28,18 +28,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the fork server imports before it forks a rank (``process_context``)
+_PRELOAD = ["recscale", "torch", "torch.distributed", "torch._dynamo"]
+
+
+def also_preload(*modules: str) -> None:
+    """Modules the fork server imports besides torch and recscale's package, for a caller
+    whose ranks import more (the tests: ``recscale.train.run``, 1.2 s a rank on a
+    2-vCPU host). Takes effect where called before the server starts (its first rank)."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def process_context():
     """Ranks fork from a server that imported torch and recscale once (the ``forkserver``
     start method): each rank then starts in ~0.1 s instead of the 2-3 s an import of
     torch takes on a fresh interpreter (``spawn``, where the platform has no forkserver).
-    The server imports only those (and torch._dynamo, below) and runs no torch op, so it
-    holds no thread pool a fork would break."""
+    The server imports only modules and runs no torch op, so it holds no thread pool a
+    fork would break (torch's and numba's start at their first parallel call; the
+    native kernels' OpenMP team is taken per process, ``native/team.py``)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # torch._dynamo too: DistributedDataParallel's constructor reads its settings (an
     # import of 1.7 s on a 2-vCPU host, in every rank without it)
-    ctx.set_forkserver_preload(["recscale", "torch", "torch.distributed", "torch._dynamo"])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 
