@@ -117,7 +117,7 @@ def cli(*args: str, timeout: float = 180, **kw):
     )
 
 
-def _forked_main(argv: list[str], out: str, err: str, environ: dict, cwd: str) -> None:
+def forked_main(argv: list[str], out: str, err: str, environ: dict, cwd: str) -> None:
     """``recscale ARGV`` with fds 1 and 2 on the files ``out`` and ``err``; exits with
     its exit code (an uncaught exception: its traceback and 1, as the interpreter)."""
     import os
@@ -165,7 +165,7 @@ def forked_cli(*args: str, timeout: float = 180, env: dict | None = None, cwd=No
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
         environ = dict(os.environ if env is None else env)
         proc = process_context().Process(
-            target=_forked_main, args=(list(args), out, err, environ, str(cwd or os.getcwd()))
+            target=forked_main, args=(list(args), out, err, environ, str(cwd or os.getcwd()))
         )
         proc.start()
         proc.join(timeout)

@@ -244,21 +244,10 @@ def test_training_with_prefetch_matches_memory_and_reports_the_cache(
     assert len(warmed) == (warm and row_order == "frequency")
 
 
-def train_quietly(argv: list[str]) -> None:
-    """``recscale ARGV``, its output to /dev/null (the run a test kills)."""
-    import contextlib
-
-    from recscale.cli.main import main
-
-    with open(os.devnull, "w") as null:
-        with contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
-            main(argv)
-
-
 def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
     """The ssd file is scratch: after a SIGKILL (maybe mid write-back) the resumed run
     rewrites every row from the last checkpoint and ends where an uninterrupted one does."""
-    from helpers import run_cli
+    from helpers import forked_main, run_cli
 
     from recscale.distributed.spawn import process_context
 
@@ -275,8 +264,9 @@ def test_killed_mid_training_resumes_from_the_checkpoint(tmp_path):
         "--checkpoint.async_write=false",
     ]
     # a fork of a server that imported torch: the run to kill starts without that import
+    argv = args + ["--train.steps=100000", "--run-dir", str(run)]
     proc = process_context().Process(
-        target=train_quietly, args=(args + ["--train.steps=100000", "--run-dir", str(run)],)
+        target=forked_main, args=(argv, os.devnull, os.devnull, dict(os.environ), os.getcwd())
     )
     proc.start()
     try:
