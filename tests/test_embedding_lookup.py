@@ -9,11 +9,11 @@ from recscale.embedding.optimizers import SparseSGD
 from recscale.modules.embedding_bag_collection import (
     _INIT_CHUNK_ROWS,
     EmbeddingBagCollection,
-    IdOutOfRangeError,
     TableSpec,
     _chunk_seed,
     init_table_rows,
 )
+from recscale.modules.id_checks import IdOutOfRangeError
 
 
 def _tables(sizes, dims):

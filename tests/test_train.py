@@ -14,7 +14,7 @@ import torch
 
 from recscale.config import load_config
 from recscale.data.synthetic import SyntheticCriteo
-from recscale.modules.embedding_bag_collection import IdOutOfRangeError
+from recscale.modules.id_checks import IdOutOfRangeError
 from recscale.train.run import TrainingDiverged, train
 
 
@@ -89,6 +89,41 @@ def test_out_of_range_id_names_feature(monkeypatch):
     monkeypatch.setattr(SyntheticCriteo, "batch", corrupt)
     cfg = load_config("debug", ["--train.progress=false"])
     with pytest.raises(IdOutOfRangeError, match=r"id 1000000 of feature C5"):
+        train(cfg, None, echo=_quiet)
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        [],  # fp32 rows, dim 8: torch's lookup
+        ["--model.embedding_dim=16", "--model.bottom_mlp=[32,16]"],  # the native lookup
+        ["--embedding.row_precision=int8"],
+        ["--embedding.row_precision=fp16"],
+        ["--embedding.compression=qr", "--embedding.compress_min_rows=10"],
+        ["--embedding.placement=ssd", "--embedding.cache_bytes=200000"],
+        ["--train.precision=bf16"],
+    ],
+    ids=["fp32", "native", "int8", "fp16", "qr", "ssd", "bf16"],
+)
+def test_unchecked_ids_past_every_table_still_stop_the_step(monkeypatch, tmp_path, storage):
+    """``embedding.validate_ids=false`` skips the per-feature check, not memory safety:
+    an id past all of a storage's rows stops the step - never a read or write outside
+    the rows - and the failed lookup is explained as the check would have (torch's
+    "Expected i < index_size" named nothing; schema.py's comment says what the switch
+    does give up)."""
+    original = SyntheticCriteo.batch
+
+    def corrupt(self, index, batch_size, split="train"):
+        batch = original(self, index, batch_size, split)
+        if index == 2 and split == "train":
+            batch.values[-1] = 1 << 40  # the last feature's last id, past every row
+        return batch
+
+    monkeypatch.setattr(SyntheticCriteo, "batch", corrupt)
+    overrides = ["--train.progress=false", "--embedding.validate_ids=false", "--train.steps=4"]
+    overrides += [f"--embedding.ssd_dir={tmp_path}", "--data.prefetch_batches=0", *storage]
+    cfg = load_config("debug", overrides)
+    with pytest.raises(IdOutOfRangeError, match=r"id 1099511627776 of feature C26 .*is off"):
         train(cfg, None, echo=_quiet)
 
 

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.distributed.pipeline import InputStalled
     from recscale.embedding.cached_storage import CacheTooSmallError
     from recscale.launch_env import launch_env
-    from recscale.modules.embedding_bag_collection import IdOutOfRangeError
+    from recscale.modules.id_checks import IdOutOfRangeError
     from recscale.train.data_source import refuse_synthetic_keys
     from recscale.train.run import RunDirInUse, TrainingDiverged, train
 

@@ -52,9 +52,9 @@ from recscale.modules.embedding_bag_collection import (
     EmbeddingBagCollection,
     TablePart,
     TableSpec,
-    check_ids,
     pooling_weights,
 )
+from recscale.modules.id_checks import check_ids
 from recscale.planner.layout import ShardLayout
 
 StorageFactory = Callable[[int, int, SparseOptimizer, list[TableSpec], list[TablePart]], RowStorage]

@@ -32,6 +32,7 @@ from recscale.embedding.lookup import (
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.sizing import INIT_DRAW_MAX_VALUES
 from recscale.embedding.storage import DeviceStorage, RowStorage
+from recscale.modules.id_checks import check_ids, explain_failed_lookup
 from recscale.torch_threads import on_torch_threads
 
 _INIT_CHUNK_ROWS = 1 << 16
@@ -150,31 +151,6 @@ def _write_drawn_chunks(
     on_torch_threads(
         write, range(0, n, _INIT_CHUNK_ROWS), _INIT_THREADS, at_once=storage.tier == "device"
     )
-
-
-class IdOutOfRangeError(ValueError):
-    """An id is negative or >= its table's row count; names the feature and the value."""
-
-
-def check_ids(
-    values: torch.Tensor,
-    feature: torch.Tensor,
-    bag_of_id: torch.Tensor,
-    batch_size: int,
-    table_sizes: torch.Tensor,
-    tables: list[TableSpec],
-) -> None:
-    """Raise :class:`IdOutOfRangeError` for the first id outside its table (bags are
-    feature-major: bag ``i`` is feature ``feature = i // B``, sample ``i % B``)."""
-    bad = (values < 0) | (values >= table_sizes[feature])
-    if bool(bad.any()):
-        n = int(bad.nonzero()[0, 0])
-        f = int(feature[n])
-        raise IdOutOfRangeError(
-            f"id {int(values[n])} of feature {tables[f].name} (sample "
-            f"{int(bag_of_id[n]) % batch_size} "
-            f"of the batch) is outside its table of {tables[f].num_rows} rows"
-        )
 
 
 def pooling_weights(
@@ -466,8 +442,13 @@ class EmbeddingBagCollection(nn.Module):
             if len(self.groups) > 1
             else None
         )
-        for i, g in groups:
-            g.storage.prefetch(rows if group is None else rows[group == i])
+        try:
+            for i, g in groups:
+                g.storage.prefetch(rows if group is None else rows[group == i])
+        except IndexError as e:  # a tier's row out of bounds
+            if not self.validate_ids:
+                explain_failed_lookup(e, values, offsets, batch_size, self.table_sizes, self.tables)
+            raise
 
     def forward(
         self,
@@ -525,6 +506,14 @@ class EmbeddingBagCollection(nn.Module):
         return pooled, rows, bag_of_id
 
     def _pooled(self, values, offsets, batch_size, weights, bf16: bool = False) -> torch.Tensor:
+        try:
+            return self._lookup(values, offsets, batch_size, weights, bf16)
+        except (IndexError, RuntimeError) as e:
+            if not self.validate_ids:  # name the id, where one is past its table
+                explain_failed_lookup(e, values, offsets, batch_size, self.table_sizes, self.tables)
+            raise
+
+    def _lookup(self, values, offsets, batch_size, weights, bf16: bool = False) -> torch.Tensor:
         """``[B, F, D]`` (tables of one dim; see ``pooled_by_feature``: over several groups
         a view of ``[F, B, D]``) or ``[B, sum_f D_f]``."""
         num_f, b = self.num_features, batch_size
