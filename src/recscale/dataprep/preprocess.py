@@ -56,6 +56,7 @@ from recscale.dataprep.common import (
 )
 from recscale.dataprep.id_counts import IdCounts
 from recscale.dataprep.multihot_parquet import is_multi_hot_parquet, preprocess_multihot_parquet
+from recscale.units import size_text
 
 
 class _RawColumns:
@@ -175,7 +176,7 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
             file_rows.append((path, lo, raw.rows))
             echo(
                 f"parsed {path}: {raw.rows - lo:,} rows "
-                f"({text_bytes / 1e6 / (time.perf_counter() - start):.0f} MB/s so far)"
+                f"({size_text(text_bytes / (time.perf_counter() - start))}/s so far)"
             )
     cols = raw.close()
     parse_seconds = time.perf_counter() - start
@@ -273,7 +274,7 @@ def _preprocess(opts: PreprocessOptions, echo: Callable[[str], None]) -> dict[st
     echo(
         f"wrote {out}: "
         + ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits_meta.items())
-        + f" in {seconds:.1f}s ({text_bytes / 1e6 / seconds:.0f} MB/s overall, parse "
-        f"{text_bytes / 1e6 / parse_seconds:.0f} MB/s)"
+        + f" in {seconds:.1f}s ({size_text(text_bytes / seconds)}/s overall, parse "
+        f"{size_text(text_bytes / parse_seconds)}/s)"
     )
     return meta
