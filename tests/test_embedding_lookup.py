@@ -6,14 +6,9 @@ from helpers import per_feature_inputs, random_jagged
 from torch import nn
 
 from recscale.embedding.optimizers import SparseSGD
-from recscale.modules.embedding_bag_collection import (
-    _INIT_CHUNK_ROWS,
-    EmbeddingBagCollection,
-    TableSpec,
-    _chunk_seed,
-    init_table_rows,
-)
+from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 from recscale.modules.id_checks import IdOutOfRangeError
+from recscale.modules.table_init import INIT_CHUNK_ROWS, chunk_seed, init_table_rows
 
 
 def _tables(sizes, dims):
@@ -179,16 +174,16 @@ def test_initial_rows_are_each_chunks_own_draw_in_any_rectangle(threads):
     contract drawn one chunk at a time into a fresh tensor: chunk ``c`` holds
     U(-1/sqrt(n), 1/sqrt(n)) from a generator seeded by (seed, feature, c). Any row
     block and column block of the table holds the whole table's values."""
-    n, dim, seed, feature = 3 * _INIT_CHUNK_ROWS + 77, 6, 11, 4
+    n, dim, seed, feature = 3 * INIT_CHUNK_ROWS + 77, 6, 11, 4
     bound = (1.0 / n) ** 0.5
     whole = torch.cat(
         [
-            torch.empty(min(n, lo + _INIT_CHUNK_ROWS) - lo, dim).uniform_(
+            torch.empty(min(n, lo + INIT_CHUNK_ROWS) - lo, dim).uniform_(
                 -bound,
                 bound,
-                generator=torch.Generator().manual_seed(_chunk_seed(seed, feature, c)),
+                generator=torch.Generator().manual_seed(chunk_seed(seed, feature, c)),
             )
-            for c, lo in enumerate(range(0, n, _INIT_CHUNK_ROWS))
+            for c, lo in enumerate(range(0, n, INIT_CHUNK_ROWS))
         ]
     )
     before = torch.get_num_threads()
@@ -197,8 +192,8 @@ def test_initial_rows_are_each_chunks_own_draw_in_any_rectangle(threads):
         for rows, cols in [
             ((0, n), (0, dim)),
             ((5, n - 3), (0, dim)),
-            ((_INIT_CHUNK_ROWS, 2 * _INIT_CHUNK_ROWS), (0, dim)),
-            ((100, 2 * _INIT_CHUNK_ROWS + 9), (2, 5)),
+            ((INIT_CHUNK_ROWS, 2 * INIT_CHUNK_ROWS), (0, dim)),
+            ((100, 2 * INIT_CHUNK_ROWS + 9), (2, 5)),
             ((7, 7), (0, dim)),
         ]:
             out = torch.full((rows[1] - rows[0], cols[1] - cols[0]), float("nan"))

@@ -52,6 +52,51 @@ def test_lookup_matches_embedding_bag(tk, device, dim, weighted):
     assert bool((out[offsets[1:] == offsets[:-1]] == 0).all())  # empty bags are zeros
 
 
+@pytest.mark.parametrize("bad", [97, 1 << 40, -1, -(1 << 40)])
+def test_lookup_never_reads_past_the_table(tk, device, bad):
+    """A row outside the table adds zeros to its bag (never memory past the table) and,
+    asked to check, the lookup raises before it launches. The reference: the same bags
+    with that id's weight zero."""
+    rows, dim = 97, 16
+    ids, offsets, psw, _ = _bags(70, rows, device, seed=3)
+    weight = torch.randn(rows, dim, device=device)
+    ids[[0, 5, -1]] = bad
+    unchecked = tk.pooled_lookup(weight, ids, offsets, psw, check_rows=False)
+    kept = torch.where(ids == bad, 0.0, psw)
+    ref = F.embedding_bag(ids.clamp(0, rows - 1), weight, offsets, mode="sum",
+                          per_sample_weights=kept, include_last_offset=True)  # fmt: skip
+    torch.testing.assert_close(unchecked, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(IndexError, match=rf"row {bad} is outside the table's 97 rows"):
+        tk.pooled_lookup(weight, ids, offsets, psw)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_fused_update_writes_nothing_when_a_row_is_outside_the_table(tk, device, optimizer):
+    """An update that meets a row outside the table raises having written no row, no
+    optimizer state and no dirty flag."""
+    from recscale.config import load_config
+    from recscale.embedding.optimizers import build_sparse_optimizer
+
+    opt = build_sparse_optimizer(
+        load_config("debug", [f"--embedding.optimizer={optimizer}"]).embedding
+    )
+    rows, dim = 50, 8
+    ids, offsets, psw, bag_of_id = _bags(40, rows, device, seed=4)
+    ids[7] = rows  # one past the last row
+    weight = torch.randn(rows, dim, device=device)
+    state = {
+        name: torch.rand(rows, *shape, device=device)
+        for name, shape in opt.state_shapes(dim).items()
+    }
+    before = [weight.clone(), *(t.clone() for t in state.values())]
+    dirty = torch.zeros(rows, dtype=torch.bool, device=device)
+    grad = torch.randn(offsets.shape[0] - 1, dim, device=device)
+    with pytest.raises(IndexError, match=r"row 50 is outside the table's 50 rows"):
+        tk.fused_update(opt, weight, state, ids, bag_of_id, psw, grad, 1, dirty)
+    assert all(torch.equal(a, b) for a, b in zip(before, [weight, *state.values()]))
+    assert not bool(dirty.any())
+
+
 def _dense_reference(optimizer: str, weight, ids, offsets, psw, grads, lr):
     """K steps of nn.EmbeddingBag + a torch optimizer (dense gradient of the whole table)."""
     bag = torch.nn.EmbeddingBag.from_pretrained(
@@ -254,6 +299,38 @@ def test_training_with_triton_kernels_equals_the_torch_path(tk, device, optimize
         out[kernel] = [g.storage.weight.detach().cpu().clone() for g in ebc.groups]
     for a, b in zip(out["torch"], out["triton"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_unchecked_ids_past_the_tables_are_named_in_training_and_evaluation(tk, device):
+    """With ``validate_ids=False`` the Triton path still stops at an id past every row,
+    named as the check would: evaluation's lookup checks its rows; a training step's
+    lookup reads zeros for it and its update raises, having changed no row."""
+    from recscale.config import load_config
+    from recscale.embedding.optimizers import build_sparse_optimizer
+    from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
+    from recscale.modules.id_checks import IdOutOfRangeError
+
+    cfg = load_config("debug", [])
+    tables = [TableSpec(f"C{i}", n, 8) for i, n in enumerate([30, 5, 80])]
+    ebc = EmbeddingBagCollection(
+        tables,
+        "sum",
+        lambda: build_sparse_optimizer(cfg.embedding),
+        device=device,
+        seed=1,
+        kernel="triton",
+        validate_ids=False,
+    )
+    batch = random_jagged([t.num_rows for t in tables], 16, seed=2).to(device)
+    batch.values[-1] = 1 << 40  # the last feature's last id
+    named = r"id 1099511627776 of feature C2 \(sample \d+ of the batch\) is outside its table"
+    with torch.no_grad(), pytest.raises(IdOutOfRangeError, match=named):
+        ebc(batch.values, batch.offsets, batch.batch_size)
+    before = ebc.groups[0].storage.weight.detach().clone()
+    pooled = ebc(batch.values, batch.offsets, batch.batch_size)
+    with pytest.raises(IdOutOfRangeError, match=named + ".*embedding.validate_ids is off"):
+        pooled.sum().backward()
+    assert torch.equal(ebc.groups[0].storage.weight.detach(), before)
 
 
 def test_auto_never_picks_triton_on_the_cpu():

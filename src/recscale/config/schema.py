@@ -159,9 +159,9 @@ class EmbeddingConfig:
     # Initial value of the row-wise Adagrad accumulator.
     initial_accumulator: float = 0.0
     # Check every id against its table size each step (cheap; catches bad data early).
-    # Off, an id past all of a storage's rows still stops a CPU run (named as the check
-    # would), but one past its own table reads the next table's rows, and the Triton
-    # kernels of a GPU run bound no row: only for data already checked.
+    # Off, an id past all of a storage's rows still stops the run (named as the check
+    # would; every kernel bounds its rows), but one past its own table reads the next
+    # table's rows: only for data already checked.
     validate_ids: bool = True
     # Where the rows live: device (memory of the training device), ssd (a file under
     # ssd_dir behind a hot-row cache of cache_bytes; for tables larger than memory), host

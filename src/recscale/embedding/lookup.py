@@ -19,6 +19,8 @@ callers pass a zero-size ``placeholder`` parameter; it receives no gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from recscale import native
@@ -28,10 +30,19 @@ from recscale.embedding.storage import RowStorage
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights, pooled
+        ctx,
+        placeholder,
+        storage,
+        rows,
+        offsets,
+        bag_of_id,
+        segments,
+        per_sample_weights,
+        pooled,
+        explain,
     ):
         """``pooled``: already computed (the native lookup), else ``storage.lookup``."""
-        ctx.storage = storage
+        ctx.storage, ctx.explain = storage, explain
         ctx.save_for_backward(rows, bag_of_id, segments, per_sample_weights)
         if pooled is not None:
             return pooled
@@ -44,10 +55,15 @@ class _FusedLookup(torch.autograd.Function):
             grad_pooled = grad_pooled.float()  # a bf16 pooled output's gradient
         # A storage with ``always_apply`` (a replica that all-reduces) joins every step.
         if rows.numel() > 0 or ctx.storage.always_apply:
-            ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
+            try:
+                ctx.storage.apply_pooled_gradients(rows, segments, bag_of_id, psw, grad_pooled)
+            except IndexError as e:  # a row outside the storage, left to the update to find
+                if ctx.explain is not None:
+                    ctx.explain(e)
+                raise
         else:  # every backward is one optimizer step (Adam's bias correction counts them)
             ctx.storage.step.add_(1)
-        return None, None, None, None, None, None, None, None
+        return (None,) * 9
 
 
 def pooled_lookup(
@@ -59,9 +75,13 @@ def pooled_lookup(
     segments: torch.Tensor,
     per_sample_weights: torch.Tensor | None = None,
     pooled: torch.Tensor | None = None,
+    explain: Callable[[Exception], None] | None = None,
 ) -> torch.Tensor:
     """Sum-pooled ``[num_bags, dim]``; in training, backward updates ``storage`` in place.
     ``pooled``: the result, already computed by :func:`native_pooled_lookup`.
+    ``explain``: called with the IndexError of an update that met a row outside the
+    storage (a lookup that reads no such row leaves finding it to the update: the Triton
+    kernels), to raise a clearer error in its place.
 
     ``bag_of_id[n]`` is the bag of ``rows[n]`` (``repeat_interleave`` of bag lengths);
     ``segments`` are the value-index boundaries of the features (``offsets[::B]``).
@@ -69,7 +89,15 @@ def pooled_lookup(
     """
     if torch.is_grad_enabled() and placeholder.requires_grad:
         return _FusedLookup.apply(
-            placeholder, storage, rows, offsets, bag_of_id, segments, per_sample_weights, pooled
+            placeholder,
+            storage,
+            rows,
+            offsets,
+            bag_of_id,
+            segments,
+            per_sample_weights,
+            pooled,
+            explain,
         )
     if pooled is not None:
         return pooled

@@ -274,7 +274,10 @@ class DeviceStorage(RowStorage):
         if kernels.choose_once(self, self.kernel, "lookup", self.weight, self.dim) == "triton":
             from recscale.embedding import triton_kernels
 
-            return triton_kernels.pooled_lookup(self.weight, rows, offsets, per_sample_weights)
+            # a lookup for an update leaves checking its rows to the update (one sync less)
+            return triton_kernels.pooled_lookup(
+                self.weight, rows, offsets, per_sample_weights, check_rows=not for_update
+            )
         return F.embedding_bag(
             rows,
             self.weight,

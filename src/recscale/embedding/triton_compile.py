@@ -62,6 +62,7 @@ _LOOKUP_SIG = {
     "out_ptr": "*fp32",
     "num_bags": "i32",
     "D": "i32",
+    "num_rows": "i32",
 }
 _UPDATE_SIG = {
     "weight_ptr": "*fp32",

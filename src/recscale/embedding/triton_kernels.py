@@ -54,7 +54,7 @@ LIGHT = 32  # segments up to this many ids are summed id by id by their owning p
 W = 256  # ids a piece of a heavy row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _pooled_lookup_kernel(
     weight_ptr,
     rows_ptr,
@@ -63,6 +63,7 @@ def _pooled_lookup_kernel(
     out_ptr,
     num_bags,
     D,
+    num_rows,
     HAS_PSW: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -79,8 +80,10 @@ def _pooled_lookup_kernel(
         row = tl.load(rows_ptr + start + j, mask=valid, other=0)
         # The 2-D mask is derived from ``length`` again, not from ``valid``: Triton 3.6's
         # layout pass fails ("mask type matches ptr type") when one 1-D mask feeds both a
-        # 1-D load and a vectorized 2-D load (weight and D divisible by 16).
-        m2 = (j < length[:, None]) & cmask[None, :]
+        # 1-D load and a vectorized 2-D load (weight and D divisible by 16). A row outside
+        # the table reads as zeros, never memory past it (the wrapper's doc).
+        inside = (row >= 0) & (row < num_rows)
+        m2 = (j < length[:, None]) & inside[:, None] & cmask[None, :]
         v = tl.load(weight_ptr + row[:, None] * D + cols[None, :], mask=m2, other=0.0)
         if HAS_PSW:
             v = v * tl.load(psw_ptr + start + j, mask=valid, other=0.0)[:, None]
@@ -229,16 +232,31 @@ def _sub(block_d: int, budget: int = 4096) -> int:
     return max(1, min(W, budget // block_d))
 
 
+def _check_rows(first: int, last: int, num_rows: int) -> None:
+    """Raise IndexError where the smallest or largest row is outside ``[0, num_rows)``."""
+    for row in (first, last):
+        if not 0 <= row < num_rows:
+            raise IndexError(f"row {row} is outside the table's {num_rows} rows")
+
+
 def pooled_lookup(
     weight: torch.Tensor,
     rows: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
+    check_rows: bool = True,
 ) -> torch.Tensor:
     """Sum-pooled ``[len(offsets) - 1, D]`` (``F.embedding_bag(mode="sum",
-    include_last_offset=True)`` semantics; empty bags give zeros)."""
+    include_last_offset=True)`` semantics; empty bags give zeros).
+
+    The kernel never reads outside ``weight``: a row outside it adds zeros. To say so,
+    ``check_rows`` reads the rows' extremes (one device sync) and raises IndexError
+    before the launch; a lookup that :func:`fused_update` follows leaves it to the
+    update, which reads them at a sync it makes anyway and raises before any write."""
     num_bags, dim = offsets.shape[0] - 1, weight.shape[1]
     out = torch.empty(num_bags, dim, device=weight.device, dtype=torch.float32)
+    if check_rows and rows.numel():
+        _check_rows(*torch.stack(torch.aminmax(rows)).tolist(), weight.shape[0])
     if num_bags == 0:
         return out
     block_b, block_d = _blocks(dim)
@@ -251,6 +269,7 @@ def pooled_lookup(
         out,
         num_bags,
         dim,
+        weight.shape[0],
         HAS_PSW=psw is not None,
         BLOCK_B=block_b,
         BLOCK_D=block_d,
@@ -271,7 +290,8 @@ def fused_update(
 ) -> None:
     """The fused embedding backward on ``weight`` / ``state`` (see the module doc);
     ``step`` is the optimizer's step count for Adam's bias correction. Marks the touched
-    rows in ``dirty`` (bool ``[rows]``) when given."""
+    rows in ``dirty`` (bool ``[rows]``) when given. Raises IndexError, having written
+    nothing, where a row is outside ``weight``."""
     from recscale.embedding.optimizers import fused_params
 
     n, dim = rows.shape[0], weight.shape[1]
@@ -279,12 +299,13 @@ def fused_update(
         return
     sorted_rows, order = torch.sort(rows, stable=True)  # a fixed summation order: bitwise resume
     unique, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    # one read (after the sync unique_consecutive makes): the rows' bounds, the longest run
+    first, last, most = torch.stack((sorted_rows[0], sorted_rows[-1], counts.max())).tolist()
+    _check_rows(first, last, weight.shape[0])
     u = unique.shape[0]
     seg = torch.zeros(u + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts, 0, out=seg[1:])
-    # pieces only where a heavy row can be (a row has at most n - u + 1 ids) and is: where
-    # ids are spread the host's work is one reduction more than a plain update
-    heavy = n - u >= LIGHT and int(counts.max()) > LIGHT
+    heavy = n - u >= LIGHT and most > LIGHT  # pieces only where a row has over LIGHT ids
     fp = fused_params(optimizer, step)
     s1, s2 = ([state[n] for n in fp.state_names] + [weight, weight])[:2]  # unused: any pointer
     block_u, block_d = _blocks(dim)

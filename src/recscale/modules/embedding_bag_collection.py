@@ -16,7 +16,6 @@ The backward of the lookup applies the sparse optimizer to the touched rows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,10 +32,8 @@ from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.sizing import INIT_DRAW_MAX_VALUES
 from recscale.embedding.storage import DeviceStorage, RowStorage
 from recscale.modules.id_checks import check_ids, explain_failed_lookup
+from recscale.modules.table_init import INIT_CHUNK_ROWS, INIT_THREADS, init_table_rows
 from recscale.torch_threads import on_torch_threads
-
-_INIT_CHUNK_ROWS = 1 << 16
-_INIT_THREADS = "recscale-init"  # the threads' names
 
 
 @dataclass(frozen=True)
@@ -78,57 +75,6 @@ class TablePart:
         return self.col_hi - self.col_lo
 
 
-def _chunk_seed(seed: int, feature: int, chunk: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + feature * 0xBF58476D1CE4E5B9 + chunk) % (1 << 63)
-
-
-@torch.no_grad()
-def init_table_rows(
-    out: torch.Tensor,
-    seed: int,
-    feature: int,
-    num_rows: int,
-    dim: int,
-    row_lo: int,
-    row_hi: int,
-    col_lo: int,
-    col_hi: int,
-) -> None:
-    """Fill ``out [row_hi - row_lo, col_hi - col_lo]`` with rows ``[row_lo, row_hi)`` and
-    columns ``[col_lo, col_hi)`` of table ``feature``'s initial weights.
-
-    Reference DLRM: U(-sqrt(1/n), sqrt(1/n)) for a table of n rows. Every chunk of
-    ``_INIT_CHUNK_ROWS`` rows has its own generator seeded by (seed, feature, chunk), so
-    any shard (a row block, a column block) is initialised to exactly the values the
-    whole table would hold, without drawing the rest; and temporaries stay bounded.
-
-    The chunks are drawn on torch's threads at once (each its own generator: the values
-    do not depend on the order), and a chunk ``out`` holds whole - every column, fp32 on
-    the CPU - is drawn in place: a contiguous block draws the same sequence as a fresh
-    tensor of its shape. Config B's 13 GB of tables took 22 s to draw (one thread, then
-    a copy that first touched every page)."""
-    bound = math.sqrt(1.0 / num_rows)
-    first, last = row_lo // _INIT_CHUNK_ROWS, (row_hi - 1) // _INIT_CHUNK_ROWS
-    in_place = (
-        (col_lo, col_hi) == (0, dim)
-        and out.device.type == "cpu"
-        and out.dtype == torch.float32
-        and out.is_contiguous()
-    )
-
-    def draw(c: int) -> None:
-        lo, hi = c * _INIT_CHUNK_ROWS, min(num_rows, (c + 1) * _INIT_CHUNK_ROWS)
-        gen = torch.Generator().manual_seed(_chunk_seed(seed, feature, c))
-        a, b = max(lo, row_lo), min(hi, row_hi)
-        if in_place and (a, b) == (lo, hi):
-            out[a - row_lo : b - row_lo].uniform_(-bound, bound, generator=gen)
-            return
-        chunk = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
-        out[a - row_lo : b - row_lo].copy_(chunk[a - lo : b - lo, col_lo:col_hi])
-
-    on_torch_threads(draw, range(first, last + 1) if row_hi > row_lo else range(0), _INIT_THREADS)
-
-
 def _write_drawn_chunks(
     storage: RowStorage, start: int, n: int, dim: int, seed: int, p: TablePart
 ) -> None:
@@ -140,7 +86,7 @@ def _write_drawn_chunks(
     so its chunks go in one at a time."""
 
     def write(lo: int) -> None:
-        hi = min(n, lo + _INIT_CHUNK_ROWS)
+        hi = min(n, lo + INIT_CHUNK_ROWS)
         chunk = torch.empty(hi - lo, dim)
         init_table_rows(
             chunk, seed, p.feature, p.table_rows, p.table_dim,
@@ -149,7 +95,7 @@ def _write_drawn_chunks(
         storage.write_rows(torch.arange(start + lo, start + hi), chunk)
 
     on_torch_threads(
-        write, range(0, n, _INIT_CHUNK_ROWS), _INIT_THREADS, at_once=storage.tier == "device"
+        write, range(0, n, INIT_CHUNK_ROWS), INIT_THREADS, at_once=storage.tier == "device"
     )
 
 
@@ -447,7 +393,7 @@ class EmbeddingBagCollection(nn.Module):
                 g.storage.prefetch(rows if group is None else rows[group == i])
         except IndexError as e:  # a tier's row out of bounds
             if not self.validate_ids:
-                explain_failed_lookup(e, values, offsets, batch_size, self.table_sizes, self.tables)
+                self._explainer(values, offsets, batch_size)(e)
             raise
 
     def forward(
@@ -505,18 +451,26 @@ class EmbeddingBagCollection(nn.Module):
         pooled = native_pool_slots(cache, slot_ids, offsets, b, self.num_features, weights)
         return pooled, rows, bag_of_id
 
+    def _explainer(self, values, offsets, batch_size) -> Callable[[Exception], None]:
+        """With the check off: names the id past its table where a lookup or update
+        failed (``explain_failed_lookup``)."""
+        return lambda e: explain_failed_lookup(
+            e, values, offsets, batch_size, self.table_sizes, self.tables
+        )
+
     def _pooled(self, values, offsets, batch_size, weights, bf16: bool = False) -> torch.Tensor:
         try:
             return self._lookup(values, offsets, batch_size, weights, bf16)
         except (IndexError, RuntimeError) as e:
             if not self.validate_ids:  # name the id, where one is past its table
-                explain_failed_lookup(e, values, offsets, batch_size, self.table_sizes, self.tables)
+                self._explainer(values, offsets, batch_size)(e)
             raise
 
     def _lookup(self, values, offsets, batch_size, weights, bf16: bool = False) -> torch.Tensor:
         """``[B, F, D]`` (tables of one dim; see ``pooled_by_feature``: over several groups
         a view of ``[F, B, D]``) or ``[B, sum_f D_f]``."""
         num_f, b = self.num_features, batch_size
+        explain = None if self.validate_ids else self._explainer(values, offsets, b)
         if len(self.groups) == 1 and self.pooling == "sum" and values.device.type == "cpu":
             group = self.groups[0]
             done = self._native_pooled(group.storage, values, offsets, b, weights, bf16)
@@ -531,6 +485,7 @@ class EmbeddingBagCollection(nn.Module):
                     offsets[::b],
                     weights,
                     pooled,
+                    explain,
                 )
                 return pooled.view(b, num_f, group.dim)  # sample-major: no copy at all
         lengths = offsets[1:] - offsets[:-1]
@@ -548,7 +503,15 @@ class EmbeddingBagCollection(nn.Module):
             group = self.groups[0]
             segments = offsets[::b]  # where each feature's ids start: one segment per table
             pooled = pooled_lookup(
-                group.storage, self.placeholder, rows, offsets, bag_of_id, segments, psw
+                group.storage,
+                self.placeholder,
+                rows,
+                offsets,
+                bag_of_id,
+                segments,
+                psw,
+                None,
+                explain,
             )
             return pooled.view(num_f, b, group.dim).transpose(0, 1)
 
@@ -563,7 +526,14 @@ class EmbeddingBagCollection(nn.Module):
                 group.features, starts, b, rows, offsets, lengths_fb, bag_of_id, psw
             )
             pooled = pooled_lookup(
-                group.storage, self.placeholder, g_rows, g_offsets, g_bag, g_offsets[::b], g_psw
+                group.storage,
+                self.placeholder,
+                g_rows,
+                g_offsets,
+                g_bag,
+                g_offsets[::b],
+                g_psw,
+                explain=explain,
             )
             outs.append(pooled.view(len(group.features), b, group.dim))
         # the groups' results side by side, then put in feature order by one gather, whose

@@ -130,8 +130,8 @@ class System:
 # GPU adds) for the 56 kernels this forecast lists. It waits on the device three times
 # a step (benchmarks/gpu_syncs.py on an H200, 2026-11-26, configs A and B, DLE's and
 # MLPerf's models alike): the ids' bounds check at the lookup's start - the step's own
-# wait - and the fused update's two read-backs (the distinct ids' count, the largest
-# row count) after the backward. So the host's time hides behind the device's in the
+# wait - and the fused update's two read-backs (the distinct ids' count; the rows'
+# bounds and the largest row count) after the backward. So the host's time hides behind the device's in the
 # forward and backward, and again in the update and the optimizer, each apart.
 # A kernel's host time differs by stage (host_stage_weights): the lookup's and the
 # update's few kernels carry Python bookkeeping and read-backs (6 and 6 ops a kernel,
