@@ -445,3 +445,27 @@ def replicated_rows(precision: str, steps: int, batch_size: int):
         rows[s.feature] = storage.read_rows(torch.arange(first, first + s.num_rows))
     torch.distributed.destroy_process_group()
     return kinds, rows
+
+
+def cli_as_rank(argv: list[str], out_dir: str) -> int:
+    """``recscale ARGV`` as this rank (run_ranks' environment, as torchrun's), its fds 1
+    and 2 on ``out_dir/rank{R}.out``/``.err``; returns its exit code. For the CLI paths
+    the torchrun tests have already launched once (a launch costs two interpreters)."""
+    import os
+    import sys
+
+    from recscale.cli.main import main
+
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
+    stem = os.path.join(out_dir, f"rank{os.environ['RANK']}")
+    for fd, path in ((1, stem + ".out"), (2, stem + ".err")):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1 for this process's life
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    try:
+        return main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()

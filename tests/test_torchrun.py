@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_workers import cli_as_rank
 
 from recscale.config import load_config
+from recscale.distributed.spawn import run_ranks
 from recscale.train.run import train
 
 TORCHRUN = [
@@ -126,9 +128,11 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
     assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
     log = (run / "train_log.jsonl").read_text().splitlines()
     assert len(log) == 1  # the last step's line (log_every 25), written once, by rank 0
-    out = _torchrun(ARGS[:3] + ["--resume", str(run), "--train.steps=15"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from" in out.stderr + out.stdout
+    # the resume as the same CLI on 2 ranks, forked (torchrun's launch is tested above)
+    resume = ["train", "--resume", str(run), "--train.steps=15"]
+    assert run_ranks(cli_as_rank, 2, resume, str(tmp_path), timeout=240) == [0, 0]
+    said = (tmp_path / "rank0.out").read_text() + (tmp_path / "rank0.err").read_text()
+    assert "resumed from" in said, said[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["steps"] == 15
 
