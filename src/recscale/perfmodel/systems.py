@@ -131,8 +131,9 @@ class System:
 # a step (benchmarks/gpu_syncs.py on an H200, 2026-11-26, configs A and B, DLE's and
 # MLPerf's models alike): the ids' bounds check at the lookup's start - the step's own
 # wait - and the fused update's two read-backs (the distinct ids' count; the rows'
-# bounds and the largest row count) after the backward. So the host's time hides behind the device's in the
-# forward and backward, and again in the update and the optimizer, each apart.
+# bounds and the largest row count) after the backward. So the host's time hides
+# behind the device's in the forward and backward, and again in the update and the
+# optimizer, each apart.
 # A kernel's host time differs by stage (host_stage_weights): the lookup's and the
 # update's few kernels carry Python bookkeeping and read-backs (6 and 6 ops a kernel,
 # count_host_ops.py --stages), the forward's run through modules and autocast, the
