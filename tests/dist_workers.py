@@ -454,16 +454,13 @@ def cli_as_rank(argv: list[str], out_dir: str) -> int:
     import os
     import sys
 
+    from helpers import standard_streams_to
+
     from recscale.cli.main import main
 
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
     stem = os.path.join(out_dir, f"rank{os.environ['RANK']}")
-    for fd, path in ((1, stem + ".out"), (2, stem + ".err")):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1 for this process's life
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    standard_streams_to(stem + ".out", stem + ".err")
     try:
         return main(argv)
     finally:

@@ -117,6 +117,20 @@ def cli(*args: str, timeout: float = 180, **kw):
     )
 
 
+def standard_streams_to(out: str, err: str) -> None:
+    """This process's fds 1 and 2 (and ``sys.stdout``/``sys.stderr`` on them) written to
+    the files ``out`` and ``err``."""
+    import os
+    import sys
+
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1 for this process's life
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+
+
 def forked_main(argv: list[str], out: str, err: str, environ: dict, cwd: str) -> None:
     """``recscale ARGV`` with fds 1 and 2 on the files ``out`` and ``err``; exits with
     its exit code (an uncaught exception: its traceback and 1, as the interpreter)."""
@@ -127,12 +141,7 @@ def forked_main(argv: list[str], out: str, err: str, environ: dict, cwd: str) ->
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1 for this process's life
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    standard_streams_to(out, err)
     from recscale.cli.main import main
 
     try:

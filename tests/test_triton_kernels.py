@@ -271,25 +271,31 @@ def test_fused_update_does_not_depend_on_row_numbering(tk, device):
         assert torch.equal(first[0], other[0]) and torch.equal(first[1], other[1]), filler
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
-def test_training_with_triton_kernels_equals_the_torch_path(tk, device, optimizer):
-    """A collection with kernels=triton (lookup + fused backward) trains like kernels=torch."""
+def _collection(device, kernel: str, pooling: str, optimizer: str, **kwargs):
+    """Three small tables of dim 8 (30, 5 and 80 rows) on ``kernel``."""
     from recscale.config import load_config
     from recscale.embedding.optimizers import build_sparse_optimizer
     from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
 
     cfg = load_config("debug", [f"--embedding.optimizer={optimizer}"])
-    tables = [TableSpec(f"C{i}", n, 8) for i, n in enumerate([30, 5, 80])]
+    return EmbeddingBagCollection(
+        [TableSpec(f"C{i}", n, 8) for i, n in enumerate([30, 5, 80])],
+        pooling,
+        lambda: build_sparse_optimizer(cfg.embedding),
+        device=device,
+        seed=1,
+        kernel=kernel,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_training_with_triton_kernels_equals_the_torch_path(tk, device, optimizer):
+    """A collection with kernels=triton (lookup + fused backward) trains like kernels=torch."""
     out = {}
     for kernel in ("torch", "triton"):
-        ebc = EmbeddingBagCollection(
-            tables,
-            "mean",
-            lambda: build_sparse_optimizer(cfg.embedding),
-            device=device,
-            seed=1,
-            kernel=kernel,
-        )
+        ebc = _collection(device, kernel, "mean", optimizer)
+        tables = ebc.tables
         for step in range(4):
             batch = random_jagged([t.num_rows for t in tables], 16, seed=step).to(device)
             pooled = ebc(batch.values, batch.offsets, batch.batch_size)
@@ -305,23 +311,10 @@ def test_unchecked_ids_past_the_tables_are_named_in_training_and_evaluation(tk, 
     """With ``validate_ids=False`` the Triton path still stops at an id past every row,
     named as the check would: evaluation's lookup checks its rows; a training step's
     lookup reads zeros for it and its update raises, having changed no row."""
-    from recscale.config import load_config
-    from recscale.embedding.optimizers import build_sparse_optimizer
-    from recscale.modules.embedding_bag_collection import EmbeddingBagCollection, TableSpec
     from recscale.modules.id_checks import IdOutOfRangeError
 
-    cfg = load_config("debug", [])
-    tables = [TableSpec(f"C{i}", n, 8) for i, n in enumerate([30, 5, 80])]
-    ebc = EmbeddingBagCollection(
-        tables,
-        "sum",
-        lambda: build_sparse_optimizer(cfg.embedding),
-        device=device,
-        seed=1,
-        kernel="triton",
-        validate_ids=False,
-    )
-    batch = random_jagged([t.num_rows for t in tables], 16, seed=2).to(device)
+    ebc = _collection(device, "triton", "sum", "sgd", validate_ids=False)
+    batch = random_jagged([t.num_rows for t in ebc.tables], 16, seed=2).to(device)
     batch.values[-1] = 1 << 40  # the last feature's last id
     named = r"id 1099511627776 of feature C2 \(sample \d+ of the batch\) is outside its table"
     with torch.no_grad(), pytest.raises(IdOutOfRangeError, match=named):

@@ -30,23 +30,14 @@ from recscale.embedding.storage import RowStorage
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
-        placeholder,
-        storage,
-        rows,
-        offsets,
-        bag_of_id,
-        segments,
-        per_sample_weights,
-        pooled,
-        explain,
+        ctx, placeholder, storage, rows, offsets, bag_of_id, segments, psw, pooled, explain
     ):
         """``pooled``: already computed (the native lookup), else ``storage.lookup``."""
         ctx.storage, ctx.explain = storage, explain
-        ctx.save_for_backward(rows, bag_of_id, segments, per_sample_weights)
+        ctx.save_for_backward(rows, bag_of_id, segments, psw)
         if pooled is not None:
             return pooled
-        return storage.lookup(rows, offsets, per_sample_weights, for_update=True)
+        return storage.lookup(rows, offsets, psw, for_update=True)
 
     @staticmethod
     def backward(ctx, grad_pooled):
@@ -88,17 +79,8 @@ def pooled_lookup(
     Mean pooling is sum pooling with ``per_sample_weights = 1 / bag length``.
     """
     if torch.is_grad_enabled() and placeholder.requires_grad:
-        return _FusedLookup.apply(
-            placeholder,
-            storage,
-            rows,
-            offsets,
-            bag_of_id,
-            segments,
-            per_sample_weights,
-            pooled,
-            explain,
-        )
+        args = (rows, offsets, bag_of_id, segments, per_sample_weights, pooled, explain)
+        return _FusedLookup.apply(placeholder, storage, *args)
     if pooled is not None:
         return pooled
     return storage.lookup(rows, offsets, per_sample_weights)
