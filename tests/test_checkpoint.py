@@ -356,3 +356,25 @@ def test_a_config_that_fits_no_checkpoint_is_said_once(tmp_path, override, says)
         train(cfg, run, resume=run, echo=lines.append)
     assert says in str(err.value)
     assert not [x for x in lines if "skipping" in x], lines
+
+
+def test_resuming_a_finished_run_trains_nothing_and_keeps_its_record(tmp_path):
+    """`train --resume RUN` on a run that finished at or past train.steps used to train 0
+    steps and overwrite metrics.json (its throughput 0, its checkpoint history gone): it
+    now says so and leaves the run as it is; a larger train.steps continues it."""
+    run = tmp_path / "run"
+    base = ["--train.progress=false", "--data.eval_samples=1024"]
+    r = run_cli("train", "--config", "debug", "--train.steps=8", *base, f"--run-dir={run}")
+    assert r.returncode == 0, r.stderr
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for extra in ([], ["--train.steps=5"]):
+        r = run_cli("train", "--resume", str(run), *extra)
+        assert r.returncode == 0 and "finished at step 8" in r.stderr, r.stderr
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    # an earlier checkpoint of the run, named: its branch needs a directory of its own
+    (ckpt,) = (run / "checkpoints").iterdir()
+    r = run_cli("train", "--resume", str(ckpt), "--train.steps=5")
+    assert r.returncode == 0 and f"to train on from {ckpt}, give it a --run-dir" in r.stderr
+    r = run_cli("train", "--resume", str(run), "--train.steps=10", *base)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 10

@@ -377,26 +377,6 @@ def test_sigterm_during_a_preprocess_removes_its_temporary_dataset(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["in.tsv"]
 
 
-def test_resuming_a_finished_run_trains_nothing_and_keeps_its_record(tmp_path):
-    """`train --resume RUN` on a run that finished at or past train.steps used to train 0
-    steps and overwrite metrics.json (its throughput 0, its checkpoint history gone): it
-    now says so and leaves the run as it is; a larger train.steps continues it."""
-    from helpers import run_cli
-
-    run = tmp_path / "run"
-    base = ["--train.progress=false", "--data.eval_samples=1024"]
-    r = run_cli("train", "--config", "debug", "--train.steps=8", *base, f"--run-dir={run}")
-    assert r.returncode == 0, r.stderr
-    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
-    for extra in ([], ["--train.steps=5"]):
-        r = run_cli("train", "--resume", str(run), *extra)
-        assert r.returncode == 0 and "finished at step 8" in r.stderr, r.stderr
-        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
-    r = run_cli("train", "--resume", str(run), "--train.steps=10", *base)
-    assert r.returncode == 0, r.stderr
-    assert json.loads((run / "metrics.json").read_text())["steps"] == 10
-
-
 def test_an_empty_split_to_score_is_named_not_a_traceback(tmp_path, capsys):
     """Seven lines split the Kaggle way leave 'val' with no rows: scoring it was a
     torch.cat traceback after training; now one line naming the key (or eval's split)."""

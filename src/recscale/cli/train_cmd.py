@@ -102,9 +102,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if resume_dir is not None and run_dir == resume_dir and launch_env()[0] == 1:
         done = _finished_at(run_dir, cfg.train.steps)
         if done is not None:  # resuming would train nothing and rewrite its record
+            # a checkpoint named inside the run: its steps past it are another timeline
+            branch = args.resume.resolve() != run_dir.resolve()
+            how = (
+                f"to train on from {args.resume}, give it a --run-dir of its own"
+                if branch
+                else "raise --train.steps to continue"
+            )
             print(
                 f"recscale: {run_dir} finished at step {done:,} (train.steps "
-                f"{cfg.train.steps:,}): nothing to train; raise --train.steps to continue "
+                f"{cfg.train.steps:,}): nothing to train; {how} "
                 "(its metrics.json and checkpoints are left as they are)",
                 file=sys.stderr,
             )
