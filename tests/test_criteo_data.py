@@ -249,13 +249,25 @@ def test_split_by_file(tmp_path, sample):
 
 def test_parquet_out_and_in(tmp_path, sample):
     pytest.importorskip("pyarrow")
-    _pp(tmp_path, [sample], "ds", parquet_out=True)
+    meta = _pp(tmp_path, [sample], "ds", parquet_out=True)
     pq = tmp_path / "ds" / "train.parquet"
-    assert pq.exists()
-    # Parquet written by recscale holds final ids and transformed dense values; reading raw
-    # Criteo-style Parquet (hex strings, integer dense) goes through the same parser rules.
+    # Parquet written by recscale holds the split's final values: the binary files' own
     import pyarrow as pa
     import pyarrow.parquet as papq
+
+    n, written = meta["splits"]["train"]["rows"], papq.read_table(pq)
+    split = tmp_path / "ds" / "train"
+    assert np.array_equal(written["label"], np.fromfile(split / "labels.u8", np.uint8))
+    dense = np.fromfile(split / "dense.f32", np.float32).reshape(n, 13)
+    sparse = np.fromfile(split / "sparse.i32", np.int32).reshape(n, 26)
+    assert all(np.array_equal(written[f"I{k + 1}"], dense[:, k]) for k in range(13))
+    assert all(np.array_equal(written[f"C{k + 1}"], sparse[:, k]) for k in range(26))
+    # given back to preprocess, it is named for what it is, not 400 bad rows
+    with pytest.raises(ValueError, match=r"train.parquet: a split .*--parquet-out.*--data.path"):
+        _pp(tmp_path, [pq], "again", input_format="parquet")
+    assert not (tmp_path / "again").exists()
+    # reading raw Criteo-style Parquet (hex strings, integer dense) goes through the same
+    # parser rules
 
     labels, dense, cats = reference_parse(sample)
     raw = {"label": pa.array(labels, pa.int8())}

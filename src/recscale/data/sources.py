@@ -268,6 +268,9 @@ def parquet_dense(rb, path: Path) -> tuple[np.ndarray, np.ndarray]:
     return dense, bad
 
 
+# Schema metadata key of the Parquet splits preprocess writes (--parquet-out).
+PREPROCESSED_KEY = b"recscale.preprocessed"
+
 CRITEO_COLUMNS = (
     "label",
     *(f"I{k + 1}" for k in range(NUM_DENSE)),
@@ -285,6 +288,13 @@ def parquet_schema(path: Path):
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as e:
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    if PREPROCESSED_KEY in (schema.metadata or {}):
+        raise ValueError(
+            f"{path}: a split `recscale data preprocess --parquet-out` wrote (its dense "
+            "values already log(1 + x), its ids already table rows), not raw Criteo "
+            f"data: train on its dataset (--data.path {path.parent}), or preprocess the "
+            "raw files"
+        )
     twice = [c for c in CRITEO_COLUMNS if schema.names.count(c) > 1]
     if twice:
         raise ValueError(
