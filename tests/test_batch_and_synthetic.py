@@ -251,3 +251,24 @@ def test_a_huge_signal_scale_draws_labels_without_overflow_warnings():
         b = gen.batch(0, 512)
     labels = b.labels.numpy()
     assert set(np.unique(labels)) <= {0.0, 1.0} and 0 < labels.mean() < 1
+
+
+def test_a_path_that_is_not_a_dataset_says_what_to_name_instead(tmp_path):
+    """``data.path`` naming a split's folder or file, a raw file or nothing at all: each
+    error says which, and what to name (the dataset, the command that makes one)."""
+    from helpers import make_dataset
+
+    from recscale.data.columns import read_metadata
+    from recscale.data.dataset import DatasetError
+
+    ds = make_dataset(tmp_path, 50, seed=1, hash_size=37)
+    for inside in (ds / "train", ds / "train" / "labels.u8"):
+        with pytest.raises(DatasetError, match=f"^{inside} is not a recscale dataset but "
+                           f"part of one: name {ds}$"):  # fmt: skip
+            read_metadata(inside)
+    with pytest.raises(DatasetError, match=r"a file: `recscale data preprocess --input .*in\.tsv"):
+        read_metadata(tmp_path / "in.tsv")
+    with pytest.raises(DatasetError, match="there is no such file or directory"):
+        read_metadata(tmp_path / "nowhere")
+    with pytest.raises(DatasetError, match=r"not a recscale dataset \(no metadata.json\)$"):
+        read_metadata(tmp_path)

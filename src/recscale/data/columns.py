@@ -44,12 +44,30 @@ def _check_finite(path: Path, dense: np.ndarray, chunk_rows: int = 1 << 20) -> N
 DATASET_FIELDS = ("num_dense", "num_sparse", "table_sizes", "splits")
 
 
+def _not_a_dataset(root: str | Path) -> str:
+    """Why ``root`` (no metadata.json) is not a dataset, and what to name instead: a
+    path inside one (a split's folder or file) names that dataset, a file elsewhere the
+    command that makes one of it."""
+    p = Path(root)
+    if not p.exists():
+        return f"{root} is not a recscale dataset: there is no such file or directory"
+    for up in (p.parent, p.parent.parent):
+        if (up / "metadata.json").is_file():
+            return f"{root} is not a recscale dataset but part of one: name {up}"
+    if p.is_file():
+        return (
+            f"{root} is not a recscale dataset but a file: `recscale data preprocess "
+            f"--input {root} --out DIR` makes one of it"
+        )
+    return f"{root} is not a recscale dataset (no metadata.json)"
+
+
 def read_metadata(root: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     """A dataset's ``metadata.json``; a directory without one is not a dataset. Each
     field of ``required`` (e.g. :data:`DATASET_FIELDS`) must be there."""
     path = Path(root) / "metadata.json"
     if not path.exists():
-        raise DatasetError(f"{root} is not a recscale dataset (no metadata.json)")
+        raise DatasetError(_not_a_dataset(root))
     st = path.stat()
     if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:  # a FIFO would hang the read
         raise DatasetError(f"{path}: not a regular file of a dataset's metadata; refused")
