@@ -61,3 +61,28 @@ def test_eval_writes_each_rows_probability_in_the_splits_order(tmp_path, medium_
         r = run_cli("eval", "--model", str(run), "--split", "train", "--predictions", str(bad))
         assert r.returncode == 2 and "--predictions" in error_line(r.stderr), r.stderr
         assert not bad.exists()
+
+
+def test_eval_split_is_checked_in_place_of_the_runs_own(tmp_path, capsys):
+    """``eval --data.path OTHER --split train`` of a run whose config scores 'test' was
+    refused for OTHER's lack of a 'test' split; the split named is the one checked (and
+    one OTHER lacks is named under ``--split``)."""
+    from recscale.cli.main import main
+    from recscale.dataprep.criteo_tsv import synthetic_lines
+    from recscale.dataprep.preprocess import PreprocessOptions, preprocess
+
+    src = tmp_path / "in.tsv"
+    src.write_text("\n".join(synthetic_lines(700, seed=3)) + "\n")
+    for name, split in (("kaggle", "kaggle"), ("other", "none")):
+        opts = PreprocessOptions(inputs=[src], out=tmp_path / name, hash_sizes=[50], split=split)
+        preprocess(opts, echo=lambda s: None)
+    run = tmp_path / "run"
+    argv = ["train", "--config", "debug", f"--data.path={tmp_path / 'kaggle'}", "--run-dir"]
+    assert main([*argv, str(run), "--train.steps=3", "--train.batch_size=64"]) == 0
+    capsys.readouterr()
+    other = f"--data.path={tmp_path / 'other'}"
+    assert main(["eval", "--model", str(run), other, "--split", "train", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] == 700
+    assert main(["eval", "--model", str(run), other, "--split", "test"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "'--split'" in line and "no split 'test'" in line, line

@@ -397,7 +397,7 @@ def test_an_empty_split_to_score_is_named_not_a_traceback(tmp_path, capsys):
     assert main([*base, f"--run-dir={tmp_path / 'c'}"]) == 0  # the test split has a row
     capsys.readouterr()
     rc, line = _fails(capsys, "eval", "--model", str(tmp_path / "c"), "--split", "val")
-    assert rc == 1 and "split 'val'" in line and "no rows" in line, line
+    assert rc == 2 and "'--split'" in line and "split 'val'" in line and "no rows" in line, line
 
 
 DEEP_JSON = "[" * 100_000 + "]" * 100_000  # beyond Python's recursion limit

@@ -556,20 +556,23 @@ def test_a_bench_flag_its_benchmark_ignores_is_one_line(capsys, argv, flag, name
     assert rc == 2 and f"'{flag}'" in line and "does not take it" in line and named in line
 
 
-@pytest.mark.parametrize("key", ["data.zipf_alpha", "data.eval_samples", "data.bag_sizes"])
+@pytest.mark.parametrize(
+    "key", ["data.zipf_alpha", "data.eval_samples", "data.bag_sizes", "model.table_sizes"]
+)
 def test_synthetic_keys_for_a_run_on_a_dataset_are_refused(tmp_path, capsys, key):
     """The synthetic generator's keys named on the command line of a run on a dataset
     (``--data.zipf_alpha=2 --data.path=DS``) changed nothing, without a word - the twin
-    of a dataset's keys on synthetic data. ``train`` and ``eval`` refuse them before any
-    work; a preset's own values (the debug preset's eval_samples) pass through any
-    data, and so does ``data.seed`` (it shuffles a dataset too)."""
+    of a dataset's keys on synthetic data - and tables' sizes were replaced by the
+    dataset's. ``train`` and ``eval`` refuse them before any work; a preset's own values
+    (the debug preset's eval_samples and table sizes) pass through any data, and so does
+    ``data.seed`` (it shuffles a dataset too)."""
     ds = make_dataset(tmp_path, 300, seed=2, hash_size=20)
     run = tmp_path / "run"
     value = {"data.zipf_alpha": "2", "data.eval_samples": "100"}.get(key, ",".join(["2"] * 26))
     argv = ["train", "--config", "debug", f"--data.path={ds}", "--data.eval_split=train"]
     argv.append("--train.steps=2")
     rc, line = _fails(capsys, *argv, f"--{key}={value}", "--run-dir", str(run))
-    assert rc == 2 and f"'{key}'" in line and "reads the dataset" in line, line
+    assert rc == 2 and f"'{key}'" in line and f"the dataset {ds}" in line, line
     assert not run.exists()
     assert main([*argv, "--data.seed=7", "--run-dir", str(run)]) == 0
     capsys.readouterr()

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         adopt_dataset_shapes,
         check_synthetic_memory,
         eval_batches,
-        refuse_synthetic_keys,
+        refuse_keys_a_dataset_overrules,
     )
     from recscale.train.parallel import check_eval_batch_memory, evaluate
     from recscale.train.precision import resolve_row_precision
@@ -90,8 +90,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except ConfigError as e:  # the run's own config.toml: the file --model named
         raise ConfigError("--model" if e.key == "--config" else e.key, e.message) from None
     cfg = load_config(str(run_dir / "config.toml"), overrides)
-    refuse_synthetic_keys(cfg, (key for key, _ in parse_overrides(overrides)))
-    adopt_dataset_shapes(cfg, training=False)
+    refuse_keys_a_dataset_overrules(cfg, (key for key, _ in parse_overrides(overrides)))
+    if args.split and cfg.data.uses_dataset():  # the split scored, checked in its place
+        cfg.data.eval_split = args.split
+    try:
+        adopt_dataset_shapes(cfg, training=False)
+    except ConfigError as e:
+        if args.split and e.key == "data.eval_split":
+            raise ConfigError("--split", e.message) from None
+        raise
     if cfg.model != trained.model:
         print(
             "recscale: error: the evaluation data implies a different model than the one trained "

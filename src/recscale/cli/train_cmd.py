@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from recscale.embedding.cached_storage import CacheTooSmallError
     from recscale.launch_env import launch_env
     from recscale.modules.id_checks import IdOutOfRangeError
-    from recscale.train.data_source import refuse_synthetic_keys
+    from recscale.train.data_source import refuse_keys_a_dataset_overrules
     from recscale.train.run import RunDirInUse, TrainingDiverged, train
 
     resume_dir = None
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if e.key == "--config" and args.config is None and resume_dir is not None:
             raise ConfigError("--resume", e.message) from None  # the file --resume named
         raise
-    refuse_synthetic_keys(cfg, (key for key, _ in parse_overrides(overrides)))
+    refuse_keys_a_dataset_overrules(cfg, (key for key, _ in parse_overrides(overrides)))
     if args.run_dir:
         run_dir = Path(args.run_dir)
     elif resume_dir is not None:

@@ -66,11 +66,12 @@ SYNTHETIC_KEYS = (
 )
 
 
-def refuse_synthetic_keys(cfg: Config, given: Iterable[str]) -> None:
-    """The synthetic generator's keys named on the command line (``given``: the dotted
-    keys of its overrides) for a run on a dataset changed nothing, without a word.
-    Only the command line's: a preset or a run's config.toml carries them at values of
-    its own (the debug preset's eval_samples) through any data."""
+def refuse_keys_a_dataset_overrules(cfg: Config, given: Iterable[str]) -> None:
+    """The synthetic generator's keys, and the tables' sizes, named on the command line
+    (``given``: the dotted keys of its overrides) for a run on a dataset changed
+    nothing, without a word. Only the command line's: a preset or a run's config.toml
+    carries them at values of its own (the debug preset's eval_samples and table
+    sizes) through any data."""
     if not cfg.data.uses_dataset():
         return
     for key in given:
@@ -80,6 +81,12 @@ def refuse_synthetic_keys(cfg: Config, given: Iterable[str]) -> None:
                 key,
                 f"shapes the synthetic data; the run reads the dataset {cfg.data.path}, "
                 "which brings its own ids, bags and clicks",
+            )
+        if key == "model.table_sizes":
+            raise ConfigError(
+                key,
+                f"the dataset {cfg.data.path} sets its tables' sizes (its metadata.json; "
+                "`recscale data preprocess` chose them: --hash-size, or --min-count in vocab mode)",
             )
 
 
@@ -131,8 +138,8 @@ def adopt_dataset_shapes(cfg: Config, training: bool = True) -> str | None:
     if ev.rows == 0:
         raise ConfigError(
             "data.eval_split",
-            f"split {cfg.data.eval_split!r} of {cfg.data.path} has no rows: nothing to score "
-            f"at the end (its splits: {_split_rows(ds.meta)})",
+            f"split {cfg.data.eval_split!r} of {cfg.data.path} has no rows: nothing to score"
+            f"{' at the end' if training else ''} (its splits: {_split_rows(ds.meta)})",
         )
     if ev.table_sizes != ds.table_sizes or ev.num_dense != ds.num_dense:
         raise ConfigError(
