@@ -74,7 +74,12 @@ def main() -> None:
         out = args.workdir / f"ds_{mode}"
         t = time.perf_counter()
         meta = preprocess(
-            PreprocessOptions(inputs=[src], out=out, id_mode=mode, hash_sizes=[1_000_000]),
+            PreprocessOptions(
+                inputs=[src],
+                out=out,
+                id_mode=mode,
+                hash_sizes=[1_000_000] if mode == "hash" else [],
+            ),
             echo=lambda s: None,
         )
         secs = time.perf_counter() - t

@@ -34,7 +34,8 @@ def reference_parse(path: Path):
 
 
 def _pp(tmp_path, inputs, name="ds", **kw):
-    kw.setdefault("hash_sizes", [BIG])
+    if kw.get("id_mode", "hash") == "hash":
+        kw.setdefault("hash_sizes", [BIG])
     kw.setdefault("split", "none")
     return preprocess(
         PreprocessOptions(inputs=inputs, out=tmp_path / name, **kw), echo=lambda s: None

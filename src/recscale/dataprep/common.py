@@ -20,6 +20,7 @@ from recscale.config.small_files import kind_of, not_a_file
 from recscale.data.columns import ID_LIMIT, READ_FORMAT_VERSION, read_metadata
 from recscale.data.criteo_parse import BAD_KINDS, NUM_CAT
 from recscale.data.id_profile import PROFILE_FILE
+from recscale.procfs import mem_available
 from recscale.units import size_text
 
 FORMAT_VERSION = READ_FORMAT_VERSION  # what data/columns.py reads is what is written
@@ -55,6 +56,11 @@ def _check_text_input(path: Path) -> None:
 
 class BadDataError(ValueError):
     """Too many malformed lines; the message has the counts and examples."""
+
+
+# Parse chunks held at once, at most: two read ahead, one being read, its lines joined
+# (a copy), one being parsed, its columns.
+CHUNKS_HELD = 6
 
 
 @dataclass
@@ -121,6 +127,17 @@ class PreprocessOptions:
             )
         if self.min_count < 1:
             raise ValueError("--min-count must be >= 1")
+        # each mode's own knob, given to the other, changed nothing without a word
+        if self.id_mode == "vocab" and self.hash_sizes:
+            raise ValueError(
+                "--hash-size applies to --mode hash; vocab mode gives each table a row per "
+                "value it keeps (--min-count sets which)"
+            )
+        if self.id_mode == "hash" and self.min_count != 1:
+            raise ValueError(
+                "--min-count applies to --mode vocab; hash mode keeps every value "
+                "(--hash-size sets the tables' rows)"
+            )
         if not 0.0 <= self.max_bad_fraction <= 1.0:  # NaN fails too
             raise ValueError(
                 "--max-bad-fraction is a share of the lines, in [0, 1]; got "
@@ -131,6 +148,16 @@ class PreprocessOptions:
         if self.chunk_bytes < 1:  # a read of 0 bytes ends the file: nothing would be parsed
             raise ValueError(
                 f"the parse chunk must be > 0 bytes (--chunk-mb >= 1), got {self.chunk_bytes}"
+            )
+        # a read allocates its whole chunk up front (a 1 TB one: a MemoryError traceback),
+        # and the pipeline holds several: read ahead, joined at whole lines, parsed
+        held, available = CHUNKS_HELD * self.chunk_bytes, mem_available()
+        if held > available:
+            raise ValueError(
+                f"--chunk-mb {self.chunk_bytes >> 20:,}: preprocessing holds about "
+                f"{CHUNKS_HELD} chunks at once ({size_text(held)}), more than the "
+                f"{size_text(available)} available; choose at most "
+                f"{available // CHUNKS_HELD >> 20:,}"
             )
         if self.input_format not in ("criteo", "parquet"):
             raise ValueError(f"--format must be criteo or parquet, got {self.input_format!r}")
