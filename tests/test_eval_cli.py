@@ -64,9 +64,9 @@ def test_eval_writes_each_rows_probability_in_the_splits_order(tmp_path, medium_
 
 
 def test_eval_split_is_checked_in_place_of_the_runs_own(tmp_path, capsys):
-    """``eval --data.path OTHER --split train`` of a run whose config scores 'test' was
-    refused for OTHER's lack of a 'test' split; the split named is the one checked (and
-    one OTHER lacks is named under ``--split``)."""
+    """``eval --data.path OTHER --split train`` of a run whose config scores 'test' (and
+    'val' during training) was refused for OTHER's lack of those splits; the split named
+    is the one checked (and one OTHER lacks is named under ``--split``)."""
     from recscale.cli.main import main
     from recscale.dataprep.criteo_tsv import synthetic_lines
     from recscale.dataprep.preprocess import PreprocessOptions, preprocess
@@ -78,7 +78,8 @@ def test_eval_split_is_checked_in_place_of_the_runs_own(tmp_path, capsys):
         preprocess(opts, echo=lambda s: None)
     run = tmp_path / "run"
     argv = ["train", "--config", "debug", f"--data.path={tmp_path / 'kaggle'}", "--run-dir"]
-    assert main([*argv, str(run), "--train.steps=3", "--train.batch_size=64"]) == 0
+    steps = ["--train.steps=4", "--train.batch_size=64", "--train.eval_every=2"]
+    assert main([*argv, str(run), *steps]) == 0
     capsys.readouterr()
     other = f"--data.path={tmp_path / 'other'}"
     assert main(["eval", "--model", str(run), other, "--split", "train", "--json"]) == 0

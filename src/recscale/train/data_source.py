@@ -147,7 +147,7 @@ def adopt_dataset_shapes(cfg: Config, training: bool = True) -> str | None:
             f"split {cfg.data.eval_split!r} of {cfg.data.path} has other shapes than "
             f"{cfg.data.train_split!r}",
         )
-    if cfg.train.eval_every and not _split_rows(ds.meta).get(cfg.data.val_split):
+    if training and cfg.train.eval_every and not _split_rows(ds.meta).get(cfg.data.val_split):
         raise ConfigError(
             "data.val_split",
             f"{cfg.data.path} has no rows in a split {cfg.data.val_split!r} to score during "
