@@ -115,7 +115,9 @@ def test_killed_rank_fails_the_job(tmp_path: Path):
             proc.wait()
 
 
-def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_path: Path):
+def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(
+    tmp_path: Path, monkeypatch
+):
     """Tables of one row, row-wise over 2 ranks: rank 1's shards hold no rows. Its
     lookup pooled uninitialised memory (a NaN at step 1) and its checkpoint part failed
     to write; now its bags sum to zeros, it writes no part, and the run - resumed at 2
@@ -128,7 +130,9 @@ def test_row_wise_shards_with_no_rows_train_checkpoint_and_resume_like_one(tmp_p
     assert out.stdout.count("eval on") == 1  # rank 0 speaks, once
     log = (run / "train_log.jsonl").read_text().splitlines()
     assert len(log) == 1  # the last step's line (log_every 25), written once, by rank 0
-    # the resume as the same CLI on 2 ranks, forked (torchrun's launch is tested above)
+    # the resume as the same CLI on 2 ranks, forked (torchrun's launch is tested above),
+    # on the launch's device
+    monkeypatch.setenv("RECSCALE_TEST_DEVICE", _env()["RECSCALE_TEST_DEVICE"])
     resume = ["train", "--resume", str(run), "--train.steps=15"]
     assert run_ranks(cli_as_rank, 2, resume, str(tmp_path), timeout=240) == [0, 0]
     said = (tmp_path / "rank0.out").read_text() + (tmp_path / "rank0.err").read_text()
