@@ -85,6 +85,34 @@ def test_resume_is_bitwise_identical(tmp_path, source, optimizer, small_dataset)
     assert all(la[s] == lb[s] for s in range(45, 61, 5))
 
 
+def test_resuming_a_dataset_run_at_another_batch_says_what_it_rereads(tmp_path, small_dataset):
+    """A dataset's position is the step times the batch: resumed at half the batch, the
+    run read half the checkpoint's samples again, without a word. It is said where the
+    run resumes (and not at the same batch, nor on synthetic data, drawn by step)."""
+    data = [f"--data.path={small_dataset}", "--data.eval_split=train"]
+    over = [*BASE, "--train.batch_size=128", "--checkpoint.every_steps=4"]
+    train(load_config("debug", [*over, *data, "--train.steps=4"]), tmp_path / "d", **QUIET)
+    train(load_config("debug", [*over, "--train.steps=4"]), tmp_path / "s", **QUIET)
+    for i, (run, extra, said) in enumerate(
+        [
+            (
+                "d",
+                [*data, "--train.batch_size=64"],
+                "reads from sample 256 of its stream where "
+                "the checkpoint had read 512 (256 samples read again",
+            ),
+            ("d", [*data, "--train.batch_size=512"], "(1,536 samples skipped"),
+            ("d", data, None),
+            ("s", ["--train.batch_size=64"], None),
+        ]
+    ):
+        lines: list[str] = []
+        cfg = load_config("debug", [*over, *extra, "--train.steps=5"])
+        train(cfg, tmp_path / f"{run}{i}", resume=tmp_path / run, echo=lines.append)
+        notes = [line for line in lines if "where the checkpoint trained at 128" in line]
+        assert (notes == []) if said is None else (said in notes[0]), (extra, lines)
+
+
 def test_incremental_chain_restores_the_full_state(tmp_path):
     cfg = load_config("debug", [*BASE, "--train.steps=60", "--checkpoint.full_every=3"])
     train(cfg, tmp_path, **QUIET)

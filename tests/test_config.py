@@ -190,6 +190,7 @@ def test_a_memory_budget_no_planner_reads_is_refused(capsys):
         ("--embedding.beta1=0.8", "embedding.optimizer=adam"),
         ("--embedding.initial_accumulator=0.1", "embedding.optimizer=rowwise_adagrad"),
         ("--model.dcn_rank=64", "model.interaction=dcnv2"),
+        ("--model.interaction_self=true", "model.interaction=dot"),
         ("--embedding.qr_buckets=8", "a table compressed by qr"),
         ("--embedding.tt_rank=4", "a table compressed by tt"),
         ("--embedding.hot_sample_rows=1000", "embedding.hot_fraction > 0"),
@@ -202,12 +203,14 @@ def test_a_key_set_where_it_does_not_act_is_refused(override, needs):
     Set away from its default it is refused, naming what it needs; with that setting it
     loads, and every preset (their values at the defaults where they do not act) too."""
     key = override[2:].split("=")[0]
+    elsewhere = ["--model.interaction=cat"] if key == "model.interaction_self" else []
     with pytest.raises(ConfigError, match=f"'{key}'.*acts only with {needs}"):
-        load_config("debug", ["--embedding.optimizer=sgd", override])
+        load_config("debug", ["--embedding.optimizer=sgd", *elsewhere, override])
     enable = {
         "embedding.beta1": "--embedding.optimizer=adam",
         "embedding.initial_accumulator": "--embedding.optimizer=rowwise_adagrad",
         "model.dcn_rank": "--model.interaction=dcnv2",
+        "model.interaction_self": "--model.interaction=dot",
         "embedding.qr_buckets": "--embedding.table_compression=C5=qr",
         "embedding.tt_rank": "--embedding.compression=tt",
         "embedding.hot_sample_rows": "--embedding.hot_fraction=0.1",

@@ -460,6 +460,23 @@ def test_synth_tsv_lines_are_distinct_unless_cycling_is_asked_for(tmp_path):
     assert cycled[:2000] == lines[:2000] and cycled[2000:] == lines[:500]
 
 
+def test_synth_tsv_replaces_only_a_file_it_wrote(tmp_path):
+    """--out naming a file of another program's (a dataset's metadata.json, a config:
+    a slip of the path) replaced it, lost; only a TSV with its optimum beside it, which
+    this command wrote, is written over (the same command run again)."""
+    from recscale.dataprep.criteo_tsv import write_tsv
+
+    theirs = tmp_path / "metadata.json"
+    theirs.write_text('{"rows": 5}')
+    with pytest.raises(ValueError, match="metadata.json exists and is not a TSV"):
+        write_tsv(theirs, 10)
+    assert theirs.read_text() == '{"rows": 5}' and list(tmp_path.iterdir()) == [theirs]
+    ours = tmp_path / "s.tsv"
+    write_tsv(ours, 10, seed=1)
+    write_tsv(ours, 20, seed=2)  # again: its own file, replaced
+    assert len(ours.read_text().splitlines()) == 20
+
+
 def test_synth_tsv_cli_writes_distinct_lines_and_refuses_a_negative_cycle(tmp_path):
     out = tmp_path / "s.tsv"
     cmd = ["data", "synth-tsv", "--lines", "2000"]

@@ -87,3 +87,26 @@ def test_eval_split_is_checked_in_place_of_the_runs_own(tmp_path, capsys):
     assert main(["eval", "--model", str(run), other, "--split", "test"]) == 2
     line = error_line(capsys.readouterr().err)
     assert "'--split'" in line and "no split 'test'" in line, line
+
+
+def test_eval_refuses_keys_only_training_reads_and_takes_its_threads(tmp_path, capsys):
+    """``eval --train.steps=5`` (or a learning rate, a checkpoint interval, the shuffle)
+    ran and changed nothing, without a word; such a key is refused, named. The keys eval
+    reads still go: its eval batch, and train.threads (torch's own count before)."""
+    from recscale.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "debug", "--run-dir", str(run), "--train.steps=2"]) == 0
+    capsys.readouterr()
+    for key in ("train.steps", "optimizer.lr", "checkpoint.keep", "embedding.lr", "data.shuffle"):
+        assert main(["eval", "--model", str(run), f"--{key}=1"]) == 2
+        line = error_line(capsys.readouterr().err)
+        assert f"'{key}'" in line and "acts in training only" in line, line
+    before = torch.get_num_threads()
+    try:
+        argv = ["eval", "--model", str(run), "--train.eval_batch_size=100", "--train.threads=1"]
+        assert main([*argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["count"] > 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -125,6 +125,7 @@ def test_plan_numbers_no_plan_can_use_are_one_line(capsys, argv, flag):
         (["throughput", "--steps", str(2**63)], "--steps"),  # ran silent until killed
         (["throughput", "--warmup", str(10**12)], "--warmup"),
         (["pipeline", "--world-size", "0"], "--world-size"),
+        (["pipeline", "--world-size", "1"], "--world-size"),  # a traceback from the rank
         (["calibrate", "--world-size", "1000"], "--world-size"),  # 1000 local processes
         (["calibrate", "--threads", "0"], "--threads"),
         (["calibrate", "--threads", "100000"], "--threads"),

@@ -41,7 +41,8 @@ def test_plan_plans_the_tables_of_the_dataset_it_is_given(tmp_path, capsys):
 
 def test_benchmark_outputs_that_cannot_be_written_are_refused_before_measuring(tmp_path, capsys):
     """``bench calibrate --out`` under a path that cannot be written measured for minutes
-    and then failed; ``bench sweep --out FILE`` said only "File exists"."""
+    and then failed, and over a file not a calibration replaced it; ``bench sweep --out
+    FILE`` said only "File exists"."""
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     rc, line = _fails(capsys, "bench", "calibrate", "--out", str(blocker / "cal.json"))
@@ -53,7 +54,14 @@ def test_benchmark_outputs_that_cannot_be_written_are_refused_before_measuring(t
         "--out", str(blocker),
     )  # fmt: skip
     assert rc == 2 and "--out" in line and "is a file" in line
+    rc, line = _fails(capsys, "bench", "calibrate", "--out", str(blocker))  # was overwritten
+    assert rc == 2 and "exists and is not a calibration" in line
     assert blocker.read_text() == "x"
+    older = tmp_path / "cal.json"  # a calibration, of any format, is replaced
+    older.write_text(json.dumps({"machine": "m", "threads": 1, "laws": {}, "format": 0}))
+    from recscale.cli.bench_cmd import _refuse_replacing_another_file
+
+    _refuse_replacing_another_file(older)
 
 
 def test_a_pipeline_benchmark_whose_batch_does_not_divide_is_one_line(capsys):

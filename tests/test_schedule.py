@@ -10,7 +10,7 @@ from recscale.config.schema import DenseOptimizerConfig
 from recscale.embedding.optimizers import SparseRowwiseAdagrad
 from recscale.embedding.storage import DeviceStorage
 from recscale.train.run import train
-from recscale.train.schedule import LRSchedule, lr_factor
+from recscale.train.schedule import LRSchedule, lr_factor, schedule_note
 
 
 def test_schedule_values_at_chosen_steps():
@@ -54,6 +54,26 @@ def test_schedule_keys_are_checked():
         )
     with pytest.raises(ConfigError, match="train.target_auc.*eval_every"):
         load_config("debug", ["--train.target_auc=0.8"])
+
+
+def test_a_schedule_the_run_does_not_reach_is_announced():
+    """A warm-up longer than the run leaves the rates short of optimizer.lr (a run of 20
+    steps under 10**6 of warm-up trained at 0.002% of them and learned nothing, without
+    a word); a decay that starts past the last step never acts. Both are said where the
+    run starts; a schedule that fits is not."""
+    cfg = DenseOptimizerConfig(warmup_steps=1_000_000)
+    note = schedule_note(cfg, 20)
+    assert note is not None and "warmup_steps=1000000" in note and "0.002%" in note
+    assert lr_factor(cfg, 20) == pytest.approx(0.00002)  # what the note says
+    decay = DenseOptimizerConfig(decay_start=30, decay_steps=10)
+    assert "decay never begins" in schedule_note(decay, 30)
+    assert schedule_note(decay, 31) is None
+    assert schedule_note(DenseOptimizerConfig(warmup_steps=20), 20) is None
+    assert schedule_note(DenseOptimizerConfig(), 1) is None
+    lines: list[str] = []
+    over = ["--train.progress=false", "--train.steps=3", "--optimizer.warmup_steps=300"]
+    train(load_config("debug", over), None, echo=lines.append)
+    assert any("climb to 1% of optimizer.lr" in line for line in lines), lines
 
 
 def test_training_stops_at_the_target_auc_and_reports_the_time():

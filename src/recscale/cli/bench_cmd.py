@@ -12,7 +12,7 @@ from pathlib import Path
 
 from recscale.config.errors import ConfigError
 from recscale.config.loader import load_config, preset_names
-from recscale.config.small_files import json_text, kind_of
+from recscale.config.small_files import json_text, kind_of, loads_json, read_small_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,6 +82,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--world-size", f"local ranks in [1, {MAX_LOCAL_RANKS}], got {args.world_size}"
         )
+    if args.what == "pipeline" and args.world_size == 1:  # one rank has no input all-to-all
+        raise ConfigError(  # to overlap (it failed in the ranks, a traceback)
+            "--world-size",
+            "bench pipeline times the input all-to-all of 2 or more ranks (one process: "
+            "bench throughput)",
+        )
     for flag, attr in (
         ("--world-size", "world_size"),
         ("--threads", "threads"),
@@ -117,6 +123,24 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(key, f"cannot write in {path.parent}: {e.strerror or e}") from None
 
 
+def _refuse_replacing_another_file(path: Path) -> None:
+    """``bench calibrate --out`` replaces a calibration (an older one, of any format)
+    and nothing else: a dataset's metadata.json or a config named by a slip of the path
+    was overwritten, lost."""
+    if not path.exists():
+        return
+    try:
+        d = loads_json(read_small_text(path, "--out"))
+    except (ConfigError, ValueError):
+        d = None
+    if not (isinstance(d, dict) and "laws" in d and "machine" in d):
+        raise ConfigError(
+            "--out",
+            f"{path} exists and is not a calibration; it is left alone: remove it or name "
+            "another file",
+        )
+
+
 def _synthetic_only(cfg, what: str) -> None:
     """The benchmarks time training steps on synthetic batches of the config's shapes: a
     dataset named to them would be ignored without a word."""
@@ -147,6 +171,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         path = Path(args.out) if args.out else default_path()
         _check_writable(path, "--out")  # before minutes of measuring, not after
+        _refuse_replacing_another_file(path)
         cal = calibrate(threads=args.threads, world_size=args.world_size or 1)
         cal.save(path)
         for name, law in cal.laws.items():

@@ -44,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # Imported here, not at the top: `recscale --help` and the other commands need
     # neither torch nor the training stack (seconds of imports).
+    import torch
+
     from recscale import native
     from recscale.checkpoint.format import CheckpointError
     from recscale.checkpoint.manager import resolve_chain
@@ -90,7 +92,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except ConfigError as e:  # the run's own config.toml: the file --model named
         raise ConfigError("--model" if e.key == "--config" else e.key, e.message) from None
     cfg = load_config(str(run_dir / "config.toml"), overrides)
-    refuse_keys_a_dataset_overrules(cfg, (key for key, _ in parse_overrides(overrides)))
+    keys = [key for key, _ in parse_overrides(overrides)]
+    refuse_training_only_keys(keys)
+    refuse_keys_a_dataset_overrules(cfg, keys)
+    if cfg.train.threads:  # as training takes it (0: torch's own, the cores)
+        torch.set_num_threads(cfg.train.threads)
     if args.split and cfg.data.uses_dataset():  # the split scored, checked in its place
         cfg.data.eval_split = args.split
     try:
@@ -158,6 +164,39 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.predictions is not None:
             print(f"{metrics['count']:,} predictions -> {args.predictions}")
     return 0
+
+
+# What eval reads nothing of: the training's steps, rates, stops, checkpoints and ranks
+# (a whole section: None). Given, they changed nothing, without a word.
+TRAINING_ONLY: dict[str, frozenset[str] | None] = {
+    "optimizer": None,
+    "checkpoint": None,
+    "distributed": None,
+    "train": frozenset(
+        "batch_size steps epochs seed progress log_every max_seconds save_model eval_every "
+        "target_auc".split()
+    ),
+    "data": frozenset("train_split val_split shuffle prefetch_batches".split()),
+    "embedding": frozenset(
+        "lr eps beta1 beta2 initial_accumulator slipstream slipstream_threshold "
+        "slipstream_interval".split()
+    ),
+}
+
+
+def refuse_training_only_keys(keys: list[str]) -> None:
+    """A ConfigError for the first override eval would ignore (``TRAINING_ONLY``)."""
+    for key in keys:
+        section, _, name = key.partition(".")
+        if section in TRAINING_ONLY and (
+            TRAINING_ONLY[section] is None or name in TRAINING_ONLY[section]
+        ):
+            raise ConfigError(
+                key,
+                "acts in training only: eval scores the trained model as its run's config "
+                "has it (its data, eval batch, device, precision and tier keys can be "
+                "given; the split: --split)",
+            )
 
 
 PREDICTION_FORMATS = (".npy", ".csv")

@@ -27,6 +27,7 @@ RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda c: c.embedding.optimizer == "rowwise_adagrad",
         "embedding.optimizer=rowwise_adagrad",
     ),
+    ("model.interaction_self", lambda c: c.model.interaction == "dot", "model.interaction=dot"),
     ("model.dcn_layers", lambda c: c.model.interaction == "dcnv2", "model.interaction=dcnv2"),
     ("model.dcn_rank", lambda c: c.model.interaction == "dcnv2", "model.interaction=dcnv2"),
     ("embedding.qr_buckets", lambda c: "qr" in _methods(c), "a table compressed by qr"),

@@ -112,16 +112,23 @@ def write_tsv(
     Streams a block at a time (memory: a block's lines, the cycled blocks, and 9 bytes
     a line for the optimum), into ``PATH.partial`` renamed at the end: a run that
     fails or is stopped leaves no file that looks whole. Refused before anything is
-    written where the disk (the first block's bytes a line) or the memory cannot hold it.
+    written where the disk (the first block's bytes a line) or the memory cannot hold it,
+    or where ``path`` is a file this function did not write (no optimum beside it).
     """
     path = Path(path)
     if path.is_dir():  # found at the final rename, after all the writing, it was EISDIR
         raise ValueError(f"--out {path} is a directory; name a file (.tsv, or .tsv.gz)")
-    for target in (path, Path(str(path) + ".optimum.json")):  # renamed over at the end
+    optimum = Path(str(path) + ".optimum.json")
+    for target in (path, optimum):  # renamed over at the end
         try:
             refuse_replacing_special(target)
         except OSError as e:
             raise ValueError(f"--out: {e.strerror}") from None
+    if path.exists() and not optimum.is_file():  # another program's file (a dataset's
+        raise ValueError(  # metadata.json, a config): replaced, it was lost
+            f"--out {path} exists and is not a TSV this command wrote (no {optimum.name} "
+            "beside it); it is left alone: remove it or name another file"
+        )
     if lines < 1:
         raise ValueError(f"--lines must be >= 1, got {lines}")
     if seed < 0:
@@ -161,7 +168,7 @@ def write_tsv(
                 all_logits[i * block : i * block + len(logits)] = logits
                 all_labels[i * block : i * block + len(labels)] = labels
                 total += len(data)
-        write_optimum(Path(str(path) + ".optimum.json"), all_logits, all_labels)
+        write_optimum(optimum, all_logits, all_labels)
         partial.replace(path)
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import tomllib
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -192,6 +193,30 @@ def train_batches(
         return stream
     n = t.batch_size // world_size
     return (b.slice(rank * n, (rank + 1) * n) for b in stream)
+
+
+def resume_batch_note(cfg: Config, saved_config: object, step: int) -> str | None:
+    """A line for a run resumed on a dataset at another ``train.batch_size`` than the
+    checkpoint's (``saved_config``: the TOML its manifest keeps): the loader's position
+    is the step times the batch, so the samples between the two positions are read
+    twice or never. Synthetic batches are drawn by step and size: any size goes on."""
+    if not cfg.data.uses_dataset() or not isinstance(saved_config, str):
+        return None
+    try:
+        saved = tomllib.loads(saved_config)["train"]["batch_size"]
+    except (tomllib.TOMLDecodeError, KeyError, TypeError):
+        return None
+    new = cfg.train.batch_size
+    if type(saved) is not int or saved == new:
+        return None
+    at, read = step * new, step * saved
+    gap = f"{read - at:,} samples read again" if new < saved else f"{at - read:,} samples skipped"
+    return (
+        f"train.batch_size={new}, where the checkpoint trained at {saved}: a dataset's "
+        f"position is the step times the batch, so from step {step:,} the run reads from "
+        f"sample {at:,} of its stream where the checkpoint had read {read:,} ({gap}; "
+        f"--train.batch_size={saved} goes on where it stopped)"
+    )
 
 
 def eval_batches(cfg: Config, split: str | None = None) -> Iterable[Batch]:

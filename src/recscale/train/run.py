@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from recscale import locks, native
-from recscale.checkpoint.format import CheckpointError
+from recscale.checkpoint.format import CheckpointError, read_manifest
 from recscale.checkpoint.manager import CheckpointManager, resolve_chain, valid_chains
 from recscale.checkpoint.state import restore
 from recscale.config.errors import ConfigError, counted
@@ -58,6 +58,7 @@ from recscale.train.data_source import (
     adopt_dataset_shapes,
     check_synthetic_memory,
     eval_batches,
+    resume_batch_note,
     train_batches,
 )
 from recscale.train.hot_rows import assign_hot_rows
@@ -65,7 +66,7 @@ from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, reduce_step, score
 from recscale.train.precision import bf16_note
 from recscale.train.progress import Progress
-from recscale.train.schedule import LRSchedule, scheduled
+from recscale.train.schedule import LRSchedule, schedule_note, scheduled
 from recscale.train.step import (
     available_cores,
     backward_and_step,
@@ -244,6 +245,10 @@ def restore_job(job: Job, resume: Path) -> int:
         chain = ctx.broadcast(resolve_chain(resume, job.echo) if ctx.is_main else None)
         step = int(restore(job.model, job.dense_opt, chain)["step"])
     job.echo(f"recscale: resumed from {chain[-1]} (step {step}; chain of {len(chain)})")
+    if ctx.is_main:
+        note = resume_batch_note(job.cfg, read_manifest(chain[-1]).get("config"), step)
+        if note:
+            job.echo(f"recscale: {note}")
     if job.ckpt is not None and chain[-1].parent.resolve() == job.ckpt.root.resolve():
         job.ckpt.resume_from(chain)
     return step
@@ -262,7 +267,11 @@ def _announce(job: Job) -> None:
     )
     for line in compression_summary(cfg):
         job.echo(f"recscale: {line}")
-    for note in (bf16_note(t.precision, ctx.device), threads_note(job.threads, ctx.device)):
+    for note in (
+        bf16_note(t.precision, ctx.device),
+        threads_note(job.threads, ctx.device),
+        schedule_note(cfg.optimizer, t.steps),
+    ):
         if note:
             job.echo(f"recscale: {note}")
     if (

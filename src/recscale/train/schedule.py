@@ -29,6 +29,24 @@ def lr_factor(cfg: DenseOptimizerConfig, step: int) -> float:
     return cfg.decay_to + (1.0 - cfg.decay_to) * (left / cfg.decay_steps) ** power
 
 
+def schedule_note(cfg: DenseOptimizerConfig, steps: int) -> str | None:
+    """A line for a schedule the run's ``steps`` do not reach the shape of: a warm-up
+    longer than the run (the rates never reach optimizer.lr and embedding.lr) or a decay
+    that starts after its last step (it never acts)."""
+    if cfg.warmup_steps > steps:
+        return (
+            f"optimizer.warmup_steps={cfg.warmup_steps} is longer than the run's "
+            f"{steps} steps: the learning rates climb to {100 * steps / cfg.warmup_steps:.3g}% "
+            "of optimizer.lr and embedding.lr by its last step"
+        )
+    if cfg.decay_steps and cfg.decay_start >= steps:
+        return (
+            f"optimizer.decay_start={cfg.decay_start} is at or past the run's {steps} "
+            "steps: the decay never begins"
+        )
+    return None
+
+
 def scheduled(cfg: DenseOptimizerConfig) -> bool:
     return bool(cfg.warmup_steps or cfg.decay_steps)
 
