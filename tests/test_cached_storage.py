@@ -490,7 +490,8 @@ def _tiers(*kinds):
 def test_the_prefetch_runs_inline_only_where_a_thread_would_take_the_steps_core(
     kinds, threads, cores, mode, thread
 ):
-    cfg = load_config("debug", [f"--embedding.cache_prefetch={mode}"]).embedding
+    over = ["--embedding.placement=ssd", f"--embedding.cache_prefetch={mode}"]
+    cfg = load_config("debug", over).embedding
     on_thread, why = prefetch_on_thread(_tiers(*kinds), cfg, threads, cores)
     assert on_thread == thread and why
 

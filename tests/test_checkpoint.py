@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_dataset, run_cli
+from helpers import error_line, make_dataset, run_cli
 
 from recscale.checkpoint.format import CheckpointError, verify
 from recscale.checkpoint.manager import checkpoint_dirs, resolve_chain
@@ -406,3 +406,30 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_record(tmp_path):
     r = run_cli("train", "--resume", str(run), "--train.steps=10", *base)
     assert r.returncode == 0, r.stderr
     assert json.loads((run / "metrics.json").read_text())["steps"] == 10
+
+
+def test_a_run_written_before_a_key_rule_still_evaluates_and_resumes(tmp_path, capsys):
+    """A key refused where it cannot act (an ssd tier's keys with the tables in memory)
+    was accepted before that rule: a run trained so keeps it in its config.toml, and
+    eval and --resume read that file back. They still run (the value, which never
+    acted, goes back to its default); the same key given to them now is refused."""
+    from recscale.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "debug", "--run-dir", str(run), "--train.steps=4"]) == 0
+    toml = run / "config.toml"
+    toml.write_text(
+        toml.read_text()
+        .replace('ssd_dir = ""', 'ssd_dir = "/tmp/old"')
+        .replace("cache_bytes = 0", "cache_bytes = 100000")
+    )
+    assert 'ssd_dir = "/tmp/old"' in toml.read_text()
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] > 0
+    assert main(["train", "--resume", str(run), "--train.steps=6"]) == 0
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 6
+    assert 'ssd_dir = ""' in toml.read_text() and "cache_bytes = 0" in toml.read_text()
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run), "--embedding.ssd_dir=/tmp/new"]) == 2
+    assert "'embedding.ssd_dir'" in error_line(capsys.readouterr().err)

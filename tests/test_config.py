@@ -40,7 +40,8 @@ def test_strings_with_control_characters_round_trip(tmp_path):
     written raw, and the run's config.toml could not be read back by `eval` or
     `--resume`."""
     odd = 'd\x1b[31m\x7f\x00\t\n\r"q"\\\x85\u00e9'
-    cfg = load_config("debug", [f"--embedding.ssd_dir=/tmp/{odd}", f"--data.path={odd}"])
+    ssd = ["--embedding.placement=ssd", f"--embedding.ssd_dir=/tmp/{odd}"]
+    cfg = load_config("debug", [*ssd, f"--data.path={odd}"])
     path = tmp_path / "c.toml"
     path.write_text(config_to_toml(cfg))
     assert load_config(str(path)) == cfg
@@ -74,7 +75,11 @@ def test_integers_in_scientific_notation_and_lists_in_brackets():
     them, on the command line and in a file."""
     cfg = load_config(
         None,
-        ["--embedding.cache_bytes=9e9", "--model.bottom_mlp=[512, 256, 64, 16]"],
+        [
+            "--embedding.placement=ssd",
+            "--embedding.cache_bytes=9e9",
+            "--model.bottom_mlp=[512, 256, 64, 16]",
+        ],
     )
     assert cfg.embedding.cache_bytes == 9_000_000_000 and isinstance(cfg.embedding.cache_bytes, int)
     assert cfg.model.bottom_mlp == [512, 256, 64, 16]
@@ -85,7 +90,9 @@ def test_integers_in_scientific_notation_and_lists_in_brackets():
 
 def test_a_toml_float_that_is_whole_is_an_integer(tmp_path):
     p = tmp_path / "x.toml"
-    p.write_text("[embedding]\ncache_bytes = 2e9\n[train]\nbatch_size = 512.0\n")
+    p.write_text(
+        '[embedding]\nplacement = "host"\ncache_bytes = 2e9\n[train]\nbatch_size = 512.0\n'
+    )
     cfg = load_config(str(p))
     assert cfg.embedding.cache_bytes == 2_000_000_000 and cfg.train.batch_size == 512
     p.write_text("[train]\nbatch_size = 512.5\n")
@@ -191,6 +198,9 @@ def test_a_memory_budget_no_planner_reads_is_refused(capsys):
         ("--embedding.initial_accumulator=0.1", "embedding.optimizer=rowwise_adagrad"),
         ("--model.dcn_rank=64", "model.interaction=dcnv2"),
         ("--model.interaction_self=true", "model.interaction=dot"),
+        ("--embedding.ssd_dir=/tmp/rows", "embedding.placement=ssd, host or auto"),
+        ("--embedding.cache_bytes=100000", "embedding.placement=ssd, host or auto"),
+        ("--embedding.warm_start=false", "embedding.placement=ssd, host or auto"),
         ("--embedding.qr_buckets=8", "a table compressed by qr"),
         ("--embedding.tt_rank=4", "a table compressed by tt"),
         ("--embedding.hot_sample_rows=1000", "embedding.hot_fraction > 0"),
@@ -199,7 +209,8 @@ def test_a_memory_budget_no_planner_reads_is_refused(capsys):
 )
 def test_a_key_set_where_it_does_not_act_is_refused(override, needs):
     """A key that acts only under another's setting (Adam's betas, DCNv2's rank, a
-    compression's knob, the decay's floor) changed nothing without it, without a word.
+    tier's cache, a compression's knob, the decay's floor) changed nothing without it,
+    without a word.
     Set away from its default it is refused, naming what it needs; with that setting it
     loads, and every preset (their values at the defaults where they do not act) too."""
     key = override[2:].split("=")[0]
@@ -211,6 +222,9 @@ def test_a_key_set_where_it_does_not_act_is_refused(override, needs):
         "embedding.initial_accumulator": "--embedding.optimizer=rowwise_adagrad",
         "model.dcn_rank": "--model.interaction=dcnv2",
         "model.interaction_self": "--model.interaction=dot",
+        "embedding.ssd_dir": "--embedding.placement=ssd",
+        "embedding.cache_bytes": "--embedding.placement=host",
+        "embedding.warm_start": "--distributed.plan=plan.json",  # a plan file places tiers
         "embedding.qr_buckets": "--embedding.table_compression=C5=qr",
         "embedding.tt_rank": "--embedding.compression=tt",
         "embedding.hot_sample_rows": "--embedding.hot_fraction=0.1",

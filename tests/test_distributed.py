@@ -172,7 +172,7 @@ def test_ranks_running_different_configs_all_stop_naming_the_key(
 
 
 def test_rank_local_keys_may_differ_and_a_rank_that_cannot_start_stops_the_others(tmp_path):
-    local = ["--train.threads=1", "--embedding.io_depth=8", "--data.prefetch_batches=3"]
+    local = ["--train.threads=1", "--train.host_memory=system", "--data.prefetch_batches=3"]
     got = run_ranks(train_with_rank_overrides, 2, str(tmp_path / "a"), {1: local}, timeout=120)
     assert got == ["ok", "ok"]
     start = time.monotonic()

@@ -120,7 +120,9 @@ def test_shard_applies_the_plans_tiers(tmp_path):
     from recscale.embedding.placement import storage_factory
     from recscale.models.dlrm import build_model
 
-    cfg = load_config("debug", [f"--embedding.ssd_dir={tmp_path}"])
+    # a plan of its own places the tables (a distributed.plan file's, as here): the tier
+    # keys act under placement=device
+    cfg = load_config("debug", [f"--embedding.ssd_dir={tmp_path}", "--distributed.plan=p.json"])
     names = [t.name for t in table_infos(cfg)]
     plan = _plan(
         [

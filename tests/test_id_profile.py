@@ -49,6 +49,7 @@ def _dataset_cfg(ds, rows: int, batch: int = 256):
         [
             f"--data.path={ds}",
             "--data.eval_split=train",
+            "--embedding.placement=ssd",
             f"--embedding.order_sample_rows={rows}",
             f"--train.batch_size={batch}",
         ],
@@ -135,7 +136,7 @@ def test_a_missing_or_foreign_profile_is_named_before_training(tmp_path):
     assert r.returncode == 0, r.stderr
     # in memory the order is not needed: a missing profile does not stop the run
     profile.unlink()
-    mem = [a for a in args if "placement" not in a and "run-dir" not in a]
+    mem = [a for a in args if "--embedding." not in a and "run-dir" not in a]
     r = run_cli(*mem, f"--run-dir={tmp_path / 'run2'}")
     assert r.returncode == 0, r.stderr
 

@@ -255,7 +255,8 @@ def test_synthetic_ranks_invert_the_popularity_law():
         # the ids drawn most are the ones ranked first
         top = np.argsort(-counts, kind="stable")[:5]
         assert r[top].max() < max(10, n // 20)
-    assert popularity_ranks(load_config("debug", ["--embedding.row_order=id"])) is None
+    by_id = ["--embedding.placement=ssd", "--embedding.row_order=id"]
+    assert popularity_ranks(load_config("debug", by_id)) is None
 
 
 def test_warm_rows_are_the_hottest_of_each_segment_sharing_the_cache(tmp_path):

@@ -135,15 +135,15 @@ def test_the_native_split_update_is_the_fp32_update_bit_for_bit(make_opt, d):
 
 
 @pytest.mark.parametrize(
-    "tier, extra",
+    "tier, extra, tier_extra",
     [
         # a cold cache: misses read from the file, rows evicted and written back
-        ("ssd", ["--embedding.cache_prefetch=thread", "--embedding.warm_start=false"]),
-        ("ssd", ["--data.max_ids_per_feature=3", "--embedding.optimizer=adam"]),  # bags
-        ("host", []),
+        ("ssd", [], ["--embedding.cache_prefetch=thread", "--embedding.warm_start=false"]),
+        ("ssd", ["--data.max_ids_per_feature=3", "--embedding.optimizer=adam"], []),  # bags
+        ("host", [], []),
     ],
 )
-def test_a_tier_trains_split_rows_as_memory_does(tmp_path, tier, extra):
+def test_a_tier_trains_split_rows_as_memory_does(tmp_path, tier, extra, tier_extra):
     """On the host/ssd tiers a split_bf16 table is kept as its exact fp32 row (the two
     halves' bits) and pooled by its bf16 high halves: the run equals split_bf16 in
     memory - loss, AUC, every row and state - not fp32's (the forward differs)."""
@@ -162,6 +162,7 @@ def test_a_tier_trains_split_rows_as_memory_does(tmp_path, tier, extra):
                 f"--embedding.placement={tier}",
                 "--embedding.cache_bytes=300000",  # a fraction of the 7,485 rows
                 f"--embedding.ssd_dir={tmp_path / 'ssd'}",
+                *tier_extra,
             ],
         ),
         ("fp32", ["--embedding.row_precision=fp32"]),
@@ -171,7 +172,7 @@ def test_a_tier_trains_split_rows_as_memory_does(tmp_path, tier, extra):
     mem, tiered, fp32 = runs["memory"], runs[tier], runs["fp32"]
     assert tiered["auc"] == mem["auc"] and tiered["logloss"] == mem["logloss"]
     assert fp32["logloss"] != mem["logloss"]  # the high halves are what the forward read
-    if "--embedding.warm_start=false" in extra:
+    if "--embedding.warm_start=false" in tier_extra:
         assert 0 < tiered["embedding_cache"]["hit_rate"] < 1
     # the final checkpoints hold the same exact fp32 rows and optimizer state
     parts = {}

@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
         help="evaluate a trained model (--model RUN_DIR from recscale train) on a split",
-        epilog="Config overrides (e.g. --data.path DIR) apply on top of RUN_DIR/config.toml.",
+        epilog="Config overrides (e.g. --data.path DIR) apply on top of RUN_DIR/config.toml; "
+        "keys only training reads (train.steps, optimizer.*, ...) are refused.",
     )
     p.add_argument(
         "--model",
@@ -88,10 +89,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print_error(f"{run_dir} {why}")
         return 1
     try:
-        trained = load_config(str(run_dir / "config.toml"))
+        trained = load_config(str(run_dir / "config.toml"), saved=True)
     except ConfigError as e:  # the run's own config.toml: the file --model named
         raise ConfigError("--model" if e.key == "--config" else e.key, e.message) from None
-    cfg = load_config(str(run_dir / "config.toml"), overrides)
+    cfg = load_config(str(run_dir / "config.toml"), overrides, saved=True)
     keys = [key for key, _ in parse_overrides(overrides)]
     refuse_training_only_keys(keys)
     refuse_keys_a_dataset_overrules(cfg, keys)

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             return 1
     config = args.config or (str(resume_dir / "config.toml") if resume_dir else None)
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, saved=args.config is None and resume_dir is not None)
     except ConfigError as e:
         if e.key == "--config" and args.config is None and resume_dir is not None:
             raise ConfigError("--resume", e.message) from None  # the file --resume named

@@ -2,11 +2,14 @@
 it, they would change nothing, without a word (``--embedding.beta1=0.8`` under row-wise
 Adagrad, ``--model.dcn_rank=256`` under the dot interaction). Such a value is refused,
 naming the key and the setting it needs. Values at their defaults pass: a TOML file
-that spells every key out (``configs/default.toml``) stays valid under any choice."""
+that spells every key out (``configs/default.toml``) stays valid under any choice. A
+run's own config.toml read back (eval, resume) is not held to rules added after it was
+written: there only the keys the command gives are checked, and the file's values of
+keys that never acted are set back to their defaults (``drop_inert_values``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from recscale.config.compression_rules import table_methods
@@ -16,6 +19,15 @@ from recscale.config.errors import ConfigError, value_text
 def _methods(cfg: Any) -> set[str]:
     """The compression methods some table of the config is given."""
     return set(table_methods(cfg).values())
+
+
+# The keys of the ssd and host tiers (their file, cache and I/O) act on tables placed
+# there: by embedding.placement, or by a plan file's placements.
+_TIERED = "embedding.placement=ssd, host or auto (or a distributed.plan file)"
+
+
+def _tiered(cfg: Any) -> bool:
+    return cfg.embedding.placement != "device" or bool(cfg.distributed.plan)
 
 
 # (key, does it act under cfg, the setting it needs - as the message says it)
@@ -39,15 +51,35 @@ RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda c: c.embedding.hot_fraction > 0,
         "embedding.hot_fraction > 0",
     ),
+    *(
+        (f"embedding.{name}", _tiered, _TIERED)
+        for name in (
+            "ssd_dir",
+            "cache_bytes",
+            "cache_policy",
+            "io_depth",
+            "ssd_access",
+            "cache_prefetch",
+            "io_stall_seconds",
+            "row_order",
+            "order_sample_rows",
+            "warm_start",
+            "warm_pin_share",
+        )
+    ),
     ("optimizer.decay", lambda c: c.optimizer.decay_steps > 0, "optimizer.decay_steps > 0"),
     ("optimizer.decay_to", lambda c: c.optimizer.decay_steps > 0, "optimizer.decay_steps > 0"),
 )
 
 
-def refuse_inert_keys(cfg: Any) -> None:
+def refuse_inert_keys(cfg: Any, only: Iterable[str] | None = None) -> None:
     """Raise ConfigError for the first key of ``RULES`` set away from its default where
-    the setting it acts under is not made (``cfg``: a ``schema.Config``)."""
+    the setting it acts under is not made (``cfg``: a ``schema.Config``); ``only``: of
+    these keys alone (a saved run's config.toml, read back: the keys the command gives)."""
+    checked = None if only is None else set(only)
     for key, acts, needs in RULES:
+        if checked is not None and key not in checked:
+            continue
         section_name, name = key.split(".")
         section = getattr(cfg, section_name)
         value, default = getattr(section, name), getattr(type(section)(), name)
@@ -56,3 +88,17 @@ def refuse_inert_keys(cfg: Any) -> None:
             raise ConfigError(
                 key, f"{shown} acts only with {needs}, which this config does not set"
             )
+
+
+def drop_inert_values(cfg: Any) -> list[str]:
+    """Set every key of ``RULES`` that does not act under ``cfg`` back to its default
+    (it changed nothing where it was); returns the keys so reset."""
+    dropped = []
+    for key, acts, _ in RULES:
+        section_name, name = key.split(".")
+        section = getattr(cfg, section_name)
+        default = getattr(type(section)(), name)
+        if getattr(section, name) != default and not acts(cfg):
+            setattr(section, name, default)
+            dropped.append(key)
+    return dropped

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from recscale.config.errors import ConfigError
+from recscale.config.inert_keys import drop_inert_values, refuse_inert_keys
 from recscale.config.schema import Config
 from recscale.config.small_files import loads_toml, read_small_text
 
@@ -164,8 +165,14 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- TOML (preset name or path) <- overrides; then validate."""
+def load_config(
+    name_or_path: str | None = None, overrides: list[str] | None = None, saved: bool = False
+) -> Config:
+    """Defaults <- TOML (preset name or path) <- overrides; then validate. ``saved``: the
+    TOML is a run's own config.toml, read back to evaluate or resume it: a key that acts
+    only under another's setting is refused where the overrides give it; where the file
+    has it (written before the rule: a run was trained so, and stays readable) it is set
+    back to its default, which is what it did."""
     cfg = Config()
     if name_or_path:
         path = _resolve_path(name_or_path)
@@ -187,7 +194,12 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
     for key, value in parsed:
         set_key(cfg, key, value)
     _steps_or_epochs(cfg, parsed, "the command line")
-    return cfg.validate()
+    if not saved:
+        return cfg.validate()
+    cfg.validate(inert_keys=False)
+    refuse_inert_keys(cfg, only=(key for key, _ in parsed))
+    drop_inert_values(cfg)  # the file's: so every later validate() of the run passes
+    return cfg
 
 
 def _steps_or_epochs(cfg: Config, layer: list[tuple[str, Any]], where: str) -> None:

@@ -565,7 +565,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
-    def validate(self) -> Config:
+    def validate(self, inert_keys: bool = True) -> Config:
         for f in fields(self):
             section = getattr(self, f.name)
             for g in fields(section):  # no setting means anything as NaN or infinity
@@ -578,5 +578,6 @@ class Config:
             entries = counted(bags, "entry", "entries")
             raise ConfigError("data.bag_sizes", f"has {entries}, one a table: {n}")
         check_compression(self)
-        refuse_inert_keys(self)
+        if inert_keys:  # else the caller checks the keys it was given (load_config)
+            refuse_inert_keys(self)
         return self
