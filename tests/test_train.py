@@ -295,7 +295,8 @@ def test_max_seconds_stops_at_a_step_boundary_says_so_and_saves(tmp_path, monkey
     assert 0 < m["steps"] < cfg.train.steps and not m["interrupted"]
     assert m["stopped_by"] == "train.max_seconds" and m["auc"] is not None
     assert m["checkpoints"]["last"] == f"step_{m['steps']:08d}"
-    assert f"stopped at step {m['steps']} of {cfg.train.steps}: train.max_seconds reached" in lines
+    said = f"stopped at step {m['steps']:,} of {cfg.train.steps:,}: train.max_seconds reached"
+    assert said in lines
     monkeypatch.setattr(SyntheticCriteo, "batch", original)
     full = train(load_config("debug", ["--train.progress=false"]), None, echo=_quiet)
     assert "stopped_by" not in full and full["steps"] == cfg.train.steps

@@ -55,7 +55,7 @@ from recscale.train.cache_prefetch import (
 from recscale.train.data_source import make_synthetic
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build
-from recscale.train.precision import bf16_hardware, bf16_note
+from recscale.train.precision import bf16_hardware, bf16_note, tf32_note
 from recscale.train.step import (
     available_cores,
     backward_and_step,
@@ -193,7 +193,11 @@ def run_throughput(
         else:
             timer.spans.clear()
 
-    for note in (bf16_note(precision, device), threads_note(threads, device)):
+    for note in (
+        bf16_note(precision, device),
+        tf32_note(precision, device),
+        threads_note(threads, device),
+    ):
         if note:
             echo(f"note: {note}")
     echo(

@@ -156,6 +156,19 @@ def cpu_gemm_rates(m: int = 1024, k: int = 512, n: int = 512) -> tuple[float, fl
     return rates[0], rates[1]
 
 
+def tf32_note(precision: str, device: torch.device) -> str | None:
+    """The line a tf32 run prints on a CPU without TF32 units (every one but AMX-TF32's):
+    TF32 is the tensor cores' GEMM format (NVIDIA Ampere and later), so there the step's
+    GEMMs stay fp32 and the run is fp32's, bit for bit."""
+    if precision != "tf32" or device.type != "cpu" or "amx_tf32" in _cpu_flags():
+        return None
+    return (
+        "train.precision=tf32 is a GPU GEMM format (NVIDIA Ampere and later): this CPU has "
+        "no TF32 units, so the step's GEMMs stay fp32 and the run is fp32's "
+        "(train.precision=bf16 is the CPU's low-precision mode)"
+    )
+
+
 def bf16_note(precision: str, device: torch.device) -> str | None:
     """The line a bf16 run on a CPU prints when bf16 will not pay there (no bf16
     instructions, or bf16 GEMMs measured slower than ``BF16_GAIN`` x fp32's), else None."""

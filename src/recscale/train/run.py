@@ -64,7 +64,7 @@ from recscale.train.data_source import (
 from recscale.train.hot_rows import assign_hot_rows
 from recscale.train.optimizers import build_dense_optimizer
 from recscale.train.parallel import build, reduce_step, score
-from recscale.train.precision import bf16_note
+from recscale.train.precision import bf16_note, tf32_note
 from recscale.train.progress import Progress
 from recscale.train.schedule import LRSchedule, schedule_note, scheduled
 from recscale.train.step import (
@@ -261,7 +261,7 @@ def _announce(job: Job) -> None:
     job.echo(
         f"recscale: DLRM with {len(cfg.model.table_sizes)} tables ({num_rows:,} rows, "
         f"dim {cfg.model.embedding_dim}), {num_params:,} dense parameters; "
-        f"{t.steps} steps x batch {t.batch_size} on {ctx.device} "
+        f"{t.steps:,} steps x batch {t.batch_size:,} on {ctx.device} "
         f"({counted(job.threads, 'thread')}"
         + (f" per rank, {ctx.world_size} ranks)" if ctx.distributed else ")")
     )
@@ -269,6 +269,7 @@ def _announce(job: Job) -> None:
         job.echo(f"recscale: {line}")
     for note in (
         bf16_note(t.precision, ctx.device),
+        tf32_note(t.precision, ctx.device),
         threads_note(job.threads, ctx.device),
         schedule_note(cfg.optimizer, t.steps),
     ):
@@ -586,9 +587,10 @@ def record(job: Job, loop: LoopResult, start_step: int, resumed: bool) -> dict[s
         }
     if loop.out_of_time:  # said, or a short run reads as a finished one
         metrics["stopped_by"] = "train.max_seconds"
-        echo(f"stopped at step {loop.step} of {t.steps}: train.max_seconds reached")
+        echo(f"stopped at step {loop.step:,} of {t.steps:,}: train.max_seconds reached")
     echo(
-        f"trained {trained} steps in {loop.seconds:.1f}s: {metrics['samples_per_s']:,.0f} samples/s"
+        f"trained {trained:,} steps in {loop.seconds:.1f}s: "
+        f"{metrics['samples_per_s']:,.0f} samples/s"
     )
     if job.run_dir is not None:
         _write_json(job.run_dir / "metrics.json", metrics)
