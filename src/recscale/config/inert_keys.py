@@ -72,33 +72,36 @@ RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def refuse_inert_keys(cfg: Any, only: Iterable[str] | None = None) -> None:
-    """Raise ConfigError for the first key of ``RULES`` set away from its default where
-    the setting it acts under is not made (``cfg``: a ``schema.Config``); ``only``: of
-    these keys alone (a saved run's config.toml, read back: the keys the command gives)."""
-    checked = None if only is None else set(only)
+def _inert(cfg: Any) -> list[tuple[str, Any, Any, str]]:
+    """``(key, value, default, the setting it needs)`` of each key of ``RULES`` set away
+    from its default where the setting it acts under is not made."""
+    found = []
     for key, acts, needs in RULES:
-        if checked is not None and key not in checked:
-            continue
         section_name, name = key.split(".")
         section = getattr(cfg, section_name)
         value, default = getattr(section, name), getattr(type(section)(), name)
         if value != default and not acts(cfg):
-            shown = value_text(value)
+            found.append((key, value, default, needs))
+    return found
+
+
+def refuse_inert_keys(cfg: Any, only: Iterable[str] | None = None) -> None:
+    """Raise ConfigError for the first inert key (``cfg``: a ``schema.Config``);
+    ``only``: of these keys alone (a saved run's config.toml, read back: the keys the
+    command gives)."""
+    checked = None if only is None else set(only)
+    for key, value, _, needs in _inert(cfg):
+        if checked is None or key in checked:
             raise ConfigError(
-                key, f"{shown} acts only with {needs}, which this config does not set"
+                key, f"{value_text(value)} acts only with {needs}, which this config does not set"
             )
 
 
 def drop_inert_values(cfg: Any) -> list[str]:
-    """Set every key of ``RULES`` that does not act under ``cfg`` back to its default
-    (it changed nothing where it was); returns the keys so reset."""
-    dropped = []
-    for key, acts, _ in RULES:
+    """Set every inert key back to its default (it changed nothing where it was);
+    returns the keys so reset."""
+    found = _inert(cfg)
+    for key, _, default, _ in found:
         section_name, name = key.split(".")
-        section = getattr(cfg, section_name)
-        default = getattr(type(section)(), name)
-        if getattr(section, name) != default and not acts(cfg):
-            setattr(section, name, default)
-            dropped.append(key)
-    return dropped
+        setattr(getattr(cfg, section_name), name, default)
+    return [key for key, *_ in found]

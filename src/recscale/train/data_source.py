@@ -11,6 +11,7 @@ import torch
 
 from recscale.config.errors import ConfigError, value_text
 from recscale.config.schema import Config, DataConfig
+from recscale.config.small_files import loads_toml
 from recscale.data.batch import Batch
 from recscale.data.columns import read_metadata
 from recscale.data.dataset import (
@@ -203,7 +204,7 @@ def resume_batch_note(cfg: Config, saved_config: object, step: int) -> str | Non
     if not cfg.data.uses_dataset() or not isinstance(saved_config, str):
         return None
     try:
-        saved = tomllib.loads(saved_config)["train"]["batch_size"]
+        saved = loads_toml(saved_config)["train"]["batch_size"]
     except (tomllib.TOMLDecodeError, KeyError, TypeError):
         return None
     new = cfg.train.batch_size
